@@ -1,0 +1,7 @@
+"""``python -m paratron ...`` (what torchrun runs with ``-m paratron``)."""
+
+import sys
+
+from paratron.cli import main
+
+sys.exit(main())

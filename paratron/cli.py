@@ -1,0 +1,52 @@
+"""The ``paratron`` command: ``train | preprocess | generate | convert | simulate | info``.
+
+Each subcommand lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``;
+this file only maps names to modules and imports the chosen one, so that ``paratron --help``
+stays fast and one broken subcommand cannot break the others.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("paratron.training.command", "train a model (under torchrun, or --nproc-per-node N)"),
+    "info": ("paratron.training.info", "show the process groups of a layout (under torchrun too)"),
+    "preprocess": ("paratron.data.preprocess", "tokenize a JSONL/text corpus into .bin/.idx files"),
+    "generate": ("paratron.training.generate", "sample text from a checkpoint"),
+    "convert": ("paratron.checkpoint.convert", "convert checkpoints to and from Hugging Face"),
+    "simulate": ("paratron.pipeline.simulate_command", "simulate and draw a pipeline schedule"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="paratron", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (_, help_) in COMMANDS.items():
+        sub.add_parser(name, help=help_, add_help=False)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        parser.print_help() if not argv or argv[0] in ("-h", "--help") else parser.parse_args(argv[:1])
+        return 0 if not argv or argv[0] in ("-h", "--help") else 2
+    name = argv[0]
+    module_name = COMMANDS[name][0]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name and module_name.startswith(e.name):
+            print(f"paratron {name}: not available in this version ({module_name} is missing)", file=sys.stderr)
+            return 2
+        raise
+    cmd_parser = argparse.ArgumentParser(prog=f"paratron {name}", description=COMMANDS[name][1])
+    module.add_arguments(cmd_parser)
+    if hasattr(module, "parse"):
+        args = module.parse(cmd_parser, argv[1:])
+    else:
+        args = cmd_parser.parse_args(argv[1:])
+    return int(module.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

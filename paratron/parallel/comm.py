@@ -1,0 +1,178 @@
+"""Process-group handles and the communication ledger.
+
+Every collective paratron issues goes through a :class:`Group` method, so that one place can count
+calls and bytes per operation and per group (DESIGN.md principle 8). The ledger is off by default;
+when off, recording costs one attribute check.
+
+Groups of size 1 short-circuit: their collectives return the input without calling
+``torch.distributed``, so model code written for N ranks runs unchanged on one process.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class LedgerEntry:
+    calls: int = 0
+    bytes: int = 0
+
+
+class CommLedger:
+    """Counts collective calls and payload bytes, keyed by ``(op, group_name)``.
+
+    ``bytes`` is the size of the local input payload of the call (for all-gather the local shard,
+    for reduce-scatter the full local input, for all-to-all the bytes sent including the ones
+    kept locally, for p2p the bytes sent). Tests compare these with analytic volumes.
+    """
+
+    def __init__(self) -> None:
+        self.enabled = False
+        self.entries: dict[tuple[str, str], LedgerEntry] = defaultdict(LedgerEntry)
+
+    def record(self, op: str, group: str, nbytes: int) -> None:
+        if self.enabled:
+            e = self.entries[(op, group)]
+            e.calls += 1
+            e.bytes += int(nbytes)
+
+    def reset(self) -> None:
+        self.entries.clear()
+
+    @contextmanager
+    def recording(self):
+        """Enable counting inside a ``with`` block (entries are reset on entry)."""
+        self.reset()
+        prev, self.enabled = self.enabled, True
+        try:
+            yield self
+        finally:
+            self.enabled = prev
+
+    def total(self, op: str | None = None, group: str | None = None) -> LedgerEntry:
+        out = LedgerEntry()
+        for (o, g), e in self.entries.items():
+            if (op is None or o == op) and (group is None or g == group):
+                out.calls += e.calls
+                out.bytes += e.bytes
+        return out
+
+    def summary(self) -> dict[str, dict[str, int]]:
+        return {f"{o}@{g}": {"calls": e.calls, "bytes": e.bytes} for (o, g), e in sorted(self.entries.items())}
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+@dataclass
+class Group:
+    """One process group as seen from this rank.
+
+    Attributes:
+        name: the group kind, e.g. ``"tp"``; used as the ledger key.
+        ranks: global ranks in group order.
+        rank: this rank's index in ``ranks`` (-1 when not a member).
+        pg: the torch process group (None for size-1 groups and non-members).
+        ledger: the ledger shared by all groups of one parallel context.
+    """
+
+    name: str
+    ranks: list[int]
+    rank: int
+    pg: object | None
+    ledger: CommLedger = field(default_factory=CommLedger)
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def is_member(self) -> bool:
+        return self.rank >= 0
+
+    def global_rank(self, group_rank: int) -> int:
+        return self.ranks[group_rank]
+
+    # ---- collectives (in place where torch is) -------------------------------------------
+    def all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False):
+        """Sum (or ``op``) ``t`` in place over the group. Returns a work handle if async."""
+        if self.size == 1:
+            return None
+        self.ledger.record("all_reduce", self.name, _nbytes(t))
+        return dist.all_reduce(t, op=op, group=self.pg, async_op=async_op)
+
+    def all_gather(self, t: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        """Concatenate every rank's ``t`` along ``dim`` (same shape on every rank)."""
+        if self.size == 1:
+            return t
+        self.ledger.record("all_gather", self.name, _nbytes(t))
+        moved = t.movedim(dim, 0).contiguous() if dim else t.contiguous()
+        out = torch.empty((self.size * moved.shape[0],) + tuple(moved.shape[1:]), dtype=t.dtype, device=t.device)
+        dist.all_gather_single(out, moved, group=self.pg)
+        return out.movedim(0, dim).contiguous() if dim else out
+
+    def all_gather_into(self, out: torch.Tensor, t: torch.Tensor, async_op: bool = False):
+        """All-gather flat ``t`` into ``out`` (``out.numel() == size * t.numel()``)."""
+        if self.size == 1:
+            if out.data_ptr() != t.data_ptr():
+                out.copy_(t)
+            return None
+        self.ledger.record("all_gather", self.name, _nbytes(t))
+        return dist.all_gather_single(out, t, group=self.pg, async_op=async_op)
+
+    def reduce_scatter(self, t: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        """Sum ``t`` over the group and return this rank's 1/size slice along ``dim``."""
+        if self.size == 1:
+            return t
+        self.ledger.record("reduce_scatter", self.name, _nbytes(t))
+        moved = t.movedim(dim, 0).contiguous() if dim else t.contiguous()
+        out = torch.empty((moved.shape[0] // self.size,) + tuple(moved.shape[1:]), dtype=t.dtype, device=t.device)
+        dist.reduce_scatter_single(out, moved, group=self.pg)
+        return out.movedim(0, dim).contiguous() if dim else out
+
+    def reduce_scatter_into(self, out: torch.Tensor, t: torch.Tensor, op=dist.ReduceOp.SUM,
+                            async_op: bool = False):
+        """Reduce-scatter flat ``t`` into ``out`` (``t.numel() == size * out.numel()``)."""
+        if self.size == 1:
+            if out.data_ptr() != t.data_ptr():
+                out.copy_(t)
+            return None
+        self.ledger.record("reduce_scatter", self.name, _nbytes(t))
+        return dist.reduce_scatter_single(out, t, op=op, group=self.pg, async_op=async_op)
+
+    def all_to_all(self, out: torch.Tensor, t: torch.Tensor, out_splits: list[int] | None = None,
+                   in_splits: list[int] | None = None):
+        """``all_to_all_single`` with optional uneven splits along dim 0."""
+        if self.size == 1:
+            out.copy_(t)
+            return out
+        self.ledger.record("all_to_all", self.name, _nbytes(t))
+        dist.all_to_all_single(out, t, out_splits, in_splits, group=self.pg)
+        return out
+
+    def broadcast(self, t: torch.Tensor, src_group_rank: int = 0):
+        if self.size == 1:
+            return None
+        self.ledger.record("broadcast", self.name, _nbytes(t))
+        return dist.broadcast(t, src=self.ranks[src_group_rank], group=self.pg)
+
+    def barrier(self) -> None:
+        if self.size > 1:
+            dist.barrier(group=self.pg)
+
+    # ---- point to point (pipeline) -------------------------------------------------------
+    def p2p_op(self, kind: str, t: torch.Tensor, peer_group_rank: int) -> "dist.P2POp":
+        """Build a ``P2POp`` (``kind`` is ``"send"`` or ``"recv"``) for ``batch_isend_irecv``.
+
+        Sends are counted in the ledger as ``"send"``; receives as ``"recv"``.
+        """
+        self.ledger.record(kind, self.name, _nbytes(t))
+        fn = dist.isend if kind == "send" else dist.irecv
+        return dist.P2POp(fn, t, self.ranks[peer_group_rank], group=self.pg)

@@ -1,0 +1,1 @@
+"""The training loop, its command, evaluation, metrics, generation."""

@@ -1,0 +1,110 @@
+"""``paratron train``: validate the config, launch ranks if asked, then run the training loop.
+
+Usage::
+
+    paratron train --config FILE [--set section.key=value ...] [--run-dir DIR] [--nproc-per-node N]
+    torchrun --nproc-per-node N -m paratron train --config FILE ...
+
+Megatron-LM flags (``--tensor-model-parallel-size 2``, ``--sequence-parallel``, ...) are accepted
+as aliases of the matching keys (see ``paratron.config.MEGATRON_ALIASES``). The config is checked
+against the world size before any process group is created.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from paratron.config import ConfigError, Config, build_config, megatron_overrides, validate
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="TOML config file (default: built-in defaults)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override one config key, e.g. --set parallel.tensor=2 (repeatable)")
+    p.add_argument("--run-dir", default=None, help="where logs, metrics and plots go (default runs/NAME)")
+    p.add_argument("--nproc-per-node", type=int, default=None,
+                   help="start torchrun with this many ranks on this node")
+    p.add_argument("--nnodes", default="1", help="torchrun --nnodes (with --nproc-per-node)")
+    p.add_argument("--node-rank", type=int, default=0, help="torchrun --node-rank")
+    p.add_argument("--rdzv-endpoint", default=None, help="torchrun rendezvous host:port for several nodes")
+
+
+def parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """Parse, translating Megatron-style flags into overrides first."""
+    try:
+        aliases, rest = megatron_overrides(argv)
+    except ConfigError as e:
+        parser.error(str(e))
+    args = parser.parse_args(rest)
+    args.overrides = aliases + args.overrides
+    args.argv = argv
+    return args
+
+
+def world_size_for(args: argparse.Namespace) -> int:
+    """The world size this invocation will have: torchrun's, or nproc x nnodes, or 1."""
+    if "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    if args.nproc_per_node:
+        return args.nproc_per_node * int(str(args.nnodes).split(":")[-1])
+    return 1
+
+
+def load_and_validate(args: argparse.Namespace) -> Config:
+    """Config from file + overrides, validated for this world size (no process group yet)."""
+    cfg = build_config(args.config, args.overrides)
+    validate(cfg, world_size_for(args))
+    from paratron.training.preflight import check_paths
+
+    check_paths(cfg)
+    return cfg
+
+
+def torchrun_argv(args: argparse.Namespace, module_argv: list[str]) -> list[str]:
+    """The torchrun command line that relaunches this command on ``--nproc-per-node`` ranks."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc_per_node}"]
+    if str(args.nnodes) == "1" and not args.rdzv_endpoint:
+        cmd.append("--standalone")
+    else:
+        cmd += [f"--nnodes={args.nnodes}", f"--node-rank={args.node_rank}", "--rdzv-backend=c10d",
+                f"--rdzv-endpoint={args.rdzv_endpoint or '127.0.0.1:29400'}"]
+    skip = {"--nproc-per-node", "--nnodes", "--node-rank", "--rdzv-endpoint"}
+    rest, i = [], 0
+    while i < len(module_argv):
+        a = module_argv[i]
+        flag = a.split("=", 1)[0]
+        if flag in skip:
+            i += 1 if "=" in a else 2
+            continue
+        rest.append(a)
+        i += 1
+    return cmd + rest
+
+
+def launch_or_run(args: argparse.Namespace, command: str, body) -> int:
+    """Validate, then either re-exec under torchrun or call ``body(cfg, args)`` in this process."""
+    try:
+        cfg = load_and_validate(args)
+    except ConfigError as e:
+        print(f"paratron {command}: config error: {e}", file=sys.stderr)
+        return 2
+    if args.nproc_per_node and "WORLD_SIZE" not in os.environ:
+        import subprocess
+
+        cmd = torchrun_argv(args, ["-m", "paratron", command] + args.argv)
+        # torchrun gives each rank one thread by default; keep it so (OMP_NUM_THREADS=1).
+        env = dict(os.environ)
+        env.setdefault("OMP_NUM_THREADS", "1")
+        return subprocess.call(cmd, env=env)
+    return body(cfg, args)
+
+
+def run(args: argparse.Namespace) -> int:
+    def body(cfg: Config, a: argparse.Namespace) -> int:
+        from paratron.training.runner import run_training
+
+        return run_training(cfg, run_dir=a.run_dir)
+
+    return launch_or_run(args, "train", body)

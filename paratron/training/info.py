@@ -1,0 +1,64 @@
+"""``paratron info``: build the parallel context of a config and report every rank's groups.
+
+Under torchrun every rank joins; rank 0 prints (and with ``--output`` writes as JSON) the world:
+for each global rank its node (torchrun's ``GROUP_RANK``), local rank and coordinates. Without
+torchrun it prints the layout computed for ``--world-size`` ranks, with no process at all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from paratron.training.command import add_arguments as add_train_arguments
+from paratron.training.command import launch_or_run, parse  # noqa: F401 (parse used by cli)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_train_arguments(p)
+    p.add_argument("--world-size", type=int, default=None, help="show the layout for this many ranks")
+    p.add_argument("--output", default=None, help="write the world as JSON (rank 0)")
+
+
+def _describe_grid(cfg, world: int) -> dict:
+    from paratron.parallel.grid import build_grid
+
+    p = cfg.parallel
+    grid = build_grid(world, tp=p.tensor, cp=p.context, ep=p.expert, pp=p.pipeline,
+                      expert_tp=p.expert_tensor, order=p.order)
+    return {"world": world, "dp": grid.dp, "expert_dp": grid.expert_dp, "groups": grid.groups}
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.world_size and "WORLD_SIZE" not in os.environ and not args.nproc_per_node:
+        from paratron.config import build_config, validate
+
+        cfg = validate(build_config(args.config, args.overrides), args.world_size)
+        print(json.dumps(_describe_grid(cfg, args.world_size), indent=1))
+        return 0
+    return launch_or_run(args, "info", _body)
+
+
+def _body(cfg, args) -> int:
+    import torch
+    import torch.distributed as dist
+
+    from paratron.parallel.context import ParallelContext, init_distributed
+
+    init_distributed(cfg.parallel.timeout_s)
+    p = cfg.parallel
+    ctx = ParallelContext.build(tp=p.tensor, cp=p.context, ep=p.expert, pp=p.pipeline,
+                                expert_tp=p.expert_tensor, order=p.order)
+    me = torch.tensor([ctx.rank, int(os.environ.get("GROUP_RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))])
+    rows = ctx.world.all_gather(me.view(1, 3))
+    if ctx.rank == 0:
+        world = {"world_size": ctx.world_size, "layout": ctx.describe(),
+                 "ranks": [{"rank": int(r), "node": int(n), "local_rank": int(lr)} for r, n, lr in rows.tolist()],
+                 "groups": ctx.grid.groups}
+        print(json.dumps(world))
+        if args.output:
+            with open(args.output, "w") as f:
+                json.dump(world, f)
+    dist.destroy_process_group()
+    return 0

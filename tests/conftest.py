@@ -1,0 +1,9 @@
+"""Test-suite settings: one intra-op thread, so forked ranks are safe and do not oversubscribe."""
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+
+torch.set_num_threads(1)

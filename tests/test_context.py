@@ -1,0 +1,73 @@
+"""The parallel context built on 8 real gloo ranks agrees with the pure rank grid."""
+
+import torch
+
+from paratron.parallel.context import GROUP_KINDS, ParallelContext
+from paratron.parallel.grid import build_grid
+from paratron.testing import RankFailure, RankTimeout, run_ranks
+
+
+def _membership(tp, pp, ep):
+    ctx = ParallelContext.build(tp=tp, pp=pp, ep=ep)
+    out = {k: getattr(ctx, k).ranks for k in GROUP_KINDS}
+    # A collective on each group proves the process group really holds those ranks.
+    for kind in ("tp", "dp", "pp", "ep", "expert_dp"):
+        t = torch.tensor([float(ctx.rank)])
+        getattr(ctx, kind).all_reduce(t)
+        out[kind + "_sum"] = t.item()
+    return out
+
+
+def test_context_matches_grid_on_8_ranks():
+    results = run_ranks(_membership, 8, 2, 2, 2, timeout=120)
+    grid = build_grid(8, tp=2, pp=2, ep=2)
+    for rank, got in enumerate(results):
+        for kind in GROUP_KINDS:
+            want = grid.group_of(kind, rank) or []
+            assert got[kind] == want, (rank, kind)
+        for kind in ("tp", "dp", "pp", "ep", "expert_dp"):
+            assert got[kind + "_sum"] == sum(grid.group_of(kind, rank))
+
+
+def test_single_context_has_size_one_groups():
+    ctx = ParallelContext.single()
+    assert all(getattr(ctx, k).size == 1 for k in GROUP_KINDS)
+    t = torch.ones(3)
+    assert ctx.tp.all_reduce(t) is None and torch.equal(t, torch.ones(3))
+    assert ctx.is_first_stage and ctx.is_last_stage
+
+
+def _fail_on_rank_1():
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        raise ValueError("boom on purpose")
+    return dist.get_rank()
+
+
+def _hang_on_rank_0():
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        import time
+
+        time.sleep(60)
+    return dist.get_rank()
+
+
+def test_harness_reports_failing_rank_traceback():
+    try:
+        run_ranks(_fail_on_rank_1, 2, timeout=60)
+    except RankFailure as e:
+        assert "rank 1 of 2 failed" in str(e) and "boom on purpose" in str(e)
+    else:
+        raise AssertionError("RankFailure not raised")
+
+
+def test_harness_names_hanging_ranks():
+    try:
+        run_ranks(_hang_on_rank_0, 2, timeout=3)
+    except RankTimeout as e:
+        assert "ranks [0] of 2 did not finish" in str(e)
+    else:
+        raise AssertionError("RankTimeout not raised")
