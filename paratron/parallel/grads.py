@@ -1,0 +1,69 @@
+"""One path for weight gradients, shared by the linear layers, DDP and the zero-bubble runtime.
+
+Linear layers do not return weight grads to autograd. They call :func:`accumulate_grad`, either at
+once in their backward or later, when a zero-bubble schedule runs the deferred W action: the
+layer then pushes a closure into its :class:`WeightGradStore` (Qi et al. 2023, section 2: the
+backward is split into B, the input grad, and W, the weight grad).
+
+:func:`accumulate_grad` adds into ``param.main_grad`` when DDP has attached one (an fp32 view into
+its grad buffer), else into ``param.grad``, then calls ``param.grad_ready_hook(param)`` if DDP set
+one, so that bucket reductions can start (overlap).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Callable
+
+import torch
+
+
+def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
+    """Add ``grad`` to the param's accumulator (``main_grad`` or ``.grad``) and notify DDP."""
+    main = getattr(param, "main_grad", None)
+    if main is not None:
+        main.add_(grad.view_as(main))
+    elif param.grad is None:
+        param.grad = grad.detach().to(param.dtype).clone()
+    else:
+        param.grad.add_(grad.to(param.grad.dtype))
+    hook = getattr(param, "grad_ready_hook", None)
+    if hook is not None:
+        hook(param)
+
+
+class WeightGradStore:
+    """A queue of deferred weight-grad computations (the W actions of zero-bubble schedules).
+
+    While ``deferring`` is True, layers call :meth:`put` instead of computing weight grads in
+    backward. One :meth:`flush` computes everything queued since the matching :meth:`mark`
+    (one microbatch's W). The queue must be empty at the optimizer step (:meth:`assert_empty`).
+    """
+
+    def __init__(self) -> None:
+        self.deferring = False
+        self._queue: deque[list[Callable[[], None]]] = deque()
+        self._current: list[Callable[[], None]] | None = None
+
+    def put(self, fn: Callable[[], None]) -> None:
+        if self._current is None:
+            self._current = []
+        self._current.append(fn)
+
+    def mark(self) -> None:
+        """Close the group of closures put since the last mark (one B action)."""
+        self._queue.append(self._current or [])
+        self._current = None
+
+    def flush(self) -> None:
+        """Run the oldest group of deferred weight grads (one W action)."""
+        for fn in self._queue.popleft():
+            fn()
+
+    def __len__(self) -> int:
+        return len(self._queue) + (1 if self._current else 0)
+
+    def assert_empty(self) -> None:
+        if len(self):
+            raise RuntimeError(f"{len(self)} deferred weight-grad groups are still queued at the "
+                               "optimizer step; the schedule is missing W actions")
