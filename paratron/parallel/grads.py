@@ -67,3 +67,28 @@ class WeightGradStore:
         if len(self):
             raise RuntimeError(f"{len(self)} deferred weight-grad groups are still queued at the "
                                "optimizer step; the schedule is missing W actions")
+
+
+def _grad_of(param: torch.Tensor) -> torch.Tensor | None:
+    main = getattr(param, "main_grad", None)
+    return main if main is not None else param.grad
+
+
+def allreduce_embedding_grads(params, ctx) -> None:
+    """Sum the grads of tied-embedding copies (``shared_embedding=True``) over ``ctx.embedding``.
+
+    With pipeline parallelism the first stage owns the input embedding and the last stage a copy
+    used by the output layer; summing their grads keeps both copies equal after every step
+    (Narayanan et al. 2021 keep tied embeddings in sync the same way). No-op for non-members
+    (middle stages) and when both copies are one tensor (a single stage).
+    """
+    group = ctx.embedding
+    if not group.is_member or group.size == 1:
+        return
+    for p in params:
+        if getattr(p, "shared_embedding", False):
+            g = _grad_of(p)
+            if g is None:
+                g = torch.zeros_like(p)
+                p.grad = g
+            group.all_reduce(g)

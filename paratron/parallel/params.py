@@ -88,3 +88,17 @@ def is_replica_owner(param: torch.Tensor, tp_rank: int, is_first_stage: bool) ->
     if getattr(param, "shared_embedding", False) and not is_first_stage:
         return False
     return getattr(param, "tensor_parallel", False) or tp_rank == 0
+
+
+def load_full_(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy this rank's slice of the full logical tensor into ``param`` (padding left as is).
+
+    Raises:
+        ValueError: ``full`` does not have the param's global shape.
+    """
+    spec: ShardSpec = param.shard
+    if tuple(full.shape) != tuple(spec.global_shape):
+        raise ValueError(f"{param.logical_name}: full tensor has shape {tuple(full.shape)}, "
+                         f"expected {tuple(spec.global_shape)}")
+    with torch.no_grad():
+        spec.valid(param).copy_(full[spec.slices()])
