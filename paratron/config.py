@@ -292,11 +292,12 @@ def set_value(cfg: Config, dotted: str, value: Any) -> None:
         raise ConfigError(f"unknown config section {section!r}{_did_you_mean(section, SECTIONS)}")
     types_ = _section_types(section)
     if key not in types_:
-        full = [f"{section}.{k}" for k in types_]
-        hint = _did_you_mean(dotted, full)
-        if not hint:  # maybe the key exists in another section
-            every = [f"{s}.{k}" for s in SECTIONS for k in _section_types(s)]
-            hint = _did_you_mean(dotted, every)
+        elsewhere = [f"{s}.{key}" for s in SECTIONS if key in _section_types(s)]
+        if elsewhere:  # the right key in the wrong section
+            hint = f" (did you mean {elsewhere[0]!r}?)"
+        else:
+            hint = _did_you_mean(dotted, [f"{section}.{k}" for k in types_]) or _did_you_mean(
+                dotted, [f"{s}.{k}" for s in SECTIONS for k in _section_types(s)])
         raise ConfigError(f"unknown config key {dotted!r}{hint}")
     setattr(getattr(cfg, section), key, _coerce(dotted, value, types_[key]))
 
