@@ -55,7 +55,8 @@ class ModelConfig:
     norm_epsilon: float = 1e-5
     position_embedding_type: Literal["learned", "rope"] = "learned"
     rope_theta: float = 10000.0
-    activation: Literal["gelu", "swiglu"] = "gelu"
+    activation: Literal["gelu", "gelu_tanh", "swiglu"] = "gelu"
+    """gelu (erf), gelu_tanh (the tanh approximation GPT-2 uses), or swiglu (gated, Llama)."""
     add_bias_linear: bool = True
     """Biases in the attention and MLP linears."""
     tie_embeddings: bool = True
