@@ -1,0 +1,103 @@
+"""Self-attention: multi-head or grouped-query, optional RoPE, split over tensor-parallel ranks.
+
+Tensor parallelism splits attention by heads (Shoeybi et al. 2019, section 3, figure 3b): the
+fused QKV projection is column-parallel, each rank attends with its own heads, and the output
+projection is row-parallel. Grouped-query attention (Ainslie et al. 2023, "GQA") shares one K/V
+head among ``num_attention_heads / num_query_groups`` query heads; each TP rank holds whole
+groups, so the KV groups must divide by the TP size.
+
+Fused QKV layout of the full weight ``[(heads + 2 * groups) * d, h]``: for each KV group ``j`` in
+order, the ``heads/groups`` query heads of that group, then its key head, then its value head.
+A contiguous row slice of ``1/tp`` is then ``groups/tp`` whole groups, and a TP rank needs no
+reshuffle (query head ``j * heads/groups + r`` belongs to group ``j``, as in Hugging Face's
+``repeat_kv``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from paratron.config import ModelConfig
+
+from . import spec
+from .recompute import checkpointed, rng_fork
+from .rope import apply_rope
+
+
+def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
+                   rng_tracker=None) -> torch.Tensor:
+    """Causal scaled dot-product attention through ``F.scaled_dot_product_attention``.
+
+    Args:
+        q: ``[s, b, n_q, d]`` query heads of this TP rank.
+        k, v: ``[s, b, n_kv, d]`` key/value heads (``n_q`` a multiple of ``n_kv``).
+        dropout_p: attention dropout probability (0 in eval).
+        rng_tracker: dropout draws from its ``model-parallel`` stream, since each TP rank holds
+            different heads and must draw different masks (Shoeybi et al. 2019, section 3).
+    Returns:
+        ``[s, b, n_q * d]``.
+
+    Softmax precision: the fused SDPA kernels (flash on GPU, the CPU flash kernel) accumulate the
+    softmax in fp32 for bf16/fp16 inputs, so no upcast is needed here.
+    """
+    s, b, n_q, d = q.shape
+    n_kv = k.shape[2]
+    # SDPA wants [b, heads, s, d].
+    q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+    with rng_fork(rng_tracker, dropout_p > 0.0):
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
+                                             enable_gqa=n_kv != n_q)
+    return out.permute(2, 0, 1, 3).reshape(s, b, n_q * d)
+
+
+class SelfAttention(nn.Module):
+    """Attention block of one transformer layer: fused QKV (column-parallel), RoPE, causal SDPA,
+    output projection (row-parallel).
+
+    Forward: ``[s, b, h]`` (``[s/tp, b, h]`` under sequence parallelism) -> same layout.
+    Parameters (logical names under ``layers.{i}.attention``): ``qkv.weight`` ``[(n + 2g) d, h]``,
+    ``proj.weight`` ``[h, n d]``, and their biases when ``add_bias_linear``.
+    """
+
+    def __init__(self, cfg: ModelConfig, ctx, *, layer_number: int, seed: int, sequence_parallel: bool,
+                 params_dtype: torch.dtype, rng_tracker=None, output_init=None):
+        from paratron.layers import ColumnParallelLinear, RowParallelLinear
+        from paratron.layers.init import normal_
+
+        super().__init__()
+        tp = ctx.tp.size
+        spec.check_model(cfg, tp)
+        self.head_dim = spec.head_dim(cfg)
+        heads, groups = cfg.num_attention_heads, spec.query_groups(cfg)
+        self.q_per_group = heads // groups
+        self.local_groups = groups // tp
+        self.attention_dropout = cfg.attention_dropout
+        self.selective_recompute = cfg.recompute == "selective"
+        self.rng_tracker = rng_tracker
+        prefix = f"layers.{layer_number}.attention"
+        self.qkv = ColumnParallelLinear(
+            cfg.hidden_size, (heads + 2 * groups) * self.head_dim, ctx, logical_name=f"{prefix}.qkv",
+            seed=seed, bias=cfg.add_bias_linear, sequence_parallel=sequence_parallel,
+            init_method=normal_(cfg.init_method_std), params_dtype=params_dtype)
+        self.proj = RowParallelLinear(
+            heads * self.head_dim, cfg.hidden_size, ctx, logical_name=f"{prefix}.proj", seed=seed,
+            bias=cfg.add_bias_linear, input_is_parallel=True, sequence_parallel=sequence_parallel,
+            init_method=output_init, params_dtype=params_dtype)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """``x`` ``[s, b, h]`` (or ``[s/tp, b, h]``); ``rope`` the (cos, sin) tables for the full s."""
+        qkv = self.qkv(x)
+        s, b = qkv.shape[:2]
+        qkv = qkv.view(s, b, self.local_groups, self.q_per_group + 2, self.head_dim)
+        q = qkv[:, :, :, :self.q_per_group].reshape(s, b, self.local_groups * self.q_per_group, self.head_dim)
+        k, v = qkv[:, :, :, self.q_per_group], qkv[:, :, :, self.q_per_group + 1]
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        p = self.attention_dropout if self.training else 0.0
+        if self.selective_recompute:
+            ctx_out = checkpointed(attention_core, q, k, v, p, self.rng_tracker, rng_tracker=self.rng_tracker)
+        else:
+            ctx_out = attention_core(q, k, v, p, self.rng_tracker)
+        return self.proj(ctx_out)

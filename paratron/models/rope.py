@@ -1,0 +1,47 @@
+"""Rotary position embeddings (Su et al. 2021, "RoFormer", section 3.4).
+
+Convention: the *half-split* ("rotate_half") layout used by Llama's Hugging Face port and
+Megatron-LM's default: a head vector ``x = [x1, x2]`` (two halves of ``d/2``) at position ``p``
+becomes ``x * cos + [-x2, x1] * sin`` with ``cos = cos([p * f, p * f])`` and
+``f_i = theta^(-2i/d)``. Because paratron uses the same layout as Hugging Face, Llama q/k weights
+convert without a permutation.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def rope_tables(seq_len: int, dim: int, theta: float, device=None, offset: int = 0
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables for positions ``offset .. offset+seq_len-1``.
+
+    Args:
+        seq_len: number of positions s.
+        dim: head dim d (even).
+        theta: the RoPE base (``model.rope_theta``).
+    Returns:
+        ``(cos, sin)``, each fp32 ``[s, 1, 1, d]`` (broadcasts over ``[s, b, heads, d]``).
+    Raises:
+        ValueError: ``dim`` is odd.
+    """
+    if dim % 2:
+        raise ValueError(f"RoPE needs an even head dim, got {dim}")
+    # Same arithmetic as the Hugging Face Llama port (fp32 arange, elementwise product), so the
+    # tables agree bit for bit with it.
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float, device=device) / dim))
+    pos = torch.arange(offset, offset + seq_len, dtype=torch.int64, device=device).float()
+    freqs = pos[:, None] * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos()[:, None, None, :], emb.sin()[:, None, None, :]
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[s, b, heads, d]`` by the tables of :func:`rope_tables` (cast to x's dtype)."""
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return x * cos + _rotate_half(x) * sin
