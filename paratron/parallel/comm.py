@@ -163,6 +163,15 @@ class Group:
         self.ledger.record("broadcast", self.name, _nbytes(t))
         return dist.broadcast(t, src=self.ranks[src_group_rank], group=self.pg)
 
+    def all_gather_object(self, obj) -> list:
+        """Gather one picklable object per rank (setup-time metadata only, never on a hot path)."""
+        if self.size == 1:
+            return [obj]
+        self.ledger.record("all_gather_object", self.name, 0)
+        out = [None] * self.size
+        dist.all_gather_object(out, obj, group=self.pg)
+        return out
+
     def barrier(self) -> None:
         if self.size > 1:
             dist.barrier(group=self.pg)
