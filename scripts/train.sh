@@ -5,4 +5,4 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 "$root/scripts/bootstrap.sh"
 cd "$root"
-exec "$root/.venv/bin/paratron" train --config configs/default.toml "$@"
+exec "$root/.venv/bin/paratron" train --config configs/default.toml --nproc-per-node 4 --run-dir runs/default "$@"

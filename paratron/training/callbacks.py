@@ -1,0 +1,119 @@
+"""Training-loop callbacks: the extension point for research systems (DESIGN.md principle 7).
+
+A plugin subclasses :class:`Callback` and overrides any hook. The config lists plugins in
+``train.callbacks`` as ``"package.module:ClassName"`` or ``"path/to/file.py:ClassName"``; each is
+built with ``ClassName(state)`` (or ``ClassName()`` when it takes no argument) on every rank.
+
+Hooks run on every rank, in the listed order. ``state`` is the :class:`TrainState` of the run:
+the config, the parallel context, the model chunks, the optimizer, the current iteration and the
+run directory. A hook may issue collectives, as long as every rank calls the same ones.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class TrainState:
+    """What callbacks can see and use. ``iteration`` counts completed optimizer steps."""
+
+    config: Any
+    ctx: Any
+    chunks: list = field(default_factory=list)
+    optimizer: Any = None
+    scheduler: Any = None
+    run_dir: Path | None = None
+    iteration: int = 0
+    consumed_train_samples: int = 0
+    consumed_valid_samples: int = 0
+    metrics: list[dict] = field(default_factory=list)
+    should_stop: bool = False
+    """A callback may set this to end training after the current step (a save follows)."""
+
+
+class Callback:
+    """Base class: every hook is a no-op."""
+
+    def on_train_start(self, state: TrainState) -> None: ...
+
+    def on_step_start(self, state: TrainState) -> None: ...
+
+    def on_step_end(self, state: TrainState, metrics: dict, timings: dict[str, float]) -> None:
+        """After each optimizer step. ``metrics`` is the step's record (loss, lr, grad_norm, ...,
+        the same on every rank); ``timings`` are this rank's seconds: ``step``, ``forward_backward``,
+        ``optimizer``, ``data``."""
+
+    def on_evaluate(self, state: TrainState, metrics: dict) -> None: ...
+
+    def on_save_start(self, state: TrainState, path: str) -> None: ...
+
+    def on_save_end(self, state: TrainState, path: str) -> None: ...
+
+    def on_exception(self, state: TrainState, exc: BaseException) -> None: ...
+
+    def on_train_end(self, state: TrainState) -> None: ...
+
+
+class CallbackList(Callback):
+    """Calls each callback's hook in order."""
+
+    def __init__(self, callbacks: list[Callback]):
+        self.callbacks = list(callbacks)
+
+    def __getattribute__(self, name: str):
+        if name.startswith("on_"):
+            cbs = object.__getattribute__(self, "callbacks")
+
+            def fan_out(*args, **kwargs):
+                for cb in cbs:
+                    getattr(cb, name)(*args, **kwargs)
+
+            return fan_out
+        return object.__getattribute__(self, name)
+
+
+def load_callback(spec: str, state: TrainState) -> Callback:
+    """Import ``"module:Class"`` or ``"file.py:Class"`` and instantiate it.
+
+    Raises:
+        ValueError: the spec is malformed, the module/file or class is missing, or the class is not
+            a :class:`Callback`.
+    """
+    if ":" not in spec:
+        raise ValueError(f"train.callbacks entry {spec!r} must look like 'module:Class' or 'file.py:Class'")
+    where, _, cls_name = spec.rpartition(":")
+    if where.endswith(".py"):
+        path = Path(where)
+        if not path.is_file():
+            raise ValueError(f"train.callbacks entry {spec!r}: file {where!r} does not exist")
+        mod_spec = importlib.util.spec_from_file_location(f"paratron_plugin_{path.stem}", path)
+        module = importlib.util.module_from_spec(mod_spec)
+        mod_spec.loader.exec_module(module)
+    else:
+        try:
+            module = importlib.import_module(where)
+        except ModuleNotFoundError as e:
+            raise ValueError(f"train.callbacks entry {spec!r}: cannot import {where!r} ({e})") from None
+    cls = getattr(module, cls_name, None)
+    if cls is None:
+        raise ValueError(f"train.callbacks entry {spec!r}: {where!r} has no {cls_name!r}")
+    if not (inspect.isclass(cls) and issubclass(cls, Callback)):
+        raise ValueError(f"train.callbacks entry {spec!r}: {cls_name} is not a paratron Callback subclass")
+    params = inspect.signature(cls).parameters
+    return cls(state) if params else cls()
+
+
+def check_callback_specs(specs: list[str]) -> None:
+    """Fail early (before process groups) on callback entries that cannot be loaded."""
+    for spec in specs:
+        where = spec.rpartition(":")[0]
+        if ":" not in spec:
+            raise ValueError(f"train.callbacks entry {spec!r} must look like 'module:Class' or 'file.py:Class'")
+        if where.endswith(".py") and not Path(where).is_file():
+            raise ValueError(f"train.callbacks entry {spec!r}: file {where!r} does not exist")

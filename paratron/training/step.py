@@ -1,0 +1,102 @@
+"""One training (or evaluation) step over a global batch, through the pipeline schedule.
+
+Loss normalisation: the global batch's loss is the token mean over every valid label of every
+microbatch on every DP rank, ``sum(token losses) / sum(valid tokens)``. Each microbatch's loss is
+divided by that global count *before* backward, so gradients are summed (not averaged) across
+microbatches and DP ranks and equal the single-device gradient whatever the split.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class StepOutput:
+    loss: float
+    """Global-batch token-mean LM loss (the same on every rank)."""
+    num_tokens: int
+    """Valid tokens in the global batch."""
+    aux_loss: float | None
+    timings: dict[str, float]
+
+
+def count_global_tokens(microbatches: list[dict], ctx) -> torch.Tensor:
+    """Valid labels over this rank's microbatches, summed over the DP group (fp64 scalar)."""
+    local = sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in microbatches)
+    t = torch.tensor([float(local)], dtype=torch.float64)
+    ctx.dp.all_reduce(t)
+    return t
+
+
+def run_global_batch(cfg, ctx, chunks, microbatches: list[dict], *, forward_only: bool,
+                     loss_scale: float = 1.0, trace=None) -> StepOutput:
+    """Run forward (and backward unless ``forward_only``) of every microbatch of one global batch.
+
+    Args:
+        microbatches: this DP rank's microbatches, each ``{"tokens": [b, s], "labels": [b, s]}``.
+        loss_scale: multiplies the loss fed to backward (fp16 dynamic loss scaling).
+
+    Returns:
+        :class:`StepOutput` with the global-batch loss, known on every rank.
+    """
+    from paratron.pipeline.registry import get_schedule
+    from paratron.pipeline.runtime import run_pipeline
+
+    t0 = time.perf_counter()
+    global_tokens = count_global_tokens(microbatches, ctx)
+    denom = max(global_tokens.item(), 1.0)  # an all-ignored batch gives loss 0, not NaN
+    lm_losses: list[torch.Tensor] = []
+
+    def forward_step(chunk_id, chunk, input_tensor, mb):
+        x = mb["tokens"].to(ctx.device) if chunk.pre_process else input_tensor
+        if not chunk.post_process:
+            return chunk(x)
+        losses = chunk(x, labels=mb["labels"].to(ctx.device))  # [s, b] fp32, 0 where ignored
+        loss = losses.sum() / denom
+        lm_losses.append(loss.detach())
+        return loss * loss_scale if loss_scale != 1.0 else loss
+
+    p = cfg.parallel
+    m = len(microbatches)
+    actions = get_schedule(p.schedule)(ctx.pp.size, m, p.virtual_pipeline)[ctx.pp.rank]
+    mb_size, seq = microbatches[0]["tokens"].shape
+    s_local = seq // ctx.tp.size if p.sequence_parallel else seq
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.train.precision]
+    run_pipeline(actions, chunks, ctx, microbatches, forward_step,
+                 tensor_shape=(s_local, mb_size, cfg.model.hidden_size), dtype=dtype,
+                 forward_only=forward_only)
+    t1 = time.perf_counter()
+
+    # The loss lives on the last stage of each pipeline; sum over pp (others add 0) and dp.
+    loss = torch.zeros(2, dtype=torch.float64)
+    if lm_losses:
+        loss[0] = torch.stack(lm_losses).double().sum()
+    aux = _aux_loss(chunks)
+    if aux is not None:
+        loss[1] = aux
+    ctx.pp.all_reduce(loss)
+    ctx.dp.all_reduce(loss)
+    aux_value = None
+    if aux is not None or cfg.model.num_experts > 0:
+        # Summed over MoE layers and stages for the last microbatch, averaged over DP.
+        aux_value = loss[1].item() / ctx.dp.size
+    return StepOutput(loss[0].item(), int(global_tokens.item()), aux_value,
+                      {"forward_backward": t1 - t0})
+
+
+def _aux_loss(chunks) -> float | None:
+    """Sum of the MoE layers' load-balancing losses seen in the last forward passes."""
+    total, found = 0.0, False
+    for chunk in chunks:
+        for mod in chunk.modules():
+            v = getattr(mod, "last_aux_loss", None)
+            if v is not None:
+                total += float(v)
+                found = True
+    return total if found else None
