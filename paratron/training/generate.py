@@ -1,0 +1,100 @@
+"""``paratron generate``: sample text from a checkpoint on one process, whatever layout saved it.
+
+The checkpoint is layout-free (every tensor stored with its global shape), so it loads into a
+single-process model (tp = pp = 1). Sampling: greedy when ``--temperature 0``, else softmax with
+temperature over the ``--top-k`` most likely tokens. Padded vocabulary entries are never sampled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--checkpoint", required=True, help="checkpoint directory (its latest step, or a step_N dir)")
+    p.add_argument("--prompt", required=True, help="text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.8, help="0 means greedy")
+    p.add_argument("--top-k", type=int, default=40, help="0 means the whole vocabulary")
+    p.add_argument("--seed", type=int, default=0)
+
+
+@torch.no_grad()
+def sample(chunk, ids: list[int], *, max_new_tokens: int, temperature: float, top_k: int,
+           vocab_size: int, seq_length: int, generator: torch.Generator | None = None) -> list[int]:
+    """Extend ``ids`` by ``max_new_tokens`` tokens.
+
+    Args:
+        chunk: a single-stage model (pre- and post-process) whose ``forward(tokens [b, s])`` returns
+            logits ``[s, b, V_pad]``.
+        vocab_size: the real vocabulary; logit columns ``>= vocab_size`` are padding, masked out.
+        seq_length: the longest context fed to the model (older tokens are dropped).
+
+    Raises:
+        ValueError: empty prompt, negative temperature or top_k.
+    """
+    if not ids:
+        raise ValueError("the prompt encodes to no tokens; give a non-empty --prompt")
+    if temperature < 0 or top_k < 0:
+        raise ValueError(f"--temperature={temperature} and --top-k={top_k} must be >= 0")
+    out = list(ids)
+    for _ in range(max_new_tokens):
+        context = torch.tensor([out[-seq_length:]], dtype=torch.long)
+        logits = chunk(context)[-1, 0, :].float()  # [V_pad] at the last position
+        logits[vocab_size:] = float("-inf")
+        if temperature == 0:
+            nxt = int(torch.argmax(logits))
+        else:
+            logits = logits / temperature
+            if top_k:
+                kth = torch.topk(logits, min(top_k, vocab_size)).values[-1]
+                logits[logits < kth] = float("-inf")
+            nxt = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=generator))
+        out.append(nxt)
+    return out
+
+
+def load_single_process_model(checkpoint_dir: str):
+    """(config, model chunk on one process) from any saved layout."""
+    from paratron.checkpoint.io import load_model_full
+    from paratron.models.gpt import build_model_chunks
+    from paratron.parallel.context import ParallelContext
+    from paratron.parallel.params import load_full_
+
+    cfg, tensors = load_model_full(checkpoint_dir)
+    ctx = ParallelContext.single()
+    (chunk,) = build_model_chunks(cfg.model, ctx, seed=cfg.train.seed, sequence_parallel=False)
+    missing = [p.logical_name for p in chunk.parameters() if p.logical_name not in tensors]
+    if missing:
+        raise ValueError(f"checkpoint {checkpoint_dir} lacks model tensors: {missing[:5]}")
+    for p in chunk.parameters():
+        load_full_(p, tensors[p.logical_name].to(p.dtype))
+    chunk.eval()
+    return cfg, chunk
+
+
+def generate_text(checkpoint_dir: str, prompt: str, max_new_tokens: int = 64, temperature: float = 0.8,
+                  top_k: int = 40, seed: int = 0) -> str:
+    """Load a checkpoint and continue ``prompt``; returns prompt + continuation as text."""
+    from paratron.data.tokenizer import build_tokenizer
+
+    cfg, chunk = load_single_process_model(checkpoint_dir)
+    tok = build_tokenizer(cfg.data)
+    g = torch.Generator().manual_seed(seed)
+    ids = sample(chunk, tok.encode(prompt), max_new_tokens=max_new_tokens, temperature=temperature,
+                 top_k=top_k, vocab_size=cfg.model.vocab_size, seq_length=cfg.model.seq_length, generator=g)
+    return tok.decode(ids)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        text = generate_text(args.checkpoint, args.prompt, args.max_new_tokens, args.temperature,
+                             args.top_k, args.seed)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"paratron generate: {e}", file=sys.stderr)
+        return 2
+    print(text)
+    return 0
