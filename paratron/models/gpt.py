@@ -1,0 +1,238 @@
+"""GPT/Llama pipeline model chunks (Radford et al. 2019; Touvron et al. 2023), built from
+paratron's tensor-parallel layers.
+
+A rank holds one :class:`GPTChunk` per virtual pipeline stage (Narayanan et al. 2021, section 2.2:
+interleaved model chunks). The chunk with the first layers holds the embedding
+(``pre_process``), the chunk with the last layers holds the final norm and the output layer
+(``post_process``); a chunk may hold zero transformer layers.
+
+Tied input/output embeddings under pipeline parallelism: the last stage keeps its own copy of
+``embedding.word_embeddings.weight`` drawn from the same full tensor, and both copies are marked
+``shared_embedding=True`` so their grads are summed over the ``embedding`` group (Narayanan et
+al. 2021 do the same); when both ends of the model sit on one rank they share one parameter.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from paratron.config import ConfigError, ModelConfig
+
+from . import spec
+from .embedding import WORD_EMBEDDINGS, Embedding
+from .layer import TransformerLayer, make_norm
+from .recompute import checkpointed
+from .rope import rope_tables
+
+StageLayers = dict[tuple[int, int], tuple[int, int]]
+"""(pp_rank, chunk) -> (first global layer, layer count)."""
+
+
+class GPTChunk(nn.Module):
+    """One pipeline model chunk of a GPT-2/Llama-style transformer.
+
+    Args:
+        cfg: the model config (``vocab_size`` must be set).
+        ctx: the :class:`~paratron.parallel.context.ParallelContext`.
+        seed: the run's seed; every parameter's full tensor is drawn from (seed, logical name).
+        layer_ids: the global indices of the transformer layers in this chunk (may be empty).
+        pre_process: holds the embedding; ``forward`` then takes token ids.
+        post_process: holds the final norm and the output layer.
+        sequence_parallel: activations between TP regions are split along the sequence.
+        params_dtype: parameter (and compute) dtype: fp32, bf16 or fp16.
+        rng_tracker: the :class:`paratron.parallel.random.RNGStatesTracker` for dropout inside TP
+            regions (may be None when dropout is 0 and TP is 1).
+        embedding_weight: for a tied post-process chunk on the rank that also holds the
+            embedding: that embedding's weight, shared instead of copied.
+
+    Raises:
+        ConfigError: the model does not fit the TP size (see :func:`paratron.models.spec.check_model`),
+            raised before any collective.
+    """
+
+    def __init__(self, cfg: ModelConfig, ctx, *, seed: int, layer_ids: range, pre_process: bool,
+                 post_process: bool, sequence_parallel: bool = False, params_dtype: torch.dtype = torch.float32,
+                 rng_tracker=None, embedding_weight: nn.Parameter | None = None):
+        super().__init__()
+        spec.check_model(cfg, ctx.tp.size)
+        self.cfg, self.ctx = cfg, ctx
+        self.layer_ids = range(layer_ids.start, layer_ids.stop) if isinstance(layer_ids, range) else layer_ids
+        self.pre_process, self.post_process = pre_process, post_process
+        self.sequence_parallel = sequence_parallel and ctx.tp.size > 1
+        self.rng_tracker = rng_tracker
+        self.recompute = cfg.recompute
+        self.embedding = (Embedding(cfg, ctx, seed=seed, sequence_parallel=sequence_parallel,
+                                    params_dtype=params_dtype, rng_tracker=rng_tracker)
+                          if pre_process else None)
+        # Keys are global layer indices, so module paths match the logical names.
+        self.layers = nn.ModuleDict({
+            str(i): TransformerLayer(cfg, ctx, layer_number=i, seed=seed, sequence_parallel=sequence_parallel,
+                                     params_dtype=params_dtype, rng_tracker=rng_tracker)
+            for i in self.layer_ids})
+        self.final_norm = None
+        self.output_layer = None
+        if post_process:
+            self.final_norm = make_norm(cfg, ctx, "final_norm", sequence_parallel, params_dtype)
+            self._build_output(cfg, ctx, seed, params_dtype, embedding_weight)
+        if cfg.tie_embeddings and pre_process and not post_process:
+            self.embedding.word_embeddings.weight.shared_embedding = True
+
+    def _build_output(self, cfg, ctx, seed, params_dtype, embedding_weight):
+        from paratron.layers import ParallelLMHead
+        from paratron.layers.init import normal_
+
+        if not cfg.tie_embeddings:
+            self.output_layer = ParallelLMHead(
+                cfg.vocab_size, cfg.hidden_size, ctx, logical_name="output_layer", seed=seed,
+                make_vocab_size_divisible_by=cfg.make_vocab_size_divisible_by,
+                init_method=normal_(cfg.init_method_std), params_dtype=params_dtype)
+        elif embedding_weight is None and not self.pre_process:
+            # The last stage's copy of the tied embedding: same logical name, same full tensor.
+            self.output_layer = ParallelLMHead(
+                cfg.vocab_size, cfg.hidden_size, ctx, logical_name=WORD_EMBEDDINGS, seed=seed,
+                make_vocab_size_divisible_by=cfg.make_vocab_size_divisible_by,
+                init_method=normal_(cfg.init_method_std), params_dtype=params_dtype)
+            self.output_layer.weight.shared_embedding = True
+        else:
+            self._tied_weight = [embedding_weight]  # a list: not registered twice as a parameter
+
+    def output_weight(self) -> torch.Tensor:
+        """The ``[V_pad/tp, h]`` weight the logits are computed with (post-process chunks)."""
+        if self.output_layer is not None:
+            return self.output_layer.weight
+        if self.pre_process:
+            return self.embedding.word_embeddings.weight
+        return self._tied_weight[0]
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """Run this chunk.
+
+        Args:
+            x: token ids ``[b, s]`` (int64) when ``pre_process``, else hidden ``[s, b, h]``
+                (``[s/tp, b, h]`` under sequence parallelism).
+            labels: ``[b, s]`` target ids (``-100`` ignored), post-process chunks only.
+        Returns:
+            hidden ``[s, b, h]`` (``[s/tp, b, h]`` with SP) when not ``post_process``; else per-token
+            losses ``[s, b]`` fp32 (0 at ignored labels) when ``labels`` is given; else the
+            vocab-parallel logits ``[s, b, V_pad/tp]``.
+        """
+        if self.pre_process:
+            seq = x.shape[1]
+            h = self.embedding(x)
+        else:
+            h = x
+            seq = x.shape[0] * (self.ctx.tp.size if self.sequence_parallel else 1)
+        rope = None
+        if self.cfg.position_embedding_type == "rope" and len(self.layers):
+            rope = rope_tables(seq, spec.head_dim(self.cfg), self.cfg.rope_theta, device=h.device)
+        for layer in self.layers.values():
+            if self.recompute == "full" and self.training and torch.is_grad_enabled():
+                h = checkpointed(layer, h, rope, rng_tracker=self.rng_tracker)
+            else:
+                h = layer(h, rope)
+        if not self.post_process:
+            return h
+        return self._head(h, labels)
+
+    def _head(self, h: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
+        from paratron.layers import vocab_parallel_cross_entropy, vocab_parallel_logits
+
+        h = self.final_norm(h)
+        logits = vocab_parallel_logits(h, self.output_weight(), self.ctx, self.sequence_parallel)
+        if labels is None:
+            return logits
+        return vocab_parallel_cross_entropy(logits, labels.t().contiguous(), self.ctx, self.cfg.vocab_size)
+
+
+def default_stage_layers(num_layers: int, pp: int, virtual: int = 1) -> StageLayers:
+    """Even split in Megatron's interleaved order: virtual stage ``chunk * pp + pp_rank`` holds
+    layers ``[v * n, (v + 1) * n)`` with ``n = num_layers / (pp * virtual)``.
+
+    Raises:
+        ConfigError: ``num_layers`` not divisible by ``pp * virtual``.
+    """
+    stages = pp * virtual
+    if num_layers % stages:
+        raise ConfigError(f"model.num_layers={num_layers} is not divisible by parallel.pipeline*"
+                          f"virtual_pipeline = {pp}*{virtual} = {stages}; pass an explicit layout")
+    n = num_layers // stages
+    return {(r, c): ((c * pp + r) * n, n) for r in range(pp) for c in range(virtual)}
+
+
+def model_order(stage_layers: StageLayers, num_layers: int) -> list[tuple[int, int]]:
+    """The (pp_rank, chunk) keys in model order (by layer range; an empty stage at a boundary comes
+    before the stage that starts there).
+
+    Raises:
+        ValueError: the ranges overlap, leave gaps, or do not cover ``[0, num_layers)``.
+    """
+    order = sorted(stage_layers, key=lambda k: (stage_layers[k][0], stage_layers[k][0] + stage_layers[k][1]))
+    pos = 0
+    for key in order:
+        first, count = stage_layers[key]
+        if count < 0 or first != pos:
+            raise ValueError(f"stage_layers: stage {key} holds layers [{first}, {first + count}) but the "
+                             f"previous stages end at layer {pos} (ranges must tile [0, {num_layers}))")
+        pos = first + count
+    if pos != num_layers:
+        raise ValueError(f"stage_layers cover layers [0, {pos}), not model.num_layers={num_layers}")
+    return order
+
+
+def build_model_chunks(cfg: ModelConfig, ctx, *, seed: int, sequence_parallel: bool = False,
+                       params_dtype: torch.dtype = torch.float32, stage_layers: StageLayers | None = None,
+                       virtual_pipeline: int = 1, rng_tracker=None) -> list[GPTChunk]:
+    """This rank's model chunks, in chunk order.
+
+    Args:
+        cfg, seed, sequence_parallel, params_dtype: as in :class:`GPTChunk`.
+        ctx: the parallel context (its ``pp`` group gives this rank's stage).
+        stage_layers: (pp_rank, chunk) -> (first layer, count), e.g. from
+            ``paratron.pipeline.partition``; default :func:`default_stage_layers`. The first stage in
+            model order holds the embedding, the last the output layer.
+        virtual_pipeline: chunks per rank for the default split.
+        rng_tracker: shared by all chunks; default a new ``RNGStatesTracker(seed, ctx)``.
+
+    Raises:
+        ConfigError: the config does not fit the layout (before any collective).
+        ValueError: ``stage_layers`` does not tile the layers.
+    """
+    spec.check_model(cfg, ctx.tp.size)
+    pp = ctx.pp.size
+    if stage_layers is None:
+        stage_layers = default_stage_layers(cfg.num_layers, pp, virtual_pipeline)
+    order = model_order(stage_layers, cfg.num_layers)
+    ranks = {k[0] for k in stage_layers}
+    if ranks != set(range(pp)):
+        raise ValueError(f"stage_layers names pipeline ranks {sorted(ranks)}; the layout has parallel.pipeline={pp}")
+    if rng_tracker is None and (cfg.hidden_dropout > 0 or cfg.attention_dropout > 0):
+        from paratron.parallel.random import RNGStatesTracker
+
+        rng_tracker = RNGStatesTracker(seed, ctx)
+    mine = sorted(k for k in stage_layers if k[0] == ctx.pp.rank)
+    chunks: list[GPTChunk] = []
+    first_embedding = None
+    for key in mine:
+        first, count = stage_layers[key]
+        pre, post = key == order[0], key == order[-1]
+        shared = first_embedding if (post and not pre and cfg.tie_embeddings) else None
+        chunk = GPTChunk(cfg, ctx, seed=seed, layer_ids=range(first, first + count), pre_process=pre,
+                         post_process=post, sequence_parallel=sequence_parallel, params_dtype=params_dtype,
+                         rng_tracker=rng_tracker, embedding_weight=shared)
+        if pre:
+            first_embedding = chunk.embedding.word_embeddings.weight
+        chunks.append(chunk)
+    if first_embedding is not None and any(c.post_process for c in chunks):
+        # Both ends on one rank share one tensor: nothing to keep in sync across stages.
+        first_embedding.shared_embedding = False
+    return chunks
+
+
+def full_logits(logits: torch.Tensor, ctx, vocab_size: int) -> torch.Tensor:
+    """Gather vocab-parallel logits ``[s, b, V_pad/tp]`` over TP and drop the padding: ``[b, s, V]``.
+
+    For evaluation and tests (not differentiable across ranks).
+    """
+    full = ctx.tp.all_gather(logits.detach().contiguous(), dim=-1)
+    return full[..., :vocab_size].transpose(0, 1)
