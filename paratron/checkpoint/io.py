@@ -1,0 +1,266 @@
+"""One checkpoint directory: DCP tensor files, its ``.metadata``, and a plain-JSON manifest.
+
+Layout of a checkpoint directory (a ``step_N/`` under a run's checkpoint root, or a standalone
+directory written by :func:`save_model_full`)::
+
+    .metadata            DCP metadata (pickled by torch; read only through safety.read_metadata_safely)
+    __<rank>_0.distcp    tensor payloads, one file per writing rank (read with weights_only=True)
+    paratron.json        manifest: format, version, config, step, what is inside, .metadata's sha256
+    config.toml          the config again, for people
+    rank_<r>.json        per-rank state (RNG, layout coordinates), CheckpointManager only
+
+Tensor keys: ``model/<logical_name>`` (full logical, unpadded shape) and
+``optimizer/<kind>/<logical_name>`` (2-D view of the full tensor).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from .items import MODEL_PREFIX, CheckpointError, StateItems, full_items, model_items
+from .planner import ChunkLoadPlanner, ChunkSavePlanner
+from .safety import (METADATA_FILE, SafeFileSystemReader, check_same_model, file_sha256,
+                     read_metadata_safely, refuse_pickle_files)
+
+FORMAT = "paratron-checkpoint"
+VERSION = 1
+MANIFEST = "paratron.json"
+LATEST = "latest"
+
+
+# ---- plain files ---------------------------------------------------------------------------
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` to ``path`` through a temp file, fsync and ``os.replace`` (all or nothing)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
+    """JSON-encode ``obj`` (plain values only) and write it atomically.
+
+    Raises:
+        CheckpointError: ``obj`` holds something JSON cannot encode (named in the message).
+    """
+    try:
+        text = json.dumps(obj, indent=1, sort_keys=True, allow_nan=True)
+    except TypeError as e:
+        raise CheckpointError(f"{path}: checkpoint metadata must be plain JSON values: {e}") from None
+    write_text_atomic(path, text)
+
+
+def read_json(path: str | os.PathLike) -> Any:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except OSError as e:
+        raise CheckpointError(f"cannot read {path}: {e}") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path} is not valid JSON: {e}") from None
+
+
+# ---- tensors through DCP -------------------------------------------------------------------
+def write_items(directory: str | os.PathLike, items: StateItems, *, process_group=None,
+                single_process: bool = False) -> None:
+    """Save ``items`` into ``directory`` with DCP (collective over ``process_group`` unless
+    ``single_process``). Chunks already on the CPU are written straight from their storage."""
+    writer = FileSystemWriter(str(directory), single_file_per_rank=True, sync_files=True, overwrite=True)
+    with warnings.catch_warnings():
+        # DCP warns that it assumes a single process when asked for no_dist; that is the intent.
+        warnings.simplefilter("ignore", UserWarning)
+        try:
+            dcp.save({}, storage_writer=writer, planner=ChunkSavePlanner(items),
+                     process_group=process_group, no_dist=single_process)
+        except CheckpointException as e:
+            raise _unwrap(e, f"{directory}: saving failed") from None
+
+
+def _unwrap(e: CheckpointException, what: str) -> CheckpointError:
+    """DCP wraps every rank's exception; surface the first one (ours as is)."""
+    for rank, (exc, _) in sorted(e.failures.items()):
+        if isinstance(exc, CheckpointError):
+            return exc
+        return CheckpointError(f"{what} on rank {rank}: {type(exc).__name__}: {exc}")
+    return CheckpointError(f"{what}: {e}")
+
+
+def read_items(directory: str | os.PathLike, items: StateItems) -> None:
+    """Fill every chunk of ``items`` in place from ``directory`` (any saving layout).
+
+    Reads only this rank's overlaps; needs no collective, so ranks may call it independently.
+
+    Raises:
+        CheckpointError: unsafe or malformed files, a missing key, a shape mismatch.
+    """
+    directory = Path(directory)
+    verify_directory(directory)
+    reader = SafeFileSystemReader(str(directory))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load({}, storage_reader=reader, planner=ChunkLoadPlanner(items), no_dist=True)
+    except CheckpointException as e:
+        raise _unwrap(e, f"{directory}: reading the tensors failed") from None
+
+
+def saved_tensors(directory: str | os.PathLike) -> dict[str, TensorStorageMetadata]:
+    """Key -> DCP tensor metadata (full shape, dtype, saved chunks) of a verified checkpoint."""
+    verify_directory(directory)
+    md = read_metadata_safely(Path(directory) / METADATA_FILE)
+    return {k: v for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+
+
+# ---- the manifest --------------------------------------------------------------------------
+def write_manifest(directory: str | os.PathLike, config_dict: dict, **fields: Any) -> dict:
+    """Write ``paratron.json`` (and ``config.toml``) after the tensors: it records the sha256 of
+    ``.metadata``, so a directory whose metadata was swapped afterwards is refused."""
+    from paratron.config import from_dict, to_toml
+
+    directory = Path(directory)
+    manifest = {"format": FORMAT, "version": VERSION, "config": config_dict,
+                "metadata_sha256": file_sha256(directory / METADATA_FILE), **fields}
+    write_json_atomic(directory / MANIFEST, manifest)
+    write_text_atomic(directory / "config.toml", to_toml(from_dict(config_dict, "checkpoint config")))
+    return manifest
+
+
+def verify_directory(directory: str | os.PathLike) -> dict:
+    """Check a checkpoint directory before DCP touches it; return its manifest.
+
+    Raises:
+        CheckpointError: no manifest (not written by paratron, or an unfinished save), another
+            format or version, a pickle file inside, or ``.metadata`` not the one the manifest names.
+    """
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise CheckpointError(f"checkpoint directory {directory} does not exist")
+    refuse_pickle_files(directory)
+    if not (directory / MANIFEST).is_file():
+        raise CheckpointError(f"{directory} has no {MANIFEST}: not a paratron checkpoint, or a save that "
+                              "never finished")
+    manifest = read_json(directory / MANIFEST)
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{directory / MANIFEST}: format is not {FORMAT!r}")
+    if manifest.get("version") != VERSION:
+        raise CheckpointError(f"{directory / MANIFEST}: version {manifest.get('version')!r}; this paratron "
+                              f"reads version {VERSION}")
+    md_path = directory / METADATA_FILE
+    if not md_path.is_file():
+        raise CheckpointError(f"{directory} has no {METADATA_FILE}")
+    if file_sha256(md_path) != manifest.get("metadata_sha256"):
+        raise CheckpointError(f"{md_path} is not the metadata this checkpoint was written with "
+                              f"(sha256 differs from {MANIFEST}); refusing to read it")
+    return manifest
+
+
+def resolve(path: str | os.PathLike, step: int | None = None) -> Path:
+    """The checkpoint directory meant by ``path``: itself if it holds a manifest, else its
+    ``step_<step>`` (when ``step`` is given) or the one its ``latest`` file names.
+
+    Raises:
+        CheckpointError: nothing loadable there.
+    """
+    path = Path(path)
+    if step is not None:
+        d = path / f"step_{step}"
+        if not d.is_dir():
+            have = sorted(p.name for p in path.glob("step_*")) if path.is_dir() else []
+            raise CheckpointError(f"no checkpoint for step {step} in {path} (found: {', '.join(have) or 'none'})")
+        return d
+    if (path / MANIFEST).is_file():
+        return path
+    if (path / LATEST).is_file():
+        name = (path / LATEST).read_text().strip()
+        if not name or "/" in name or name.startswith("."):
+            raise CheckpointError(f"{path / LATEST} names {name!r}, which is not a checkpoint directory name")
+        return path / name
+    raise CheckpointError(f"{path} holds no checkpoint (no {MANIFEST} and no {LATEST} file)")
+
+
+# ---- one process, full tensors -------------------------------------------------------------
+def save_model_full(directory: str | os.PathLike, cfg, tensors: dict[str, torch.Tensor]) -> None:
+    """Save full (unsharded, unpadded) model tensors from one process, no ``torch.distributed``.
+
+    The result is a checkpoint like any other: any layout can load it (:func:`load_model_into`,
+    or ``CheckpointManager.load`` with ``checkpoint.load_optimizer=false``).
+
+    Args:
+        directory: created if missing; must not already hold a checkpoint.
+        cfg: the run's :class:`paratron.config.Config`.
+        tensors: logical name (``layers.0.mlp.fc1.weight``) -> the full logical tensor.
+
+    Raises:
+        CheckpointError: ``directory`` already holds a checkpoint, or a value is not a tensor.
+    """
+    directory = Path(directory)
+    if (directory / MANIFEST).exists() or (directory / METADATA_FILE).exists():
+        raise CheckpointError(f"{directory} already holds a checkpoint; save into a new directory")
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise CheckpointError(f"tensors[{name!r}] is a {type(t).__name__}, not a tensor")
+    directory.mkdir(parents=True, exist_ok=True)
+    items = full_items({k: v.detach().cpu() for k, v in tensors.items()})
+    write_items(directory, items, single_process=True)
+    write_manifest(directory, cfg.to_dict(), kind="model", step=None, has_optimizer=False,
+                   layout=None, extra={})
+
+
+def load_model_full(directory: str | os.PathLike) -> tuple[Any, dict[str, torch.Tensor]]:
+    """Read every model tensor of a checkpoint as a full tensor, in one process.
+
+    Args:
+        directory: a checkpoint directory, or a checkpoint root (its ``latest`` is used).
+
+    Returns:
+        ``(Config, {logical_name: full tensor on the CPU, in the saved dtype})``.
+
+    Raises:
+        CheckpointError: unsafe or malformed checkpoint.
+    """
+    from paratron.config import from_dict
+
+    directory = resolve(directory)
+    manifest = verify_directory(directory)
+    out: dict[str, torch.Tensor] = {}
+    for key, md in saved_tensors(directory).items():
+        if key.startswith(MODEL_PREFIX):
+            out[key[len(MODEL_PREFIX):]] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+    read_items(directory, full_items(out))
+    return from_dict(manifest["config"], str(directory / MANIFEST)), out
+
+
+def load_model_into(directory: str | os.PathLike, chunks, *, config=None, step: int | None = None) -> dict:
+    """Fill the parameters of model chunks of any layout from a checkpoint of any layout.
+
+    Args:
+        directory: a checkpoint directory or root (``latest``, or ``step``).
+        chunks: the model chunks of this rank (``nn.Module`` or a list of them), params marked.
+        config: when given, the checkpoint's model config must match it (weight-relevant fields).
+
+    Returns:
+        The checkpoint's manifest (plain JSON dict).
+
+    Raises:
+        CheckpointError: unsafe files, another model, a missing tensor, a shape mismatch.
+    """
+    directory = resolve(directory, step)
+    manifest = verify_directory(directory)
+    if config is not None:
+        check_same_model(manifest["config"]["model"], config.to_dict()["model"], str(directory))
+    with torch.no_grad():
+        read_items(directory, model_items(chunks, for_save=False))
+    return manifest

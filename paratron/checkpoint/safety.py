@@ -1,0 +1,187 @@
+"""Loading a checkpoint never runs code from it, and never loads one made for another model.
+
+``torch.distributed.checkpoint`` stores its ``.metadata`` with ``pickle`` and reads it back with
+``pickle.load`` (``FileSystemReader.read_metadata``), which would run any callable a crafted file
+names. :class:`SafeFileSystemReader` replaces that read with :class:`MetadataUnpickler`, which
+resolves only the few DCP metadata classes, ``torch.Size``, dtypes and layouts, and refuses any
+other global before anything is called (the same idea as ``torch.load(weights_only=True)``, which
+DCP already uses for the tensor payloads). Files that paratron never writes (``.pt``, ``.pkl``, ...)
+make the directory refused outright.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import io
+import os
+import pathlib
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+from .items import CheckpointError
+
+METADATA_FILE = ".metadata"
+PICKLE_SUFFIXES = (".pt", ".pth", ".pkl", ".pickle", ".bin", ".ckpt", ".tar")
+"""Suffixes of files that carry pickles; paratron writes none, so a checkpoint holding one is refused."""
+
+@functools.cache
+def _allowlist() -> dict[tuple[str, str], Any]:
+    """``(module, name)`` -> object, for every global DCP metadata may name."""
+    from torch.distributed.checkpoint import filesystem, metadata
+    from torch.serialization import _get_layout
+
+    out: dict[tuple[str, str], Any] = {}
+    for cls in (metadata.Metadata, metadata.TensorStorageMetadata, metadata.ChunkStorageMetadata,
+                metadata.TensorProperties, metadata.BytesStorageMetadata, metadata.MetadataIndex,
+                metadata.StorageMeta, metadata._MEM_FORMAT_ENCODING, filesystem._StorageInfo):
+        out[(cls.__module__, cls.__name__)] = cls
+    out[("torch", "Size")] = torch.Size
+    out[("torch.serialization", "_get_layout")] = _get_layout  # looks a layout up by name
+    # DCP records the checkpoint path it was written to; building a path object runs nothing.
+    for name in ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"):
+        out[("pathlib", name)] = pathlib.PurePosixPath
+    for k, v in vars(torch).items():
+        if isinstance(v, torch.dtype):
+            out[("torch", k)] = v
+    return out
+
+
+def _allowed(module: str, name: str) -> Any:
+    """The object an allowed ``(module, name)`` global resolves to, else None."""
+    return _allowlist().get((module, name))
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP metadata, resolving only DCP metadata classes, ``torch.Size`` and dtypes.
+
+    Raises:
+        CheckpointError: the pickle names any other global (the payload is refused before anything
+            it names is called).
+    """
+
+    def __init__(self, file, source: str) -> None:
+        super().__init__(file)
+        self.source = source
+
+    def find_class(self, module: str, name: str) -> Any:
+        obj = _allowed(module, name)
+        if obj is None:
+            raise CheckpointError(f"{self.source} refers to {module}.{name}, which a checkpoint's metadata never "
+                                  "holds; refusing to load it (a pickle payload that could run code)")
+        return obj
+
+    def persistent_load(self, pid) -> Any:
+        raise CheckpointError(f"{self.source} holds a persistent reference, which DCP metadata never has; refused")
+
+
+def read_metadata_safely(path: str | os.PathLike) -> Metadata:
+    """Read a DCP ``.metadata`` file without running anything it names.
+
+    Raises:
+        CheckpointError: the file is missing, is not a pickle of a DCP ``Metadata``, or names a
+            global outside the allowlist.
+    """
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise CheckpointError(f"cannot read checkpoint metadata {path}: {e}") from None
+    try:
+        md = MetadataUnpickler(io.BytesIO(raw), str(path)).load()
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any malformed pickle is a refused file
+        raise CheckpointError(f"{path} is not valid checkpoint metadata: {type(e).__name__}: {e}") from None
+    if not isinstance(md, Metadata):
+        raise CheckpointError(f"{path} holds a {type(md).__name__}, not checkpoint metadata")
+    return md
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def refuse_pickle_files(directory: str | os.PathLike) -> None:
+    """Refuse a checkpoint directory that holds files paratron never writes and that carry pickles.
+
+    Raises:
+        CheckpointError: naming the first such file.
+    """
+    for entry in sorted(os.listdir(directory)):
+        if entry.lower().endswith(PICKLE_SUFFIXES):
+            raise CheckpointError(f"{os.path.join(directory, entry)}: checkpoint directories hold no pickle files "
+                                  f"({', '.join(PICKLE_SUFFIXES)}); paratron refuses to load it")
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """DCP's file reader with the metadata read replaced by :func:`read_metadata_safely`.
+
+    Tensor payloads are still read by DCP with ``torch.load(weights_only=True)``.
+    """
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        rank = kwargs.get("rank")
+        md = read_metadata_safely(self._get_metadata_path(rank))
+        if getattr(md, "storage_meta", None) is None:
+            md.storage_meta = StorageMeta()
+        md.storage_meta.load_id = self.load_id
+        return md
+
+
+# Model fields that change how a run executes or trains, not what its weights mean.
+EXECUTION_ONLY_MODEL_FIELDS = frozenset({
+    "recompute", "hidden_dropout", "attention_dropout", "make_vocab_size_divisible_by",
+    "moe_token_dispatcher", "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_capacity_factor",
+    "init_method_std", "seq_length",
+})
+
+
+def _effective(model: dict[str, Any]) -> dict[str, Any]:
+    m = dict(model)
+    if m.get("num_query_groups") is None:
+        m["num_query_groups"] = m.get("num_attention_heads")
+    if m.get("max_position_embeddings") is None:
+        m["max_position_embeddings"] = m.get("seq_length")
+    if m.get("position_embedding_type") == "rope":
+        m.pop("max_position_embeddings", None)  # no table: the length limit is not in the weights
+    return m
+
+
+def model_config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """``model.<field>: saved X, now Y`` for every weight-relevant model field that differs.
+
+    Args:
+        saved, current: the ``model`` sections of two configs, as dicts.
+    """
+    a, b = _effective(saved), _effective(current)
+    out = []
+    for k in sorted(set(a) | set(b)):
+        if k in EXECUTION_ONLY_MODEL_FIELDS:
+            continue
+        va, vb = a.get(k), b.get(k)
+        if k == "vocab_size" and (va is None or vb is None):
+            continue  # resolved from the tokenizer; tensor shapes are checked on load
+        if va != vb:
+            out.append(f"model.{k}: checkpoint {va!r}, this run {vb!r}")
+    return out
+
+
+def check_same_model(saved: dict[str, Any], current: dict[str, Any], where: str) -> None:
+    """Refuse a checkpoint whose model config differs in a weight-relevant field.
+
+    Raises:
+        CheckpointError: listing every differing field.
+    """
+    diff = model_config_differences(saved, current)
+    if diff:
+        raise CheckpointError(f"{where} was saved for another model; differing fields: " + "; ".join(diff))
