@@ -92,3 +92,30 @@ def allreduce_embedding_grads(params, ctx) -> None:
                 g = torch.zeros_like(p)
                 p.grad = g
             group.all_reduce(g)
+
+
+def allreduce_sequence_parallel_grads(params, ctx) -> None:
+    """Sum over ``ctx.tp`` the grads of replicated params fed sequence-sharded activations.
+
+    Under sequence parallelism each TP rank sees ``s/tp`` positions, so the grads of norm weights
+    and row-parallel biases (``sequence_parallel=True``) are partial sums; one all-reduce per
+    dtype over a flat buffer completes them and keeps the replicas bitwise equal (Korthikanti et
+    al. 2022, section 4.2.2). Uses ``main_grad`` when DDP attached one, else ``.grad``; params
+    without a grad are skipped. No-op when TP is 1.
+    """
+    group = ctx.tp
+    if group.size == 1:
+        return
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for p in params:
+        if getattr(p, "sequence_parallel", False):
+            g = _grad_of(p)
+            if g is not None:
+                by_dtype.setdefault(g.dtype, []).append(g)
+    for grads in by_dtype.values():
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        group.all_reduce(flat)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()

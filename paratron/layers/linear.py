@@ -1,0 +1,273 @@
+"""Column- and row-parallel linear layers (Shoeybi et al. 2019, section 3), with sequence
+parallelism (Korthikanti et al. 2022, section 4.2.2).
+
+A column-parallel linear splits the weight ``[out, in]`` by rows (output features): each TP rank
+computes ``out / tp`` features of the full input. A row-parallel linear splits it by columns
+(input features): each rank multiplies its slice of the input and the partial outputs are summed
+over TP. An MLP or attention block is ``column -> local op -> row`` with one collective forward
+and one backward.
+
+Weight grads do not travel back through autograd: the backward hands them to
+:func:`paratron.parallel.grads.accumulate_grad` at once, or, when the module's
+``weight_grad_store`` is a :class:`~paratron.parallel.grads.WeightGradStore` with
+``deferring=True`` at backward time, queues a closure (the W action of zero-bubble schedules,
+Qi et al. 2023, section 2). Biases inside the autograd function take the same path.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..parallel.comm import Group
+from ..parallel.grads import accumulate_grad
+from ..parallel.mappings import check_sequence_divisible, gather_from_tp_region, scatter_to_tp_region
+from ..parallel.params import ShardSpec, mark
+from .init import InitMethod, draw_full
+
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "divide"]
+
+
+def divide(n: int, tp: int, field: str) -> int:
+    """``n / tp``, or a ValueError naming ``field`` when it does not divide."""
+    if n % tp:
+        raise ValueError(f"{field}={n} is not divisible by parallel.tensor={tp}")
+    return n // tp
+
+
+def _weight_grads(owner, weight, bias, dy: torch.Tensor, x: torch.Tensor,
+                  bias_dy: torch.Tensor | None = None) -> None:
+    """Compute ``dW = dy^T x`` and ``db = sum(bias_dy)`` (``bias_dy`` defaults to ``dy``) now,
+    or queue them as one closure if the owner's weight-grad store is deferring."""
+    want_w = weight.requires_grad
+    want_b = bias is not None and bias.requires_grad
+    if not (want_w or want_b):
+        return
+    bdy = dy if bias_dy is None else bias_dy
+
+    def run() -> None:
+        if want_w:
+            dy2 = dy.reshape(-1, dy.shape[-1])
+            accumulate_grad(weight, dy2.t().matmul(x.reshape(-1, x.shape[-1])))
+        if want_b:
+            accumulate_grad(bias, bdy.reshape(-1, bdy.shape[-1]).sum(dim=0))
+
+    # Read at backward time: the pipeline runtime toggles ``deferring`` between microbatches.
+    store = getattr(owner, "weight_grad_store", None)
+    if store is not None and store.deferring:
+        store.put(run)
+    else:
+        run()
+
+
+class _ColumnFn(torch.autograd.Function):
+    """y = AllGather_seq?(x) W^T + b; backward: dx = AllReduce|ReduceScatter(dy W)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, owner, group: Group, sequence_parallel: bool):
+        # With SP the gathered input is kept for dW rather than re-gathered in backward: one
+        # all-gather per layer instead of two, at the cost of s*b*in activation memory.
+        total = group.all_gather(x, dim=0) if sequence_parallel else x
+        out = total.matmul(weight.t())
+        if bias is not None:
+            out = out + bias
+        ctx.save_for_backward(total, weight)
+        ctx.owner, ctx.group, ctx.sp, ctx.bias = owner, group, sequence_parallel, bias
+        return out
+
+    @staticmethod
+    def backward(ctx, dy):
+        total, weight = ctx.saved_tensors
+        group, dx, work = ctx.group, None, None
+        dy = dy.contiguous()
+        if ctx.needs_input_grad[0]:
+            dx_total = dy.matmul(weight)
+            if group.size == 1:
+                dx = dx_total
+            elif ctx.sp:
+                flat = dx_total.reshape(group.size, -1)
+                dx = torch.empty((dx_total.shape[0] // group.size,) + tuple(dx_total.shape[1:]),
+                                 dtype=dx_total.dtype, device=dx_total.device)
+                work = group.reduce_scatter_into(dx.view(-1), flat.view(-1), async_op=True)
+            else:
+                dx = dx_total
+                work = group.all_reduce(dx, async_op=True)
+        # dW overlaps with the input-grad collective (Shoeybi et al. 2019 note the same overlap).
+        _weight_grads(ctx.owner, weight, ctx.bias, dy, total)
+        if work is not None:
+            work.wait()
+        return dx, None, None, None, None, None
+
+
+class _RowFn(torch.autograd.Function):
+    """y = AllReduce|ReduceScatter_seq(x W^T) + b; backward: dx = AllGather_seq?(dy) W."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, owner, group: Group, sequence_parallel: bool):
+        partial = x.matmul(weight.t())
+        if sequence_parallel:
+            out = group.reduce_scatter(partial, dim=0)
+        else:
+            group.all_reduce(partial)  # in place: ``partial`` is our own fresh buffer
+            out = partial
+        if bias is not None:
+            out = out + bias
+        ctx.save_for_backward(x, weight)
+        ctx.owner, ctx.group, ctx.sp, ctx.bias = owner, group, sequence_parallel, bias
+        return out
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        dy = dy.contiguous()
+        dy_total = ctx.group.all_gather(dy, dim=0) if ctx.sp else dy
+        dx = dy_total.matmul(weight) if ctx.needs_input_grad[0] else None
+        # The bias grad uses the local dy: under SP it is a sequence-shard partial sum, which
+        # allreduce_sequence_parallel_grads completes over TP (the bias is marked so).
+        _weight_grads(ctx.owner, weight, ctx.bias, dy_total, x, bias_dy=dy)
+        return dx, None, None, None, None, None
+
+
+def _check_in(x: torch.Tensor, n: int, name: str) -> None:
+    if x.shape[-1] != n:
+        raise ValueError(f"{name}: input last dim is {x.shape[-1]}, expected {n} features "
+                         f"(activations are [s, b, h])")
+
+
+class ColumnParallelLinear(nn.Module):
+    """``Y = X A^T + b`` with ``A`` split by rows (output features) over TP (Shoeybi et al. 2019,
+    section 3, equation 3); with sequence parallelism the input is all-gathered along the
+    sequence first (Korthikanti et al. 2022, section 4.2.2).
+
+    Args:
+        in_features, out_features: the full (logical) sizes; ``out_features`` must divide by TP.
+        ctx: the :class:`~paratron.parallel.context.ParallelContext`.
+        logical_name: layout-independent module name; params are ``<name>.weight``/``.bias``.
+        seed: the run's seed; the full weight is drawn from ``(seed, <name>.weight)``.
+        bias: add a bias (split like the output, initialised to zero).
+        gather_output: all-gather the output along the last dim (returns ``[..., out]``).
+        sequence_parallel: the input is ``[s/tp, b, in]`` and is all-gathered along dim 0.
+        init_method: see :mod:`paratron.layers.init` (default N(0, 0.02^2)).
+        params_dtype: dtype of the parameters.
+        skip_bias_add: return ``(output, bias)`` without adding the bias (for fused consumers).
+
+    Shapes: weight ``[out/tp, in]``, bias ``[out/tp]``. ``forward(x)``: ``x`` is ``[s, b, in]``
+    (``[s/tp, b, in]`` with SP); returns ``[s, b, out/tp]``, or ``[s, b, out]`` if
+    ``gather_output``.
+
+    Attribute ``weight_grad_store`` (default None): see the module docstring.
+
+    Raises:
+        ValueError: ``out_features`` not divisible by ``parallel.tensor``; input of the wrong
+            width.
+    """
+
+    def __init__(self, in_features: int, out_features: int, ctx, *, logical_name: str, seed: int,
+                 bias: bool = True, gather_output: bool = False, sequence_parallel: bool = False,
+                 init_method: InitMethod | None = None, params_dtype: torch.dtype = torch.float32,
+                 skip_bias_add: bool = False):
+        super().__init__()
+        tp, r = ctx.tp.size, ctx.tp.rank
+        self.in_features, self.out_features = int(in_features), int(out_features)
+        self.out_per_rank = divide(self.out_features, tp, f"{logical_name}: out_features")
+        self.group, self.logical_name = ctx.tp, logical_name
+        self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
+        self.skip_bias_add = skip_bias_add
+        self.weight_grad_store = None
+        lo, hi = r * self.out_per_rank, (r + 1) * self.out_per_rank
+        full = draw_full(init_method, (self.out_features, self.in_features), seed,
+                         f"{logical_name}.weight")
+        self.weight = nn.Parameter(full[lo:hi].to(device=ctx.device, dtype=params_dtype).contiguous())
+        mark(self.weight, f"{logical_name}.weight",
+             ShardSpec((self.out_features, self.in_features), (lo, 0), (self.out_per_rank, self.in_features)),
+             partition_dim=0)
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(self.out_per_rank, device=ctx.device, dtype=params_dtype))
+            mark(self.bias, f"{logical_name}.bias",
+                 ShardSpec((self.out_features,), (lo,), (self.out_per_rank,)),
+                 partition_dim=0, no_weight_decay=True)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor):
+        _check_in(x, self.in_features, self.logical_name)
+        fused_bias = None if self.skip_bias_add else self.bias
+        out = _ColumnFn.apply(x, self.weight, fused_bias, self, self.group, self.sequence_parallel)
+        if self.gather_output:
+            out = gather_from_tp_region(out, self.group)
+        if self.skip_bias_add:
+            return out, self.bias
+        return out
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}, out={self.out_features} (per rank {self.out_per_rank}), "
+                f"bias={self.bias is not None}, sp={self.sequence_parallel}, "
+                f"gather_output={self.gather_output}")
+
+
+class RowParallelLinear(nn.Module):
+    """``Y = X A^T + b`` with ``A`` split by columns (input features) over TP; the partial
+    products are all-reduced (Shoeybi et al. 2019, section 3), or reduce-scattered along the
+    sequence with sequence parallelism (Korthikanti et al. 2022, section 4.2.2). The bias is
+    added after the reduction, so it is replicated (and marked ``sequence_parallel`` under SP:
+    its grad is then a partial sum that :func:`~paratron.parallel.grads.allreduce_sequence_parallel_grads`
+    completes).
+
+    Args:
+        in_features, out_features: the full sizes; ``in_features`` must divide by TP.
+        ctx, logical_name, seed, bias, init_method, params_dtype, skip_bias_add: as in
+            :class:`ColumnParallelLinear`.
+        input_is_parallel: the input is already split along its last dim (``[s, b, in/tp]``);
+            if False the full ``[s, b, in]`` input is split here.
+        sequence_parallel: reduce-scatter the output along dim 0 (returns ``[s/tp, b, out]``).
+
+    Shapes: weight ``[out, in/tp]``, bias ``[out]``. ``forward(x)``: returns ``[s, b, out]``
+    (identical on every TP rank) or ``[s/tp, b, out]`` with SP.
+
+    Raises:
+        ValueError: ``in_features`` not divisible by ``parallel.tensor``; with SP, a sequence
+            length not divisible by ``parallel.tensor`` (before any collective).
+    """
+
+    def __init__(self, in_features: int, out_features: int, ctx, *, logical_name: str, seed: int,
+                 bias: bool = True, input_is_parallel: bool = True, sequence_parallel: bool = False,
+                 init_method: InitMethod | None = None, params_dtype: torch.dtype = torch.float32,
+                 skip_bias_add: bool = False):
+        super().__init__()
+        tp, r = ctx.tp.size, ctx.tp.rank
+        self.in_features, self.out_features = int(in_features), int(out_features)
+        self.in_per_rank = divide(self.in_features, tp, f"{logical_name}: in_features")
+        self.group, self.logical_name = ctx.tp, logical_name
+        self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
+        self.skip_bias_add = skip_bias_add
+        self.weight_grad_store = None
+        lo, hi = r * self.in_per_rank, (r + 1) * self.in_per_rank
+        full = draw_full(init_method, (self.out_features, self.in_features), seed,
+                         f"{logical_name}.weight")
+        self.weight = nn.Parameter(full[:, lo:hi].to(device=ctx.device, dtype=params_dtype).contiguous())
+        mark(self.weight, f"{logical_name}.weight",
+             ShardSpec((self.out_features, self.in_features), (0, lo), (self.out_features, self.in_per_rank)),
+             partition_dim=1)
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(self.out_features, device=ctx.device, dtype=params_dtype))
+            mark(self.bias, f"{logical_name}.bias", sequence_parallel=sequence_parallel,
+                 no_weight_decay=True)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor):
+        if not self.input_is_parallel:
+            _check_in(x, self.in_features, self.logical_name)
+            x = scatter_to_tp_region(x, self.group)
+        _check_in(x, self.in_per_rank, self.logical_name)
+        if self.sequence_parallel:
+            check_sequence_divisible(x.shape[0], self.group)
+        fused_bias = None if self.skip_bias_add else self.bias
+        out = _RowFn.apply(x, self.weight, fused_bias, self, self.group, self.sequence_parallel)
+        if self.skip_bias_add:
+            return out, self.bias
+        return out
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features} (per rank {self.in_per_rank}), out={self.out_features}, "
+                f"bias={self.bias is not None}, sp={self.sequence_parallel}")

@@ -1,0 +1,84 @@
+"""LayerNorm and RMSNorm with replicated weights, computed in fp32.
+
+Under sequence parallelism the norms run on the sequence shard ``[s/tp, b, h]`` (Korthikanti et
+al. 2022, section 4.2.2), so each TP rank's weight grad is a partial sum over its positions: the
+weights are marked ``sequence_parallel`` and
+:func:`~paratron.parallel.grads.allreduce_sequence_parallel_grads` sums them over TP, which keeps
+the replicas bitwise equal.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..parallel.params import mark
+
+__all__ = ["LayerNorm", "RMSNorm"]
+
+
+class LayerNorm(nn.Module):
+    """Layer normalisation (Ba et al. 2016, section 3) over the last dim.
+
+    Args:
+        hidden: h.
+        ctx: the parallel context (parameters go on ``ctx.device``).
+        logical_name: params are ``<name>.weight`` (ones) and ``<name>.bias`` (zeros).
+        eps: added to the variance.
+        sequence_parallel: mark the params for the SP grad all-reduce.
+        params_dtype: parameter dtype.
+        bias: learn a bias.
+
+    ``forward(x)``: ``[s, b, h]`` (or ``[s/tp, b, h]``), any float dtype; statistics in fp32;
+    returns the same shape and dtype.
+    """
+
+    def __init__(self, hidden: int, ctx, *, logical_name: str, eps: float = 1e-5,
+                 sequence_parallel: bool = False, params_dtype: torch.dtype = torch.float32,
+                 bias: bool = True):
+        super().__init__()
+        if hidden < 1 or eps < 0:
+            raise ValueError(f"{logical_name}: need hidden >= 1 and eps >= 0, got {hidden}, {eps}")
+        self.hidden, self.eps, self.logical_name = int(hidden), float(eps), logical_name
+        self.weight = nn.Parameter(torch.ones(hidden, device=ctx.device, dtype=params_dtype))
+        mark(self.weight, f"{logical_name}.weight", sequence_parallel=sequence_parallel, no_weight_decay=True)
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(hidden, device=ctx.device, dtype=params_dtype))
+            mark(self.bias, f"{logical_name}.bias", sequence_parallel=sequence_parallel, no_weight_decay=True)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b = None if self.bias is None else self.bias.float()
+        y = nn.functional.layer_norm(x.float(), (self.hidden,), self.weight.float(), b, self.eps)
+        return y.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden}, eps={self.eps}, bias={self.bias is not None}"
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square normalisation (Zhang and Sennrich 2019, section 3):
+    ``x / sqrt(mean(x^2) + eps) * weight``, over the last dim.
+
+    Args: as :class:`LayerNorm`, without a bias.
+
+    ``forward(x)``: ``[s, b, h]`` (or ``[s/tp, b, h]``); fp32 inside; same shape and dtype out.
+    """
+
+    def __init__(self, hidden: int, ctx, *, logical_name: str, eps: float = 1e-5,
+                 sequence_parallel: bool = False, params_dtype: torch.dtype = torch.float32):
+        super().__init__()
+        if hidden < 1 or eps < 0:
+            raise ValueError(f"{logical_name}: need hidden >= 1 and eps >= 0, got {hidden}, {eps}")
+        self.hidden, self.eps, self.logical_name = int(hidden), float(eps), logical_name
+        self.weight = nn.Parameter(torch.ones(hidden, device=ctx.device, dtype=params_dtype))
+        mark(self.weight, f"{logical_name}.weight", sequence_parallel=sequence_parallel, no_weight_decay=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return (y * self.weight.float()).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden}, eps={self.eps}"
