@@ -86,13 +86,15 @@ class GPTChunk(nn.Module):
             self.output_layer = ParallelLMHead(
                 cfg.vocab_size, cfg.hidden_size, ctx, logical_name="output_layer", seed=seed,
                 make_vocab_size_divisible_by=cfg.make_vocab_size_divisible_by,
-                init_method=normal_(cfg.init_method_std), params_dtype=params_dtype)
+                sequence_parallel=self.sequence_parallel, init_method=normal_(cfg.init_method_std),
+                params_dtype=params_dtype)
         elif embedding_weight is None and not self.pre_process:
             # The last stage's copy of the tied embedding: same logical name, same full tensor.
             self.output_layer = ParallelLMHead(
                 cfg.vocab_size, cfg.hidden_size, ctx, logical_name=WORD_EMBEDDINGS, seed=seed,
                 make_vocab_size_divisible_by=cfg.make_vocab_size_divisible_by,
-                init_method=normal_(cfg.init_method_std), params_dtype=params_dtype)
+                sequence_parallel=self.sequence_parallel, init_method=normal_(cfg.init_method_std),
+                params_dtype=params_dtype)
             self.output_layer.weight.shared_embedding = True
         else:
             self._tied_weight = [embedding_weight]  # a list: not registered twice as a parameter
@@ -139,7 +141,10 @@ class GPTChunk(nn.Module):
         from paratron.layers import vocab_parallel_cross_entropy, vocab_parallel_logits
 
         h = self.final_norm(h)
-        logits = vocab_parallel_logits(h, self.output_weight(), self.ctx, self.sequence_parallel)
+        if self.output_layer is not None:
+            logits = self.output_layer(h)
+        else:
+            logits = vocab_parallel_logits(h, self.output_weight(), self.ctx, self.sequence_parallel)
         if labels is None:
             return logits
         return vocab_parallel_cross_entropy(logits, labels.t().contiguous(), self.ctx, self.cfg.vocab_size)
@@ -236,3 +241,52 @@ def full_logits(logits: torch.Tensor, ctx, vocab_size: int) -> torch.Tensor:
     """
     full = ctx.tp.all_gather(logits.detach().contiguous(), dim=-1)
     return full[..., :vocab_size].transpose(0, 1)
+
+
+def _unique_params(chunks) -> list[torch.nn.Parameter]:
+    seen, out = set(), []
+    for chunk in chunks:
+        for p in chunk.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+    return out
+
+
+def load_full_state(chunks, tensors: dict[str, torch.Tensor]) -> set[str]:
+    """Copy each parameter's slice of the full tensor ``tensors[param.logical_name]`` into it
+    (``params.load_full_``; any TP/PP layout, padding rows left as they are).
+
+    Returns: the logical names used (a pipeline stage uses only its own).
+    Raises:
+        KeyError: a parameter of these chunks has no tensor (named).
+        ValueError: a tensor has the wrong full shape.
+    """
+    from paratron.parallel.params import load_full_
+
+    used = set()
+    for p in _unique_params(chunks):
+        if p.logical_name not in tensors:
+            raise KeyError(f"no tensor for parameter {p.logical_name!r}")
+        load_full_(p, tensors[p.logical_name])
+        used.add(p.logical_name)
+    return used
+
+
+def gather_full_state(chunks, ctx) -> dict[str, torch.Tensor]:
+    """The full logical tensors of these chunks' dense parameters, gathered over TP (vocab padding
+    dropped): ``{logical name: tensor}``. Every TP rank of the stage must call it (all-gathers in
+    parameter order). Each pipeline stage returns only its own parameters.
+
+    Raises:
+        NotImplementedError: an expert parameter (those are split over the expert groups).
+    """
+    out: dict[str, torch.Tensor] = {}
+    for p in _unique_params(chunks):
+        if getattr(p, "is_expert", False):
+            raise NotImplementedError(f"{p.logical_name}: gathering expert parameters is not supported here")
+        data = p.detach()
+        if p.tensor_parallel:
+            data = ctx.tp.all_gather(data.contiguous(), dim=p.partition_dim)
+        out[p.logical_name] = data[tuple(slice(0, n) for n in p.shard.global_shape)].clone()
+    return out

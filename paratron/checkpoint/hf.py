@@ -1,0 +1,353 @@
+"""Hugging Face import and export for ``LlamaForCausalLM`` and ``GPT2LMHeadModel`` folders
+(``config.json`` plus ``model.safetensors`` or a sharded ``model.safetensors.index.json``).
+
+Both directions work on *full* logical tensors keyed by paratron's layout-independent names
+(``layers.3.attention.qkv.weight``, ...), so an imported model loads into any TP/PP layout with
+:func:`paratron.models.gpt.load_full_state` (which calls ``params.load_full_`` per parameter),
+and any layout exports after gathering full tensors.
+
+Layout differences handled here:
+
+* **Fused QKV.** paratron fuses Q, K, V in one weight ordered per KV group ``[q heads of the
+  group, k, v]`` (see :mod:`paratron.models.attention`); Llama keeps ``q_proj``/``k_proj``/
+  ``v_proj``, GPT-2 one ``c_attn`` ordered ``[Q; K; V]``.
+* **GPT-2 Conv1D.** GPT-2 stores linear weights as ``[in, out]``; paratron as ``[out, in]``.
+* **RoPE.** paratron uses the same half-split rotation as the Hugging Face Llama port
+  (:mod:`paratron.models.rope`), so q/k weights need no permutation.
+* **Vocabulary padding** is not part of a logical tensor: nothing to strip or add.
+
+transformers itself is not needed: config.json is read and written as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from paratron.config import ConfigError, ModelConfig
+from paratron.models import spec
+
+Tensors = dict[str, torch.Tensor]
+
+_GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh",
+                     "gelu": "gelu"}
+# Non-parameter buffers some checkpoints carry (GPT-2's causal mask, old rotary caches).
+_IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
+
+
+# ------------------------------------------------------------------------------------------
+# QKV fusion
+# ------------------------------------------------------------------------------------------
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, groups: int) -> torch.Tensor:
+    """``q`` ``[n*d, ...]``, ``k``/``v`` ``[g*d, ...]`` -> paratron's fused ``[(n + 2g)*d, ...]``
+    ordered per KV group: ``[q heads of group j, k_j, v_j]`` for j = 0..g-1."""
+    d = q.shape[0] // heads
+    rest = tuple(q.shape[1:])
+    qg = q.reshape(groups, heads // groups, d, *rest)
+    kg, vg = k.reshape(groups, 1, d, *rest), v.reshape(groups, 1, d, *rest)
+    return torch.cat((qg, kg, vg), dim=1).reshape((heads + 2 * groups) * d, *rest).contiguous()
+
+
+def split_qkv(qkv: torch.Tensor, heads: int, groups: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`fuse_qkv`: returns ``(q [n*d, ...], k [g*d, ...], v [g*d, ...])``."""
+    d = qkv.shape[0] // (heads + 2 * groups)
+    rest = tuple(qkv.shape[1:])
+    per = qkv.reshape(groups, heads // groups + 2, d, *rest)
+    q = per[:, :heads // groups].reshape(heads * d, *rest)
+    return q.contiguous(), per[:, -2].reshape(groups * d, *rest).contiguous(), \
+        per[:, -1].reshape(groups * d, *rest).contiguous()
+
+
+# ------------------------------------------------------------------------------------------
+# Reading a Hugging Face folder
+# ------------------------------------------------------------------------------------------
+def _read_safetensors(hf_dir: Path) -> Tensors:
+    from safetensors.torch import load_file
+
+    single = hf_dir / "model.safetensors"
+    index = hf_dir / "model.safetensors.index.json"
+    if single.is_file():
+        return load_file(str(single))
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        out: Tensors = {}
+        for f in files:
+            out.update(load_file(str(hf_dir / f)))
+        return out
+    raise FileNotFoundError(f"{hf_dir}: no model.safetensors or model.safetensors.index.json "
+                            "(only safetensors checkpoints are supported)")
+
+
+def _architecture(hf: dict, where: str) -> str:
+    kind = hf.get("model_type")
+    archs = hf.get("architectures") or []
+    if kind == "llama" or "LlamaForCausalLM" in archs:
+        return "llama"
+    if kind == "gpt2" or "GPT2LMHeadModel" in archs:
+        return "gpt2"
+    raise ConfigError(f"{where}: model_type={kind!r}, architectures={archs}: only LlamaForCausalLM "
+                      "and GPT2LMHeadModel are supported")
+
+
+def _llama_config(hf: dict, where: str) -> ModelConfig:
+    heads = hf["num_attention_heads"]
+    hidden = hf["hidden_size"]
+    if hf.get("head_dim") not in (None, hidden // heads):
+        raise ConfigError(f"{where}: head_dim={hf['head_dim']} differs from hidden_size/num_attention_heads="
+                          f"{hidden // heads}; paratron derives the head dim from hidden_size")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"{where}: hidden_act={hf['hidden_act']!r}; Llama import supports 'silu' (SwiGLU)")
+    if bool(hf.get("attention_bias", False)) != bool(hf.get("mlp_bias", False)):
+        raise ConfigError(f"{where}: attention_bias={hf.get('attention_bias')} and mlp_bias={hf.get('mlp_bias')} "
+                          "differ; paratron has one switch, model.add_bias_linear")
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise ConfigError(f"{where}: rope type {rope.get('rope_type', rope.get('type'))!r} is not supported "
+                          "(only the default RoPE)")
+    theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+    max_pos = hf.get("max_position_embeddings", 2048)
+    return ModelConfig(
+        num_layers=hf["num_hidden_layers"], hidden_size=hidden, num_attention_heads=heads,
+        num_query_groups=hf.get("num_key_value_heads") or heads, ffn_hidden_size=hf["intermediate_size"],
+        vocab_size=hf["vocab_size"], seq_length=max_pos, max_position_embeddings=max_pos,
+        normalization="rmsnorm", norm_epsilon=float(hf.get("rms_norm_eps", 1e-6)),
+        position_embedding_type="rope", rope_theta=float(theta), activation="swiglu",
+        add_bias_linear=bool(hf.get("attention_bias", False)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        hidden_dropout=0.0, attention_dropout=float(hf.get("attention_dropout", 0.0)),
+        init_method_std=float(hf.get("initializer_range", 0.02)))
+
+
+def _gpt2_config(hf: dict, where: str) -> ModelConfig:
+    act = hf.get("activation_function", "gelu_new")
+    if act not in _GPT2_ACTIVATIONS:
+        raise ConfigError(f"{where}: activation_function={act!r}; supported: {sorted(_GPT2_ACTIVATIONS)}")
+    if hf.get("scale_attn_by_inverse_layer_idx", False) or not hf.get("scale_attn_weights", True):
+        raise ConfigError(f"{where}: scale_attn_by_inverse_layer_idx / scale_attn_weights=false change the "
+                          "attention scale; paratron uses 1/sqrt(head_dim)")
+    if hf.get("add_cross_attention", False):
+        raise ConfigError(f"{where}: add_cross_attention=true is not supported")
+    max_pos = hf.get("n_positions", hf.get("max_position_embeddings", 1024))
+    return ModelConfig(
+        num_layers=hf["n_layer"], hidden_size=hf["n_embd"], num_attention_heads=hf["n_head"],
+        num_query_groups=None, ffn_hidden_size=hf.get("n_inner") or 4 * hf["n_embd"],
+        vocab_size=hf["vocab_size"], seq_length=max_pos, max_position_embeddings=max_pos,
+        normalization="layernorm", norm_epsilon=float(hf.get("layer_norm_epsilon", 1e-5)),
+        position_embedding_type="learned", activation=_GPT2_ACTIVATIONS[act], add_bias_linear=True,
+        tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
+        hidden_dropout=float(hf.get("resid_pdrop", 0.1)), attention_dropout=float(hf.get("attn_pdrop", 0.1)),
+        init_method_std=float(hf.get("initializer_range", 0.02)))
+
+
+def _take(src: Tensors, name: str, where: str) -> torch.Tensor:
+    if name not in src:
+        raise KeyError(f"{where}: tensor {name!r} is missing from the checkpoint")
+    return src.pop(name)
+
+
+def _llama_tensors(cfg: ModelConfig, src: Tensors, where: str) -> Tensors:
+    heads, groups, bias = cfg.num_attention_heads, spec.query_groups(cfg), cfg.add_bias_linear
+    out: Tensors = {"embedding.word_embeddings.weight": _take(src, "model.embed_tokens.weight", where),
+                    "final_norm.weight": _take(src, "model.norm.weight", where)}
+    if not cfg.tie_embeddings:
+        out["output_layer.weight"] = _take(src, "lm_head.weight", where)
+    else:
+        src.pop("lm_head.weight", None)
+    for i in range(cfg.num_layers):
+        h, p = f"model.layers.{i}", f"layers.{i}"
+        out[f"{p}.input_norm.weight"] = _take(src, f"{h}.input_layernorm.weight", where)
+        out[f"{p}.post_attention_norm.weight"] = _take(src, f"{h}.post_attention_layernorm.weight", where)
+        for kind in ("weight", "bias") if bias else ("weight",):
+            q, k, v = (_take(src, f"{h}.self_attn.{x}_proj.{kind}", where) for x in "qkv")
+            out[f"{p}.attention.qkv.{kind}"] = fuse_qkv(q, k, v, heads, groups)
+            out[f"{p}.attention.proj.{kind}"] = _take(src, f"{h}.self_attn.o_proj.{kind}", where)
+            for ours, theirs in (("gate", "gate_proj"), ("up", "up_proj"), ("fc2", "down_proj")):
+                out[f"{p}.mlp.{ours}.{kind}"] = _take(src, f"{h}.mlp.{theirs}.{kind}", where)
+    return out
+
+
+def _gpt2_tensors(cfg: ModelConfig, src: Tensors, where: str) -> Tensors:
+    heads = cfg.num_attention_heads
+    out: Tensors = {"embedding.word_embeddings.weight": _take(src, "wte.weight", where),
+                    "embedding.position_embeddings.weight": _take(src, "wpe.weight", where),
+                    "final_norm.weight": _take(src, "ln_f.weight", where),
+                    "final_norm.bias": _take(src, "ln_f.bias", where)}
+    if not cfg.tie_embeddings:
+        out["output_layer.weight"] = _take(src, "lm_head.weight", where)
+    else:
+        src.pop("lm_head.weight", None)
+    for i in range(cfg.num_layers):
+        h, p = f"h.{i}", f"layers.{i}"
+        for ours, theirs in (("input_norm", "ln_1"), ("post_attention_norm", "ln_2")):
+            out[f"{p}.{ours}.weight"] = _take(src, f"{h}.{theirs}.weight", where)
+            out[f"{p}.{ours}.bias"] = _take(src, f"{h}.{theirs}.bias", where)
+        # Conv1D weights are [in, out]: transpose to [out, in].
+        w = _take(src, f"{h}.attn.c_attn.weight", where).t()
+        b = _take(src, f"{h}.attn.c_attn.bias", where)
+        out[f"{p}.attention.qkv.weight"] = fuse_qkv(*w.chunk(3, dim=0), heads, heads)
+        out[f"{p}.attention.qkv.bias"] = fuse_qkv(*b.chunk(3, dim=0), heads, heads)
+        for ours, theirs in (("attention.proj", "attn.c_proj"), ("mlp.fc1", "mlp.c_fc"), ("mlp.fc2", "mlp.c_proj")):
+            out[f"{p}.{ours}.weight"] = _take(src, f"{h}.{theirs}.weight", where).t().contiguous()
+            out[f"{p}.{ours}.bias"] = _take(src, f"{h}.{theirs}.bias", where)
+    return out
+
+
+def hf_config_to_model(hf: dict, where: str = "config.json") -> ModelConfig:
+    """A :class:`ModelConfig` from a Hugging Face ``config.json`` dict (Llama or GPT-2).
+
+    Raises:
+        ConfigError: another architecture, or a feature paratron does not model (named).
+    """
+    arch = _architecture(hf, where)
+    return _llama_config(hf, where) if arch == "llama" else _gpt2_config(hf, where)
+
+
+def hf_to_paratron(hf_dir: str | Path) -> tuple[ModelConfig, Tensors]:
+    """Read a Hugging Face ``LlamaForCausalLM`` or ``GPT2LMHeadModel`` folder.
+
+    Returns:
+        ``(model config, {logical name: full tensor})``, tensors in the checkpoint's dtype.
+    Raises:
+        FileNotFoundError: no config.json or safetensors file.
+        ConfigError: an unsupported architecture or feature.
+        KeyError: a tensor the config calls for is missing.
+        ValueError: the checkpoint holds tensors this mapping does not know (named).
+    """
+    hf_dir = Path(hf_dir)
+    cfg_path = hf_dir / "config.json"
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"{hf_dir}: no config.json")
+    hf = json.loads(cfg_path.read_text())
+    cfg = hf_config_to_model(hf, str(cfg_path))
+    src = _read_safetensors(hf_dir)
+    where = str(hf_dir)
+    if _architecture(hf, where) == "llama":
+        tensors = _llama_tensors(cfg, src, where)
+    else:
+        # Checkpoints saved by GPT2LMHeadModel prefix "transformer."; the original ones do not.
+        src = {k.removeprefix("transformer."): v for k, v in src.items()}
+        tensors = _gpt2_tensors(cfg, src, where)
+    left = sorted(k for k in src if not k.endswith(_IGNORED_SUFFIXES))
+    if left:
+        raise ValueError(f"{where}: tensors not mapped to paratron names: {left[:8]}"
+                         f"{' ...' if len(left) > 8 else ''}")
+    return cfg, tensors
+
+
+# ------------------------------------------------------------------------------------------
+# Writing a Hugging Face folder
+# ------------------------------------------------------------------------------------------
+def hf_architecture_for(cfg: ModelConfig) -> str:
+    """``"llama"`` or ``"gpt2"``: the Hugging Face architecture that computes exactly this model.
+
+    Raises:
+        ConfigError: no supported architecture matches; the message names the fields.
+    """
+    if cfg.num_experts > 0:
+        raise ConfigError(f"model.num_experts={cfg.num_experts}: MoE models have no Llama/GPT-2 export")
+    if (cfg.normalization, cfg.position_embedding_type, cfg.activation) == ("rmsnorm", "rope", "swiglu"):
+        return "llama"
+    if (cfg.normalization, cfg.position_embedding_type) == ("layernorm", "learned") and \
+            cfg.activation in ("gelu", "gelu_tanh"):
+        if not cfg.add_bias_linear:
+            raise ConfigError("model.add_bias_linear=false: GPT-2 always has biases; no export target")
+        if spec.query_groups(cfg) != cfg.num_attention_heads:
+            raise ConfigError(f"model.num_query_groups={cfg.num_query_groups}: GPT-2 has no grouped-query "
+                              "attention; no export target")
+        return "gpt2"
+    raise ConfigError(f"model.normalization={cfg.normalization!r}, model.position_embedding_type="
+                      f"{cfg.position_embedding_type!r}, model.activation={cfg.activation!r}: export "
+                      "supports Llama (rmsnorm, rope, swiglu) and GPT-2 (layernorm, learned, gelu/gelu_tanh)")
+
+
+def _dtype_name(tensors: Tensors) -> str:
+    dt = next(iter(tensors.values())).dtype
+    return {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(dt, "float32")
+
+
+def _llama_export(cfg: ModelConfig, t: Tensors) -> tuple[dict, Tensors]:
+    heads, groups = cfg.num_attention_heads, spec.query_groups(cfg)
+    hf = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
+          "hidden_size": cfg.hidden_size, "intermediate_size": spec.ffn_size(cfg),
+          "num_hidden_layers": cfg.num_layers, "num_attention_heads": heads, "num_key_value_heads": groups,
+          "head_dim": spec.head_dim(cfg), "hidden_act": "silu",
+          "max_position_embeddings": spec.max_positions(cfg), "rms_norm_eps": cfg.norm_epsilon,
+          "rope_theta": cfg.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+          "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": cfg.add_bias_linear,
+          "mlp_bias": cfg.add_bias_linear, "attention_dropout": cfg.attention_dropout,
+          "initializer_range": cfg.init_method_std}
+    out = {"model.embed_tokens.weight": t["embedding.word_embeddings.weight"], "model.norm.weight": t["final_norm.weight"]}
+    if not cfg.tie_embeddings:
+        out["lm_head.weight"] = t["output_layer.weight"]
+    for i in range(cfg.num_layers):
+        h, p = f"model.layers.{i}", f"layers.{i}"
+        out[f"{h}.input_layernorm.weight"] = t[f"{p}.input_norm.weight"]
+        out[f"{h}.post_attention_layernorm.weight"] = t[f"{p}.post_attention_norm.weight"]
+        for kind in ("weight", "bias") if cfg.add_bias_linear else ("weight",):
+            q, k, v = split_qkv(t[f"{p}.attention.qkv.{kind}"], heads, groups)
+            out.update({f"{h}.self_attn.q_proj.{kind}": q, f"{h}.self_attn.k_proj.{kind}": k,
+                        f"{h}.self_attn.v_proj.{kind}": v,
+                        f"{h}.self_attn.o_proj.{kind}": t[f"{p}.attention.proj.{kind}"]})
+            for ours, theirs in (("gate", "gate_proj"), ("up", "up_proj"), ("fc2", "down_proj")):
+                out[f"{h}.mlp.{theirs}.{kind}"] = t[f"{p}.mlp.{ours}.{kind}"]
+    return hf, out
+
+
+def _gpt2_export(cfg: ModelConfig, t: Tensors) -> tuple[dict, Tensors]:
+    heads = cfg.num_attention_heads
+    act = "gelu_new" if cfg.activation == "gelu_tanh" else "gelu"
+    hf = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": cfg.vocab_size,
+          "n_positions": spec.max_positions(cfg), "n_embd": cfg.hidden_size, "n_layer": cfg.num_layers,
+          "n_head": heads, "n_inner": spec.ffn_size(cfg), "activation_function": act,
+          "resid_pdrop": cfg.hidden_dropout, "embd_pdrop": cfg.hidden_dropout, "attn_pdrop": cfg.attention_dropout,
+          "layer_norm_epsilon": cfg.norm_epsilon, "initializer_range": cfg.init_method_std,
+          "tie_word_embeddings": cfg.tie_embeddings, "scale_attn_weights": True}
+    out = {"transformer.wte.weight": t["embedding.word_embeddings.weight"],
+           "transformer.wpe.weight": t["embedding.position_embeddings.weight"],
+           "transformer.ln_f.weight": t["final_norm.weight"], "transformer.ln_f.bias": t["final_norm.bias"]}
+    if not cfg.tie_embeddings:
+        out["lm_head.weight"] = t["output_layer.weight"]
+    for i in range(cfg.num_layers):
+        h, p = f"transformer.h.{i}", f"layers.{i}"
+        for ours, theirs in (("input_norm", "ln_1"), ("post_attention_norm", "ln_2")):
+            out[f"{h}.{theirs}.weight"] = t[f"{p}.{ours}.weight"]
+            out[f"{h}.{theirs}.bias"] = t[f"{p}.{ours}.bias"]
+        out[f"{h}.attn.c_attn.weight"] = torch.cat(split_qkv(t[f"{p}.attention.qkv.weight"], heads, heads)).t()
+        out[f"{h}.attn.c_attn.bias"] = torch.cat(split_qkv(t[f"{p}.attention.qkv.bias"], heads, heads))
+        for ours, theirs in (("attention.proj", "attn.c_proj"), ("mlp.fc1", "mlp.c_fc"), ("mlp.fc2", "mlp.c_proj")):
+            out[f"{h}.{theirs}.weight"] = t[f"{p}.{ours}.weight"].t()
+            out[f"{h}.{theirs}.bias"] = t[f"{p}.{ours}.bias"]
+    return hf, out
+
+
+def paratron_to_hf(cfg: ModelConfig, tensors: Tensors, out_dir: str | Path) -> Path:
+    """Write ``config.json`` and ``model.safetensors`` that ``transformers`` loads as
+    ``LlamaForCausalLM`` or ``GPT2LMHeadModel`` (chosen by :func:`hf_architecture_for`).
+
+    Args:
+        cfg: the model config (``vocab_size`` set).
+        tensors: ``{logical name: full tensor}`` (unpadded vocab), e.g. from
+            :func:`paratron.models.gpt.gather_full_state` or a checkpoint.
+        out_dir: created if missing.
+    Returns: ``out_dir`` as a Path.
+    Raises:
+        ConfigError: no supported architecture matches the config.
+        KeyError: a tensor the config calls for is missing (named).
+    """
+    from safetensors.torch import save_file
+
+    arch = hf_architecture_for(cfg)
+    try:
+        hf, out = (_llama_export if arch == "llama" else _gpt2_export)(cfg, tensors)
+    except KeyError as e:
+        raise KeyError(f"paratron_to_hf: tensor {e.args[0]!r} is missing") from None
+    hf["dtype"] = hf["torch_dtype"] = _dtype_name(tensors)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # safetensors refuses views sharing storage: give every tensor its own contiguous copy.
+    save_file({k: v.detach().to("cpu").contiguous().clone() for k, v in out.items()},
+              str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    (out_dir / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
+    return out_dir

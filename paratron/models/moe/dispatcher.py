@@ -1,0 +1,238 @@
+"""Token dispatchers: move routed tokens to the ranks that hold their experts and back.
+
+A dispatcher has two steps around the expert computation:
+
+* ``dispatch(tokens [T, h], indices [T, k]) -> (expert_input [N, h], tokens_per_expert, plan)``:
+  ``expert_input`` holds this rank's local experts' rows, expert-major (all rows of local expert
+  0, then local expert 1, ...); ``tokens_per_expert`` lists the row counts.
+* ``combine(expert_output [N, h], plan) -> [T, k, h]``: each (token, slot)'s expert output,
+  back on the token's own rank, zero for dropped slots (expert id -1). The caller weights the
+  slots by the router probabilities and sums them.
+
+Experts are split over the EP group: group rank ``j`` holds global experts
+``[j * E_local, (j + 1) * E_local)``. A rank whose experts get no token gets empty tensors and
+its experts still produce (zero) grads.
+
+Dispatchers are chosen by name through :func:`register_dispatcher` / :func:`get_dispatcher`
+(``model.moe_token_dispatcher``), a registry that research code can extend (DESIGN.md
+principle 7).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .collectives import all_to_all, gather_rows, reduce_scatter_rows
+
+
+def _expert_major(indices: torch.Tensor, lo: int, hi: int):
+    """Kept (token, slot) pairs routed to experts ``[lo, hi)``, sorted by (expert, token, slot).
+
+    Returns:
+        ``(slot_ids [R], experts [R])``: flat slot ids ``t * k + j`` and their expert ids.
+    """
+    flat = indices.reshape(-1)
+    slot_ids = torch.nonzero((flat >= lo) & (flat < hi)).reshape(-1)
+    experts = flat[slot_ids]
+    order = torch.sort(experts, stable=True).indices
+    return slot_ids[order], experts[order]
+
+
+def _source_to_expert_major(counts: torch.Tensor) -> torch.Tensor:
+    """Permutation from rows grouped [source rank][local expert] to [local expert][source rank].
+
+    Args:
+        counts: ``[ep, E_local]`` rows from each source rank for each local expert.
+    Returns:
+        ``[N]`` int64: row ``i`` of the expert-major order is row ``perm[i]`` of the source-major one.
+    """
+    starts = (torch.cumsum(counts.reshape(-1), 0) - counts.reshape(-1)).view_as(counts)
+    c, s = counts.t().reshape(-1), starts.t().reshape(-1)
+    offsets = torch.cumsum(c, 0) - c
+    n = int(c.sum())
+    return torch.arange(n, device=counts.device) + torch.repeat_interleave(s - offsets, c)
+
+
+class TokenDispatcher:
+    """Base class. Args: ``ctx`` (parallel context), ``num_experts``, ``capacity`` (slots per
+    expert, None: dropless), ``pad_to_capacity`` (fill every expert's rows to ``capacity``, so
+    shapes are static; dropped pairs must already be marked -1)."""
+
+    def __init__(self, ctx, num_experts: int, *, capacity: int | None = None, pad_to_capacity: bool = False):
+        ep = ctx.ep.size
+        if num_experts % ep:
+            raise ValueError(f"model.num_experts={num_experts} is not divisible by parallel.expert={ep}")
+        if pad_to_capacity and capacity is None:
+            raise ValueError("model.moe_pad_to_capacity=true needs model.moe_capacity_factor to be set")
+        self.ctx, self.group = ctx, ctx.ep
+        self.num_experts, self.num_local = num_experts, num_experts // ep
+        self.first_expert = self.group.rank * self.num_local
+        self.capacity, self.pad_to_capacity = capacity, pad_to_capacity
+
+    def dispatch(self, tokens: torch.Tensor, indices: torch.Tensor):
+        raise NotImplementedError
+
+    def combine(self, expert_output: torch.Tensor, plan) -> torch.Tensor:
+        raise NotImplementedError
+
+
+@dataclass
+class _AllToAllPlan:
+    num_slots: int
+    k: int
+    row_slots: torch.Tensor      # [R_real] slot id of each real row (send order)
+    real_rows: torch.Tensor      # [R_real] position of each real row in the (padded) send buffer
+    send_rows: int               # rows in the (padded) send buffer
+    in_splits: list[int]         # rows sent to each EP rank (0 for this rank: kept local)
+    out_splits: list[int]        # rows received from each EP rank (0 for this rank)
+    local_range: tuple[int, int] # this rank's own block in the send buffer
+    recv_local_at: int           # where the own block goes among received rows
+    to_expert_major: torch.Tensor  # [N] permutation: source-major rows -> expert-major rows
+
+
+class AllToAllDispatcher(TokenDispatcher):
+    """All-to-all dispatch and combine (GShard, Lepikhin et al. 2020, section 2.2).
+
+    Dispatch: sort this rank's (token, slot) pairs by expert, exchange the per-expert counts
+    (one all-to-all of ``E`` int64 per rank, skipped when padding to capacity makes them
+    static), send each block to the rank of its experts with one uneven all-to-all, and reorder
+    the received rows from source-major to expert-major. Combine runs the same steps backwards.
+
+    Rows meant for this rank's own experts never enter the all-to-all (their split is 0), so the
+    ledger's all-to-all bytes are exactly the off-rank volume: per MoE layer and direction,
+    ``h * itemsize`` per off-rank row, plus ``E * 8`` bytes of counts.
+    """
+
+    def _exchange_counts(self, send_counts: torch.Tensor) -> torch.Tensor:
+        """``send_counts`` [ep, E_local] rows for each rank's local experts -> the same from
+        every source rank for this rank's experts, [ep, E_local]."""
+        if self.pad_to_capacity:
+            return torch.full_like(send_counts, self.capacity)
+        recv = torch.empty_like(send_counts)
+        self.group.all_to_all(recv, send_counts.contiguous())
+        return recv
+
+    def dispatch(self, tokens: torch.Tensor, indices: torch.Tensor):
+        T, k = indices.shape
+        h = tokens.shape[-1]
+        ep, me, E, El = self.group.size, self.group.rank, self.num_experts, self.num_local
+        slot_ids, experts = _expert_major(indices, 0, E)
+        counts = torch.bincount(experts, minlength=E)
+        rows = tokens.index_select(0, torch.div(slot_ids, k, rounding_mode="floor"))
+        if self.pad_to_capacity:
+            # Static shapes: every expert gets exactly `capacity` rows, real rows first.
+            if int(counts.max()) > self.capacity:
+                raise ValueError(f"an expert got {int(counts.max())} rows, over its capacity "
+                                 f"{self.capacity}: drop over-capacity tokens before dispatch")
+            starts = torch.cumsum(counts, 0) - counts
+            within = torch.arange(experts.numel(), device=experts.device) - starts[experts]
+            real_rows = experts * self.capacity + within
+            send_counts = torch.full((E,), self.capacity, dtype=torch.int64, device=tokens.device)
+            buf = rows.new_zeros(E * self.capacity, h).index_copy(0, real_rows, rows)
+        else:
+            real_rows = torch.arange(experts.numel(), device=experts.device)
+            send_counts = counts
+            buf = rows
+        send_counts = send_counts.view(ep, El)
+        recv_counts = self._exchange_counts(send_counts)
+        per_rank = send_counts.sum(dim=1).tolist()
+        recv_per_rank = recv_counts.sum(dim=1).tolist()
+        lo = sum(per_rank[:me])
+        local_range = (lo, lo + per_rank[me])
+        in_splits = list(per_rank)
+        in_splits[me] = 0
+        out_splits = list(recv_per_rank)
+        out_splits[me] = 0
+        send = torch.cat([buf[:local_range[0]], buf[local_range[1]:]])
+        received = all_to_all(send, self.group, out_splits, in_splits)
+        at = sum(out_splits[:me])
+        source_major = torch.cat([received[:at], buf[local_range[0]:local_range[1]], received[at:]])
+        # Rows arrive as [source rank][local expert]; experts run on [local expert][source rank].
+        to_expert_major = _source_to_expert_major(recv_counts)
+        expert_input = source_major.index_select(0, to_expert_major)
+        plan = _AllToAllPlan(T * k, k, slot_ids, real_rows, buf.shape[0], in_splits, out_splits,
+                             local_range, at, to_expert_major)
+        return expert_input, recv_counts.sum(dim=0).tolist(), plan
+
+    def combine(self, expert_output: torch.Tensor, plan: _AllToAllPlan) -> torch.Tensor:
+        h = expert_output.shape[-1]
+        source_major = expert_output.new_zeros(expert_output.shape).index_copy(
+            0, plan.to_expert_major, expert_output)
+        at, n_own = plan.recv_local_at, plan.local_range[1] - plan.local_range[0]
+        own = source_major[at:at + n_own]
+        back = torch.cat([source_major[:at], source_major[at + n_own:]])
+        returned = all_to_all(back, self.group, plan.in_splits, plan.out_splits)
+        lo = plan.local_range[0]
+        buf = torch.cat([returned[:lo], own, returned[lo:]])
+        rows = buf.index_select(0, plan.real_rows)
+        slots = rows.new_zeros(plan.num_slots, h).index_copy(0, plan.row_slots, rows)
+        return slots.view(plan.num_slots // plan.k, plan.k, h)
+
+
+@dataclass
+class _AllGatherPlan:
+    num_slots: int
+    k: int
+    row_slots: torch.Tensor  # [N] slot id (in the EP-gathered slot space) of each expert row
+
+
+class AllGatherDispatcher(TokenDispatcher):
+    """All-gather dispatch, reduce-scatter combine (Megatron-LM's all-gather token dispatcher).
+
+    Every EP rank all-gathers the tokens and expert ids of the whole EP group, runs its local
+    experts on the rows routed to them, and the per-slot outputs are summed back to their owners
+    with one reduce-scatter. Moves ``ep`` times more data than all-to-all, but has no
+    data-dependent splits. ``pad_to_capacity`` is not used here (shapes are already static).
+    The EP ranks must hold the same number of tokens.
+    """
+
+    def dispatch(self, tokens: torch.Tensor, indices: torch.Tensor):
+        T, k = indices.shape
+        lo, hi = self.first_expert, self.first_expert + self.num_local
+        all_tokens = gather_rows(tokens, self.group, grad_is_partial=True)  # [ep*T, h]
+        all_indices = self.group.all_gather(indices.contiguous(), 0)        # [ep*T, k]
+        slot_ids, experts = _expert_major(all_indices, lo, hi)
+        counts = torch.bincount(experts - lo, minlength=self.num_local)
+        expert_input = all_tokens.index_select(0, torch.div(slot_ids, k, rounding_mode="floor"))
+        return expert_input, counts.tolist(), _AllGatherPlan(all_indices.numel(), k, slot_ids)
+
+    def combine(self, expert_output: torch.Tensor, plan: _AllGatherPlan) -> torch.Tensor:
+        h = expert_output.shape[-1]
+        slots = expert_output.new_zeros(plan.num_slots, h).index_copy(0, plan.row_slots, expert_output)
+        mine = reduce_scatter_rows(slots, self.group)
+        return mine.view(mine.shape[0] // plan.k, plan.k, h)
+
+
+_DISPATCHERS: dict[str, Callable[..., TokenDispatcher]] = {
+    "alltoall": AllToAllDispatcher,
+    "allgather": AllGatherDispatcher,
+}
+
+
+def register_dispatcher(name: str, cls: Callable[..., TokenDispatcher]) -> None:
+    """Make ``cls`` selectable as ``model.moe_token_dispatcher = name``.
+
+    ``cls(ctx, num_experts, *, capacity, pad_to_capacity)`` must return an object with the
+    ``dispatch``/``combine`` contract of this module.
+
+    Raises:
+        ValueError: ``name`` is already registered to another class.
+    """
+    if name in _DISPATCHERS and _DISPATCHERS[name] is not cls:
+        raise ValueError(f"token dispatcher {name!r} is already registered")
+    _DISPATCHERS[name] = cls
+
+
+def get_dispatcher(name: str) -> Callable[..., TokenDispatcher]:
+    """The dispatcher class registered as ``name``.
+
+    Raises:
+        ValueError: unknown name (the message lists the registered ones).
+    """
+    if name not in _DISPATCHERS:
+        raise ValueError(f"model.moe_token_dispatcher={name!r} is not a registered token dispatcher; "
+                         f"choose one of {', '.join(sorted(_DISPATCHERS))}")
+    return _DISPATCHERS[name]
