@@ -84,6 +84,8 @@ class ModelConfig:
     """Inner width of the shared expert; None means no shared expert."""
     moe_token_dispatcher: str = "alltoall"
     """Token dispatcher registry name: alltoall or allgather."""
+    moe_pad_to_capacity: bool = False
+    """With a capacity factor, pad every expert's rows to its capacity (static shapes)."""
 
 
 @dataclass

@@ -1,0 +1,233 @@
+"""The mixture-of-experts MLP: router -> token dispatch -> local experts -> combine (+ shared expert).
+
+Sources: Shazeer et al. 2017 (sparsely-gated MoE); Lepikhin et al. 2020, GShard (section 2:
+top-2 gating, expert parallelism with all-to-all); Fedus et al. 2021, Switch Transformers
+(capacity factor, aux loss); Zoph et al. 2022, ST-MoE (router z-loss); Rajbhandari et al. 2022,
+DeepSpeed-MoE (shared expert, section 4.1 "Residual-MoE").
+
+How the layout maps onto the tokens (expert-TP is 1: every expert is whole on its rank):
+
+* **EP.** The EP ranks are data-parallel ranks of the dense grid: each routes its own tokens and
+  the dispatcher sends every (token, slot) to the rank holding its expert.
+* **TP with sequence parallelism.** The input is ``[s/tp, b, h]``: each TP rank routes and
+  dispatches its own positions. The router weight is marked ``sequence_parallel`` (its grads are
+  summed over TP). The per-expert counts of the microbatch are gathered over TP, so the aux loss
+  and the capacity decisions are those of the whole microbatch.
+* **TP without sequence parallelism.** The input ``[s, b, h]`` is the same on every TP rank. Each
+  TP rank routes all tokens (same result everywhere, so the router grads are equal without a
+  reduction) but dispatches only its 1/tp of them; the per-slot expert outputs are all-gathered
+  over TP and combined everywhere. So each token passes its experts once, and the expert grads,
+  summed over ``expert_dp``, count each token once.
+
+The aux and z losses reach the backward without changing the layer output: an identity autograd
+function on the output adds ``aux_loss_scale * (aux_coeff * aux + z_coeff * z)`` to the loss being
+differentiated (the idea of Megatron-LM's ``MoEAuxLossAutoScaler``). The training step sets
+``aux_loss_scale`` (:func:`set_aux_loss_scale`) to ``1 / (number of microbatches in the global
+batch, over all DP ranks)``: the LM loss is divided by the global token count and DDP sums the
+grads, so the aux-loss grad then equals ``coeff *`` the mean over microbatches of the per-
+microbatch aux-loss grad, the same under every layout.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from paratron.config import ModelConfig
+
+from .collectives import gather_rows, split_rows
+from .dispatcher import get_dispatcher
+from .experts import LocalExperts
+from .router import TopKRouter, drop_over_capacity, expert_capacity
+
+
+class _AttachAuxLoss(torch.autograd.Function):
+    """Identity on ``out``; in backward, hands ``scale`` as the grad of the scalar ``aux``."""
+
+    @staticmethod
+    def forward(ctx, out, aux, scale: float):
+        ctx.scale = scale
+        ctx.aux_meta = (aux.shape, aux.dtype, aux.device)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        shape, dtype, device = ctx.aux_meta
+        return grad, torch.full(shape, ctx.scale, dtype=dtype, device=device), None
+
+
+class SharedExpert(nn.Module):
+    """A dense MLP run on every token, added to the routed experts' output (DeepSpeed-MoE's
+    residual expert, Rajbhandari et al. 2022, section 4.1), split over TP like the dense MLP.
+
+    Parameters: ``layers.{i}.mlp.shared_expert.{fc1|gate|up|fc2}.{weight|bias}``.
+    ``forward``: ``[s, b, h]`` (``[s/tp, b, h]`` under SP) -> same layout.
+    """
+
+    def __init__(self, cfg: ModelConfig, ctx, *, prefix: str, ffn: int, seed: int, sequence_parallel: bool,
+                 params_dtype: torch.dtype):
+        from paratron.layers import ColumnParallelLinear, RowParallelLinear
+        from paratron.layers.init import normal_, scaled_normal_
+
+        super().__init__()
+        self.activation = cfg.activation
+        kw = dict(seed=seed, bias=cfg.add_bias_linear, sequence_parallel=sequence_parallel,
+                  params_dtype=params_dtype)
+
+        def column(name: str) -> nn.Module:
+            return ColumnParallelLinear(cfg.hidden_size, ffn, ctx, logical_name=f"{prefix}.{name}",
+                                        init_method=normal_(cfg.init_method_std), **kw)
+
+        if cfg.activation == "swiglu":
+            self.gate, self.up = column("gate"), column("up")
+        else:
+            self.fc1 = column("fc1")
+        self.fc2 = RowParallelLinear(ffn, cfg.hidden_size, ctx, logical_name=f"{prefix}.fc2",
+                                     input_is_parallel=True,
+                                     init_method=scaled_normal_(cfg.init_method_std, max(cfg.num_layers, 1)),
+                                     **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.activation == "swiglu":
+            inner = torch.nn.functional.silu(self.gate(x)) * self.up(x)
+        else:
+            approximate = "tanh" if self.activation == "gelu_tanh" else "none"
+            inner = torch.nn.functional.gelu(self.fc1(x), approximate=approximate)
+        return self.fc2(inner)
+
+
+class MoELayer(nn.Module):
+    """Mixture-of-experts MLP for transformer layer ``layer_number``.
+
+    Args:
+        cfg: the model config: ``num_experts``, ``moe_top_k``, ``moe_router_score``,
+            ``moe_aux_loss_coeff``, ``moe_z_loss_coeff``, ``moe_capacity_factor`` (None:
+            dropless), ``moe_pad_to_capacity``, ``moe_ffn_hidden_size``,
+            ``moe_shared_expert_ffn_hidden_size``, ``moe_token_dispatcher``, plus the dense sizes.
+        ctx: the parallel context (groups ``tp``, ``ep``; expert params reduce over ``expert_dp``).
+        layer_number: the global (0-based) layer index; params are named ``layers.{i}.mlp.*``.
+        seed: the run's seed (full tensors drawn from ``(seed, logical name)``).
+        sequence_parallel: activations are split along the sequence over TP.
+        params_dtype: parameter dtype (router logits and combine weights stay fp32).
+
+    ``forward(x)``: ``x`` is ``[s, b, h]`` (``[s/tp, b, h]`` under sequence parallelism); returns
+    the same shape and layout. The rows of a microbatch are its ``s * b`` tokens, sequence-major.
+
+    Attributes:
+        last_aux_loss: the last forward's aux loss of the whole microbatch (Switch eq. 4, without
+            the coefficient; 1.0 when perfectly balanced), a detached 0-dim fp32 tensor.
+        last_z_loss: the same for the router z-loss.
+        aux_loss_scale: multiplies the aux/z-loss grads (see the module docstring); default 1.0.
+
+    Raises:
+        ValueError: ``model.num_experts`` not positive or not divisible by ``parallel.expert``;
+            ``parallel.expert_tensor > 1`` (expert-TP is not implemented); an unknown
+            ``model.moe_token_dispatcher``; ``moe_pad_to_capacity`` without a capacity factor;
+            in ``forward``, without sequence parallelism, ``s * b`` not divisible by
+            ``parallel.tensor``.
+    """
+
+    def __init__(self, cfg: ModelConfig, ctx, *, layer_number: int, seed: int, sequence_parallel: bool,
+                 params_dtype: torch.dtype = torch.float32):
+        super().__init__()
+        E, ep = cfg.num_experts, ctx.ep.size
+        if E < 1:
+            raise ValueError(f"model.num_experts={E} must be >= 1 for an MoE layer")
+        if E % ep:
+            raise ValueError(f"model.num_experts={E} is not divisible by parallel.expert={ep}")
+        if ctx.grid.expert_tp != 1:
+            raise ValueError(f"parallel.expert_tensor={ctx.grid.expert_tp}: expert tensor parallelism "
+                             "is not implemented by the MoE layer; use 1 (experts stay whole per rank)")
+        self.cfg, self.ctx = cfg, ctx
+        self.sequence_parallel = bool(sequence_parallel) and ctx.tp.size > 1
+        prefix = f"layers.{layer_number}.mlp"
+        self.router = TopKRouter(cfg, ctx, logical_name=f"{prefix}.router", seed=seed,
+                                 sequence_parallel=self.sequence_parallel, params_dtype=params_dtype)
+        num_local = E // ep
+        self.experts = LocalExperts(cfg, ctx, prefix=prefix, seed=seed, first_expert=ctx.ep.rank * num_local,
+                                    num_local=num_local, params_dtype=params_dtype)
+        self.pad_to_capacity = bool(getattr(cfg, "moe_pad_to_capacity", False))
+        if self.pad_to_capacity and cfg.moe_capacity_factor is None:
+            raise ValueError("model.moe_pad_to_capacity=true needs model.moe_capacity_factor to be set")
+        self.dispatcher_cls = get_dispatcher(cfg.moe_token_dispatcher)
+        self.shared_expert = None
+        if cfg.moe_shared_expert_ffn_hidden_size:
+            self.shared_expert = SharedExpert(cfg, ctx, prefix=f"{prefix}.shared_expert",
+                                              ffn=cfg.moe_shared_expert_ffn_hidden_size, seed=seed,
+                                              sequence_parallel=self.sequence_parallel,
+                                              params_dtype=params_dtype)
+        self.aux_loss_scale = 1.0
+        self.last_aux_loss: torch.Tensor | None = None
+        self.last_z_loss: torch.Tensor | None = None
+
+    def _dispatcher(self, capacity: int | None):
+        return self.dispatcher_cls(self.ctx, self.cfg.num_experts, capacity=capacity,
+                                   pad_to_capacity=self.pad_to_capacity)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cfg, tp = self.cfg, self.ctx.tp
+        s, b, h = x.shape
+        tokens = x.reshape(s * b, h)
+        routing = self.router(tokens, tp if self.sequence_parallel else None)
+        indices = routing.indices
+        capacity = None
+        if cfg.moe_capacity_factor is not None:
+            capacity = expert_capacity(routing.num_tokens, cfg.num_experts, cfg.moe_top_k,
+                                       cfg.moe_capacity_factor)
+            indices = drop_over_capacity(indices, capacity, routing.counts_before)
+
+        replicated = not self.sequence_parallel and tp.size > 1
+        if replicated:
+            if (s * b) % tp.size:
+                raise ValueError(f"MoE without sequence parallelism splits the s*b={s * b} tokens of a "
+                                 f"microbatch over parallel.tensor={tp.size}; they must divide")
+            n = s * b // tp.size
+            d_tokens, d_indices = split_rows(tokens, tp), indices[tp.rank * n:(tp.rank + 1) * n]
+        else:
+            d_tokens, d_indices = tokens, indices
+
+        dispatcher = self._dispatcher(capacity)
+        expert_in, tokens_per_expert, plan = dispatcher.dispatch(d_tokens, d_indices)
+        expert_out = self.experts(expert_in, tokens_per_expert)
+        slots = dispatcher.combine(expert_out, plan)  # [T_d, k, h]
+        if replicated:
+            slots = gather_rows(slots, tp, grad_is_partial=False)
+        y = (slots.float() * routing.probs.unsqueeze(-1)).sum(dim=1).to(x.dtype)
+
+        self.last_aux_loss, self.last_z_loss = routing.aux_value, routing.z_value
+        ca, cz = cfg.moe_aux_loss_coeff, cfg.moe_z_loss_coeff
+        if (ca or cz) and torch.is_grad_enabled():
+            y = _AttachAuxLoss.apply(y, ca * routing.aux_loss + cz * routing.z_loss, float(self.aux_loss_scale))
+        y = y.view(s, b, h)
+        if self.shared_expert is not None:
+            y = y + self.shared_expert(x)
+        return y
+
+
+def moe_layers(module: nn.Module) -> list[MoELayer]:
+    """Every :class:`MoELayer` inside ``module`` (a model chunk or a list of chunks)."""
+    modules = module if isinstance(module, (list, tuple)) else [module]
+    return [m for chunk in modules for m in chunk.modules() if isinstance(m, MoELayer)]
+
+
+def set_aux_loss_scale(module: nn.Module, scale: float) -> None:
+    """Set ``aux_loss_scale`` on every MoE layer of ``module``; call it with ``1 / (number of
+    microbatches in the global batch, over all DP ranks)`` before the step's forwards.
+
+    Raises:
+        ValueError: ``scale`` is negative.
+    """
+    if scale < 0:
+        raise ValueError(f"aux loss scale must be >= 0, got {scale}")
+    for m in moe_layers(module):
+        m.aux_loss_scale = float(scale)
+
+
+def aux_losses(module: nn.Module) -> dict[str, float]:
+    """The last forward's aux and z losses averaged over the MoE layers of ``module`` (empty when
+    it has none or none has run), for the training log: ``{"moe_aux_loss": .., "moe_z_loss": ..}``."""
+    ran = [m for m in moe_layers(module) if m.last_aux_loss is not None]
+    if not ran:
+        return {}
+    return {"moe_aux_loss": float(torch.stack([m.last_aux_loss for m in ran]).mean()),
+            "moe_z_loss": float(torch.stack([m.last_z_loss for m in ran]).mean())}
