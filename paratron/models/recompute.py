@@ -23,12 +23,12 @@ def _tracker_contexts(tracker):
 
     @contextmanager
     def forward_ctx():
-        snapshot["states"] = tracker.get_states()
+        snapshot["states"] = tracker.get_states(include_default=False)
         yield
 
     @contextmanager
     def recompute_ctx():
-        current = tracker.get_states()
+        current = tracker.get_states(include_default=False)
         tracker.set_states(snapshot["states"])
         try:
             yield

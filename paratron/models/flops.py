@@ -1,0 +1,89 @@
+"""Model FLOPs per token, for TFLOP/s and MFU in the training log.
+
+Narayanan et al. 2021 ("Efficient Large-Scale Language Model Training on GPU Clusters Using
+Megatron-LM", appendix: FLOPs calculation) count the matrix multiplications of a GPT layer.
+Per token, one forward pass of one layer with hidden size ``h``, sequence length ``s`` and MLP
+width ``4h`` costs ``24 h^2 + 4 s h`` FLOPs (a multiply-add counts 2) and the output layer
+``2 h V``; the backward pass costs twice the forward, so training without recompute costs
+
+    F = 72 l h^2 (1 + s / (6 h) + V / (12 l h))    per token
+
+(their equation, divided by ``B s``, without the recompute term). We count the same products
+term by term so that each one generalises:
+
+* attention projections: ``2 h (n d + 2 g d)`` for Q, K, V with ``n`` query heads, ``g`` KV
+  groups of head dim ``d`` (GQA, Ainslie et al. 2023; ``g = n`` is multi-head, giving ``6 h^2``),
+  plus ``2 (n d) h`` for the output projection;
+* attention scores and the weighted sum: ``2 s (n d)`` each (``4 s h``; the causal mask is not
+  subtracted, as in Megatron);
+* dense MLP: ``2 h f`` per weight matrix: 2 matrices for GELU (``16 h^2`` at ``f = 4h``),
+  3 for SwiGLU (gate, up, down);
+* MoE layer: ``moe_top_k`` experts of width ``moe_ffn_hidden_size`` per token, plus the shared
+  expert if any, plus the router ``2 h E``;
+* output layer: ``2 h V``; the same for tied and untied embeddings (the input lookup is no
+  matmul). ``V`` is ``model.vocab_size`` (unpadded: padding columns are not model FLOPs).
+
+Training = 3 x forward. These are *model* FLOPs (Chowdhery et al. 2022, appendix B): recompute
+is excluded unless ``include_recompute`` asks for the hardware count.
+"""
+
+from __future__ import annotations
+
+from paratron.config import ModelConfig
+
+from . import spec
+
+
+def _mlp_flops(h: int, f: int, activation: str) -> float:
+    matrices = 3 if activation == "swiglu" else 2
+    return 2.0 * h * f * matrices
+
+
+def forward_flops_per_token(cfg: ModelConfig, seq_length: int | None = None) -> float:
+    """Forward FLOPs per token (see the module docstring for each term).
+
+    Raises:
+        ValueError: ``model.vocab_size`` is unset.
+    """
+    if cfg.vocab_size is None:
+        raise ValueError("model.vocab_size must be set to count FLOPs (the output layer is 2 h V)")
+    h, s = cfg.hidden_size, seq_length or cfg.seq_length
+    n, g, d = cfg.num_attention_heads, spec.query_groups(cfg), spec.head_dim(cfg)
+    attention = 2.0 * h * (n * d + 2 * g * d) + 2.0 * n * d * h + 4.0 * s * n * d
+    dense_mlp = _mlp_flops(h, spec.ffn_size(cfg), cfg.activation)
+    total = 0.0
+    for layer in range(cfg.num_layers):
+        total += attention
+        if spec.is_moe_layer(cfg, layer):
+            expert = _mlp_flops(h, cfg.moe_ffn_hidden_size or spec.ffn_size(cfg), cfg.activation)
+            shared = (_mlp_flops(h, cfg.moe_shared_expert_ffn_hidden_size, cfg.activation)
+                      if cfg.moe_shared_expert_ffn_hidden_size else 0.0)
+            total += cfg.moe_top_k * expert + shared + 2.0 * h * cfg.num_experts
+        else:
+            total += dense_mlp
+    return total + 2.0 * h * cfg.vocab_size
+
+
+def flops_per_token(cfg: ModelConfig, seq_length: int | None = None, include_recompute: bool = False) -> float:
+    """Training FLOPs per token (forward + backward = 3 x forward), Narayanan et al. 2021, appendix,
+    extended for GQA, SwiGLU and MoE (module docstring).
+
+    Args:
+        cfg: the model config (``vocab_size`` set).
+        seq_length: tokens per sample (default ``model.seq_length``): the attention terms grow with it.
+        include_recompute: add the recomputed forward work (``full``: every layer once more;
+            ``selective``: the attention scores and weighted sum), i.e. hardware FLOPs.
+    Returns: FLOPs (multiply-add = 2) per token of one training step.
+    Raises:
+        ValueError: ``model.vocab_size`` is unset.
+
+    Multiply by tokens per step and divide by step seconds for FLOP/s.
+    """
+    fwd = forward_flops_per_token(cfg, seq_length)
+    total = 3.0 * fwd
+    if include_recompute and cfg.recompute == "full":
+        total += fwd - 2.0 * cfg.hidden_size * cfg.vocab_size
+    elif include_recompute and cfg.recompute == "selective":
+        s = seq_length or cfg.seq_length
+        total += cfg.num_layers * 4.0 * s * cfg.num_attention_heads * spec.head_dim(cfg)
+    return total
