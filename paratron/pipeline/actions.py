@@ -1,0 +1,112 @@
+"""Pipeline actions: the vocabulary of schedules (DESIGN.md principle 3).
+
+A schedule is one list of :class:`Action` per pipeline rank. The runtime executes the lists, the
+simulator costs them and the timeline draws them; nothing else describes a schedule.
+
+Stages are numbered in model order: ``stage`` is the virtual pipeline stage (model chunk) index in
+``[0, p*v)``; stage 0 holds the input embedding and stage ``p*v-1`` computes the loss. Which pipeline
+rank holds which stages is the schedule's *placement* (:mod:`paratron.pipeline.placement`). On one
+rank, the model chunks are ordered by ascending stage, so local chunk ``c`` is the ``c``-th smallest
+stage of that rank.
+
+Kinds (Qi et al. 2023, section 2, split the backward into B and W):
+
+==========  ==========================================================================
+``F``       forward of one microbatch through one stage
+``B``       backward for the input grad only; linear layers defer their weight grads
+``W``       the deferred weight grads of one earlier ``B`` of the same stage
+``BW``      full backward (input and weight grads)
+``SEND_F``  send the output activation of ``F(microbatch, stage)`` to the rank of ``stage+1``
+``RECV_F``  receive the input activation of ``F(microbatch, stage)`` from the rank of ``stage-1``
+``SEND_B``  send the input grad of ``B/BW(microbatch, stage)`` to the rank of ``stage-1``
+``RECV_B``  receive the output grad of ``B/BW(microbatch, stage)`` from the rank of ``stage+1``
+==========  ==========================================================================
+
+``peer`` is the pipeline-group rank of the other side of a send or recv (None for compute).
+Consecutive send/recv actions in one rank's list form one batch (see :mod:`.validate`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+COMPUTE_KINDS = ("F", "B", "W", "BW")
+P2P_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
+KINDS = COMPUTE_KINDS + P2P_KINDS
+BACKWARD_KINDS = ("B", "W", "BW", "SEND_B", "RECV_B")
+
+
+@dataclass(frozen=True)
+class Action:
+    """One step of one pipeline rank.
+
+    Attributes:
+        kind: one of :data:`KINDS`.
+        microbatch: microbatch index in ``[0, m)``.
+        stage: virtual pipeline stage (model chunk in model order) in ``[0, p*v)``.
+        peer: pipeline-group rank of the other side, for send/recv kinds only.
+
+    Raises:
+        ValueError: unknown kind, negative ids, or a peer missing on send/recv (or given on compute).
+    """
+
+    kind: str
+    microbatch: int
+    stage: int
+    peer: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"Action.kind={self.kind!r} must be one of {', '.join(KINDS)}")
+        if self.microbatch < 0 or self.stage < 0:
+            raise ValueError(f"Action microbatch={self.microbatch} and stage={self.stage} must be >= 0")
+        if (self.kind in P2P_KINDS) != (self.peer is not None):
+            raise ValueError(f"Action {self.kind}: peer={self.peer} must be given exactly for send/recv kinds")
+
+    @property
+    def is_p2p(self) -> bool:
+        return self.kind in P2P_KINDS
+
+    def __str__(self) -> str:
+        peer = f"->{self.peer}" if self.kind.startswith("SEND") else f"<-{self.peer}" if self.is_p2p else ""
+        return f"{self.kind}{self.microbatch}@s{self.stage}{peer}"
+
+    __repr__ = __str__
+
+
+def F(mb: int, stage: int) -> Action:
+    return Action("F", mb, stage)
+
+
+def B(mb: int, stage: int) -> Action:
+    return Action("B", mb, stage)
+
+
+def W(mb: int, stage: int) -> Action:
+    return Action("W", mb, stage)
+
+
+def BW(mb: int, stage: int) -> Action:
+    return Action("BW", mb, stage)
+
+
+def batches(actions: list[Action]) -> list[list[Action]]:
+    """Split one rank's list into steps: each compute action alone, each maximal run of
+    consecutive send/recv actions as one batch (posted together with ``batch_isend_irecv``)."""
+    out: list[list[Action]] = []
+    for a in actions:
+        if a.is_p2p and out and out[-1][0].is_p2p:
+            out[-1].append(a)
+        else:
+            out.append([a])
+    return out
+
+
+def forward_only(actions: list[Action]) -> list[Action]:
+    """The same list without backward work and grad transfers (for evaluation)."""
+    return [a for a in actions if a.kind not in BACKWARD_KINDS]
+
+
+def stages_of(actions: list[Action]) -> list[int]:
+    """The stages this rank's list touches, ascending: local chunk ``c`` is ``stages_of(...)[c]``."""
+    return sorted({a.stage for a in actions})

@@ -1,0 +1,122 @@
+"""Schedules by name: ``parallel.schedule=NAME`` selects one (DESIGN.md principle 7).
+
+A schedule is a function ``(p, m, v) -> list[list[Action]]`` with a placement (which stages each
+rank holds) and an optional ``check(p, m, v)`` that raises ``ValueError`` with the rule when a
+combination is unsupported. :func:`build_schedule` runs the check first, then the function, then
+verifies that the lists use the declared placement, so an unsupported combination fails when the
+schedule is built and never as a hang.
+
+The registry is an explicit object (:class:`ScheduleRegistry`); :data:`SCHEDULES` is the default
+one, holding the built-ins, to which :func:`register_schedule` adds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from . import schedules
+from .actions import Action, stages_of
+from .placement import Placement, loop_placement, v_placement
+
+ScheduleFn = Callable[[int, int, int], list[list[Action]]]
+
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """A registered schedule.
+
+    Attributes:
+        name: registry key.
+        fn: ``(p, m, v) -> list[list[Action]]``, one list per pipeline rank.
+        placement: ``(p, v) -> stages per rank`` (:mod:`.placement`).
+        check: ``(p, m, v) -> None``, raising ``ValueError`` with the rule for unsupported input.
+        split_backward: True when the lists use ``B``/``W`` (zero-bubble family).
+    """
+
+    name: str
+    fn: ScheduleFn
+    placement: Placement = loop_placement
+    check: Callable[[int, int, int], None] | None = None
+    split_backward: bool = False
+
+
+class ScheduleRegistry:
+    """Name -> :class:`ScheduleSpec`."""
+
+    def __init__(self) -> None:
+        self._specs: dict[str, ScheduleSpec] = {}
+
+    def register(self, name: str, fn: ScheduleFn, *, placement: Placement = loop_placement,
+                 check: Callable[[int, int, int], None] | None = None, split_backward: bool = False,
+                 replace: bool = False) -> ScheduleSpec:
+        """Add a schedule. Raises ``ValueError`` when ``name`` is taken (unless ``replace``)."""
+        if not name or not isinstance(name, str):
+            raise ValueError(f"schedule name {name!r} must be a non-empty string")
+        if name in self._specs and not replace:
+            raise ValueError(f"schedule {name!r} is already registered; pass replace=True to override it")
+        spec = ScheduleSpec(name, fn, placement, check, split_backward)
+        self._specs[name] = spec
+        return spec
+
+    def unregister(self, name: str) -> None:
+        self._specs.pop(name, None)
+
+    def get(self, name: str) -> ScheduleSpec:
+        """Raises ``ValueError`` naming the known schedules when ``name`` is unknown."""
+        try:
+            return self._specs[name]
+        except KeyError:
+            raise ValueError(f"parallel.schedule={name!r} is not a registered schedule; known: "
+                             f"{', '.join(sorted(self._specs))}") from None
+
+    def names(self) -> list[str]:
+        return sorted(self._specs)
+
+
+SCHEDULES = ScheduleRegistry()
+SCHEDULES.register("gpipe", schedules.gpipe, check=schedules.check_gpipe)
+SCHEDULES.register("1f1b", schedules.one_f_one_b, check=schedules.check_1f1b)
+SCHEDULES.register("interleaved", schedules.interleaved, check=schedules.check_interleaved)
+SCHEDULES.register("zb-h1", schedules.zb_h1, check=schedules.check_zb_h1, split_backward=True)
+SCHEDULES.register("zbv", schedules.zbv, placement=v_placement, check=schedules.check_zbv, split_backward=True)
+
+
+def register_schedule(name: str, fn: ScheduleFn, **kwargs) -> ScheduleSpec:
+    """Register ``fn`` under ``name`` in the default registry (see :meth:`ScheduleRegistry.register`)."""
+    return SCHEDULES.register(name, fn, **kwargs)
+
+
+def get_schedule(name: str) -> ScheduleSpec:
+    """The spec registered under ``name``. Raises ``ValueError`` listing the known names."""
+    return SCHEDULES.get(name)
+
+
+def default_microbatches(p: int) -> int:
+    """A microbatch count that every built-in schedule accepts for any ``v``: ``2p``."""
+    return 2 * p
+
+
+def build_schedule(name: str, p: int, m: int, v: int = 1) -> list[list[Action]]:
+    """Build the action lists of schedule ``name`` for ``p`` ranks, ``m`` microbatches and ``v``
+    virtual stages per rank.
+
+    Raises:
+        ValueError: unknown name; an unsupported (p, m, v) (the schedule's rule is in the message);
+            or lists whose count or stages differ from the schedule's placement.
+    """
+    spec = get_schedule(name)
+    for field, value in (("pipeline size p", p), ("microbatches m", m), ("virtual stages v", v)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"schedule {name!r}: {field}={value!r} must be a positive integer")
+    if spec.check is not None:
+        spec.check(p, m, v)
+    lists = spec.fn(p, m, v)
+    expected = spec.placement(p, v)
+    if len(lists) != p:
+        raise ValueError(f"schedule {name!r} returned {len(lists)} action lists for pipeline size p={p}")
+    for r, acts in enumerate(lists):
+        if stages_of(acts) != expected[r]:
+            raise ValueError(f"schedule {name!r}: rank {r} runs stages {stages_of(acts)}, but its placement "
+                             f"gives it {expected[r]}")
+    return lists

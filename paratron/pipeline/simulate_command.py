@@ -1,0 +1,60 @@
+"""``paratron simulate``: build a schedule, check it, cost it and draw its timeline.
+
+Example::
+
+    paratron simulate --schedule zb-h1 --pipeline 4 --microbatches 8 --output zbh1.png
+    paratron simulate --schedule interleaved --pipeline 4 --microbatches 8 --virtual 2 \\
+        --cost-f 1 --cost-b 1 --cost-w 1 --latency 0.1 --output plan.json
+
+The output format follows the file extension: ``.png`` (matplotlib) or ``.json`` (Chrome trace).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .registry import SCHEDULES, build_schedule, default_microbatches
+from .simulator import Costs, simulate
+from .timeline import draw_png, from_spans, write_chrome_trace
+from .validate import validate
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--schedule", default="1f1b",
+                        help=f"registered schedule name ({', '.join(SCHEDULES.names())})")
+    parser.add_argument("--pipeline", type=int, required=True, help="pipeline-parallel size p")
+    parser.add_argument("--microbatches", type=int, default=None, help="microbatches m (default 2p)")
+    parser.add_argument("--virtual", type=int, default=None,
+                        help="virtual stages (model chunks) per rank v (default 2 for interleaved/zbv, else 1)")
+    parser.add_argument("--cost-f", type=float, default=1.0, help="forward cost of one chunk")
+    parser.add_argument("--cost-b", type=float, default=1.0, help="input-grad backward (B) cost")
+    parser.add_argument("--cost-w", type=float, default=1.0, help="weight-grad backward (W) cost; BW = B + W")
+    parser.add_argument("--latency", type=float, default=0.0, help="p2p latency, in the same unit")
+    parser.add_argument("--output", default=None, help="timeline file: .png or .json (Chrome trace)")
+
+
+def run(args: argparse.Namespace) -> int:
+    p = args.pipeline
+    m = args.microbatches if args.microbatches is not None else default_microbatches(p)
+    v = args.virtual if args.virtual is not None else (2 if args.schedule in ("interleaved", "zbv") else 1)
+    try:
+        schedule = build_schedule(args.schedule, p, m, v)
+        validate(schedule, m)
+    except ValueError as e:
+        print(f"paratron simulate: {e}", file=sys.stderr)
+        return 2
+    result = simulate(schedule, Costs(F=args.cost_f, B=args.cost_b, W=args.cost_w, latency=args.latency))
+    print(f"schedule {args.schedule}: p={p} m={m} v={v}")
+    print(result.summary())
+    if args.output:
+        events = from_spans(result.spans)
+        if args.output.endswith(".json"):
+            write_chrome_trace(events, args.output)
+        elif args.output.endswith(".png"):
+            draw_png(events, args.output, title=f"{args.schedule} p={p} m={m} v={v}", unit="cost units")
+        else:
+            print(f"paratron simulate: --output={args.output!r} must end in .png or .json", file=sys.stderr)
+            return 2
+        print(f"wrote {args.output}")
+    return 0

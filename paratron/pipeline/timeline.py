@@ -1,0 +1,105 @@
+"""Draw a pipeline timeline: PNG (matplotlib, Agg) and Chrome trace JSON (chrome://tracing, Perfetto).
+
+Both the simulator's plan (:class:`~paratron.pipeline.validate.Span` lists) and the runtime's
+recorded run (:class:`TraceEvent` lists) convert to :class:`TraceEvent`, so a plan and a run are
+written in the same format and open side by side in Perfetto.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from .validate import Span
+
+COLOURS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868", "BW": "#C44E52",
+           "SEND_F": "#8C8C8C", "RECV_F": "#8C8C8C", "SEND_B": "#B0B0B0", "RECV_B": "#B0B0B0"}
+
+
+@dataclass(frozen=True)
+class TraceEvent:
+    """One action on one pipeline rank; ``start``/``end`` in seconds (or the simulator's unit)."""
+
+    rank: int
+    kind: str
+    microbatch: int
+    stage: int
+    start: float
+    end: float
+
+
+def from_spans(spans: list[list[Span]], compute_only: bool = True) -> list[TraceEvent]:
+    """Simulator spans -> trace events (p2p batches dropped unless ``compute_only`` is False)."""
+    return [TraceEvent(s.rank, s.action.kind, s.action.microbatch, s.action.stage, s.start, s.end)
+            for rank in spans for s in rank if not (compute_only and s.action.is_p2p)]
+
+
+def chrome_trace(events: list[TraceEvent], time_unit_us: float = 1e6) -> dict:
+    """Chrome trace dict: one thread per pipeline rank, one complete ("X") event per action.
+
+    Args:
+        time_unit_us: microseconds per unit of ``start``/``end`` (1e6 for seconds).
+    """
+    out = [{"name": "process_name", "ph": "M", "pid": 0, "args": {"name": "pipeline"}}]
+    for r in sorted({e.rank for e in events}):
+        out.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": r, "args": {"name": f"rank {r}"}})
+    for e in events:
+        out.append({"name": f"{e.kind}{e.microbatch}", "cat": e.kind, "ph": "X", "pid": 0, "tid": e.rank,
+                    "ts": e.start * time_unit_us, "dur": max(e.end - e.start, 0.0) * time_unit_us,
+                    "args": {"microbatch": e.microbatch, "stage": e.stage}})
+    return {"traceEvents": out, "displayTimeUnit": "ms"}
+
+
+def write_chrome_trace(events: list[TraceEvent], path: str | Path, time_unit_us: float = 1e6) -> Path:
+    """Write :func:`chrome_trace` as JSON to ``path``; returns the path."""
+    path = Path(path)
+    path.write_text(json.dumps(chrome_trace(events, time_unit_us)))
+    return path
+
+
+def read_chrome_trace(path: str | Path, time_unit_us: float = 1e6) -> list[TraceEvent]:
+    """Read back a trace written by :func:`write_chrome_trace`."""
+    data = json.loads(Path(path).read_text())
+    return [TraceEvent(e["tid"], e["cat"], e["args"]["microbatch"], e["args"]["stage"],
+                       e["ts"] / time_unit_us, (e["ts"] + e["dur"]) / time_unit_us)
+            for e in data["traceEvents"] if e.get("ph") == "X"]
+
+
+def draw_png(events: list[TraceEvent], path: str | Path, title: str = "", unit: str = "") -> Path:
+    """Draw one row per rank, one box per action coloured by kind and labelled with its microbatch.
+
+    Raises:
+        ImportError: matplotlib is not installed.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    ranks = sorted({e.rank for e in events})
+    end = max((e.end for e in events), default=1.0) or 1.0
+    fig, ax = plt.subplots(figsize=(max(8.0, min(40.0, len(events) / max(len(ranks), 1) * 0.35)),
+                                    0.6 * len(ranks) + 1.2))
+    for e in events:
+        y = ranks.index(e.rank)
+        ax.barh(y, e.end - e.start, left=e.start, height=0.8, color=COLOURS.get(e.kind, "#999999"),
+                edgecolor="black", linewidth=0.3)
+        if (e.end - e.start) / end > 0.008:
+            ax.text((e.start + e.end) / 2, y, str(e.microbatch), ha="center", va="center", fontsize=6,
+                    color="white")
+    ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in ranks])
+    ax.invert_yaxis()
+    ax.set_xlim(0, end)
+    ax.set_xlabel(f"time ({unit})" if unit else "time")
+    kinds = [k for k in COLOURS if any(e.kind == k for e in events)]
+    ax.legend(handles=[Patch(color=COLOURS[k], label=k) for k in kinds], loc="upper right", fontsize=7,
+              ncol=len(kinds))
+    if title:
+        ax.set_title(title)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
