@@ -1,0 +1,318 @@
+"""``CheckpointManager``: atomic, rotating, optionally asynchronous checkpoints of a training run.
+
+A save of step N (on every rank):
+
+1. capture everything that is not a big tensor, synchronously: per-rank RNG states, the
+   optimizer's scalar state (step count, loss scaler), the LR scheduler's state, ``extra``
+   (consumed train/valid samples, ...); with an async save also copy the tensors to CPU buffers;
+2. write the tensors with DCP into ``ROOT/tmp.step_N.<pid of rank 0>/`` (replicated chunks once,
+   spread over the ranks that hold them), and each rank's ``rank_<r>.json``;
+3. rank 0 writes ``paratron.json`` (the manifest, holding the sha256 of ``.metadata``), renames the
+   directory to ``ROOT/step_N/``, then rewrites ``ROOT/latest`` (temp file + ``os.replace``), and
+   deletes all but the last ``checkpoint.keep_last`` checkpoints.
+
+A crash at any point before the rename leaves a ``tmp.*`` directory that nothing loads (it has no
+manifest) and ``latest`` naming the previous, complete checkpoint. Steps 2-3 run in a background
+thread with ``async_`` (``checkpoint.async_save``); :meth:`CheckpointManager.wait` joins it.
+
+Loading reshards every tensor to this rank's layout (see :mod:`paratron.checkpoint.planner`), then
+restores the scalars, and the RNG per rank (see :mod:`paratron.checkpoint.rng`). The data position
+(consumed samples) is global, so it carries over to any layout unchanged.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from . import rng
+from .async_save import BackgroundWriter, Staging
+from .io import (LATEST, MANIFEST, read_items, read_json, resolve, verify_directory, write_items,
+                 write_json_atomic, write_manifest, write_text_atomic)
+from .items import (CheckpointError, StateItems, iter_params, merge, model_items, optimizer_items,
+                    shared_embedding_names)
+from .plainjson import decode, encode
+from .safety import check_same_model
+
+STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class CheckpointManager:
+    """Saves and loads the whole training state of every rank, in any layout.
+
+    Build it on every rank (with more than one rank it creates a gloo process group over all
+    ranks, collectively, for the checkpoint's own collectives).
+
+    Args:
+        ckpt_cfg: :class:`paratron.config.CheckpointConfig` (``save``, ``load``, ``load_step``,
+            ``keep_last``, ``async_save``, ``load_optimizer``).
+        ctx: the :class:`~paratron.parallel.context.ParallelContext`.
+        config: the run's :class:`paratron.config.Config`; stored in every checkpoint, and compared
+            with a loaded checkpoint's model config.
+
+    Attributes:
+        on_phase: optional ``fn(phase, directory)`` called on every rank after the tensors are
+            written (``"tensors_written"``) and after the commit (``"committed"``); a test hook.
+        last_stall_s: seconds the last :meth:`save` call blocked the caller.
+        last_write_s: seconds the last save took from start to commit (async included).
+    """
+
+    def __init__(self, ckpt_cfg, ctx, config) -> None:
+        self.cfg, self.ctx, self.config = ckpt_cfg, ctx, config
+        self.on_phase: Callable[[str, Path], None] | None = None
+        self.last_stall_s = 0.0
+        self.last_write_s = 0.0
+        self._staging = Staging()
+        self._writer = BackgroundWriter()
+        self._group = self._checkpoint_group(ctx)
+
+    @staticmethod
+    def _checkpoint_group(ctx):
+        from paratron.parallel.comm import Group
+
+        world = ctx.world_size
+        if world == 1:
+            return Group("checkpoint", [0], 0, None, ctx.ledger)
+        # A group of its own: an async save's collectives run in a background thread and must not
+        # interleave with the training step's collectives on the training groups.
+        pg = dist.new_group(ranks=list(range(world)), backend="gloo")
+        return Group("checkpoint", list(range(world)), ctx.rank, pg, ctx.ledger)
+
+    # ---- paths -----------------------------------------------------------------------------
+    @property
+    def root(self) -> Path:
+        if not self.cfg.save:
+            raise CheckpointError("checkpoint.save is not set: no directory to save checkpoints into")
+        return Path(self.cfg.save)
+
+    def directory_for(self, step: int) -> Path:
+        """Where the checkpoint of ``step`` ends up (``ROOT/step_<step>``)."""
+        return self.root / f"step_{int(step)}"
+
+    # ---- save ------------------------------------------------------------------------------
+    def save(self, step: int, chunks, optimizer, scheduler, extra: dict | None = None, *,
+             async_: bool | None = None) -> None:
+        """Save the model chunks, optimizer state, scheduler, RNG and ``extra`` as step ``step``.
+
+        Call on every rank. With ``async_`` (default ``checkpoint.async_save``) it returns once the
+        tensors are copied to CPU memory; the write continues in the background.
+
+        Args:
+            step: the iteration count (names the directory).
+            chunks: this rank's model chunks (``nn.Module`` or list), params marked.
+            optimizer: the :class:`paratron.optim.optimizer.Optimizer`, or None (weights only).
+            scheduler: an LR scheduler with ``state_dict()``, or None.
+            extra: plain values (ints, floats, strings, lists, dicts; tensors allowed), e.g.
+                ``{"iteration": ..., "consumed_train_samples": ..., "consumed_valid_samples": ...}``.
+
+        Raises:
+            CheckpointError: ``checkpoint.save`` unset; ``extra`` not plain; a previous async save
+                failed (raised here, before the new save starts); a sharding inconsistency.
+        """
+        t0 = time.perf_counter()
+        root = self.root
+        self.wait()
+        asynchronous = self.cfg.async_save if async_ is None else bool(async_)
+        first = self.ctx.is_first_stage
+        items = model_items(chunks, is_first_stage=first, for_save=True)
+        if optimizer is not None:
+            # The last stage's tied-embedding copy is saved by the first stage (same values).
+            skip = set() if first else shared_embedding_names(chunks)
+            items = merge(items, optimizer_items(optimizer, skip_names=skip))
+        rank_state = {"rank": self.ctx.rank, "layout": rng.layout_signature(self.ctx, self.config),
+                      "coordinates": rng.rank_coordinates(self.ctx), "rng": encode(rng.capture(chunks))}
+        fields = {
+            "kind": "training", "step": int(step), "has_optimizer": optimizer is not None,
+            "layout": rng.layout_signature(self.ctx, self.config),
+            "zero": int(self.config.parallel.zero),
+            "optimizer": encode(optimizer.scalar_state()) if optimizer is not None else None,
+            "scheduler": encode(scheduler.state_dict()) if scheduler is not None else None,
+            "extra": encode(dict(extra or {}), "extra"),
+        }
+        if asynchronous:
+            items = self._staging.stage(items)
+
+        def job() -> None:
+            self._write_and_commit(root, int(step), items, rank_state, fields)
+            self.last_write_s = time.perf_counter() - t0
+
+        if asynchronous:
+            self._writer.start(job, name=f"paratron-checkpoint-step-{step}")
+            self.last_stall_s = time.perf_counter() - t0
+        else:
+            with torch.no_grad():
+                job()
+            self.last_stall_s = time.perf_counter() - t0
+
+    def wait(self) -> None:
+        """Finish the asynchronous save in flight, if any (call before exiting).
+
+        Raises:
+            CheckpointError: the background save failed.
+        """
+        self._writer.wait()
+
+    def _write_and_commit(self, root: Path, step: int, items: StateItems, rank_state: dict,
+                          fields: dict) -> None:
+        g = self._group
+        pid = torch.tensor([os.getpid()], dtype=torch.int64)
+        g.broadcast(pid)  # every rank writes into rank 0's temporary directory
+        tmp = root / f"tmp.step_{step}.{int(pid.item())}"
+        if self.ctx.rank == 0:
+            tmp.mkdir(parents=True, exist_ok=True)
+        g.barrier()
+        write_items(tmp, items, process_group=g.pg, single_process=g.size == 1)
+        write_json_atomic(tmp / f"rank_{self.ctx.rank:05d}.json", rank_state)
+        self._phase("tensors_written", tmp)
+        g.barrier()
+        if self.ctx.rank == 0:
+            write_manifest(tmp, self.config.to_dict(), world_size=self.ctx.world_size, saved_at=time.time(),
+                           **fields)
+            final = self._commit(root, tmp, step)
+            self._prune(root, final)
+        g.barrier()
+        self._phase("committed", root / f"step_{step}")
+
+    def _phase(self, name: str, path: Path) -> None:
+        if self.on_phase is not None:
+            self.on_phase(name, path)
+
+    @staticmethod
+    def _commit(root: Path, tmp: Path, step: int) -> Path:
+        """Rename ``tmp`` to ``step_<step>`` and point ``latest`` at it. ``latest`` names a complete
+        directory at every instant, also while an existing ``step_<step>`` is replaced."""
+        _fsync_dir(tmp)
+        final = root / f"step_{step}"
+        if final.exists():
+            staged = root / f"{final.name}.{os.getpid()}"
+            os.rename(tmp, staged)
+            _fsync_dir(root)
+            write_text_atomic(root / LATEST, staged.name + "\n")
+            shutil.rmtree(final)
+            tmp = staged
+        os.rename(tmp, final)
+        _fsync_dir(root)
+        write_text_atomic(root / LATEST, final.name + "\n")
+        _fsync_dir(root)
+        return final
+
+    def _prune(self, root: Path, keep: Path) -> None:
+        """Delete all but the ``keep_last`` highest steps (never ``keep``), and leftovers of
+        saves that crashed before their rename."""
+        k = int(self.cfg.keep_last)
+        steps = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name)))
+        if k > 0:
+            for _, p in steps[:-k]:
+                if p != keep:
+                    shutil.rmtree(p, ignore_errors=True)
+        for p in root.glob("tmp.step_*"):
+            shutil.rmtree(p, ignore_errors=True)
+
+    # ---- load ------------------------------------------------------------------------------
+    def load(self, chunks, optimizer, scheduler) -> dict | None:
+        """Resume from ``checkpoint.load`` (its ``latest``, or ``checkpoint.load_step``).
+
+        Fills the params (any saved layout), and with ``checkpoint.load_optimizer`` the optimizer's
+        fp32 main weights, moments and scalars and the scheduler; restores or re-derives the RNG.
+        Call on every rank.
+
+        Returns:
+            The ``extra`` dict given to :meth:`save`, or None when ``checkpoint.load`` is unset or
+            an empty directory (a fresh start).
+
+        Raises:
+            CheckpointError: unsafe or malformed files; a checkpoint of another model (the differing
+                fields named); optimizer state requested but absent from the checkpoint.
+        """
+        self.wait()
+        if not self.cfg.load:
+            return None
+        root = Path(self.cfg.load)
+        if self.cfg.load_step is None and self._empty(root):
+            return None
+        directory = resolve(root, self.cfg.load_step)
+        manifest = verify_directory(directory)
+        check_same_model(manifest["config"]["model"], self.config.to_dict()["model"], str(directory))
+        want_optimizer = bool(self.cfg.load_optimizer) and optimizer is not None
+        if want_optimizer and not manifest.get("has_optimizer"):
+            raise CheckpointError(
+                f"{directory} holds no optimizer state (it was saved without one), but "
+                "checkpoint.load_optimizer=true; set checkpoint.load_optimizer=false to start a fresh "
+                "optimizer from these weights")
+        items = model_items(chunks, for_save=False)
+        if want_optimizer:
+            items = merge(items, optimizer_items(optimizer))
+        with torch.no_grad():
+            read_items(directory, items)
+            if want_optimizer:
+                optimizer.load_scalar_state(decode(manifest["optimizer"]))
+                optimizer.reload_model_params()
+                if scheduler is not None and manifest.get("scheduler") is not None:
+                    scheduler.load_state_dict(decode(manifest["scheduler"]))
+            elif optimizer is not None:
+                copy_params_into_main(chunks, optimizer)
+        self._restore_rng(chunks, directory, manifest)
+        return decode(manifest.get("extra") or {})
+
+    @staticmethod
+    def _empty(root: Path) -> bool:
+        if not root.exists():
+            return True
+        return not ((root / MANIFEST).exists() or (root / LATEST).exists()
+                    or any(STEP_DIR.match(p.name) for p in root.iterdir()))
+
+    def _restore_rng(self, chunks, directory: Path, manifest: dict) -> None:
+        same = manifest.get("layout") == rng.layout_signature(self.ctx, self.config)
+        path = directory / f"rank_{self.ctx.rank:05d}.json"
+        if same and path.is_file():
+            rng.restore(chunks, decode(read_json(path)["rng"]))
+        else:
+            rng.rederive(chunks, self.ctx, self.config.train.seed, int(manifest.get("step") or 0))
+
+
+def copy_params_into_main(chunks, optimizer) -> None:
+    """Set the optimizer's fp32 main weights from the (just loaded) model params.
+
+    Used when loading weights without optimizer state: the main weights were initialised from
+    the params at construction, before the load. Each main-weight chunk is a rectangle of the
+    param's 2-D view ``[prod(shape[:-1]), shape[-1]]`` (see paratron.optim.state_chunks).
+    """
+    params = {p.logical_name: p for p in iter_params(chunks)}
+    prefix = "optimizer/main_param/"
+    for key, pieces in optimizer.sharded_state_dict().items():
+        if not key.startswith(prefix):
+            continue
+        p = params[key[len(prefix):]]
+        local2d, roff, coff = _param_2d(p)
+        for view, spec in pieces:
+            (r, c), (nr, nc) = spec.offsets, spec.local_shape
+            view.copy_(local2d[r - roff:r - roff + nr, c - coff:c - coff + nc])
+
+
+def _param_2d(p) -> tuple[torch.Tensor, int, int]:
+    """The valid part of ``p`` as a 2-D view, and its row/column offset in the full 2-D view."""
+    spec = p.shard
+    v = spec.valid(p.detach())
+    if v.dim() == 0:
+        return v.reshape(1, 1), 0, 0
+    if v.dim() == 1:
+        return v.reshape(1, -1), 0, spec.offsets[0]
+    mid = 1
+    for s in v.shape[1:-1]:
+        mid *= s
+    return v.reshape(-1, v.shape[-1]), spec.offsets[0] * mid, spec.offsets[-1]
