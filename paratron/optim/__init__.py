@@ -1,0 +1,11 @@
+"""Data parallelism and the optimizer: grad buffers and buckets (DDP), ZeRO-1, mixed precision,
+loss scaling, global clipping, LR schedules. See each module's docstring."""
+
+from .ddp import DistributedDataParallel
+from .finalize import finalize_grads
+from .lr import LRScheduler, build_lr_scheduler
+from .optimizer import Optimizer, StepResult, build_optimizer
+from .scaler import ConstantLossScaler, DynamicLossScaler
+
+__all__ = ["DistributedDataParallel", "finalize_grads", "LRScheduler", "build_lr_scheduler",
+           "Optimizer", "StepResult", "build_optimizer", "ConstantLossScaler", "DynamicLossScaler"]

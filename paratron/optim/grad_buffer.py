@@ -1,0 +1,148 @@
+"""Contiguous param and grad storage for data parallelism, split into buckets.
+
+One :class:`GradBuffer` holds every parameter of one (param dtype, dense/expert) kind: a flat
+``param_data`` in the param dtype and a flat ``grad_data`` in the grad dtype (fp32 main grads),
+with the same layout. Each param's ``.data`` becomes a view into ``param_data`` and its
+``main_grad`` a view into ``grad_data``, so one collective reduces a whole bucket, and ZeRO-1 can
+all-gather updated params straight into place.
+
+Layout (the same on every rank of the buffer's DP group, which is what lets a reduce-scatter hand
+each rank the same slice of every bucket):
+
+* params go in the order given (DDP passes reverse registration order, roughly the order in
+  which backward produces grads), each param whole inside one bucket;
+* a bucket closes once it holds ``bucket_numel`` elements; its end is padded to a multiple of
+  the DP size, so ZeRO-1 can split it into equal shards (Rajbhandari et al. 2020, section 5.1:
+  each DP rank owns 1/N_d of the optimizer state; here 1/N_d of every bucket). A shard boundary
+  may fall inside a param;
+* "deferred" params (those whose grads need a model-parallel all-reduce first: tied embeddings,
+  sequence-parallel norms) go last, in buckets of their own, which are reduced only after that
+  all-reduce (see :mod:`paratron.optim.finalize`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..parallel.comm import Group
+
+
+@dataclass
+class Bucket:
+    """A contiguous range ``[start, end)`` of a buffer (``end`` padded to a DP-size multiple).
+
+    Attributes:
+        index: position in the buffer (buckets are reduced in index order on every rank).
+        params: the params laid out inside the range.
+        deferred: reduced only in ``finish_grad_sync`` (after the model-parallel all-reduces).
+    """
+
+    index: int
+    start: int
+    end: int
+    params: list[torch.nn.Parameter]
+    deferred: bool = False
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+    def shard_range(self, dp_rank: int, dp_size: int) -> tuple[int, int]:
+        """``[start, end)`` (buffer offsets) of the slice that ZeRO-1 gives ``dp_rank``."""
+        size = self.numel // dp_size
+        s = self.start + dp_rank * size
+        return s, s + size
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+@dataclass
+class GradBuffer:
+    """Flat param and grad storage for params of one dtype reduced over one DP group.
+
+    Build with :meth:`build`. Attributes:
+        group: the DP group the grads are summed over (``ctx.dp_cp`` dense, ``ctx.expert_dp``
+            expert).
+        is_expert: expert params (reduced over the expert-DP group).
+        param_data: ``[numel]`` in the params' dtype; params' ``.data`` are views into it.
+        grad_data: ``[numel]`` in the grad dtype; params' ``main_grad`` are views into it.
+        buckets: in reduction order.
+        index: ``param -> (start, end)`` flat offsets of the param inside the buffer.
+    """
+
+    group: Group
+    is_expert: bool
+    param_data: torch.Tensor
+    grad_data: torch.Tensor
+    buckets: list[Bucket]
+    index: dict[int, tuple[int, int]] = field(default_factory=dict)
+    params: list[torch.nn.Parameter] = field(default_factory=list)
+
+    @property
+    def numel(self) -> int:
+        return self.grad_data.numel()
+
+    @classmethod
+    def build(cls, params: list[torch.nn.Parameter], deferred: list[bool], *, group: Group,
+              is_expert: bool, grad_dtype: torch.dtype, bucket_numel: int) -> "GradBuffer":
+        """Lay out ``params`` (all of one dtype and device), move their data into the buffer and
+        attach ``main_grad`` views.
+
+        Args:
+            params: in bucket order.
+            deferred: one flag per param (see module docstring).
+            group: DP group; every bucket is padded to a multiple of ``group.size``.
+            bucket_numel: elements per bucket (a bucket closes at or past this size); <= 0 puts
+                every non-deferred param into one bucket.
+
+        Raises:
+            ValueError: params of mixed dtypes or devices.
+        """
+        if not params:
+            raise ValueError("GradBuffer.build needs at least one param")
+        dtype, device = params[0].dtype, params[0].device
+        for p in params:
+            if p.dtype != dtype or p.device != device:
+                raise ValueError(f"{p.logical_name}: dtype {p.dtype} on {p.device} differs from the "
+                                 f"buffer's {dtype} on {device}")
+        pad = max(group.size, 1)
+        limit = bucket_numel if bucket_numel > 0 else float("inf")
+        ordered = [p for p, d in zip(params, deferred) if not d] + [p for p, d in zip(params, deferred) if d]
+        flags = [False] * (len(params) - sum(deferred)) + [True] * sum(deferred)
+
+        buckets: list[Bucket] = []
+        index: dict[int, tuple[int, int]] = {}
+        offset, start, members, kind = 0, 0, [], None
+
+        def close() -> None:
+            nonlocal offset, start, members
+            if members:
+                end = _round_up(offset, pad)
+                buckets.append(Bucket(len(buckets), start, end, members, bool(kind)))
+                offset = start = end
+                members = []
+
+        for p, d in zip(ordered, flags):
+            if members and (d != kind or offset - start >= limit):
+                close()
+            kind = d
+            index[id(p)] = (offset, offset + p.numel())
+            members.append(p)
+            offset += p.numel()
+        close()
+
+        total = offset
+        param_data = torch.zeros(total, dtype=dtype, device=device)
+        grad_data = torch.zeros(total, dtype=grad_dtype, device=device)
+        for p in ordered:
+            s, e = index[id(p)]
+            view = param_data[s:e].view_as(p)
+            with torch.no_grad():
+                view.copy_(p.data)
+            p.data = view
+            p.main_grad = grad_data[s:e].view_as(p)
+        return cls(group, is_expert, param_data, grad_data, buckets, index, ordered)

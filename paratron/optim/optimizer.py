@@ -1,0 +1,341 @@
+"""The mixed-precision (and optionally distributed, ZeRO-1) optimizer over DDP's grad buffers.
+
+The optimizer never sees a model: it works on the flat ranges of
+:class:`~paratron.optim.ddp.DistributedDataParallel`'s buffers that this rank owns (the whole
+buffer, or with ZeRO-1 its shard of every bucket, Rajbhandari et al. 2020 section 5.1) and on
+the param attributes of :func:`paratron.parallel.params.mark`.
+
+State per owned range, all fp32: main weights (a view of the params themselves when they are
+fp32, else an fp32 copy: Micikevicius et al. 2018, section 3.1), and the AdamW moments or the SGD
+momentum. :meth:`Optimizer.step` runs, in order:
+
+1. :func:`~paratron.optim.finalize.finalize_grads`: model-parallel grad all-reduces, then the DP
+   reduction completes (all-reduce, or reduce-scatter for ZeRO-1);
+2. unscale by the loss scale (fp16);
+3. one all-reduce over the world of ``[sum of owned squared grads, overflow flag]``: the global
+   grad norm (:mod:`paratron.optim.clip`) and a global overflow decision, so every rank skips
+   together and updates the loss scale identically;
+4. clip by the global norm, AdamW or SGD on the main weights, copy them into the params;
+5. ZeRO-1: all-gather the updated params of every bucket over the DP group.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .clip import clip_coefficient, owns_for_norm, sum_of_squares
+from .ddp import DistributedDataParallel
+from .distributed_optimizer import gather_params
+from .finalize import finalize_grads
+from .rules import adamw_step, sgd_step
+from .scaler import ConstantLossScaler, DynamicLossScaler
+from .state_chunks import chunk_views, rectangles
+
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class StepResult:
+    """What one :meth:`Optimizer.step` did (the same on every rank).
+
+    Attributes:
+        skipped: the step was skipped (fp16 overflow somewhere in the world); params unchanged.
+        grad_norm: global L2 norm of the (unscaled, unclipped) grads; inf/nan when skipped.
+        loss_scale: the loss scale for the *next* step (1.0 without fp16).
+        clip_coeff: the factor the grads were multiplied by (1.0 when not clipped).
+    """
+
+    skipped: bool
+    grad_norm: float
+    loss_scale: float
+    clip_coeff: float
+
+
+@dataclass
+class _Segment:
+    """One owned flat range ``[start, end)`` of buffer ``buffer`` and its fp32 state views."""
+
+    buffer: int
+    start: int
+    end: int
+    grad: torch.Tensor
+    main: torch.Tensor
+    state: dict[str, torch.Tensor]
+
+
+@dataclass
+class _Piece:
+    """The part of one param inside one segment: local flat range ``[lo, hi)`` of the param,
+    at offset ``at`` of the segment."""
+
+    param: torch.nn.Parameter
+    segment: int
+    lo: int
+    hi: int
+    at: int
+
+
+class Optimizer:
+    """AdamW or SGD with fp32 main weights and grads, loss scaling, global clipping, ZeRO-1.
+
+    Build with :func:`build_optimizer`. Per step: :meth:`zero_grad`, forward/backward of every
+    microbatch (backward of :meth:`scale_loss` ``(loss)`` for fp16), then :meth:`step`.
+
+    Args:
+        ddp: the :class:`DistributedDataParallel` whose buffers hold the params and grads;
+            ZeRO-1 when it was built with ``use_distributed_optimizer=True``.
+        ctx: the parallel context.
+        cfg: :class:`paratron.config.OptimizerConfig` (name, lr, weight_decay, betas, eps,
+            sgd_momentum, clip_grad, loss-scale fields).
+        precision: ``"fp32"``, ``"bf16"`` or ``"fp16"`` (fp16 gets a dynamic loss scaler).
+
+    Raises:
+        ValueError: unknown optimizer name or precision.
+    """
+
+    def __init__(self, ddp: DistributedDataParallel, ctx, cfg, *, precision: str = "fp32") -> None:
+        if precision not in PRECISIONS:
+            raise ValueError(f"train.precision={precision!r} must be one of {sorted(PRECISIONS)}")
+        if cfg.name not in ("adamw", "sgd"):
+            raise ValueError(f"optimizer.name={cfg.name!r} must be 'adamw' or 'sgd'")
+        self.ddp, self.ctx, self.cfg, self.precision = ddp, ctx, cfg, precision
+        self.lr = float(cfg.lr)
+        self.step_count = 0
+        if precision == "fp16":
+            self.scaler = DynamicLossScaler(cfg.initial_loss_scale, cfg.min_loss_scale,
+                                            cfg.loss_scale_window, cfg.hysteresis)
+        else:
+            self.scaler = ConstantLossScaler(1.0)
+        self.state_names = (("exp_avg", "exp_avg_sq") if cfg.name == "adamw"
+                            else (("momentum",) if cfg.sgd_momentum else ()))
+        self._allocated: dict[str, list[torch.Tensor]] = {n: [] for n in ("main_param",) + self.state_names}
+        self.segments: list[_Segment] = []
+        self.pieces: list[_Piece] = []
+        self._build_state()
+        self._build_views()
+
+    # ---- construction ------------------------------------------------------------------------
+    def _build_state(self) -> None:
+        for i, buf in enumerate(self.ddp.buffers):
+            ranges = self.ddp.owned_ranges(i)
+            total = sum(e - s for s, e, _ in ranges)
+            dev = buf.param_data.device
+            alias = buf.param_data.dtype == torch.float32
+            main_flat = None if alias else torch.empty(total, dtype=torch.float32, device=dev)
+            if main_flat is not None:
+                self._allocated["main_param"].append(main_flat)
+            flats = {n: torch.zeros(total, dtype=torch.float32, device=dev) for n in self.state_names}
+            for n, t in flats.items():
+                self._allocated[n].append(t)
+            off = 0
+            for s, e, grad in ranges:
+                n = e - s
+                if alias:
+                    main = buf.param_data[s:e]
+                else:
+                    main = main_flat[off:off + n]
+                    main.copy_(buf.param_data[s:e])
+                seg = _Segment(i, s, e, grad, main, {k: v[off:off + n] for k, v in flats.items()})
+                seg_id = len(self.segments)
+                self.segments.append(seg)
+                for p in buf.params:
+                    ps, pe = buf.index[id(p)]
+                    a, b = max(ps, s), min(pe, e)
+                    if a < b:
+                        self.pieces.append(_Piece(p, seg_id, a - ps, b - ps, a - s))
+                off += n
+
+    def _runs(self, want) -> list[tuple[int, int, int]]:
+        """Merge pieces with ``want(param)`` into ``(segment, start, end)`` runs of segment
+        offsets. A run may span the zero padding between params (its grads and weights stay 0)."""
+        runs: list[list[int]] = []
+        last_seg, open_run = -1, False
+        for pc in self.pieces:  # in segment, then offset order
+            if pc.segment != last_seg:
+                last_seg, open_run = pc.segment, False
+            if want(pc.param):
+                if open_run:
+                    runs[-1][2] = pc.at + pc.hi - pc.lo
+                else:
+                    runs.append([pc.segment, pc.at, pc.at + pc.hi - pc.lo])
+                    open_run = True
+            else:
+                open_run = False
+        return [tuple(r) for r in runs]
+
+    def _build_views(self) -> None:
+        zero = self.ddp.use_distributed_optimizer
+        groups = {i: buf.group for i, buf in enumerate(self.ddp.buffers)}
+        seg_of = self.segments
+
+        def owner(p) -> bool:
+            i = self._buffer_of[id(p)]
+            return owns_for_norm(p, self.ctx, dp_rank=max(groups[i].rank, 0), sharded=zero)
+
+        self._buffer_of = {id(pc.param): seg_of[pc.segment].buffer for pc in self.pieces}
+        self._norm_views = [seg_of[s].grad[a:b] for s, a, b in self._runs(owner)]
+        decay_runs = self._runs(lambda p: not getattr(p, "no_weight_decay", False))
+        self._decay_main = [seg_of[s].main[a:b] for s, a, b in decay_runs]
+        self._decay_grad = [seg_of[s].grad[a:b] for s, a, b in decay_runs]
+        self._grads = [s.grad for s in self.segments]
+        self._mains = [s.main for s in self.segments]
+        self._aliased = [buf.param_data.dtype == torch.float32 for buf in self.ddp.buffers]
+
+    # ---- per step ----------------------------------------------------------------------------
+    @property
+    def loss_scale(self) -> float:
+        """Multiply the loss by this before backward (1.0 unless fp16)."""
+        return self.scaler.scale
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss * loss_scale`` (the loss itself when the scale is 1)."""
+        return loss * self.scaler.scale if self.scaler.scale != 1.0 else loss
+
+    def set_lr(self, lr: float) -> None:
+        """Learning rate of the following steps. Raises ValueError when negative."""
+        if lr < 0:
+            raise ValueError(f"learning rate must be >= 0, got {lr}")
+        self.lr = float(lr)
+
+    def zero_grad(self) -> None:
+        """Zero the main grads (DDP's buffers) and start a new step."""
+        self.ddp.zero_grad_buffer()
+
+    def step(self) -> StepResult:
+        """Finalize grads, unscale, check overflow, clip, update, copy back (and all-gather).
+
+        Returns:
+            :class:`StepResult`, identical on every rank.
+        """
+        finalize_grads(self.ddp.chunks, self.ctx, self.ddp)
+        scale = self.scaler.scale
+        if scale != 1.0:
+            torch._foreach_mul_(self._grads, 1.0 / scale)
+        local = torch.zeros(2, dtype=torch.float64)
+        local[0] = sum_of_squares(self._norm_views)
+        if self.scaler.dynamic:
+            sums = torch.stack([g.sum() for g in self._grads]) if self._grads else torch.zeros(1)
+            local[1] = 0.0 if bool(torch.isfinite(sums).all()) else 1.0
+        self.ctx.world.all_reduce(local)
+        found_inf = bool(local[1] > 0)
+        grad_norm = math.sqrt(local[0].item()) if local[0].item() >= 0 else float("nan")
+        self.scaler.update(found_inf)
+        if found_inf:
+            return StepResult(True, grad_norm, self.scaler.scale, 1.0)
+
+        coeff = clip_coefficient(grad_norm, float(self.cfg.clip_grad))
+        if coeff < 1.0:
+            torch._foreach_mul_(self._grads, coeff)
+        self.step_count += 1
+        self._update()
+        self._publish()
+        return StepResult(False, grad_norm, self.scaler.scale, coeff)
+
+    def _update(self) -> None:
+        c = self.cfg
+        st = [[s.state[n] for s in self.segments] for n in self.state_names]
+        if c.name == "adamw":
+            adamw_step(self._mains, self._grads, st[0], st[1], self._decay_main, step=self.step_count,
+                       lr=self.lr, beta1=c.adam_beta1, beta2=c.adam_beta2, eps=c.adam_eps,
+                       weight_decay=c.weight_decay)
+        else:
+            sgd_step(self._mains, self._grads, st[0] if st else [], self._decay_main,
+                     self._decay_grad, step=self.step_count, lr=self.lr, momentum=c.sgd_momentum,
+                     weight_decay=c.weight_decay)
+
+    def _publish(self) -> None:
+        """Copy main weights into the params (cast) and, with ZeRO-1, all-gather them."""
+        for seg in self.segments:
+            if not self._aliased[seg.buffer]:
+                self.ddp.buffers[seg.buffer].param_data[seg.start:seg.end].copy_(seg.main)
+        if self.ddp.use_distributed_optimizer:
+            gather_params(self.ddp)
+
+    def reload_model_params(self) -> None:
+        """Copy the fp32 main weights into the model params (after loading a checkpoint into
+        the views of :meth:`sharded_state_dict`); with ZeRO-1 also all-gathers them."""
+        self._publish()
+
+    # ---- checkpoints -------------------------------------------------------------------------
+    def sharded_state_dict(self) -> dict[str, list[tuple[torch.Tensor, object]]]:
+        """This rank's fp32 optimizer state as rectangles of each param's full logical tensor.
+
+        Keys ``optimizer/<kind>/<logical_name>`` with kind ``main_param``, ``exp_avg``,
+        ``exp_avg_sq`` (AdamW) or ``momentum`` (SGD with momentum). Each value lists
+        ``(view, ShardSpec)``: the view is of the real state storage (fill it in place, then call
+        :meth:`reload_model_params`); the ShardSpec places it in the param's global 2-D view
+        ``[prod(shape[:-1]), shape[-1]]`` (1-D params as ``[1, n]``), vocab padding excluded (see
+        :mod:`paratron.optim.state_chunks`). Replicated params (TP, DP without ZeRO, tied
+        embedding copies) appear on every rank that holds them, with identical ShardSpecs.
+        """
+        out: dict[str, list] = {}
+        for pc in self.pieces:
+            p = pc.param
+            rects = rectangles(tuple(p.shape), p.shard, pc.lo, pc.hi, p.logical_name)
+            if not rects:
+                continue
+            seg = self.segments[pc.segment]
+            start = pc.at - pc.lo  # segment offset of the param's flat element 0
+            kinds = {"main_param": seg.main, **seg.state}
+            for kind, flat in kinds.items():
+                views = chunk_views(flat[start + pc.lo:start + pc.hi], pc.lo, rects)
+                out.setdefault(f"optimizer/{kind}/{p.logical_name}", []).extend(views)
+        return out
+
+    def scalar_state(self) -> dict:
+        """Plain numbers: the step count, the lr and the loss scaler's state."""
+        return {"step": self.step_count, "lr": self.lr, **self.scaler.state_dict()}
+
+    def load_scalar_state(self, d: dict) -> None:
+        """Restore :meth:`scalar_state` (missing keys keep their current values)."""
+        self.step_count = int(d.get("step", self.step_count))
+        self.lr = float(d.get("lr", self.lr))
+        if "loss_scale" in d:
+            self.scaler.load_state_dict(d)
+
+    def allocated_state(self) -> dict[str, list[torch.Tensor]]:
+        """The state tensors this optimizer allocated (main weights only when the params are
+        not fp32), by kind: what its memory is made of."""
+        return self._allocated
+
+    def state_bytes(self) -> int:
+        """Bytes of the storages behind :meth:`allocated_state`."""
+        seen, total = set(), 0
+        for ts in self._allocated.values():
+            for t in ts:
+                s = t.untyped_storage()
+                if s.data_ptr() not in seen:
+                    seen.add(s.data_ptr())
+                    total += s.nbytes()
+        return total
+
+
+def build_optimizer(chunks, ctx, opt_cfg, ddp: DistributedDataParallel | None = None, *,
+                    precision: str = "fp32") -> Optimizer:
+    """The optimizer for ``chunks``: AdamW or SGD (``opt_cfg.name``), ZeRO-1 when ``ddp`` was
+    built with ``use_distributed_optimizer=True``.
+
+    Args:
+        chunks: the model chunks ``ddp`` wraps (a plain DDP with default settings is built when
+            ``ddp`` is None).
+        ctx: the parallel context.
+        opt_cfg: :class:`paratron.config.OptimizerConfig`.
+        precision: ``"fp32"``, ``"bf16"`` or ``"fp16"``.
+
+    Raises:
+        ValueError: bad precision or optimizer name; params whose dtype is not ``precision``'s
+            (norms kept in fp32 are allowed).
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"train.precision={precision!r} must be one of {sorted(PRECISIONS)}")
+    if ddp is None:
+        ddp = DistributedDataParallel(chunks, ctx)
+    want = PRECISIONS[precision]
+    for p in ddp.params:
+        if p.dtype not in (want, torch.float32):
+            raise ValueError(f"{p.logical_name}: dtype {p.dtype} does not match "
+                             f"train.precision={precision!r}")
+    return Optimizer(ddp, ctx, opt_cfg, precision=precision)

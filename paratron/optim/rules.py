@@ -1,0 +1,62 @@
+"""Update rules on flat fp32 tensors: AdamW and SGD, written to match ``torch.optim``.
+
+Each function takes lists of equally long 1-D fp32 tensors (one entry per owned range of a
+gradient buffer) and updates them in place with ``torch._foreach`` kernels. Weight decay applies
+only to the ``decay`` views (the params without ``no_weight_decay``), which are sub-views of
+``params``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def adamw_step(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+               exp_avg_sqs: list[torch.Tensor], decay: list[torch.Tensor], *, step: int, lr: float,
+               beta1: float, beta2: float, eps: float, weight_decay: float) -> None:
+    """One AdamW step (Loshchilov & Hutter 2019, algorithm 2; the arithmetic of
+    ``torch.optim.AdamW``'s single-tensor path, so results agree to rounding).
+
+    ``p <- p * (1 - lr * wd)`` (decoupled, ``decay`` views only), then
+    ``m <- lerp(m, g, 1 - b1)``, ``v <- b2 v + (1 - b2) g^2``,
+    ``p <- p - lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)``.
+
+    Args:
+        step: the 1-based step number ``t`` (bias correction).
+    """
+    if weight_decay and decay:
+        torch._foreach_mul_(decay, 1.0 - lr * weight_decay)
+    torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
+    torch._foreach_mul_(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1.0 - beta2)
+    step_size = lr / (1.0 - beta1**step)
+    bias_correction2_sqrt = math.sqrt(1.0 - beta2**step)
+    denom = torch._foreach_sqrt(exp_avg_sqs)
+    torch._foreach_div_(denom, bias_correction2_sqrt)
+    torch._foreach_add_(denom, eps)
+    torch._foreach_addcdiv_(params, exp_avgs, denom, -step_size)
+
+
+def sgd_step(params: list[torch.Tensor], grads: list[torch.Tensor], momenta: list[torch.Tensor],
+             decay: list[torch.Tensor], decay_grads: list[torch.Tensor], *, step: int, lr: float,
+             momentum: float, weight_decay: float) -> None:
+    """One SGD step with ``torch.optim.SGD``'s semantics (dampening 0, no Nesterov).
+
+    Weight decay is L2 added to the grad (``g <- g + wd * p`` on the ``decay`` views; their grads
+    are ``decay_grads``), as torch does. With momentum the buffer starts as the first grad:
+    ``buf <- g`` at step 1, else ``buf <- momentum * buf + g``; then ``p <- p - lr * buf``.
+    Grads are modified in place.
+    """
+    if weight_decay and decay:
+        torch._foreach_add_(decay_grads, decay, alpha=weight_decay)
+    if momentum:
+        if step == 1:
+            torch._foreach_copy_(momenta, grads)
+        else:
+            torch._foreach_mul_(momenta, momentum)
+            torch._foreach_add_(momenta, grads)
+        torch._foreach_add_(params, momenta, alpha=-lr)
+    else:
+        torch._foreach_add_(params, grads, alpha=-lr)

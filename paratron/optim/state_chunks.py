@@ -1,0 +1,96 @@
+"""Optimizer state as rectangles of each parameter's full logical tensor, for checkpoints.
+
+Every state tensor of a param is described in the param's 2-D view ``[prod(shape[:-1]),
+shape[-1]]`` (a 1-D param of ``n`` elements is ``[1, n]``), so the keys and global shapes are the
+same whatever the layout (TP, PP, DP, ZeRO-1). A flat range ``[lo, hi)`` of a rank's local
+tensor (all of it without ZeRO; the part inside its shard with ZeRO) covers at most three
+rectangles of that view: a partial first row, whole middle rows, a partial last row. Each is a
+contiguous run of the flat state, so it can be returned as a view that a loader fills in place.
+Vocab padding (outside :attr:`ShardSpec.local_shape`) is left out.
+"""
+
+from __future__ import annotations
+
+from math import prod
+
+import torch
+
+from ..parallel.params import ShardSpec
+
+
+def _view2d(shape: tuple[int, ...]) -> tuple[int, int]:
+    if len(shape) == 0:
+        return 1, 1
+    if len(shape) == 1:
+        return 1, shape[0]
+    return prod(shape[:-1]), shape[-1]
+
+
+def rectangles(local_shape: tuple[int, ...], spec: ShardSpec, lo: int, hi: int,
+               name: str = "param") -> list[tuple[int, int, ShardSpec]]:
+    """The rectangles of the global 2-D view covered by flat range ``[lo, hi)`` of a local tensor.
+
+    Args:
+        local_shape: shape of the local tensor (with any vocab padding).
+        spec: its :class:`ShardSpec` (padding only along dim 0).
+        lo, hi: flat element range inside the local tensor.
+        name: the param's logical name, for errors.
+
+    Returns:
+        ``(a, b, spec2d)`` per rectangle: the flat sub-range ``[a, b)`` of the local tensor and
+        the rectangle's :class:`ShardSpec` in the global 2-D view (``local_shape`` is the
+        rectangle's ``(rows, cols)``).
+
+    Raises:
+        NotImplementedError: the shard is offset or padded in a middle dim (no rectangle form).
+    """
+    local_shape = tuple(int(s) for s in local_shape)
+    g, off, valid = spec.global_shape, spec.offsets, spec.local_shape
+    rows, cols = _view2d(local_shape)
+    grows, gcols = _view2d(tuple(g))
+    if len(local_shape) <= 1:
+        vrows, vcols = 1, (valid[0] if valid else 1)
+        roff, coff = 0, (off[0] if off else 0)
+    else:
+        if tuple(valid[1:]) != local_shape[1:] or any(o for o in off[1:-1]) \
+                or tuple(valid[1:-1]) != tuple(g[1:-1]):
+            raise NotImplementedError(
+                f"{name}: shard {spec} of local shape {local_shape} is offset or padded in a "
+                "dim other than the first and last; it has no 2-D rectangle form")
+        mid = prod(local_shape[1:-1])
+        vrows, vcols = valid[0] * mid, cols
+        roff, coff = off[0] * mid, off[-1]
+
+    r0, c0 = divmod(lo, cols)
+    r1, c1 = divmod(hi - 1, cols)
+    c1 += 1
+    if r0 == r1:
+        parts = [(r0, c0, r0 + 1, c1)]
+    else:
+        parts = []
+        first_full = r0 if c0 == 0 else r0 + 1
+        last_full = r1 + 1 if c1 == cols else r1
+        if c0:
+            parts.append((r0, c0, r0 + 1, cols))
+        if last_full > first_full:
+            parts.append((first_full, 0, last_full, cols))
+        if c1 < cols:
+            parts.append((r1, 0, r1 + 1, c1))
+    out = []
+    for ra, ca, rb, cb in parts:
+        rb, cb = min(rb, vrows), min(cb, vcols)
+        if rb <= ra or cb <= ca:
+            continue
+        a = ra * cols + ca
+        b = (rb - 1) * cols + cb
+        out.append((a, b, ShardSpec((grows, gcols), (roff + ra, coff + ca), (rb - ra, cb - ca))))
+    return out
+
+
+def chunk_views(flat: torch.Tensor, lo: int, rects) -> list[tuple[torch.Tensor, ShardSpec]]:
+    """Views of ``flat`` (the state of local flat range starting at ``lo``) shaped as the
+    rectangles from :func:`rectangles`."""
+    out = []
+    for a, b, spec in rects:
+        out.append((flat[a - lo:b - lo].view(spec.local_shape), spec))
+    return out
