@@ -1,0 +1,172 @@
+"""fp32 forward+backward of one transformer layer at TP=2: paratron against megatron-core.
+
+Both layers are the same pre-norm block (LayerNorm, fused QKV column-parallel linear, causal
+SDPA on the local heads, row-parallel output projection, LayerNorm, column fc1, GELU, row fc2),
+built from each framework's ColumnParallelLinear/RowParallelLinear with biases; megatron-core
+uses ``use_cpu_initialization=True``. Two gloo ranks, one thread each (forked by
+``paratron.testing.run_ranks``). Iterations alternate paratron / megatron-core so that load from
+other processes hits both alike; the ratio is of the median times.
+
+megatron-core allocates SP buffers with ``torch.cuda.current_device()``; on a CPU-only torch this
+script points that at ``"cpu"`` (benchmark only) so that the SP path can run too.
+
+Usage: .venv/bin/python benchmarks/bench_tp_layer.py [--seq 256 --batch 4 --hidden 512 --iters 20]
+Needs: pip install megatron-core --no-deps (torch stays pinned).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+import warnings
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from paratron.layers import ColumnParallelLinear, LayerNorm, RowParallelLinear  # noqa: E402
+from paratron.parallel.context import ParallelContext  # noqa: E402
+from paratron.parallel.grads import allreduce_sequence_parallel_grads  # noqa: E402
+from paratron.testing import run_ranks  # noqa: E402
+
+
+class _Block(nn.Module):
+    """Pre-norm attention + MLP from the given linear classes (``make_col``/``make_row``)."""
+
+    def __init__(self, make_col, make_row, make_norm, h, heads, ffn, tp):
+        super().__init__()
+        self.ln1, self.ln2 = make_norm("ln1"), make_norm("ln2")
+        self.qkv, self.proj = make_col("qkv", h, 3 * h), make_row("proj", h, h)
+        self.fc1, self.fc2 = make_col("fc1", h, ffn), make_row("fc2", ffn, h)
+        self.local_heads, self.head_dim = heads // tp, h // heads
+
+    @staticmethod
+    def _out(y):
+        return y[0] if isinstance(y, tuple) else y
+
+    def forward(self, x):
+        qkv = self._out(self.qkv(self.ln1(x)))
+        s, b = qkv.shape[:2]
+        q, k, v = qkv.view(s, b, self.local_heads, 3, self.head_dim).permute(3, 1, 2, 0, 4)
+        o = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self._out(self.proj(o.permute(2, 0, 1, 3).reshape(s, b, -1)))
+        return x + self._out(self.fc2(nn.functional.gelu(self._out(self.fc1(self.ln2(x))))))
+
+
+def _paratron_block(ctx, args, sp):
+    col = lambda n, i, o: ColumnParallelLinear(i, o, ctx, logical_name=n, seed=1, sequence_parallel=sp)  # noqa: E731
+    row = lambda n, i, o: RowParallelLinear(i, o, ctx, logical_name=n, seed=1, sequence_parallel=sp)  # noqa: E731
+    norm = lambda n: LayerNorm(args.hidden, ctx, logical_name=n, sequence_parallel=sp)  # noqa: E731
+    return _Block(col, row, norm, args.hidden, args.heads, args.ffn, ctx.tp.size)
+
+
+def _megatron_block(args, sp, tp):
+    from megatron.core import ModelParallelConfig
+    from megatron.core import tensor_parallel as mtp
+
+    cfg = ModelParallelConfig(tensor_model_parallel_size=tp, sequence_parallel=sp,
+                              use_cpu_initialization=True, params_dtype=torch.float32)
+    init = lambda w: nn.init.normal_(w, 0.0, 0.02)  # noqa: E731
+    col = lambda n, i, o: mtp.ColumnParallelLinear(i, o, config=cfg, init_method=init, bias=True,  # noqa: E731
+                                                   gather_output=False)
+    row = lambda n, i, o: mtp.RowParallelLinear(i, o, config=cfg, init_method=init, bias=True,  # noqa: E731
+                                                input_is_parallel=True, skip_bias_add=False)
+
+    def norm(n):
+        ln = nn.LayerNorm(args.hidden)
+        ln.weight.sequence_parallel = sp
+        ln.bias.sequence_parallel = sp
+        return ln
+
+    return _Block(col, row, norm, args.hidden, args.heads, args.ffn, tp)
+
+
+def _megatron_sp_grads(model, tp_group):
+    # megatron-core's finalize step all-reduces SP grads the same way (one flat buffer).
+    grads = [p.grad for p in model.parameters() if getattr(p, "sequence_parallel", False) and p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    torch.distributed.all_reduce(flat, group=tp_group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def _bench_rank(args_dict):
+    args = argparse.Namespace(**args_dict)
+    warnings.filterwarnings("ignore")
+    if not torch.cuda.is_available():
+        torch.cuda.current_device = lambda: "cpu"  # megatron-core SP buffers; see docstring
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tp, create_gloo_process_groups=False)
+    mtp_group = parallel_state.get_tensor_model_parallel_group()
+    ctx = ParallelContext.build(tp=args.tp)
+    out = {}
+    for sp in (False, True):
+        torch.manual_seed(0)
+        ours = _paratron_block(ctx, args, sp)
+        theirs = _megatron_block(args, sp, args.tp)
+        s_local = args.seq // args.tp if sp else args.seq
+        x = torch.randn(s_local, args.batch, args.hidden)
+
+        def step_ours():
+            xi = x.clone().requires_grad_(True)
+            ours(xi).sum().backward()
+            if sp:
+                allreduce_sequence_parallel_grads(ours.parameters(), ctx)
+
+        def step_theirs():
+            xi = x.clone().requires_grad_(True)
+            theirs(xi).sum().backward()
+            if sp:
+                _megatron_sp_grads(theirs, mtp_group)
+
+        times = {"paratron": [], "megatron": []}
+        for i in range(args.warmup + args.iters):
+            for name, fn in (("paratron", step_ours), ("megatron", step_theirs)) if i % 2 == 0 else \
+                    (("megatron", step_theirs), ("paratron", step_ours)):
+                ctx.tp.barrier()
+                t0 = time.perf_counter()
+                fn()
+                dt = time.perf_counter() - t0
+                if i >= args.warmup:
+                    times[name].append(dt)
+            for m in (ours, theirs):
+                m.zero_grad(set_to_none=True)
+        out[sp] = {k: statistics.median(v) for k, v in times.items()}
+    parallel_state.destroy_model_parallel()
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--ffn", type=int, default=2048)
+    p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=4)
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    res = run_ranks(_bench_rank, args.tp, vars(args), timeout=1800)
+    print(f"one transformer layer fwd+bwd, fp32, TP={args.tp}, s={args.seq} b={args.batch} "
+          f"h={args.hidden} ffn={args.ffn}, {args.iters} iters, median per rank (ms):")
+    for sp in (False, True):
+        ours = max(r[sp]["paratron"] for r in res)
+        theirs = max(r[sp]["megatron"] for r in res)
+        print(f"  sp={str(sp):5s} paratron {ours * 1e3:8.2f}  megatron-core {theirs * 1e3:8.2f}  "
+              f"ratio {ours / theirs:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
