@@ -219,6 +219,21 @@ def save_model_full(directory: str | os.PathLike, cfg, tensors: dict[str, torch.
                    layout=None, extra={})
 
 
+def load_tensors_full(directory: str | os.PathLike, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Every saved tensor whose key starts with ``prefix``, as a full CPU tensor in its saved
+    dtype, keyed without the prefix (e.g. ``prefix="optimizer/exp_avg/"`` gives the full Adam
+    first moments in the 2-D view). One process; no ``torch.distributed`` needed.
+
+    Raises:
+        CheckpointError: unsafe or malformed checkpoint.
+    """
+    directory = resolve(directory)
+    out = {key[len(prefix):]: torch.empty(tuple(md.size), dtype=md.properties.dtype)
+           for key, md in saved_tensors(directory).items() if key.startswith(prefix)}
+    read_items(directory, full_items(out, prefix=prefix))
+    return out
+
+
 def load_model_full(directory: str | os.PathLike) -> tuple[Any, dict[str, torch.Tensor]]:
     """Read every model tensor of a checkpoint as a full tensor, in one process.
 
@@ -235,12 +250,8 @@ def load_model_full(directory: str | os.PathLike) -> tuple[Any, dict[str, torch.
 
     directory = resolve(directory)
     manifest = verify_directory(directory)
-    out: dict[str, torch.Tensor] = {}
-    for key, md in saved_tensors(directory).items():
-        if key.startswith(MODEL_PREFIX):
-            out[key[len(MODEL_PREFIX):]] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
-    read_items(directory, full_items(out))
-    return from_dict(manifest["config"], str(directory / MANIFEST)), out
+    tensors = load_tensors_full(directory, MODEL_PREFIX)
+    return from_dict(manifest["config"], str(directory / MANIFEST)), tensors
 
 
 def load_model_into(directory: str | os.PathLike, chunks, *, config=None, step: int | None = None) -> dict:
