@@ -120,10 +120,13 @@ def reference(steps: int, cfg: OptimizerConfig, batches=None):
 
 
 def train_dp(ctx, cfg, *, steps, zero, overlap, microbatches=2, bucket_mb=0.0005,
-             precision="fp32", batches=None, inject=None):
-    """Train a Toy on this DP rank's rows; returns (params, step results, ddp, opt)."""
+             precision="fp32", batches=None, inject_loss=None, model_kw=None):
+    """Train a Toy on this DP rank's rows; returns (params, step results, ddp, opt).
+
+    ``inject_loss(step, model)`` may return a term added to the step's first microbatch loss.
+    """
     dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[precision]
-    model = Toy(dtype=dtype)
+    model = Toy(dtype=dtype, **(model_kw or {}))
     ddp = DistributedDataParallel([model], ctx, bucket_size_mb=bucket_mb,
                                   overlap_grad_reduce=overlap, use_distributed_optimizer=zero)
     opt = build_optimizer([model], ctx, cfg, ddp, precision=precision)
@@ -135,11 +138,12 @@ def train_dp(ctx, cfg, *, steps, zero, overlap, microbatches=2, bucket_mb=0.0005
         rows = GLOBAL_B // dp
         tokens, labels = tokens[r * rows:(r + 1) * rows], labels[r * rows:(r + 1) * rows]
         opt.zero_grad()
+        extra = inject_loss(step, model) if inject_loss is not None else None
         for t, lab in zip(tokens.chunk(microbatches), labels.chunk(microbatches)):
             loss = model(t, lab).sum() / denom
+            if extra is not None:
+                loss, extra = loss + extra, None
             opt.scale_loss(loss).backward()
-        if inject is not None:
-            inject(step, model)
         results.append(opt.step())
     params = {n: p.detach().float().clone() for n, p in model.named_parameters()}
     return params, results, ddp, opt
