@@ -64,6 +64,12 @@ def run_global_batch(cfg, ctx, chunks, microbatches: list[dict], *, forward_only
 
     p = cfg.parallel
     m = len(microbatches)
+    if cfg.model.num_experts > 0:
+        from paratron.models.moe.layer import set_aux_loss_scale
+
+        # MoE aux-loss grads: coeff x the mean over every microbatch of the global batch, scaled
+        # like the LM loss (see paratron.models.moe.layer).
+        set_aux_loss_scale(chunks, loss_scale / (m * ctx.dp.size))
     actions = get_schedule(p.schedule)(ctx.pp.size, m, p.virtual_pipeline)[ctx.pp.rank]
     mb_size, seq = microbatches[0]["tokens"].shape
     s_local = seq // ctx.tp.size if p.sequence_parallel else seq
