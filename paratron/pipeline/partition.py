@@ -36,7 +36,7 @@ def stage_sizes(num_layers: int, num_stages: int, layout: list[int] | None = Non
 
 def stage_layers(num_layers: int, p: int, v: int = 1, layout: list[int] | None = None,
                  schedule: str = "1f1b") -> dict[tuple[int, int], tuple[int, int]]:
-    """Map ``(pipeline rank, local chunk) -> (first layer, number of layers)``.
+    """Map ``(pipeline rank, local chunk) -> (first layer, number of layers)``, in model order.
 
     Local chunk ``c`` of a rank is its ``c``-th smallest stage under the schedule's placement
     (:mod:`.placement`), the same order the runtime expects its ``chunks`` list in.
@@ -47,7 +47,10 @@ def stage_layers(num_layers: int, p: int, v: int = 1, layout: list[int] | None =
     sizes = stage_sizes(num_layers, p * v, layout)
     starts = [sum(sizes[:s]) for s in range(len(sizes))]
     table = get_schedule(schedule).placement(p, v)
-    return {(r, c): (starts[s], sizes[s]) for r, stages in enumerate(table) for c, s in enumerate(stages)}
+    where = {s: (r, c) for r, stages in enumerate(table) for c, s in enumerate(stages)}
+    # In model order, so that stages with zero layers at one boundary keep their order for readers
+    # that sort by layer range (paratron.models.gpt.model_order breaks ties by insertion order).
+    return {where[s]: (starts[s], sizes[s]) for s in range(p * v)}
 
 
 def chunk_stages(p: int, v: int, schedule: str, pp_rank: int) -> list[int]:

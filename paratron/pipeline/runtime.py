@@ -1,0 +1,232 @@
+"""Execute one pipeline rank's action list: forward, split backward (B/W), batched p2p.
+
+The runtime is the only part of the pipeline package that touches tensors. It runs exactly the
+list it is given (built by a registered schedule and checked by :mod:`.validate`), with these
+rules:
+
+* Each maximal run of send/recv actions is one ``dist.batch_isend_irecv`` call of ops built by
+  ``ctx.pp.p2p_op`` (so the comm ledger counts them). The rank waits for the batch's receives at
+  once and for its sends at the end of the schedule (sends never block, as the validator assumes).
+* ``B`` runs autograd with the chunk's :class:`~paratron.parallel.grads.WeightGradStore` deferring:
+  linear layers queue their weight grads (Qi et al. 2023, section 2) while everything else
+  (norms, embeddings, biases outside linears) gets its grad at once; ``W`` flushes the oldest
+  queued group of the chunk. ``BW`` is a plain backward. Every store must be empty at the end.
+* Grads accumulate across microbatches in ``.grad`` / ``main_grad``. The runtime never rescales:
+  ``forward_step`` returns a loss already divided by the global token count, and the runtime
+  backpropagates it with grad 1.
+* Stages on the same rank pass activations and grads locally, without p2p.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..parallel.grads import WeightGradStore, allreduce_embedding_grads
+from .actions import Action, batches, forward_only as strip_backward, stages_of
+from .timeline import TraceEvent
+
+ForwardStep = Callable[[int, nn.Module, "torch.Tensor | None", Any], torch.Tensor]
+
+
+def attach_weight_grad_stores(chunks: Sequence[nn.Module]) -> list[WeightGradStore]:
+    """Give every submodule of each chunk that has a ``weight_grad_store`` attribute the chunk's
+    own store (one store per chunk, so W's of a chunk follow that chunk's B's); returns them."""
+    stores = []
+    for chunk in chunks:
+        store = WeightGradStore()
+        for module in chunk.modules():
+            if hasattr(module, "weight_grad_store"):
+                module.weight_grad_store = store
+        stores.append(store)
+    return stores
+
+
+def run_pipeline(actions: list[Action], chunks: Sequence[nn.Module], ctx, microbatches: Sequence[Any],
+                 forward_step: ForwardStep, tensor_shape: Sequence[int], dtype: torch.dtype, *,
+                 forward_only: bool = False, timeline: list[TraceEvent] | None = None) -> list[torch.Tensor]:
+    """Run this rank's part of one pipelined step.
+
+    Args:
+        actions: this rank's action list (``build_schedule(...)[ctx.pp.rank]``).
+        chunks: this rank's model chunks, ordered by ascending stage (local chunk ``c`` runs stage
+            ``stages_of(actions)[c]``). The model has ``ctx.pp.size * len(chunks)`` stages.
+        ctx: the :class:`~paratron.parallel.context.ParallelContext`; p2p goes over ``ctx.pp``.
+        microbatches: ``microbatches[i]`` is handed to ``forward_step`` for microbatch ``i``.
+        forward_step: ``(chunk_id, chunk_module, input, microbatch) -> Tensor``. ``chunk_id`` is the
+            local chunk index. ``input`` is None on stage 0 (read the tokens from the microbatch),
+            else the activation ``[s, b, h]`` of the previous stage. On the last stage it returns the
+            scalar loss, already normalised by the caller; elsewhere the activation to pass on, of
+            shape ``tensor_shape``.
+        tensor_shape: shape of every activation and grad sent between stages, e.g. ``[s, b, h]``
+            (``[s/tp, b, h]`` under sequence parallelism).
+        dtype: their dtype.
+        forward_only: evaluation: run the forwards without autograd, skip backward and grad sends.
+        timeline: if given, one :class:`TraceEvent` per action is appended (seconds since the
+            start of this call; p2p actions span their batch), for comparison with the plan.
+
+    Returns:
+        On the rank holding the last stage, the detached losses in microbatch order; else ``[]``.
+
+    Raises:
+        ValueError: the chunk count does not match the list's stages, a microbatch index is out of
+            range, a last-stage output is not a scalar, or an activation to send has another shape
+            than ``tensor_shape`` (checked before sending: a wrong shape would hang the receiver).
+        RuntimeError: weight grads are still deferred at the end (a list missing W actions).
+    """
+    stages = stages_of(actions)
+    if len(stages) != len(chunks):
+        raise ValueError(f"the action list runs stages {stages} but {len(chunks)} model chunks were given")
+    if actions and max(a.microbatch for a in actions) >= len(microbatches):
+        raise ValueError(f"the action list uses microbatch {max(a.microbatch for a in actions)} but only "
+                         f"{len(microbatches)} microbatches were given")
+    run = _Run(ctx, chunks, stages, ctx.pp.size * len(chunks) - 1, microbatches, forward_step,
+               tuple(tensor_shape), dtype, forward_only, timeline)
+    run.execute(strip_backward(actions) if forward_only else actions)
+    return [run.losses[mb] for mb in sorted(run.losses)]
+
+
+class _Run:
+    """The buffers of one :func:`run_pipeline` call, keyed by (microbatch, stage)."""
+
+    def __init__(self, ctx, chunks, stages, last, microbatches, forward_step, shape, dtype, forward_only,
+                 timeline):
+        self.ctx, self.chunks, self.last = ctx, chunks, last
+        self.local = {s: c for c, s in enumerate(stages)}
+        self.microbatches, self.forward_step = microbatches, forward_step
+        self.shape, self.dtype, self.forward_only, self.timeline = shape, dtype, forward_only, timeline
+        self.device = next((p.device for c in chunks for p in c.parameters()), torch.device(ctx.device))
+        self.stores = [] if forward_only else attach_weight_grad_stores(chunks)
+        self.received: dict[tuple[int, int], torch.Tensor] = {}   # RECV_F: input of (mb, stage)
+        self.to_send: dict[tuple[str, int, int], torch.Tensor] = {}  # ("F"|"B", mb, stage)
+        self.local_out: dict[tuple[int, int], torch.Tensor] = {}  # output kept for a local next stage
+        self.inputs: dict[tuple[int, int], torch.Tensor | None] = {}
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.out_grads: dict[tuple[int, int], torch.Tensor] = {}
+        self.losses: dict[int, torch.Tensor] = {}
+        self.pending_sends: list[tuple[Any, torch.Tensor]] = []
+        self.t0 = time.perf_counter()
+
+    def execute(self, actions: list[Action]) -> None:
+        try:
+            for step in batches(actions):
+                start = time.perf_counter()
+                if step[0].is_p2p:
+                    self.p2p(step)
+                else:
+                    getattr(self, "do_" + step[0].kind)(step[0])
+                if self.timeline is not None:
+                    end = time.perf_counter() - self.t0
+                    self.timeline.extend(TraceEvent(self.ctx.pp.rank, a.kind, a.microbatch, a.stage,
+                                                    start - self.t0, end) for a in step)
+        finally:
+            for store in self.stores:
+                store.deferring = False
+        for work, _ in self.pending_sends:
+            work.wait()
+        self.pending_sends.clear()
+        for c, store in enumerate(self.stores):
+            if len(store):
+                raise RuntimeError(f"pipeline chunk {c}: {len(store)} deferred weight-grad groups are still "
+                                   "queued after the schedule; every B needs a W")
+
+    # ---- compute ---------------------------------------------------------------------------
+    def do_F(self, a: Action) -> None:
+        key, s = (a.microbatch, a.stage), a.stage
+        if s == 0:
+            x = None
+        elif (a.microbatch, s - 1) in self.local_out:
+            x = self.local_out.pop((a.microbatch, s - 1))
+        else:
+            x = self.received.pop(key)
+        if x is not None and not self.forward_only:
+            x = x.detach().requires_grad_(True)  # a leaf: its .grad is what goes to stage s-1
+        c = self.local[s]
+        with torch.set_grad_enabled(not self.forward_only):
+            out = self.forward_step(c, self.chunks[c], x, self.microbatches[a.microbatch])
+        if s == self.last:
+            if out.dim() != 0:
+                raise ValueError(f"forward_step must return a scalar loss on the last stage; got shape "
+                                 f"{tuple(out.shape)} for microbatch {a.microbatch}")
+            self.losses[a.microbatch] = out.detach()
+        elif s + 1 in self.local:
+            self.local_out[key] = out.detach()
+        else:
+            self.to_send[("F",) + key] = out.detach()
+        if not self.forward_only:
+            self.inputs[key], self.outputs[key] = x, out
+
+    def _backward(self, a: Action, split: bool) -> None:
+        key, s = (a.microbatch, a.stage), a.stage
+        out, x = self.outputs.pop(key), self.inputs.pop(key)
+        grad = None if s == self.last else self.out_grads.pop(key)
+        store = self.stores[self.local[s]]
+        store.deferring = split
+        try:
+            torch.autograd.backward(out, grad_tensors=grad)
+        finally:
+            store.deferring = False
+        if split:
+            store.mark()
+        if x is not None:
+            g = x.grad if x.grad is not None else torch.zeros_like(x)
+            if s - 1 in self.local:
+                self.out_grads[(a.microbatch, s - 1)] = g
+            else:
+                self.to_send[("B",) + key] = g
+
+    def do_B(self, a: Action) -> None:
+        self._backward(a, split=True)
+
+    def do_BW(self, a: Action) -> None:
+        self._backward(a, split=False)
+
+    def do_W(self, a: Action) -> None:
+        self.stores[self.local[a.stage]].flush()
+
+    # ---- p2p ---------------------------------------------------------------------------------
+    def p2p(self, step: list[Action]) -> None:
+        ops, sends, recvs = [], [], []
+        for a in step:
+            if a.kind.startswith("SEND"):
+                t = self.to_send.pop((a.kind[-1], a.microbatch, a.stage)).contiguous()
+                if tuple(t.shape) != self.shape or t.dtype != self.dtype:
+                    raise ValueError(f"{a}: the tensor to send has shape {tuple(t.shape)} and dtype {t.dtype}; "
+                                     f"the receiver expects tensor_shape={list(self.shape)}, dtype={self.dtype}")
+                ops.append(self.ctx.pp.p2p_op("send", t, a.peer))
+                sends.append(t)
+            else:
+                buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+                ops.append(self.ctx.pp.p2p_op("recv", buf, a.peer))
+                recvs.append((a, buf))
+        works = dist.batch_isend_irecv(ops)
+        n_send = 0
+        for op, work in zip(ops, works):
+            if op.op is dist.isend:
+                self.pending_sends.append((work, sends[n_send]))
+                n_send += 1
+            else:
+                work.wait()
+        for a, buf in recvs:
+            if a.kind == "RECV_F":
+                self.received[(a.microbatch, a.stage)] = buf
+            else:
+                self.out_grads[(a.microbatch, a.stage)] = buf
+
+
+def finalize_embedding_grads(chunks: Sequence[nn.Module], ctx) -> None:
+    """After the schedule, sum the grads of the tied embedding copies over ``ctx.embedding``
+    (parameters marked ``shared_embedding=True``; members only, a no-op elsewhere and at PP=1).
+    Every rank of the pipeline may call it; call it before the optimizer step (and before any
+    grad clipping), after the DP grad reduction or before it (sums commute)."""
+    seen, params = set(), []
+    for chunk in chunks:
+        for p in chunk.parameters():
+            if id(p) not in seen and p.requires_grad:
+                seen.add(id(p))
+                params.append(p)
+    allreduce_embedding_grads(params, ctx)
