@@ -31,6 +31,11 @@ PRESETS = MappingProxyType({
                                        seq_length=64, max_position_embeddings=64)),
     "llama-tiny": MappingProxyType(dict(_LLAMA, num_layers=2, hidden_size=64, num_attention_heads=4,
                                         num_query_groups=2, ffn_hidden_size=176, seq_length=64)),
+    # Mixtral's shape scaled down (Jiang et al. 2024): 8 SwiGLU experts, top-2, in every layer.
+    "mixtral-tiny": MappingProxyType(dict(_LLAMA, num_layers=2, hidden_size=64, num_attention_heads=4,
+                                          num_query_groups=2, ffn_hidden_size=176, seq_length=64,
+                                          num_experts=8, moe_top_k=2, moe_ffn_hidden_size=128,
+                                          moe_aux_loss_coeff=0.02, moe_z_loss_coeff=0.001)),
 })
 """Preset name -> model-config fields (read-only). Tiny presets leave ``vocab_size`` to the tokenizer."""
 
