@@ -200,8 +200,18 @@ def _sp_steps_rank(opt_name):
     return {p.logical_name: p.detach().clone() for p in model.parameters() if p.sequence_parallel}
 
 
+def _warm_optimizer_imports():
+    # The first optimizer step imports torch._dynamo (~5 s); doing it once in the parent spares
+    # every forked rank from repeating it.
+    p = nn.Parameter(torch.ones(1))
+    p.grad = torch.ones(1)
+    torch.optim.AdamW([p]).step()
+    torch.optim.SGD([p], lr=0.1).step()
+
+
 @pytest.mark.parametrize("opt_name", ["sgd", "adamw"])
 def test_replicated_params_bitwise_equal_after_steps_with_sp(opt_name):
+    _warm_optimizer_imports()
     r0, r1 = run_ranks(_sp_steps_rank, 2, opt_name, timeout=180)
     assert set(r0) == {"ln1.weight", "ln1.bias", "ln2.weight", "ln2.bias", "attn.proj.bias", "mlp.fc2.bias"}
     for name in r0:
