@@ -225,7 +225,8 @@ def build_datasets(prefixes_with_weights: Sequence[tuple[float, str]], seq_lengt
         cache_dir: index cache directory (None: next to each prefix).
 
     Returns:
-        (train, valid, test); a split is None when it has no documents in any prefix or 0 samples.
+        (train, valid, test); a split is None when it has no documents in any prefix, 0 samples
+        wanted, or (valid and test of one prefix) too few tokens for one sample (with a warning).
 
     Raises:
         ValueError: empty ``prefixes_with_weights``, a non-positive weight, or bad ``split``.
@@ -255,6 +256,12 @@ def build_datasets(prefixes_with_weights: Sequence[tuple[float, str]], seq_lengt
             out.append(None)
         elif len(parts) == 1 and len(indexed) == 1:
             _, ds, docs = parts[0]
+            if s > 0 and int(ds.document_lengths[docs].sum()) <= seq_length:
+                # A held-out split too small for one sample should not stop training.
+                warnings.warn(f"{ds.prefix}: the {name} split ({len(docs)} documents) has too few tokens "
+                              f"for one sample of {seq_length} + 1; no {name} dataset")
+                out.append(None)
+                continue
             out.append(GPTDataset(ds, docs, seq_length, n, seed, name, cache_dir))
         else:
             total = sum(w for w, _, _ in parts)

@@ -93,6 +93,10 @@ class PretrainingSampler:
             consumed_samples += self.global_batch_size
 
 
+MegatronPretrainingSampler = PretrainingSampler
+"""The name Megatron-LM users know."""
+
+
 def batch_indices(consumed_samples: int, global_batch_size: int, dp_rank: int, dp_size: int,
                   micro_batch_size: int, total_samples: int, seed: int = 0,
                   shuffle: bool = True) -> list[np.ndarray]:

@@ -1,0 +1,81 @@
+"""First-use preparation: data paths, preprocessing a corpus once, atomic under racing processes."""
+
+import json
+import multiprocessing as mp
+
+import pytest
+
+from paratron.config import DataConfig
+from paratron.data import prepare, tokenizer
+from paratron.data.indexed import IndexedDataset
+
+
+def test_parse_data_path():
+    assert prepare.parse_data_path(["a"]) == [(1.0, "a")]
+    assert prepare.parse_data_path(["0.7", "a", "0.3", "b"]) == [(0.7, "a"), (0.3, "b")]
+    assert prepare.parse_data_path([]) == []
+    with pytest.raises(ValueError, match="either prefixes, or weight-prefix pairs"):
+        prepare.parse_data_path(["0.7", "a", "b"])
+    with pytest.raises(ValueError, match="weight -1.0 of 'a' must be > 0"):
+        prepare.parse_data_path(["-1", "a"])
+
+
+def _corpus(tmp_path, n=40):
+    path = tmp_path / "c.jsonl"
+    path.write_text("".join(json.dumps({"text": f"story {i}: " + "once upon a time " * (i % 5 + 1)}) + "\n"
+                            for i in range(n)))
+    return path
+
+
+def test_ensure_dataset_preprocesses_once(tmp_path):
+    cfg = DataConfig(corpus=str(_corpus(tmp_path)), data_path=[str(tmp_path / "out" / "c")])
+    pairs = prepare.ensure_dataset(cfg, seed=1, progress=False)
+    assert pairs == [(1.0, str(tmp_path / "out" / "c"))]
+    ds = IndexedDataset(pairs[0][1])
+    assert ds.num_documents == 40 and ds[0][-1] == tokenizer.gpt2_bpe().eod
+    stamp = (tmp_path / "out" / "c.bin").stat().st_mtime_ns
+    assert prepare.ensure_dataset(cfg, seed=1, progress=False) == pairs
+    assert (tmp_path / "out" / "c.bin").stat().st_mtime_ns == stamp
+
+
+def test_ensure_dataset_errors(tmp_path):
+    with pytest.raises(ValueError, match="data.data_path is empty and data.corpus is not set"):
+        prepare.ensure_dataset(DataConfig(), 0)
+    with pytest.raises(FileNotFoundError, match=r"data.data_path: .*nope.bin/.idx do not exist"):
+        prepare.ensure_dataset(DataConfig(data_path=[str(tmp_path / "nope")]), 0)
+    with pytest.raises(ValueError, match="preprocessed into one prefix, but data.data_path lists 2"):
+        prepare.ensure_dataset(DataConfig(corpus="x.jsonl", data_path=["a", "b"]), 0)
+    with pytest.raises(FileNotFoundError, match="data.corpus='missing.jsonl'"):
+        prepare.ensure_dataset(DataConfig(corpus="missing.jsonl", data_path=[str(tmp_path / "m")]), 0)
+
+
+def test_default_prefix_names_corpus_and_tokenizer():
+    p = prepare.default_prefix(DataConfig(corpus="data/shakespeare.jsonl"))
+    assert p.parts[-3:] == ("data", "cache", "shakespeare_gpt2")
+    p = prepare.default_prefix(DataConfig(corpus="x/y.jsonl", tokenizer_type="ByteLevelBPE", tokenizer_vocab_size=512))
+    assert p.name == "y_bpe512"
+
+
+def _race(cfg, q):
+    q.put(prepare.ensure_dataset(cfg, seed=0, progress=False))
+
+
+def test_racing_processes_and_trained_tokenizer(tmp_path):
+    cfg = DataConfig(corpus=str(_corpus(tmp_path, 60)), data_path=[str(tmp_path / "r")],
+                     tokenizer_type="ByteLevelBPE", tokenizer_vocab_size=300)
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_race, args=(cfg, q)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    results = [q.get(timeout=180) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    assert results[0] == results[1] == [(1.0, str(tmp_path / "r"))]
+    tok = tokenizer.build_tokenizer(cfg)
+    assert tok.vocab_size <= 300
+    ds = IndexedDataset(tmp_path / "r")
+    assert ds.num_documents == 60 and ds[5].tolist() == tok.encode("story 5: " + "once upon a time " * 1) + [tok.eod]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("r.")) == \
+        ["r.bin", "r.idx", "r.tokenizer.json"]  # no temporaries left behind
