@@ -207,3 +207,31 @@ def test_rng_tracker_streams():
         torch.manual_seed(11 + 2718 + r["tp_rank"])
         assert torch.equal(r["inside"], F.dropout(torch.ones(16), 0.5))
     assert not torch.equal(r0["inside"], r1["inside"]), "TP ranks must draw different dropout masks"
+
+
+# ---- allreduce_sequence_parallel_grads -----------------------------------------------------
+def _sp_grads_rank():
+    from paratron.parallel.grads import allreduce_sequence_parallel_grads
+    from paratron.parallel.params import mark
+
+    ctx = ParallelContext.build(tp=2)
+    r = float(ctx.tp.rank + 1)
+    a = mark(torch.nn.Parameter(torch.zeros(3)), "a", sequence_parallel=True)
+    a.main_grad = torch.full((3,), r)  # DDP's fp32 main grad takes precedence over .grad
+    a.grad = torch.full((3,), 100.0)
+    b = mark(torch.nn.Parameter(torch.zeros(2, 2, dtype=torch.bfloat16)), "b", sequence_parallel=True)
+    b.grad = torch.full((2, 2), r, dtype=torch.bfloat16)
+    c = mark(torch.nn.Parameter(torch.zeros(2)), "c")  # not sequence parallel: left alone
+    c.grad = torch.full((2,), r)
+    with ctx.ledger.recording():
+        allreduce_sequence_parallel_grads([a, b, c], ctx)
+        calls = ctx.ledger.total("all_reduce", "tp").calls
+    return a.main_grad, a.grad, b.grad, c.grad, calls
+
+
+def test_allreduce_sequence_parallel_grads():
+    for rank, (am, ag, bg, cg, calls) in enumerate(run_ranks(_sp_grads_rank, 2, timeout=180)):
+        assert torch.equal(am, torch.full((3,), 3.0)) and torch.equal(ag, torch.full((3,), 100.0))
+        assert torch.equal(bg, torch.full((2, 2), 3.0, dtype=torch.bfloat16))
+        assert torch.equal(cg, torch.full((2,), rank + 1.0))
+        assert calls == 2, "one coalesced all-reduce per grad dtype"

@@ -236,3 +236,19 @@ def test_all_ignored_dp_rank_leaves_mean_of_the_others():
             assert torch.count_nonzero(r["grad"]) == 0
         else:
             assert torch.count_nonzero(r["grad"]) > 0
+
+
+def test_cross_entropy_computes_in_fp32_for_bf16_logits():
+    ctx = ParallelContext.single()
+    logits, labels, up = _ce_inputs(1.0)
+    low = logits.to(torch.bfloat16).requires_grad_(True)
+    loss = vocab_parallel_cross_entropy(low, labels, ctx, CE_VOCAB, ignore_index=IGNORE)
+    (loss * up).sum().backward()
+    ref = low.detach()[..., :CE_VOCAB].double().requires_grad_(True)
+    want = F.cross_entropy(ref.reshape(-1, CE_VOCAB), labels.reshape(-1), ignore_index=IGNORE,
+                           reduction="none").view(S, B)
+    (want * up.double()).sum().backward()
+    assert loss.dtype == torch.float32 and low.grad.dtype == torch.bfloat16
+    assert (loss.double() - want).abs().max() / want.abs().max() <= 1e-6
+    torch.testing.assert_close(low.grad[..., :CE_VOCAB].double(), ref.grad.to(torch.bfloat16).double())
+    assert torch.count_nonzero(low.grad[..., CE_VOCAB:]) == 0
