@@ -116,3 +116,19 @@ def test_presets_and_toml_configs_agree():
         preset("gpt2-smal")
     with pytest.raises(TypeError):
         PRESETS["gpt2-small"]["num_layers"] = 3  # read-only
+
+
+def test_moe_hook_places_moe_layers_by_frequency():
+    from paratron.models.moe.layer import MoELayer
+    from paratron.models.mlp import MLP
+
+    cfg = preset("llama-tiny", vocab_size=VOCAB, num_layers=4, seq_length=16, num_experts=4, moe_top_k=2,
+                 moe_layer_freq=2)
+    (model,) = build_model_chunks(cfg, ParallelContext.single(), seed=2)
+    kinds = [type(model.layers[str(i)].mlp) for i in range(4)]
+    assert kinds == [MoELayer, MLP, MoELayer, MLP]
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(4))
+    model(ids, ids).mean().backward()
+    names = {p.logical_name for p in model.parameters() if p.grad is not None}
+    assert any(n.startswith("layers.0.mlp.") for n in names)
+    assert "layers.1.mlp.fc2.weight" in names
