@@ -151,10 +151,15 @@ def default_device() -> torch.device:
 
 def init_distributed(timeout_s: float = 600.0, backend: str | None = None) -> None:
     """Initialise ``torch.distributed`` from torchrun's environment (``RANK``, ``WORLD_SIZE``,
-    ``MASTER_ADDR``, ``MASTER_PORT``), unless already done. Backend: nccl on CUDA, else gloo."""
+    ``MASTER_ADDR``, ``MASTER_PORT``), unless already done; without torchrun, a world of one
+    process (an in-memory store, no port). Backend: nccl on CUDA, else gloo."""
     if dist.is_initialized():
         return
     backend = backend or default_backend()
     if backend == "nccl":
         torch.cuda.set_device(default_device())
-    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+    timeout = timedelta(seconds=timeout_s)
+    if "RANK" not in os.environ:
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    else:
+        dist.init_process_group(backend=backend, timeout=timeout)

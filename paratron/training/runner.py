@@ -134,6 +134,7 @@ def _train(cfg: Config, ctx, run_dir: Path) -> int:
             out = run_global_batch(cfg, ctx, chunks, microbatches, forward_only=False,
                                    loss_scale=optimizer.loss_scale)
             t1 = time.perf_counter()
+            lr = scheduler_lr(scheduler, optimizer)  # the rate this step uses
             result = optimizer.step()
             scheduler.step()
             t2 = time.perf_counter()
@@ -147,7 +148,7 @@ def _train(cfg: Config, ctx, run_dir: Path) -> int:
                 "iteration": state.iteration,
                 "consumed_tokens": state.consumed_train_samples * seq,
                 "loss": out.loss,
-                "lr": scheduler_lr(scheduler, optimizer),
+                "lr": lr,
                 "grad_norm": float(result.grad_norm),
                 "skipped_iterations": skipped,
                 "tokens_per_second": gbs * seq / step_time,

@@ -45,7 +45,7 @@ def run_global_batch(cfg, ctx, chunks, microbatches: list[dict], *, forward_only
     Returns:
         :class:`StepOutput` with the global-batch loss, known on every rank.
     """
-    from paratron.pipeline.registry import get_schedule
+    from paratron.pipeline.registry import build_schedule
     from paratron.pipeline.runtime import run_pipeline
 
     t0 = time.perf_counter()
@@ -70,7 +70,7 @@ def run_global_batch(cfg, ctx, chunks, microbatches: list[dict], *, forward_only
         # MoE aux-loss grads: coeff x the mean over every microbatch of the global batch, scaled
         # like the LM loss (see paratron.models.moe.layer).
         set_aux_loss_scale(chunks, loss_scale / (m * ctx.dp.size))
-    actions = get_schedule(p.schedule)(ctx.pp.size, m, p.virtual_pipeline)[ctx.pp.rank]
+    actions = build_schedule(p.schedule, ctx.pp.size, m, p.virtual_pipeline)[ctx.pp.rank]
     mb_size, seq = microbatches[0]["tokens"].shape
     s_local = seq // ctx.tp.size if p.sequence_parallel else seq
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.train.precision]
