@@ -57,7 +57,13 @@ class BackgroundWriter:
 
     @property
     def busy(self) -> bool:
+        """A job was started and not yet waited for."""
         return self._thread is not None
+
+    @property
+    def running(self) -> bool:
+        """A job is still executing."""
+        return self._thread is not None and self._thread.is_alive()
 
     def start(self, job: Callable[[], None], name: str) -> None:
         """Start ``job``; the previous one must have been waited for.

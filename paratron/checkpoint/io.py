@@ -125,16 +125,21 @@ def saved_tensors(directory: str | os.PathLike) -> dict[str, TensorStorageMetada
 
 
 # ---- the manifest --------------------------------------------------------------------------
-def write_manifest(directory: str | os.PathLike, config_dict: dict, **fields: Any) -> dict:
+def write_manifest(directory: str | os.PathLike, cfg, **fields: Any) -> dict:
     """Write ``paratron.json`` (and ``config.toml``) after the tensors: it records the sha256 of
-    ``.metadata``, so a directory whose metadata was swapped afterwards is refused."""
-    from paratron.config import from_dict, to_toml
+    ``.metadata``, so a directory whose metadata was swapped afterwards is refused.
+
+    Args:
+        cfg: the run's :class:`paratron.config.Config`.
+        fields: more plain-JSON entries (step, extra, ...).
+    """
+    from paratron.config import to_toml
 
     directory = Path(directory)
-    manifest = {"format": FORMAT, "version": VERSION, "config": config_dict,
+    manifest = {"format": FORMAT, "version": VERSION, "config": cfg.to_dict(),
                 "metadata_sha256": file_sha256(directory / METADATA_FILE), **fields}
     write_json_atomic(directory / MANIFEST, manifest)
-    write_text_atomic(directory / "config.toml", to_toml(from_dict(config_dict, "checkpoint config")))
+    write_text_atomic(directory / "config.toml", to_toml(cfg))
     return manifest
 
 
@@ -215,7 +220,7 @@ def save_model_full(directory: str | os.PathLike, cfg, tensors: dict[str, torch.
     directory.mkdir(parents=True, exist_ok=True)
     items = full_items({k: v.detach().cpu() for k, v in tensors.items()})
     write_items(directory, items, single_process=True)
-    write_manifest(directory, cfg.to_dict(), kind="model", step=None, has_optimizer=False,
+    write_manifest(directory, cfg, kind="model", step=None, has_optimizer=False,
                    layout=None, extra={})
 
 

@@ -159,6 +159,11 @@ class CheckpointManager:
                 job()
             self.last_stall_s = time.perf_counter() - t0
 
+    @property
+    def writing(self) -> bool:
+        """An asynchronous save is still writing (training may go on)."""
+        return self._writer.running
+
     def wait(self) -> None:
         """Finish the asynchronous save in flight, if any (call before exiting).
 
@@ -181,7 +186,7 @@ class CheckpointManager:
         self._phase("tensors_written", tmp)
         g.barrier()
         if self.ctx.rank == 0:
-            write_manifest(tmp, self.config.to_dict(), world_size=self.ctx.world_size, saved_at=time.time(),
+            write_manifest(tmp, self.config, world_size=self.ctx.world_size, saved_at=time.time(),
                            **fields)
             final = self._commit(root, tmp, step)
             self._prune(root, final)

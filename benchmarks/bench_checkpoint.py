@@ -1,0 +1,186 @@
+"""Checkpoint save/load throughput against a raw numpy write of the same bytes, and the training
+stall of an async save against a sync save.
+
+    .venv/bin/python benchmarks/bench_checkpoint.py [--mb 200] [--repeats 3] [--dir /tmp]
+
+Model state: 20 fp32 tensors, ``--mb`` MB in all, marked as parameters of their full logical
+tensors. Cases:
+
+* 1 rank: the whole state.
+* 4 ranks, sharded: each tensor split by rows over 4 ranks (TP-like), 1/4 of the bytes per rank.
+* 4 ranks, replicated: every rank holds everything (pure DP); the save writes each tensor once,
+  spread over the ranks.
+
+Save = ``CheckpointManager.save`` (DCP files with fsync, manifest, rename, ``latest``); load =
+``CheckpointManager.load`` into the same layout. Baseline: each rank writes its bytes (all the
+bytes on one rank; a quarter on each of 4 ranks) with ``ndarray.tofile`` + fsync, and reads them
+back with ``np.fromfile``. Reads hit the page cache on both sides. GB/s = state bytes / seconds;
+median of ``--repeats`` runs, slowest rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from paratron.checkpoint.manager import CheckpointManager  # noqa: E402
+from paratron.config import CheckpointConfig, Config  # noqa: E402
+from paratron.parallel.context import ParallelContext  # noqa: E402
+from paratron.parallel.params import ShardSpec, mark  # noqa: E402
+from paratron.testing import run_ranks  # noqa: E402
+
+N_TENSORS, COLS = 20, 1000
+
+
+def state_module(total_mb: float, shards: int, index: int) -> torch.nn.Module:
+    """``N_TENSORS`` params of the full shape ``[rows, COLS]``; this rank's ``index``-th row block
+    of ``shards`` (``shards=1``: the full tensors)."""
+    rows = int(total_mb * 1e6 / 4 / N_TENSORS / COLS) // 4 * 4
+    m = torch.nn.Module()
+    for i in range(N_TENSORS):
+        n = rows // shards
+        p = torch.nn.Parameter(torch.full((n, COLS), float(i)), requires_grad=False)
+        mark(p, f"w{i}", ShardSpec((rows, COLS), (index * n, 0), (n, COLS)), partition_dim=0 if shards > 1 else -1)
+        m.register_parameter(f"w{i}", p)
+    return m
+
+
+def state_bytes(m: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in m.parameters())
+
+
+def raw_write_read(m: torch.nn.Module, path: Path) -> tuple[float, float]:
+    """Seconds to write the module's bytes with numpy (+ fsync) and to read them back."""
+    arrays = [p.detach().numpy() for p in m.parameters()]
+    t0 = time.perf_counter()
+    with open(path, "wb") as f:
+        for a in arrays:
+            a.tofile(f)
+        f.flush()
+        os.fsync(f.fileno())
+    t_write = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    back = np.fromfile(path, dtype=np.float32)
+    t_read = time.perf_counter() - t0
+    assert back.size == sum(a.size for a in arrays)
+    return t_write, t_read
+
+
+def measure(ctx, m: torch.nn.Module, workdir: Path, tag: str, repeats: int, sync_group=None) -> dict:
+    """Median save/load/raw times on this rank; ``sync_group`` lines the ranks up between phases."""
+    barrier = (lambda: sync_group.barrier()) if sync_group is not None else (lambda: None)
+    cfg = Config()
+    root = workdir / f"ck-{tag}"
+    cfg.checkpoint.save = str(root)
+    cfg.checkpoint.keep_last = 1
+    mgr = CheckpointManager(cfg.checkpoint, ctx, cfg)
+    loader = CheckpointManager(CheckpointConfig(load=str(root), load_optimizer=False), ctx, cfg)
+    res = {"save": [], "load": [], "raw_write": [], "raw_read": []}
+    for step in range(1, repeats + 1):
+        barrier()
+        t0 = time.perf_counter()
+        mgr.save(step, [m], None, None, {})
+        res["save"].append(time.perf_counter() - t0)
+        barrier()
+        t0 = time.perf_counter()
+        loader.load([m], None, None)
+        res["load"].append(time.perf_counter() - t0)
+        barrier()
+        w, r = raw_write_read(m, workdir / f"raw-{tag}-{ctx.rank}.bin")
+        res["raw_write"].append(w)
+        res["raw_read"].append(r)
+        os.remove(workdir / f"raw-{tag}-{ctx.rank}.bin")
+    return {k: statistics.median(v) for k, v in res.items()}
+
+
+def _ranks(kind: str, mb: float, workdir: str, repeats: int):
+    ctx = ParallelContext.build()
+    shards = 4 if kind == "sharded" else 1
+    m = state_module(mb, shards, ctx.rank if shards > 1 else 0)
+    return measure(ctx, m, Path(workdir), kind, repeats, sync_group=ctx.world)
+
+
+def stall(workdir: Path, mb: float, repeats: int) -> dict:
+    """Seconds ``save`` blocks (sync vs async), and a compute step's time during an async write."""
+    ctx = ParallelContext.single()
+    m = state_module(mb, 1, 0)
+    cfg = Config()
+    cfg.checkpoint.save = str(workdir / "ck-stall")
+    cfg.checkpoint.keep_last = 1
+    mgr = CheckpointManager(cfg.checkpoint, ctx, cfg)
+    a = torch.randn(384, 384)
+
+    def step() -> float:
+        t0 = time.perf_counter()
+        for _ in range(20):
+            a @ a
+        return time.perf_counter() - t0
+
+    out = {"sync": [], "async": [], "write_async": [], "step_idle": [], "step_during": []}
+    for i in range(repeats):
+        out["step_idle"].append(statistics.median(step() for _ in range(5)))
+        mgr.save(2 * i + 1, [m], None, None, {}, async_=False)
+        out["sync"].append(mgr.last_stall_s)
+        mgr.save(2 * i + 2, [m], None, None, {}, async_=True)
+        out["async"].append(mgr.last_stall_s)
+        during = []
+        while mgr.writing and len(during) < 1000:
+            during.append(step())
+        mgr.wait()
+        out["write_async"].append(mgr.last_write_s)
+        out["step_during"].append(statistics.median(during) if during else float("nan"))
+    return {k: statistics.median(v) for k, v in out.items()}
+
+
+def main(args) -> None:
+    torch.set_num_threads(1)
+    workdir = Path(tempfile.mkdtemp(prefix="bench-ckpt-", dir=args.dir))
+    try:
+        gb = state_module(args.mb, 1, 0)
+        total = state_bytes(gb) / 1e9
+        del gb
+        print(f"state: {total * 1e3:.0f} MB fp32 in {N_TENSORS} tensors; median of {args.repeats}")
+        print("| case | save GB/s | raw write GB/s | save / raw | load GB/s | raw read GB/s |")
+        print("|---|---|---|---|---|---|")
+        one = measure(ParallelContext.single(), state_module(args.mb, 1, 0), workdir, "one", args.repeats)
+        rows = [("1 rank", one)]
+        for kind in ("sharded", "replicated"):
+            per_rank = run_ranks(_ranks, 4, kind, args.mb, str(workdir), args.repeats, timeout=1800)
+            slowest = {k: max(r[k] for r in per_rank) for k in per_rank[0]}
+            if kind == "replicated":  # the raw side writes only the bytes the save must write
+                slowest["raw_write"] = max(r["raw_write"] for r in per_rank) / 4
+                slowest["raw_read"] = max(r["raw_read"] for r in per_rank) / 4
+            rows.append((f"4 ranks, {kind}", slowest))
+        for name, r in rows:
+            print(f"| {name} | {total / r['save']:.2f} | {total / r['raw_write']:.2f} | "
+                  f"**{r['raw_write'] / r['save']:.2f}** | {total / r['load']:.2f} | {total / r['raw_read']:.2f} |")
+        s = stall(workdir, args.mb, args.repeats)
+        print()
+        print("| save mode | training stall (s) | write until committed (s) |")
+        print("|---|---|---|")
+        print(f"| sync | {s['sync']:.3f} | {s['sync']:.3f} |")
+        print(f"| async | {s['async']:.3f} | {s['write_async']:.3f} |")
+        print(f"async stall / sync stall: **{s['async'] / s['sync']:.2f}**; a compute step takes "
+              f"{s['step_idle'] * 1e3:.1f} ms idle, {s['step_during'] * 1e3:.1f} ms while the async write runs "
+              f"({s['step_during'] / s['step_idle']:.2f}x)")
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mb", type=float, default=200.0)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dir", default=None, help="where to write (default: the system temp dir)")
+    main(parser.parse_args())
