@@ -1,0 +1,82 @@
+"""``paratron convert``: Hugging Face folders to paratron checkpoints and back.
+
+    paratron convert hf-to-paratron SRC_DIR DST_DIR [--config run.toml] [--set section.key=value ...]
+    paratron convert paratron-to-hf SRC_DIR DST_DIR [--step N]
+
+``hf-to-paratron`` reads a ``LlamaForCausalLM`` or ``GPT2LMHeadModel`` folder (config.json and
+safetensors) and writes a layout-free paratron checkpoint directory (loadable under any TP/PP
+layout); the run sections other than ``[model]`` come from ``--config`` (default: the defaults),
+with ``--set`` overrides on top. A ``tokenizer.json`` next to the weights is copied and selected
+as the run's tokenizer. ``paratron-to-hf`` writes config.json and model.safetensors that
+``transformers`` loads (and copies the run's tokenizer.json, if it has one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from pathlib import Path
+
+DIRECTIONS = ("hf-to-paratron", "paratron-to-hf")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("direction", choices=DIRECTIONS, help="which way to convert")
+    p.add_argument("src", help="source directory (a Hugging Face folder, or a paratron checkpoint)")
+    p.add_argument("dst", help="destination directory (created; must not hold a checkpoint)")
+    p.add_argument("--config", default=None,
+                   help="hf-to-paratron: a run TOML giving the non-model sections of the saved config")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="hf-to-paratron: override a config value (repeatable)")
+    p.add_argument("--step", type=int, default=None,
+                   help="paratron-to-hf: the step to export when SRC is a checkpoint root (default: latest)")
+
+
+def _hf_to_paratron(args) -> str:
+    from paratron.checkpoint.hf import hf_to_paratron
+    from paratron.checkpoint.io import save_model_full
+    from paratron.config import apply_overrides, load_config, validate
+
+    model_cfg, tensors = hf_to_paratron(args.src)
+    cfg = load_config(args.config)
+    cfg.model = model_cfg
+    tokenizer = Path(args.src) / "tokenizer.json"
+    if tokenizer.is_file():
+        cfg.data.tokenizer_type = "HuggingFaceTokenizer"
+        cfg.data.tokenizer_model = str(Path(args.dst).resolve() / "tokenizer.json")
+    apply_overrides(cfg, args.overrides)
+    validate(cfg)
+    save_model_full(args.dst, cfg, tensors)
+    if tokenizer.is_file():
+        shutil.copyfile(tokenizer, Path(args.dst) / "tokenizer.json")
+    n = sum(t.numel() for t in tensors.values())
+    return f"{len(tensors)} tensors, {n / 1e6:.2f}M parameters"
+
+
+def _paratron_to_hf(args) -> str:
+    from paratron.checkpoint.hf import hf_architecture_for, paratron_to_hf
+    from paratron.checkpoint.io import load_model_full, resolve
+
+    cfg, tensors = load_model_full(resolve(args.src, args.step))
+    out = paratron_to_hf(cfg.model, tensors, args.dst)
+    tok = cfg.data.tokenizer_model
+    if tok and Path(tok).is_file() and Path(tok).name == "tokenizer.json":
+        shutil.copyfile(tok, out / "tokenizer.json")
+    arch = {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel"}[hf_architecture_for(cfg.model)]
+    return f"{len(tensors)} tensors as a {cfg.model.num_layers}-layer {arch}"
+
+
+def run(args) -> int:
+    """Convert; print one summary line. Returns 0, or 1 with the reason on stderr."""
+    from paratron.checkpoint.items import CheckpointError
+    from paratron.config import ConfigError
+
+    try:
+        summary = (_hf_to_paratron if args.direction == "hf-to-paratron" else _paratron_to_hf)(args)
+    except (ConfigError, CheckpointError, FileNotFoundError, KeyError, ValueError) as e:
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
+        print(f"paratron convert {args.direction}: {msg}", file=sys.stderr)
+        return 1
+    print(f"paratron convert {args.direction}: {args.src} -> {args.dst}: {summary}")
+    return 0
