@@ -1,0 +1,254 @@
+"""DDP, ZeRO-1, clipping and fp16 loss scaling with tensor and pipeline parallelism, on paratron's
+tiny GPT (tied embeddings) run through the pipeline runtime, against one process running plain
+``torch.optim.AdamW`` with ``clip_grad_norm_`` on the same model, seed and global batch.
+Tolerance 1e-5 (fp32); replicas must be bitwise equal.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from paratron.config import ModelConfig, OptimizerConfig
+from paratron.models.gpt import build_model_chunks, gather_full_state
+from paratron.optim import DistributedDataParallel, build_optimizer
+from paratron.parallel.context import ParallelContext
+from paratron.pipeline.partition import stage_layers
+from paratron.pipeline.registry import build_schedule
+from paratron.pipeline.runtime import run_pipeline
+from paratron.testing import run_ranks
+
+SEQ, GLOBAL_B, VOCAB, HID, LAYERS, SEED = 8, 8, 37, 16, 4, 5
+STEPS = 3
+IGNORE = -100
+
+
+def _cfg() -> ModelConfig:
+    return ModelConfig(num_layers=LAYERS, hidden_size=HID, num_attention_heads=4, vocab_size=VOCAB,
+                       seq_length=SEQ, normalization="layernorm", position_embedding_type="learned",
+                       activation="gelu", add_bias_linear=True, tie_embeddings=True,
+                       make_vocab_size_divisible_by=4)
+
+
+def _opt(clip: float, **kw) -> OptimizerConfig:
+    return OptimizerConfig(name="adamw", lr=1e-2, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95,
+                           adam_eps=1e-8, clip_grad=clip, **kw)
+
+
+def _batch(step: int):
+    g = torch.Generator().manual_seed(300 + step)
+    ids = torch.randint(0, VOCAB, (GLOBAL_B, SEQ), generator=g)
+    labels = torch.randint(0, VOCAB, (GLOBAL_B, SEQ), generator=g)
+    labels[torch.rand(GLOBAL_B, SEQ, generator=g) < 0.2] = IGNORE
+    return ids, labels
+
+
+def _perturb_(chunks):
+    """Norm weights start at 1 and biases at 0: perturb every 1-D param by name (layout-free)."""
+    for chunk in chunks:
+        for p in chunk.parameters():
+            if p.dim() == 1:
+                g = torch.Generator().manual_seed(11 + sum(map(ord, p.logical_name)))
+                with torch.no_grad():
+                    p.add_(0.1 * torch.randn(p.shard.global_shape, generator=g)[p.shard.slices()].to(p.dtype))
+
+
+def reference(clip: float, batches):
+    """One process, plain torch: full params by logical name, grad norm per step."""
+    ctx = ParallelContext.single()
+    (model,) = build_model_chunks(_cfg(), ctx, seed=SEED)
+    _perturb_([model])
+    params = list(model.parameters())
+    cfg = _opt(clip)
+    opt = torch.optim.AdamW([{"params": [p for p in params if not p.no_weight_decay]},
+                             {"params": [p for p in params if p.no_weight_decay], "weight_decay": 0.0}],
+                            lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
+                            weight_decay=cfg.weight_decay)
+    norms = []
+    for ids, labels in batches:
+        opt.zero_grad()
+        (model(ids, labels).sum() / (labels != IGNORE).sum()).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else math.inf)))
+        opt.step()
+    return gather_full_state([model], ctx), norms
+
+
+def train(ctx, *, zero, clip, schedule="1f1b", v=1, m=2, sp=False, precision="fp32", batches=None,
+          inject=None, opt_kw=None, snapshots=None, set_scale=None):
+    """Train the GPT for len(batches) steps on this rank's part of the layout.
+
+    ``inject(step, chunk)`` may return a term added to the loss of microbatch 0 on the last stage.
+    Returns (full params of this stage, [(grad_norm, clip_coeff, skipped, loss_scale)]); when
+    ``snapshots`` is a list, the full params after every step are appended to it.
+    ``set_scale`` maps a step to a loss scale forced before it.
+    """
+    dtype = {"fp32": torch.float32, "fp16": torch.float16}[precision]
+    layers = stage_layers(LAYERS, ctx.pp.size, v, None, schedule)
+    chunks = build_model_chunks(_cfg(), ctx, seed=SEED, stage_layers=layers, params_dtype=dtype,
+                                sequence_parallel=sp)
+    _perturb_(chunks)
+    ddp = DistributedDataParallel(chunks, ctx, bucket_size_mb=0.002, overlap_grad_reduce=True,
+                                  use_distributed_optimizer=zero)
+    opt = build_optimizer(chunks, ctx, _opt(clip, **(opt_kw or {})), ddp, precision=precision)
+    dp, r = ctx.dp.size, ctx.dp.rank
+    rows = GLOBAL_B // dp
+    out = []
+    for step, (ids, labels) in enumerate(batches):
+        total = (labels != IGNORE).sum()
+        ids, labels = ids[r * rows:(r + 1) * rows], labels[r * rows:(r + 1) * rows]
+        mbs = rows // m
+        micro = [(ids[i * mbs:(i + 1) * mbs], labels[i * mbs:(i + 1) * mbs]) for i in range(m)]
+
+        def forward_step(chunk_id, chunk, x, mb, step=step):
+            tok, lab = mb
+            y = chunk(tok if x is None else x, lab if chunk.post_process else None)
+            if not chunk.post_process:
+                return y
+            loss = y.sum() / total
+            if inject is not None and mb is micro[0]:
+                extra = inject(step, chunk)
+                if extra is not None:
+                    loss = loss + extra
+            return opt.scale_loss(loss)
+
+        if set_scale and step in set_scale:
+            opt.scaler.scale = set_scale[step]
+        opt.zero_grad()
+        actions = build_schedule(schedule, ctx.pp.size, m, v)[ctx.pp.rank]
+        seq = SEQ // ctx.tp.size if sp else SEQ
+        run_pipeline(actions, chunks, ctx, micro, forward_step, (seq, mbs, HID), dtype)
+        res = opt.step()
+        out.append((res.grad_norm, res.clip_coeff, res.skipped, res.loss_scale))
+        if snapshots is not None:
+            snapshots.append({k: t.float() for k, t in gather_full_state(chunks, ctx).items()})
+    full = {k: t.float() for k, t in gather_full_state(chunks, ctx).items()}
+    return full, out
+
+
+# ---- AdamW + clipping parity over layouts -----------------------------------------------------
+
+def _rank_layouts(layouts):
+    res = []
+    for lay in layouts:
+        ctx = ParallelContext.build(tp=lay["tp"], pp=lay["pp"])
+        full, steps = train(ctx, zero=lay["zero"], clip=lay["clip"], schedule=lay.get("schedule", "1f1b"),
+                            v=lay.get("v", 1), sp=lay.get("sp", False), batches=[_batch(s) for s in range(STEPS)])
+        coords = (ctx.tp.rank, ctx.pp.rank, ctx.dp.rank)
+        res.append((coords, full, steps))
+    return res
+
+
+def _L(tp, pp, zero, clip=0.0, **kw):
+    return dict(tp=tp, pp=pp, zero=zero, clip=clip, **kw)
+
+
+WORLD4 = [  # world 4
+    _L(2, 1, False), _L(2, 1, True, 0.05),                   # TP=2 x DP=2, clipping at TP=2
+    _L(1, 2, False, 0.05), _L(1, 2, True),                   # PP=2 x DP=2 (1F1B), tied embedding
+    _L(4, 1, False, 0.05),                                   # clipping at TP=4
+    _L(2, 1, True, 0.05, sp=True),                           # sequence parallel: deferred bucket
+    _L(1, 2, True, 0.05, schedule="interleaved", v=2),       # clipping at PP=2 interleaved, ZeRO
+]
+WORLD8 = [  # world 8
+    _L(2, 2, False, 0.05), _L(2, 2, True),                   # TP=2 x PP=2 x DP=2
+    _L(2, 1, True, 0.05), _L(1, 2, False),                   # TP=2 x DP=4, PP=2 x DP=4
+    _L(2, 1, False), _L(1, 2, True, 0.05),
+]
+
+
+def _check_layouts(outs, layouts):
+    refs = {}
+    for i, lay in enumerate(layouts):
+        where = f"{lay}"
+        if lay["clip"] not in refs:
+            refs[lay["clip"]] = reference(lay["clip"], [_batch(s) for s in range(STEPS)])
+        ref, ref_norms = refs[lay["clip"]]
+        merged: dict[str, torch.Tensor] = {}
+        steps0 = outs[0][i][2]
+        for rank_out in outs:
+            coords, full, steps = rank_out[i]
+            assert steps == steps0, f"{where}: grad norm / clip coefficient differ on rank {coords}"
+            for name, t in full.items():
+                if name in merged:  # DP replicas, TP ranks after gather, tied copies: bitwise equal
+                    assert torch.equal(merged[name], t), f"{where}: {name} differs between ranks"
+                merged[name] = t
+        assert merged.keys() == ref.keys(), where
+        for name, t in ref.items():
+            torch.testing.assert_close(merged[name], t, rtol=1e-5, atol=1e-5,
+                                       msg=lambda msg: f"{where}: {name}: {msg}")
+        for (norm, coeff, skipped, _), ref_norm in zip(steps0, ref_norms):
+            assert not skipped
+            assert norm == pytest.approx(ref_norm, rel=1e-5), where
+            if lay["clip"]:
+                assert coeff == pytest.approx(lay["clip"] / (ref_norm + 1e-6), rel=1e-5), where
+                assert coeff < 1.0, f"{where}: clipping should be active"
+
+
+def test_layouts_world4():
+    """TP=2 x DP=2 (also with SP) and PP=2 x DP=2 with ZeRO-1 on and off, TP=4, PP=2 interleaved:
+    3 AdamW steps
+    match one process to 1e-5; replicas bitwise equal; norms and clip coefficients match."""
+    _check_layouts(run_ranks(_rank_layouts, 4, WORLD4, timeout=300), WORLD4)
+
+
+def test_layouts_world8():
+    """TP=2 x PP=2 x DP=2, TP=2 x DP=4 and PP=2 x DP=4, each with ZeRO-1 on and off."""
+    _check_layouts(run_ranks(_rank_layouts, 8, WORLD8, timeout=400), WORLD8)
+
+
+# ---- tied embedding under ZeRO-1 x PP ------------------------------------------------------------
+
+def _rank_tied():
+    ctx = ParallelContext.build(pp=2)
+    full, _ = train(ctx, zero=True, clip=0.0, batches=[_batch(0)])
+    return ctx.pp.rank, full["embedding.word_embeddings.weight"]
+
+
+def test_tied_embedding_copies_equal_under_zero_pp2_dp2():
+    """DP=2 x PP=2, ZeRO-1: after a step the first- and last-stage copies of the tied embedding are
+    bitwise equal and match the one-process reference (1e-5)."""
+    outs = run_ranks(_rank_tied, 4, timeout=300)
+    stages = {s for s, _ in outs}
+    assert stages == {0, 1}
+    for _, emb in outs[1:]:
+        assert torch.equal(emb, outs[0][1])
+    ref, _ = reference(0.0, [_batch(0)])
+    torch.testing.assert_close(outs[0][1], ref["embedding.word_embeddings.weight"], rtol=1e-5, atol=1e-5)
+
+
+# ---- fp16 overflow on one pipeline stage -----------------------------------------------------------
+
+def _rank_fp16(zero):
+    ctx = ParallelContext.build(pp=2)
+    kw = dict(initial_loss_scale=8.0, hysteresis=1, loss_scale_window=1000)
+    snaps = []
+
+    def inject(step, chunk):
+        if step == 1 and ctx.dp.rank == 0:
+            return float("inf") * chunk.final_norm.weight.sum()
+        return None
+
+    full, steps = train(ctx, zero=zero, clip=1.0, precision="fp16", inject=inject, opt_kw=kw,
+                        batches=[_batch(0), _batch(1), _batch(2)], snapshots=snaps)
+    ref_full, ref_steps = train(ctx, zero=zero, clip=1.0, precision="fp16", opt_kw=kw,
+                                batches=[_batch(0), _batch(2)], set_scale={1: 4.0})
+    return steps, ref_steps, full, ref_full, snaps
+
+
+@pytest.mark.parametrize("zero", [False, True])
+def test_fp16_inf_on_one_stage_skips_every_rank(zero):
+    """fp16, PP=2 x DP=2: an inf in the last stage's grads on one DP rank at step 2 of 3 skips step
+    2 on every rank, every rank's loss scale halves 8 -> 4, and the result matches a run whose
+    step-2 batch was dropped (and whose second step uses the same scale 4, since fp16 grads
+    of small values round differently under another scale) to 1e-6."""
+    outs = run_ranks(_rank_fp16, 4, zero, timeout=300)
+    for steps, ref_steps, full, ref_full, snaps in outs:
+        assert [(s[2], s[3]) for s in steps] == [(False, 8.0), (True, 4.0), (False, 4.0)]
+        assert [(s[2], s[3]) for s in ref_steps] == [(False, 8.0), (False, 4.0)]
+        for n in snaps[0]:
+            assert torch.equal(snaps[0][n], snaps[1][n]), f"{n} changed in the skipped step"
+        assert any(not torch.equal(snaps[1][n], full[n]) for n in full), "step 3 changed nothing"
+        for n in full:
+            torch.testing.assert_close(full[n], ref_full[n], rtol=1e-6, atol=1e-6)
