@@ -276,3 +276,47 @@ def test_forward_only_and_recorded_timeline(tmp_path):
     for a, b in zip(train, evaluated):
         assert abs(a.item() - b.item()) < 1e-6
     assert (tmp_path / "run.json").exists()
+
+
+# ---- one rank, several chunks (no processes) ----------------------------------------------------
+@pytest.mark.parametrize("schedule,v", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 4),
+                                        ("zb-h1", 1), ("zbv", 2)])
+def test_single_rank_schedules_match(schedule, v):
+    """p=1: stages on one rank hand activations and grads over locally; B/W split in one process."""
+    ref_losses, ref_grads = _reference()[0][0]
+    ctx = ParallelContext.single()
+    chunks = _build(ctx, schedule, v)
+    assert len(chunks) == v
+    losses = _pipeline_step(ctx, chunks, schedule, 4, v)
+    finalize_embedding_grads(chunks, ctx)
+    _check([[(losses, _grads_by_name(chunks))]], [(schedule, 4, v)], ref_losses, ref_grads, 1)
+
+
+def test_b_defers_weight_grads_and_missing_w_is_an_error():
+    ctx = ParallelContext.single()
+    chunks = _build(ctx, "zb-h1", 1)
+    ids, labels = _global_batch()
+    step = _forward_step((labels != -100).sum())
+    shape = (SEQ, GLOBAL_BATCH, HIDDEN)
+    from paratron.pipeline.actions import Action
+    with pytest.raises(RuntimeError, match="deferred weight-grad groups are still queued"):
+        run_pipeline([F(0, 0), Action("B", 0, 0)], chunks, ctx, [(ids, labels)], step, shape, torch.float32)
+    # The B computed the norms' grads at once but left every linear weight without a grad.
+    linear = [p for p in _unique_params(chunks) if p.logical_name.endswith("fc1.weight")]
+    norms = [p for p in _unique_params(chunks) if "norm" in p.logical_name]
+    assert linear and all(p.grad is None for p in linear)
+    assert norms and all(p.grad is not None for p in norms)
+
+
+def test_runtime_input_errors():
+    ctx = ParallelContext.single()
+    chunks = _build(ctx, "1f1b", 1)
+    ids, labels = _global_batch()
+    step = _forward_step((labels != -100).sum())
+    with pytest.raises(ValueError, match="2 model chunks were given"):
+        run_pipeline([F(0, 0), BW(0, 0)], chunks * 2, ctx, [(ids, labels)], step, (SEQ, 8, HIDDEN), torch.float32)
+    with pytest.raises(ValueError, match="uses microbatch 1 but only 1"):
+        run_pipeline([F(1, 0), BW(1, 0)], chunks, ctx, [(ids, labels)], step, (SEQ, 8, HIDDEN), torch.float32)
+    with pytest.raises(ValueError, match="scalar loss"):
+        run_pipeline([F(0, 0), BW(0, 0)], chunks, ctx, [(ids, labels)], lambda c, m, x, mb: m(mb[0], mb[1]),
+                     (SEQ, 8, HIDDEN), torch.float32)

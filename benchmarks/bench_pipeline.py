@@ -1,0 +1,211 @@
+"""Pipeline benchmark: paratron's runtime against ``torch.distributed.pipelining`` on the same
+model and schedule (1F1B, interleaved 1F1B), and paratron's measured step time against the
+simulator's prediction from measured per-action costs.
+
+The model is a GPT built from paratron's layers (untied embeddings, fp32), split over 4 pipeline
+ranks (gloo, one thread each, forked by ``paratron.testing.run_ranks``). Both frameworks run the
+same ``GPTChunk`` modules and the same vocab-parallel cross-entropy; torch's schedules get
+``scale_grads=False`` because the loss is already divided by the global token count, like ours.
+Step time: from a barrier to the end of the slowest rank's schedule, median over the measured
+steps, the two frameworks alternating step by step.
+
+Prediction: the mean F and BW duration of every stage, measured by paratron's recorded timeline
+in the same steps, and a p2p latency from a ping-pong of one activation, are fed to
+``paratron.pipeline.simulator.simulate`` for the very action lists that ran.
+
+Usage::
+
+    .venv/bin/python benchmarks/bench_pipeline.py [--layers 8 --hidden 256 --seq 128 --mbs 4 \\
+        --microbatches 8 --steps 6 --out benchmarks]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from collections import defaultdict
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+torch.set_num_threads(1)
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from paratron.config import ModelConfig  # noqa: E402
+from paratron.layers import vocab_parallel_cross_entropy  # noqa: E402
+from paratron.models.gpt import build_model_chunks  # noqa: E402
+from paratron.parallel.context import ParallelContext  # noqa: E402
+from paratron.pipeline.partition import stage_layers  # noqa: E402
+from paratron.pipeline.registry import build_schedule  # noqa: E402
+from paratron.pipeline.runtime import run_pipeline  # noqa: E402
+from paratron.pipeline.simulator import simulate  # noqa: E402
+from paratron.pipeline.timeline import TraceEvent, draw_png, from_spans  # noqa: E402
+from paratron.testing import run_ranks  # noqa: E402
+
+VOCAB = 512
+
+
+def _cfg(a) -> ModelConfig:
+    return ModelConfig(num_layers=a.layers, hidden_size=a.hidden, num_attention_heads=max(a.hidden // 64, 1),
+                       vocab_size=VOCAB, seq_length=a.seq, tie_embeddings=False, add_bias_linear=True)
+
+
+def _batch(a, step):
+    g = torch.Generator().manual_seed(step)
+    n = a.mbs * a.microbatches
+    return torch.randint(0, VOCAB, (n, a.seq), generator=g), torch.randint(0, VOCAB, (n, a.seq), generator=g)
+
+
+class _TorchStage(torch.nn.Module):
+    """torch.distributed.pipelining wants ``forward(x) -> y``; the last stage returns logits."""
+
+    def __init__(self, chunk):
+        super().__init__()
+        self.chunk = chunk
+
+    def forward(self, x):
+        return self.chunk(x)
+
+
+def _synced_time(ctx, fn):
+    ctx.world.barrier()
+    t0 = time.perf_counter()
+    fn()
+    elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    ctx.world.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return elapsed.item()
+
+
+def _latency(ctx, shape, rounds=20):
+    """Half the round-trip time of one activation between pipeline ranks 0 and 1."""
+    t = torch.zeros(shape)
+    r = ctx.pp.rank
+    start = time.perf_counter()
+    for _ in range(rounds):
+        if r == 0:
+            for w in dist.batch_isend_irecv([ctx.pp.p2p_op("send", t, 1)]):
+                w.wait()
+            for w in dist.batch_isend_irecv([ctx.pp.p2p_op("recv", t, 1)]):
+                w.wait()
+        elif r == 1:
+            for w in dist.batch_isend_irecv([ctx.pp.p2p_op("recv", t, 0)]):
+                w.wait()
+            for w in dist.batch_isend_irecv([ctx.pp.p2p_op("send", t, 0)]):
+                w.wait()
+    out = torch.tensor([(time.perf_counter() - start) / (2 * rounds) if r == 0 else 0.0], dtype=torch.float64)
+    ctx.world.all_reduce(out)
+    return out.item()
+
+
+def _rank(a, schedule, v):
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+
+    p = dist.get_world_size()
+    ctx = ParallelContext.build(pp=p)
+    cfg = _cfg(a)
+    layers = stage_layers(cfg.num_layers, p, v, None, schedule)
+    ours = build_model_chunks(cfg, ctx, seed=1, stage_layers=layers)
+    theirs = build_model_chunks(cfg, ctx, seed=1, stage_layers=layers)
+    stages = [c * p + ctx.pp.rank for c in range(v)]
+    actions = build_schedule(schedule, p, a.microbatches, v)[ctx.pp.rank]
+    shape = (a.seq, a.mbs, a.hidden)
+
+    def loss_fn(logits, labels):
+        return vocab_parallel_cross_entropy(logits, labels.t().contiguous(), ctx, VOCAB).sum() / labels.numel()
+
+    pipe_stages = [PipelineStage(_TorchStage(ch), s, p * v, torch.device("cpu"), group=ctx.pp.pg)
+                   for ch, s in zip(theirs, stages)]
+    if v == 1:
+        torch_sched = Schedule1F1B(pipe_stages[0], a.microbatches, loss_fn=loss_fn, scale_grads=False)
+    else:
+        torch_sched = ScheduleInterleaved1F1B(pipe_stages, a.microbatches, loss_fn=loss_fn, scale_grads=False)
+
+    def ours_step(step, timeline):
+        ids, labels = _batch(a, step)
+        total = labels.numel()
+        micro = [(ids[i * a.mbs:(i + 1) * a.mbs], labels[i * a.mbs:(i + 1) * a.mbs]) for i in range(a.microbatches)]
+
+        def fwd(c, chunk, x, mb):
+            out = chunk(mb[0] if x is None else x, mb[1] if chunk.post_process else None)
+            return out.sum() / total if chunk.post_process else out
+
+        run_pipeline(actions, ours, ctx, micro, fwd, shape, torch.float32, timeline=timeline)
+
+    def torch_step(step):
+        ids, labels = _batch(a, step)
+        if ctx.is_first_stage:
+            torch_sched.step(ids, target=labels if ctx.is_last_stage else None)
+        elif ctx.is_last_stage:
+            torch_sched.step(target=labels)
+        else:
+            torch_sched.step()
+
+    times = defaultdict(list)
+    events: list[TraceEvent] = []
+    for step in range(a.warmup + a.steps):
+        for chunk in ours + theirs:
+            chunk.zero_grad(set_to_none=True)
+        timeline = [] if step >= a.warmup else None
+        t_ours = _synced_time(ctx, lambda: ours_step(step, timeline))
+        t_torch = _synced_time(ctx, lambda: torch_step(step))
+        if step >= a.warmup:
+            times["paratron"].append(t_ours)
+            times["torch"].append(t_torch)
+            events.extend(timeline if step == a.warmup + a.steps - 1 else [])
+            for e in timeline:
+                times[(e.kind, e.stage)].append(e.end - e.start)
+    latency = _latency(ctx, shape)
+    return dict(times), events, latency
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ranks", type=int, default=4)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--mbs", type=int, default=4)
+    ap.add_argument("--microbatches", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--out", default=os.path.dirname(os.path.abspath(__file__)))
+    a = ap.parse_args()
+    p = a.ranks
+    print(f"model: {a.layers} layers, h={a.hidden}, s={a.seq}, microbatch {a.mbs}, m={a.microbatches}, "
+          f"{p} ranks x 1 thread, {os.cpu_count()} cores")
+    print("| schedule | paratron step (s) | torch step (s) | ratio | predicted (s) | measured / predicted |")
+    print("|---|---|---|---|---|---|")
+    for schedule, v in (("1f1b", 1), ("interleaved", 2)):
+        results = run_ranks(_rank, p, a, schedule, v, timeout=1800)
+        times, latency = results[0][0], results[0][2]
+        events = [e for r in results for e in r[1]]
+        costs = defaultdict(list)
+        for r in results:
+            for key, vals in r[0].items():
+                if isinstance(key, tuple):
+                    costs[key].extend(vals)
+        mean = {k: statistics.mean(vs) for k, vs in costs.items()}
+        lists = build_schedule(schedule, p, a.microbatches, v)
+        sim = simulate(lists, lambda act: mean[(act.kind, act.stage)], latency=latency)
+        ours, theirs = statistics.median(times["paratron"]), statistics.median(times["torch"])
+        print(f"| {schedule} | {ours:.3f} | {theirs:.3f} | **{ours / theirs:.2f}** | {sim.makespan:.3f} | "
+              f"**{ours / sim.makespan:.2f}** |")
+        sys.stdout.flush()
+        title = f"{schedule}, {p} ranks, m={a.microbatches}, v={v}"
+        draw_png(events, os.path.join(a.out, f"pipeline_{schedule}_measured.png"), title=f"measured: {title}",
+                 unit="s")
+        draw_png(from_spans(sim.spans), os.path.join(a.out, f"pipeline_{schedule}_simulated.png"),
+                 title=f"simulated from measured costs: {title}", unit="s")
+        print(f"  p2p latency {latency * 1e3:.3f} ms; mean F/BW per stage (ms): " + ", ".join(
+            f"s{s}: {mean[('F', s)] * 1e3:.1f}/{mean[('BW', s)] * 1e3:.1f}" for s in range(p * v)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
