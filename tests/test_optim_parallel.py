@@ -252,3 +252,83 @@ def test_fp16_inf_on_one_stage_skips_every_rank(zero):
         assert any(not torch.equal(snaps[1][n], full[n]) for n in full), "step 3 changed nothing"
         for n in full:
             torch.testing.assert_close(full[n], ref_full[n], rtol=1e-6, atol=1e-6)
+
+
+# ---- expert parallelism ---------------------------------------------------------------------------
+
+def _moe_cfg() -> ModelConfig:
+    return ModelConfig(num_layers=2, hidden_size=HID, num_attention_heads=4, ffn_hidden_size=32,
+                       vocab_size=VOCAB, seq_length=SEQ, make_vocab_size_divisible_by=4,
+                       tie_embeddings=True, num_experts=4, moe_top_k=2, moe_aux_loss_coeff=0.0,
+                       moe_z_loss_coeff=0.0)
+
+
+def _own_params(chunks) -> dict[str, torch.Tensor]:
+    """Every param of these chunks by logical name (TP=1: dense params are whole; each expert's
+    params are whole on the ranks of its EP rank)."""
+    return {p.logical_name: p.detach().float().clone() for c in chunks for p in c.parameters()}
+
+
+def _train_moe(ctx, zero, clip, batches, m=2):
+    chunks = build_model_chunks(_moe_cfg(), ctx, seed=SEED)
+    _perturb_(chunks)
+    if ctx.world_size == 1:
+        params = list(chunks[0].parameters())
+        c = _opt(clip)
+        opt = torch.optim.AdamW([{"params": [p for p in params if not p.no_weight_decay]},
+                                 {"params": [p for p in params if p.no_weight_decay], "weight_decay": 0.0}],
+                                lr=c.lr, betas=(c.adam_beta1, c.adam_beta2), eps=c.adam_eps,
+                                weight_decay=c.weight_decay)
+        norms = []
+        for ids, labels in batches:
+            opt.zero_grad()
+            total = (labels != IGNORE).sum()
+            for i in range(m):  # the same microbatches as each DP rank, for the same routing
+                rows = slice(i * len(ids) // m, (i + 1) * len(ids) // m)
+                (chunks[0](ids[rows], labels[rows]).sum() / total).backward()
+            norms.append(float(torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else math.inf)))
+            opt.step()
+        return _own_params(chunks), norms
+    ddp = DistributedDataParallel(chunks, ctx, bucket_size_mb=0.002, use_distributed_optimizer=zero)
+    opt = build_optimizer(chunks, ctx, _opt(clip), ddp)
+    dp, r = ctx.dp.size, ctx.dp.rank
+    norms = []
+    for ids, labels in batches:
+        total = (labels != IGNORE).sum()
+        rows = len(ids) // dp
+        ids, labels = ids[r * rows:(r + 1) * rows], labels[r * rows:(r + 1) * rows]
+        opt.zero_grad()
+        for i in range(m // dp):
+            sl = slice(i * rows * dp // m, (i + 1) * rows * dp // m)
+            (chunks[0](ids[sl], labels[sl]).sum() / total).backward()
+        res = opt.step()
+        norms.append((res.grad_norm, res.clip_coeff))
+    return _own_params(chunks), norms
+
+
+def _rank_moe(zero):
+    ctx = ParallelContext.build(ep=2)
+    assert ctx.dp.size == 4 and ctx.expert_dp.size == 2
+    return _train_moe(ctx, zero, 0.05, [_batch(s) for s in range(STEPS)], m=4)
+
+
+@pytest.mark.parametrize("zero", [False, True])
+def test_expert_parallel_dp4_ep2_with_clipping(zero):
+    """MoE GPT (4 experts, top-2) at DP=4 x EP=2 (expert-DP 2), ZeRO-1 on and off, clipping
+    active: expert grads reduce over expert-DP, each expert counts once in the global norm; 3 AdamW
+    steps match one process to 1e-5 and replicas are bitwise equal."""
+    outs = run_ranks(_rank_moe, 4, zero, timeout=300)
+    ref, ref_norms = _train_moe(ParallelContext.single(), zero, 0.05, [_batch(s) for s in range(STEPS)], m=4)
+    merged = {}
+    for params, norms in outs:
+        assert norms == outs[0][1]
+        for n, t in params.items():
+            if n in merged:
+                assert torch.equal(merged[n], t), f"{n} differs between replicas"
+            merged[n] = t
+    assert merged.keys() == ref.keys()
+    for n, t in ref.items():
+        torch.testing.assert_close(merged[n], t, rtol=1e-5, atol=1e-5, msg=lambda msg: f"{n}: {msg}")
+    for (norm, coeff), ref_norm in zip(outs[0][1], ref_norms):
+        assert norm == pytest.approx(ref_norm, rel=1e-5)
+        assert coeff == pytest.approx(0.05 / (ref_norm + 1e-6), rel=1e-5) and coeff < 1
