@@ -169,3 +169,23 @@ def test_simulate_command(tmp_path, capsys):
     assert out.exists()
     assert main(["simulate", "--schedule", "interleaved", "--pipeline", "4", "--microbatches", "6"]) == 2
     assert "multiple of the pipeline size" in capsys.readouterr().err
+
+
+def _early_backward_on_rank_0(p, m, v):
+    """Broken on purpose: rank 0 waits for microbatch 0's grad before sending microbatch 0's
+    activation, which the grad needs."""
+    lists = build_schedule("gpipe", p, m, v)
+    early = [a for a in lists[0] if a.microbatch == 0 and a.kind in ("RECV_B", "BW")]
+    rest = [a for a in lists[0] if a not in early]
+    lists[0] = rest[:1] + early + rest[1:]
+    return lists
+
+
+def test_broken_custom_schedule_fails_at_build_time():
+    SCHEDULES.register("broken", _early_backward_on_rank_0, replace=True)
+    try:
+        with pytest.raises(ScheduleError, match="deadlock"):
+            build_schedule("broken", 2, 2, 1)
+        assert len(build_schedule("broken", 2, 2, 1, check=False)) == 2
+    finally:
+        SCHEDULES.unregister("broken")

@@ -18,6 +18,7 @@ from typing import Callable
 from . import schedules
 from .actions import Action, stages_of
 from .placement import Placement, loop_placement, v_placement
+from .validate import validate
 
 ScheduleFn = Callable[[int, int, int], list[list[Action]]]
 
@@ -31,14 +32,12 @@ class ScheduleSpec:
         fn: ``(p, m, v) -> list[list[Action]]``, one list per pipeline rank.
         placement: ``(p, v) -> stages per rank`` (:mod:`.placement`).
         check: ``(p, m, v) -> None``, raising ``ValueError`` with the rule for unsupported input.
-        split_backward: True when the lists use ``B``/``W`` (zero-bubble family).
     """
 
     name: str
     fn: ScheduleFn
     placement: Placement = loop_placement
     check: Callable[[int, int, int], None] | None = None
-    split_backward: bool = False
 
 
 class ScheduleRegistry:
@@ -48,14 +47,14 @@ class ScheduleRegistry:
         self._specs: dict[str, ScheduleSpec] = {}
 
     def register(self, name: str, fn: ScheduleFn, *, placement: Placement = loop_placement,
-                 check: Callable[[int, int, int], None] | None = None, split_backward: bool = False,
+                 check: Callable[[int, int, int], None] | None = None,
                  replace: bool = False) -> ScheduleSpec:
         """Add a schedule. Raises ``ValueError`` when ``name`` is taken (unless ``replace``)."""
         if not name or not isinstance(name, str):
             raise ValueError(f"schedule name {name!r} must be a non-empty string")
         if name in self._specs and not replace:
             raise ValueError(f"schedule {name!r} is already registered; pass replace=True to override it")
-        spec = ScheduleSpec(name, fn, placement, check, split_backward)
+        spec = ScheduleSpec(name, fn, placement, check)
         self._specs[name] = spec
         return spec
 
@@ -78,8 +77,8 @@ SCHEDULES = ScheduleRegistry()
 SCHEDULES.register("gpipe", schedules.gpipe, check=schedules.check_gpipe)
 SCHEDULES.register("1f1b", schedules.one_f_one_b, check=schedules.check_1f1b)
 SCHEDULES.register("interleaved", schedules.interleaved, check=schedules.check_interleaved)
-SCHEDULES.register("zb-h1", schedules.zb_h1, check=schedules.check_zb_h1, split_backward=True)
-SCHEDULES.register("zbv", schedules.zbv, placement=v_placement, check=schedules.check_zbv, split_backward=True)
+SCHEDULES.register("zb-h1", schedules.zb_h1, check=schedules.check_zb_h1)
+SCHEDULES.register("zbv", schedules.zbv, placement=v_placement, check=schedules.check_zbv)
 
 
 def register_schedule(name: str, fn: ScheduleFn, **kwargs) -> ScheduleSpec:
@@ -97,13 +96,16 @@ def default_microbatches(p: int) -> int:
     return 2 * p
 
 
-def build_schedule(name: str, p: int, m: int, v: int = 1) -> list[list[Action]]:
+def build_schedule(name: str, p: int, m: int, v: int = 1, *, check: bool = True) -> list[list[Action]]:
     """Build the action lists of schedule ``name`` for ``p`` ranks, ``m`` microbatches and ``v``
-    virtual stages per rank.
+    virtual stages per rank, and (``check=True``) prove them with
+    :func:`~paratron.pipeline.validate.validate`, so that a faulty custom schedule fails here
+    instead of hanging the runtime (about a millisecond for p=8, m=16).
 
     Raises:
         ValueError: unknown name; an unsupported (p, m, v) (the schedule's rule is in the message);
-            or lists whose count or stages differ from the schedule's placement.
+            lists whose count or stages differ from the schedule's placement; or
+            :class:`~paratron.pipeline.validate.ScheduleError` from the validator.
     """
     spec = get_schedule(name)
     for field, value in (("pipeline size p", p), ("microbatches m", m), ("virtual stages v", v)):
@@ -119,4 +121,6 @@ def build_schedule(name: str, p: int, m: int, v: int = 1) -> list[list[Action]]:
         if stages_of(acts) != expected[r]:
             raise ValueError(f"schedule {name!r}: rank {r} runs stages {stages_of(acts)}, but its placement "
                              f"gives it {expected[r]}")
+    if check:
+        validate(lists, m)
     return lists

