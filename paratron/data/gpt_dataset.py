@@ -171,6 +171,10 @@ class GPTDataset(torch.utils.data.Dataset):
         self.document_index = arrays["document_index"]
         self.sample_index = arrays["sample_index"]
         self.shuffle_index = arrays["shuffle_index"]
+        # Plain ndarray views for reads: indexing an np.memmap runs Python-level overrides.
+        self._doc = np.asarray(self.document_index).view(np.ndarray)
+        self._sample = np.asarray(self.sample_index).view(np.ndarray)
+        self._shuffle = np.asarray(self.shuffle_index).view(np.ndarray)
 
     def _build(self, documents: np.ndarray, num_epochs: int, seed: int) -> dict[str, np.ndarray]:
         rng = np.random.default_rng([int(seed), zlib.crc32(self.name.encode())])
@@ -189,15 +193,16 @@ class GPTDataset(torch.utils.data.Dataset):
         """The ``seq_length + 1`` token ids of sample ``idx`` (after shuffling), int64 [seq_length + 1]."""
         if not 0 <= idx < len(self):
             raise IndexError(f"{self.name} sample {idx} out of range [0, {len(self)})")
-        s = int(self.shuffle_index[idx])
-        (d0, o0), (d1, o1) = self.sample_index[s], self.sample_index[s + 1]
-        d0, o0, d1, o1 = int(d0), int(o0), int(d1), int(o1)
-        doc = self.document_index
+        s = int(self._shuffle[idx])
+        d0, o0 = self._sample[s].tolist()
+        d1, o1 = self._sample[s + 1].tolist()
+        ix, doc = self.indexed, self._doc
         if d0 == d1:
-            return self.indexed.get_document(int(doc[d0]), o0, o1 - o0 + 1).astype(np.int64)
-        parts = [self.indexed.get_document(int(doc[d0]), o0)]
-        parts += [self.indexed.get_document(int(doc[d])) for d in range(d0 + 1, d1)]
-        parts.append(self.indexed.get_document(int(doc[d1]), 0, o1 + 1))
+            a = int(ix.document_starts[doc[d0]])
+            return ix.tokens[a + o0: a + o1 + 1].astype(np.int64)
+        parts = [ix.get_document(int(doc[d0]), o0)]
+        parts += [ix.get_document(int(doc[d])) for d in range(d0 + 1, d1)]
+        parts.append(ix.get_document(int(doc[d1]), 0, o1 + 1))
         return np.concatenate(parts).astype(np.int64)
 
     def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:

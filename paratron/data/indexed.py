@@ -220,6 +220,8 @@ class IndexedDataset:
         sequence_pointers: int64 [n], byte offsets into ``.bin``.
         document_indices: int64 [d + 1], first sequence of each document, then n.
         document_lengths: int64 [d], tokens per document.
+        document_starts: int64 [d], token offset of each document in ``tokens``.
+        tokens: every token of ``.bin`` as one read-only array (memory-mapped).
 
     Raises:
         FileNotFoundError: a missing ``.idx`` or ``.bin``.
@@ -260,9 +262,13 @@ class IndexedDataset:
             raise ValueError(f"{bin_path}: {os.path.getsize(bin_path)} bytes, but {idx_path} "
                              f"describes {total}")
         self._bin_map = np.memmap(bin_path, mode="r", dtype=np.uint8) if total else np.zeros(0, np.uint8)
+        # A plain ndarray view: slicing an np.memmap goes through Python-level overrides.
+        self.tokens = np.frombuffer(self._bin_map, dtype=self.dtype, count=total // self.dtype.itemsize)
         cum = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(self.sequence_lengths, out=cum[1:])
         self.document_lengths = cum[self.document_indices[1:]] - cum[self.document_indices[:-1]]
+        starts = np.append(self.sequence_pointers, total) // self.dtype.itemsize
+        self.document_starts = starts[self.document_indices[:-1]]
 
     def __len__(self) -> int:
         return len(self.sequence_lengths)
@@ -284,18 +290,15 @@ class IndexedDataset:
 
     def get_document(self, doc: int, offset: int = 0, length: int | None = None) -> np.ndarray:
         """Tokens ``offset : offset + length`` of document ``doc``, across its sequences."""
-        first = int(self.document_indices[doc])
         size = int(self.document_lengths[doc])
         if length is None:
             length = size - offset
         if offset < 0 or length < 0 or offset + length > size:
             raise IndexError(f"{self.prefix}: tokens [{offset}, {offset + length}) out of document "
                              f"{doc} of length {size}")
-        if first == len(self.sequence_pointers):  # an empty trailing document
-            return np.zeros(0, dtype=self.dtype)
-        # A document's sequences are written back to back, so one contiguous read serves.
-        start = int(self.sequence_pointers[first]) + offset * self.dtype.itemsize
-        return np.frombuffer(self._bin_map, dtype=self.dtype, count=length, offset=start)
+        # A document's sequences are written back to back, so one contiguous slice serves.
+        start = int(self.document_starts[doc]) + offset
+        return self.tokens[start:start + length]
 
     def __getitem__(self, idx):
         if isinstance(idx, slice):
