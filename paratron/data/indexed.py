@@ -285,8 +285,8 @@ class IndexedDataset:
         if offset < 0 or length < 0 or offset + length > size:
             raise IndexError(f"{self.prefix}: tokens [{offset}, {offset + length}) out of sequence "
                              f"{idx} of length {size}")
-        start = int(self.sequence_pointers[idx]) + offset * self.dtype.itemsize
-        return np.frombuffer(self._bin_map, dtype=self.dtype, count=length, offset=start)
+        start = int(self.sequence_pointers[idx]) // self.dtype.itemsize + offset
+        return self.tokens[start:start + length]
 
     def get_document(self, doc: int, offset: int = 0, length: int | None = None) -> np.ndarray:
         """Tokens ``offset : offset + length`` of document ``doc``, across its sequences."""
