@@ -319,3 +319,19 @@ def test_aux_loss_gradient_reaches_router_only():
     routing = without.router(x.reshape(-1, H))
     (y0.sum() + 0.25 * 0.5 * routing.aux_loss).backward()
     torch.testing.assert_close(with_aux.router.weight.grad, without.router.weight.grad, rtol=1e-6, atol=1e-7)
+
+
+def test_drop_priority_is_position_then_earlier_ranks():
+    """Capacity 2: per expert the first two (token, slot) pairs in microbatch order are kept;
+    pairs already held by earlier ranks of the stats group count first."""
+    from paratron.models.moe.router import drop_over_capacity, expert_capacity
+
+    indices = torch.tensor([[0, 1], [0, 2], [1, 0], [3, 1]])
+    kept = drop_over_capacity(indices, 2, torch.zeros(4))
+    assert kept.tolist() == [[0, 1], [0, 2], [1, -1], [3, -1]]
+    # An earlier rank already routed one pair to expert 0 and two to expert 3.
+    kept = drop_over_capacity(indices, 2, torch.tensor([1.0, 0.0, 0.0, 2.0]))
+    assert kept.tolist() == [[0, 1], [-1, 2], [1, -1], [-1, -1]]
+    assert expert_capacity(16, 4, 2, 1.0) == 8 and expert_capacity(15, 4, 2, 1.0) == 8
+    with pytest.raises(ValueError, match="moe_capacity_factor"):
+        expert_capacity(16, 4, 2, 0.0)
