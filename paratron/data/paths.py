@@ -30,10 +30,11 @@ def bundled(relative: str) -> Path:
 
 
 def locate(path: str | os.PathLike) -> Path:
-    """``path`` as given when it exists or is absolute; else under the repository root if it exists
-    there; else as given (relative to the current directory), for outputs."""
+    """``path`` as given when it exists (as a file, folder or dataset prefix) or is absolute; else
+    under the repository root if it exists there; else as given (relative to the current
+    directory), for outputs."""
     p = Path(path).expanduser()
-    if p.is_absolute() or p.exists():
+    if p.is_absolute() or p.exists() or Path(f"{p}.idx").exists():
         return p
     alt = repo_root() / p
     return alt if alt.exists() or Path(f"{alt}.idx").exists() else p
