@@ -70,3 +70,39 @@ def test_convert_errors_name_the_problem(tmp_path, capsys):
     assert main(["convert", "hf-to-paratron", str(bad), str(tmp_path / "d2")]) == 1
     err = capsys.readouterr().err
     assert "model_type='bert'" in err and "LlamaForCausalLM" in err
+
+
+def test_sharded_safetensors_index_is_read(llama_dir, tmp_path):
+    """A folder with model.safetensors.index.json and several shards imports like a single file."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src, _ = llama_dir
+    whole = load_file(str(src / "model.safetensors"))
+    names = sorted(whole)
+    half = len(names) // 2
+    shards = {"model-00001-of-00002.safetensors": names[:half], "model-00002-of-00002.safetensors": names[half:]}
+    for fname, keys in shards.items():
+        save_file({k: whole[k] for k in keys}, str(tmp_path / fname))
+    index = {"metadata": {}, "weight_map": {k: f for f, ks in shards.items() for k in ks}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    shutil.copyfile(src / "config.json", tmp_path / "config.json")
+    cfg_a, a = hf_to_paratron(src)
+    cfg_b, b = hf_to_paratron(tmp_path)
+    assert cfg_a == cfg_b and a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # A tensor the mapping does not know is an error, not silently dropped.
+    second = {k: whole[k] for k in names[half:]} | {"model.layers.0.extra.weight": torch.zeros(2)}
+    save_file(second, str(tmp_path / "model-00002-of-00002.safetensors"))
+    index["weight_map"]["model.layers.0.extra.weight"] = "model-00002-of-00002.safetensors"
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match="model.layers.0.extra.weight"):
+        hf_to_paratron(tmp_path)
+    # And a missing one names itself.
+    save_file({k: whole[k] for k in names[half:] if k != "model.norm.weight"},
+              str(tmp_path / "model-00002-of-00002.safetensors"))
+    del index["weight_map"]["model.layers.0.extra.weight"]
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert "model.norm.weight" in names[half:]
+    with pytest.raises(KeyError, match="model.norm.weight"):
+        hf_to_paratron(tmp_path)

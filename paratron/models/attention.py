@@ -39,8 +39,10 @@ def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p:
     Returns:
         ``[s, b, n_q * d]``.
 
-    Softmax precision: the fused SDPA kernels (flash on GPU, the CPU flash kernel) accumulate the
-    softmax in fp32 for bf16/fp16 inputs, so no upcast is needed here.
+    Softmax precision: for bf16/fp16 inputs every SDPA backend computes the softmax in fp32: the
+    flash kernels (GPU, and the CPU one) accumulate in fp32, and the math fallback (taken with
+    dropout on CPU) upcasts to fp32 unless ``torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp``
+    is switched on (off by default since torch 2.5). So no upcast is needed here.
     """
     s, b, n_q, d = q.shape
     n_kv = k.shape[2]
