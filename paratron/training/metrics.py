@@ -35,7 +35,9 @@ GPU_PEAK_BF16 = {
 
 def measure_cpu_matmul_flops(n: int = 512, seconds: float = 0.3) -> float:
     """FLOP/s of an fp32 ``n x n`` matmul on the current thread settings (2 n^3 FLOPs each)."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
+    # A private generator: drawing from the global one would shift the RNG stream of a resumed run.
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(n, n, generator=g), torch.randn(n, n, generator=g)
     torch.mm(a, b)  # warm-up
     reps, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds:
