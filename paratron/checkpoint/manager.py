@@ -95,14 +95,13 @@ class CheckpointManager:
 
     # ---- paths -----------------------------------------------------------------------------
     @property
-    def root(self) -> Path:
-        if not self.cfg.save:
-            raise CheckpointError("checkpoint.save is not set: no directory to save checkpoints into")
-        return Path(self.cfg.save)
+    def saving(self) -> bool:
+        """Whether ``checkpoint.save`` names a directory (else :meth:`save` does nothing)."""
+        return bool(self.cfg.save)
 
-    def directory_for(self, step: int) -> Path:
-        """Where the checkpoint of ``step`` ends up (``ROOT/step_<step>``)."""
-        return self.root / f"step_{int(step)}"
+    def directory_for(self, step: int) -> Path | None:
+        """Where the checkpoint of ``step`` ends up (``ROOT/step_<step>``); None when not saving."""
+        return Path(self.cfg.save) / f"step_{int(step)}" if self.saving else None
 
     # ---- save ------------------------------------------------------------------------------
     def save(self, step: int, chunks, optimizer, scheduler, extra: dict | None = None, *,
@@ -110,7 +109,8 @@ class CheckpointManager:
         """Save the model chunks, optimizer state, scheduler, RNG and ``extra`` as step ``step``.
 
         Call on every rank. With ``async_`` (default ``checkpoint.async_save``) it returns once the
-        tensors are copied to CPU memory; the write continues in the background.
+        tensors are copied to CPU memory; the write continues in the background. Without
+        ``checkpoint.save`` (a run that only loads) it does nothing.
 
         Args:
             step: the iteration count (names the directory).
@@ -121,12 +121,14 @@ class CheckpointManager:
                 ``{"iteration": ..., "consumed_train_samples": ..., "consumed_valid_samples": ...}``.
 
         Raises:
-            CheckpointError: ``checkpoint.save`` unset; ``extra`` not plain; a previous async save
-                failed (raised here, before the new save starts); a sharding inconsistency.
+            CheckpointError: ``extra`` not plain; a previous async save failed (raised here, before
+                the new save starts); a sharding inconsistency.
         """
         t0 = time.perf_counter()
-        root = self.root
         self.wait()
+        if not self.saving:
+            return
+        root = Path(self.cfg.save)
         asynchronous = self.cfg.async_save if async_ is None else bool(async_)
         first = self.ctx.is_first_stage
         items = model_items(chunks, is_first_stage=first, for_save=True)
