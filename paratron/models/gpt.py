@@ -167,7 +167,8 @@ def default_stage_layers(num_layers: int, pp: int, virtual: int = 1) -> StageLay
 
 def model_order(stage_layers: StageLayers, num_layers: int) -> list[tuple[int, int]]:
     """The (pp_rank, chunk) keys in model order (by layer range; an empty stage at a boundary comes
-    before the stage that starts there).
+    before the stage that starts there; empty stages at the same boundary keep the mapping's
+    insertion order, so build the mapping in model order).
 
     Raises:
         ValueError: the ranges overlap, leave gaps, or do not cover ``[0, num_layers)``.
@@ -197,7 +198,10 @@ def build_model_chunks(cfg: ModelConfig, ctx, *, seed: int, sequence_parallel: b
             ``paratron.pipeline.partition``; default :func:`default_stage_layers`. The first stage in
             model order holds the embedding, the last the output layer.
         virtual_pipeline: chunks per rank for the default split.
-        rng_tracker: shared by all chunks; default a new ``RNGStatesTracker(seed, ctx)``.
+        rng_tracker: shared by all chunks (``chunk.rng_tracker``). Default: when the config has
+            dropout, a new ``RNGStatesTracker(seed, ctx)`` whose default stream is seeded here
+            (``seed_default_stream``: the global generators are reseeded); a tracker passed in is
+            the caller's to seed.
 
     Raises:
         ConfigError: the config does not fit the layout (before any collective).
@@ -215,6 +219,8 @@ def build_model_chunks(cfg: ModelConfig, ctx, *, seed: int, sequence_parallel: b
         from paratron.parallel.random import RNGStatesTracker
 
         rng_tracker = RNGStatesTracker(seed, ctx)
+        # Hidden dropout on replicated activations must draw the same mask on every TP rank.
+        rng_tracker.seed_default_stream()
     mine = sorted(k for k in stage_layers if k[0] == ctx.pp.rank)
     chunks: list[GPTChunk] = []
     first_embedding = None
