@@ -104,3 +104,16 @@ def test_bad_text_file_and_missing_input(tmp_path, capsys):
     assert "t.txt:2: not valid UTF-8 (byte 0xff at column 10)" in capsys.readouterr().err
     assert cli.main(["preprocess", "--input", str(tmp_path / "none.jsonl"), "--output-prefix", "o"]) == 1
     assert "none.jsonl: no such file or directory" in capsys.readouterr().err
+
+
+def _square_or_fail(x):
+    if x == 7:
+        raise KeyError("seven")
+    return x * x
+
+
+def test_ordered_map_keeps_order_and_reports_worker_errors():
+    from paratron.data.workers import WorkerError, ordered_map
+    assert list(ordered_map(_square_or_fail, range(7), workers=2)) == [x * x for x in range(7)]
+    with pytest.raises(WorkerError, match="KeyError: 'seven'"):
+        list(ordered_map(_square_or_fail, range(20), workers=2))

@@ -16,6 +16,7 @@ Bad input (malformed JSON, a missing key, non-UTF-8 bytes) stops with ``FILE:LIN
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 from dataclasses import dataclass, field
@@ -97,21 +98,24 @@ def preprocess(inputs: Sequence[str], output_prefix: str, tok: tokenizers_.Token
     writers = {k: indexed.IndexedDatasetWriter(p, dtype) for k, p in outs.items()}
     bar = _progress_bar(total_bytes, progress)
     start = time.perf_counter()
+    encode = ChunkEncoder(tok, keys, append_eod, dtype)
+    # closing(): stop the workers as soon as we stop reading, not when a traceback is freed.
+    encoded = contextlib.closing(ordered_map(encode, corpus.chunks(files, chunk_bytes), workers))
     try:
-        encode = ChunkEncoder(tok, keys, append_eod, dtype)
-        for per_key, bad, nbytes in ordered_map(encode, corpus.chunks(files, chunk_bytes), workers):
-            if bad and not skip_bad_lines:
-                raise corpus.BadInputError(bad[0])
-            result.skipped.extend(bad)
-            for k, (flat, lengths) in zip(keys, per_key):
-                writers[k].add_flat(flat, lengths)
-            result.documents += len(per_key[0][1])
-            result.tokens += sum(int(f.size) for f, _ in per_key)
-            result.bytes += nbytes
-            if bar is not None:
-                bar.update(nbytes)
-                rate = result.tokens / max(time.perf_counter() - start, 1e-9)
-                bar.set_postfix(docs=result.documents, tok_s=f"{rate:,.0f}", refresh=False)
+        with encoded as stream:
+            for per_key, bad, nbytes in stream:
+                if bad and not skip_bad_lines:
+                    raise corpus.BadInputError(bad[0])
+                result.skipped.extend(bad)
+                for k, (flat, lengths) in zip(keys, per_key):
+                    writers[k].add_flat(flat, lengths)
+                result.documents += len(per_key[0][1])
+                result.tokens += sum(int(f.size) for f, _ in per_key)
+                result.bytes += nbytes
+                if bar is not None:
+                    bar.update(nbytes)
+                    rate = result.tokens / max(time.perf_counter() - start, 1e-9)
+                    bar.set_postfix(docs=result.documents, tok_s=f"{rate:,.0f}", refresh=False)
     except BaseException:
         for w in writers.values():
             w.abort()
