@@ -106,3 +106,23 @@ def test_sharded_safetensors_index_is_read(llama_dir, tmp_path):
     assert "model.norm.weight" in names[half:]
     with pytest.raises(KeyError, match="model.norm.weight"):
         hf_to_paratron(tmp_path)
+
+
+def test_original_gpt2_layout_without_prefix_and_with_mask_buffers(tmp_path):
+    """The original GPT-2 files name tensors without ``transformer.`` and carry causal-mask buffers
+    (``h.N.attn.bias``); they import to the same tensors as transformers' own save."""
+    from safetensors.torch import load_file, save_file
+
+    cfg = transformers.GPT2Config(vocab_size=VOCAB, n_embd=16, n_layer=1, n_head=2, n_positions=16)
+    torch.manual_seed(0)
+    transformers.GPT2LMHeadModel(cfg).save_pretrained(tmp_path / "new", safe_serialization=True)
+    saved = load_file(str(tmp_path / "new" / "model.safetensors"))
+    old = {k.removeprefix("transformer."): v for k, v in saved.items() if k != "lm_head.weight"}
+    old["h.0.attn.bias"] = torch.tril(torch.ones(1, 1, 16, 16))
+    (tmp_path / "old").mkdir()
+    save_file(old, str(tmp_path / "old" / "model.safetensors"))
+    (tmp_path / "old" / "config.json").write_text((tmp_path / "new" / "config.json").read_text())
+    cfg_new, new_t = hf_to_paratron(tmp_path / "new")
+    cfg_old, old_t = hf_to_paratron(tmp_path / "old")
+    assert cfg_new == cfg_old and cfg_old.activation == "gelu_tanh" and cfg_old.tie_embeddings
+    assert new_t.keys() == old_t.keys() and all(torch.equal(new_t[k], old_t[k]) for k in new_t)
