@@ -1,7 +1,9 @@
 """GPT pretraining samples: fixed-length token windows drawn across document boundaries.
 
-Three index arrays, all built from a seed (Megatron-LM ``megatron/core/datasets/gpt_dataset.py``;
-Shoeybi et al. 2019, section 4):
+Three index arrays, all built from a seed, in the scheme of Megatron-LM's
+``megatron/core/datasets/gpt_dataset.py`` (the code accompanying Shoeybi et al. 2019) with two
+changes: each epoch's documents are shuffled separately (Megatron shuffles all but a short last
+epoch together), and the sample index is computed by one vectorised search instead of a C++ loop:
 
 document index
     the split's documents repeated for as many epochs as the requested samples need, each epoch
