@@ -5,7 +5,8 @@ SDPA on the local heads, row-parallel output projection, LayerNorm, column fc1, 
 built from each framework's ColumnParallelLinear/RowParallelLinear with biases; megatron-core
 uses ``use_cpu_initialization=True``. Two gloo ranks, one thread each (forked by
 ``paratron.testing.run_ranks``). Iterations alternate paratron / megatron-core so that load from
-other processes hits both alike; the ratio is of the median times.
+other processes hits both alike; printed: the ratio of median times, of minimum times, and the
+median of per-iteration ratios (each pair ran back to back, so it is the least disturbed by load).
 
 megatron-core allocates SP buffers with ``torch.cuda.current_device()``; on a CPU-only torch this
 script points that at ``"cpu"`` (benchmark only) so that the SP path can run too.
@@ -98,6 +99,10 @@ def _megatron_sp_grads(model, tp_group):
         offset += g.numel()
 
 
+def _sp_modes(args):
+    return {"both": (False, True), "off": (False,), "on": (True,)}[args.sp]
+
+
 def _bench_rank(args_dict):
     args = argparse.Namespace(**args_dict)
     warnings.filterwarnings("ignore")
@@ -109,7 +114,7 @@ def _bench_rank(args_dict):
     mtp_group = parallel_state.get_tensor_model_parallel_group()
     ctx = ParallelContext.build(tp=args.tp)
     out = {}
-    for sp in (False, True):
+    for sp in _sp_modes(args):
         torch.manual_seed(0)
         ours = _paratron_block(ctx, args, sp)
         theirs = _megatron_block(args, sp, args.tp)
@@ -140,7 +145,9 @@ def _bench_rank(args_dict):
                     times[name].append(dt)
             for m in (ours, theirs):
                 m.zero_grad(set_to_none=True)
-        out[sp] = {k: statistics.median(v) for k, v in times.items()}
+        out[sp] = {k: (statistics.median(v), min(v)) for k, v in times.items()}
+        # Each iteration runs both back to back, so their ratio sees nearly the same load.
+        out[sp]["paired"] = [a / b for a, b in zip(times["paratron"], times["megatron"])]
     parallel_state.destroy_model_parallel()
     return out
 
@@ -155,16 +162,21 @@ def main(argv=None) -> int:
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=4)
+    p.add_argument("--sp", choices=("both", "off", "on"), default="both",
+                   help="sequence parallelism modes to run (megatron-core needs TP > 1 for SP)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     res = run_ranks(_bench_rank, args.tp, vars(args), timeout=1800)
     print(f"one transformer layer fwd+bwd, fp32, TP={args.tp}, s={args.seq} b={args.batch} "
-          f"h={args.hidden} ffn={args.ffn}, {args.iters} iters, median per rank (ms):")
-    for sp in (False, True):
-        ours = max(r[sp]["paratron"] for r in res)
-        theirs = max(r[sp]["megatron"] for r in res)
-        print(f"  sp={str(sp):5s} paratron {ours * 1e3:8.2f}  megatron-core {theirs * 1e3:8.2f}  "
-              f"ratio {ours / theirs:.3f}")
+          f"h={args.hidden} ffn={args.ffn}, {args.iters} iters, per rank, slower rank (ms):")
+    for sp in _sp_modes(args):
+        for i, stat in enumerate(("median", "min")):
+            ours = max(r[sp]["paratron"][i] for r in res)
+            theirs = max(r[sp]["megatron"][i] for r in res)
+            print(f"  sp={str(sp):5s} {stat:6s} paratron {ours * 1e3:8.2f}  megatron-core {theirs * 1e3:8.2f}  "
+                  f"ratio {ours / theirs:.3f}")
+        paired = statistics.median([q for r in res for q in r[sp]["paired"]])
+        print(f"  sp={str(sp):5s} median of per-iteration ratios (both ranks): {paired:.3f}")
     return 0
 
 

@@ -68,9 +68,12 @@ class _ColumnFn(torch.autograd.Function):
         # With SP the gathered input is kept for dW rather than re-gathered in backward: one
         # all-gather per layer instead of two, at the cost of s*b*in activation memory.
         total = group.all_gather(x, dim=0) if sequence_parallel else x
-        out = total.matmul(weight.t())
         if bias is not None:
-            out = out + bias
+            # One addmm instead of a matmul and a separate pass to add the bias.
+            flat = total.reshape(-1, total.shape[-1])
+            out = torch.addmm(bias, flat, weight.t()).view(*total.shape[:-1], weight.shape[0])
+        else:
+            out = total.matmul(weight.t())
         ctx.save_for_backward(total, weight)
         ctx.owner, ctx.group, ctx.sp, ctx.bias = owner, group, sequence_parallel, bias
         return out
