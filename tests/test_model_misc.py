@@ -132,3 +132,38 @@ def test_moe_hook_places_moe_layers_by_frequency():
     names = {p.logical_name for p in model.parameters() if p.grad is not None}
     assert any(n.startswith("layers.0.mlp.") for n in names)
     assert "layers.1.mlp.fc2.weight" in names
+
+
+class _ScaledResidualBlock(torch.nn.Module):
+    """A test block: the standard layer with its residual update halved."""
+
+    def __init__(self, cfg, ctx, **kw):
+        super().__init__()
+        from paratron.models.layer import TransformerLayer
+
+        self.inner = TransformerLayer(cfg, ctx, **kw)
+
+    def forward(self, x, rope=None):
+        return x + 0.5 * (self.inner(x, rope) - x)
+
+
+def test_block_registry_selects_the_layer_class():
+    from paratron.models.blocks import BlockRegistry, register_block
+
+    name = "test-scaled-residual"
+    register_block(name, _ScaledResidualBlock, replace=True)
+    base = preset("llama-tiny", vocab_size=VOCAB, seq_length=16)
+    custom = dataclasses.replace(base, block=name)
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(4))
+    (a,) = build_model_chunks(base, ParallelContext.single(), seed=2)
+    (b,) = build_model_chunks(custom, ParallelContext.single(), seed=2)
+    assert all(isinstance(layer, _ScaledResidualBlock) for layer in b.layers.values())
+    # Same parameters (same logical names and seeds), different computation.
+    assert {p.logical_name for p in a.parameters()} == {p.logical_name for p in b.parameters()}
+    assert not torch.allclose(a(ids, ids), b(ids, ids))
+    with pytest.raises(ConfigError, match="model.block='transformr'.*did you mean 'transformer'"):
+        build_model_chunks(dataclasses.replace(base, block="transformr"), ParallelContext.single(), seed=2)
+    registry = BlockRegistry()
+    registry.register("x", _ScaledResidualBlock)
+    with pytest.raises(ValueError, match="already registered"):
+        registry.register("x", _ScaledResidualBlock)

@@ -21,7 +21,8 @@ from paratron.config import ConfigError, ModelConfig
 
 from . import spec
 from .embedding import WORD_EMBEDDINGS, Embedding
-from .layer import TransformerLayer, make_norm
+from .blocks import BLOCKS
+from .layer import make_norm
 from .recompute import checkpointed
 from .rope import rope_tables
 
@@ -48,7 +49,9 @@ class GPTChunk(nn.Module):
 
     Raises:
         ConfigError: the model does not fit the TP size (see :func:`paratron.models.spec.check_model`),
-            raised before any collective.
+            or ``model.block`` is not registered; raised before any collective.
+
+    The layers are built by the block registered as ``model.block`` (:mod:`paratron.models.blocks`).
     """
 
     def __init__(self, cfg: ModelConfig, ctx, *, seed: int, layer_ids: range, pre_process: bool,
@@ -65,10 +68,11 @@ class GPTChunk(nn.Module):
         self.embedding = (Embedding(cfg, ctx, seed=seed, sequence_parallel=sequence_parallel,
                                     params_dtype=params_dtype, rng_tracker=rng_tracker)
                           if pre_process else None)
+        block = BLOCKS.get(cfg.block)
         # Keys are global layer indices, so module paths match the logical names.
         self.layers = nn.ModuleDict({
-            str(i): TransformerLayer(cfg, ctx, layer_number=i, seed=seed, sequence_parallel=sequence_parallel,
-                                     params_dtype=params_dtype, rng_tracker=rng_tracker)
+            str(i): block(cfg, ctx, layer_number=i, seed=seed, sequence_parallel=sequence_parallel,
+                          params_dtype=params_dtype, rng_tracker=rng_tracker)
             for i in self.layer_ids})
         self.final_norm = None
         self.output_layer = None
