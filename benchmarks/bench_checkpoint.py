@@ -12,9 +12,9 @@ tensors. Cases:
   spread over the ranks.
 
 Save = ``CheckpointManager.save`` (DCP files with fsync, manifest, rename, ``latest``); load =
-``CheckpointManager.load`` into the same layout. Baseline: each rank writes its bytes (all the
-bytes on one rank; a quarter on each of 4 ranks) with ``ndarray.tofile`` + fsync, and reads them
-back with ``np.fromfile``. Reads hit the page cache on both sides. GB/s = state bytes / seconds;
+``CheckpointManager.load`` into the same layout. Baseline: each rank writes its share of the
+bytes (all on one rank; a quarter on each of 4 ranks, in the replicated case every 4th tensor)
+with ``ndarray.tofile`` + fsync, and reads them back with ``np.fromfile``. Reads hit the page cache on both sides. GB/s = state bytes / seconds;
 median of ``--repeats`` runs, slowest rank.
 """
 
@@ -60,9 +60,11 @@ def state_bytes(m: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in m.parameters())
 
 
-def raw_write_read(m: torch.nn.Module, path: Path) -> tuple[float, float]:
-    """Seconds to write the module's bytes with numpy (+ fsync) and to read them back."""
-    arrays = [p.detach().numpy() for p in m.parameters()]
+def raw_write_read(m: torch.nn.Module, path: Path, share: tuple[int, int] = (0, 1)) -> tuple[float, float]:
+    """Seconds to write the module's bytes with numpy (+ fsync) and to read them back; with
+    ``share=(i, n)`` only every n-th tensor from the i-th (this rank's part of replicated state)."""
+    i, n = share
+    arrays = [p.detach().numpy() for p in list(m.parameters())[i::n]]
     t0 = time.perf_counter()
     with open(path, "wb") as f:
         for a in arrays:
@@ -77,7 +79,8 @@ def raw_write_read(m: torch.nn.Module, path: Path) -> tuple[float, float]:
     return t_write, t_read
 
 
-def measure(ctx, m: torch.nn.Module, workdir: Path, tag: str, repeats: int, sync_group=None) -> dict:
+def measure(ctx, m: torch.nn.Module, workdir: Path, tag: str, repeats: int, sync_group=None,
+            share: tuple[int, int] = (0, 1)) -> dict:
     """Median save/load/raw times on this rank; ``sync_group`` lines the ranks up between phases."""
     barrier = (lambda: sync_group.barrier()) if sync_group is not None else (lambda: None)
     cfg = Config()
@@ -97,7 +100,7 @@ def measure(ctx, m: torch.nn.Module, workdir: Path, tag: str, repeats: int, sync
         loader.load([m], None, None)
         res["load"].append(time.perf_counter() - t0)
         barrier()
-        w, r = raw_write_read(m, workdir / f"raw-{tag}-{ctx.rank}.bin")
+        w, r = raw_write_read(m, workdir / f"raw-{tag}-{ctx.rank}.bin", share)
         res["raw_write"].append(w)
         res["raw_read"].append(r)
         os.remove(workdir / f"raw-{tag}-{ctx.rank}.bin")
@@ -108,7 +111,8 @@ def _ranks(kind: str, mb: float, workdir: str, repeats: int):
     ctx = ParallelContext.build()
     shards = 4 if kind == "sharded" else 1
     m = state_module(mb, shards, ctx.rank if shards > 1 else 0)
-    return measure(ctx, m, Path(workdir), kind, repeats, sync_group=ctx.world)
+    share = (ctx.rank, ctx.world_size) if shards == 1 else (0, 1)
+    return measure(ctx, m, Path(workdir), kind, repeats, sync_group=ctx.world, share=share)
 
 
 def stall(workdir: Path, mb: float, repeats: int) -> dict:
@@ -158,9 +162,6 @@ def main(args) -> None:
         for kind in ("sharded", "replicated"):
             per_rank = run_ranks(_ranks, 4, kind, args.mb, str(workdir), args.repeats, timeout=1800)
             slowest = {k: max(r[k] for r in per_rank) for k in per_rank[0]}
-            if kind == "replicated":  # the raw side writes only the bytes the save must write
-                slowest["raw_write"] = max(r["raw_write"] for r in per_rank) / 4
-                slowest["raw_read"] = max(r["raw_read"] for r in per_rank) / 4
             rows.append((f"4 ranks, {kind}", slowest))
         for name, r in rows:
             print(f"| {name} | {total / r['save']:.2f} | {total / r['raw_write']:.2f} | "

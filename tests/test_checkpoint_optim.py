@@ -144,3 +144,37 @@ def test_weights_only_load_refreshes_bf16_main_weights(tmp_path):
             t2d = t.reshape(-1, t.shape[-1]) if t.dim() > 1 else t.reshape(1, -1)
             for view, spec in pieces:
                 assert torch.equal(view, t2d[spec.slices()]), key
+
+
+def moe_config():
+    cfg = tiny_config()
+    m = cfg.model
+    m.num_layers, m.hidden_size, m.num_attention_heads, m.ffn_hidden_size = 2, 16, 2, 32
+    m.num_experts, m.moe_top_k = 4, 2
+    return cfg
+
+
+def _moe_ep1_to_ep2(root):
+    cfg = moe_config()
+    full = targets(cfg)
+    st = state_targets(full)
+    ctx = ParallelContext.build(ep=1)
+    chunks, opt, sched = build(cfg, ctx, zero=True, seed=1)
+    load_full_state(chunks, full)
+    fill_state(opt, st)
+    cfg.checkpoint.save = root
+    CheckpointManager(cfg.checkpoint, ctx, cfg).save(1, chunks, opt, sched, {})
+    counts = {}
+    for ep, zero in ((2, True), (4, False)):
+        ctx_b = ParallelContext.build(ep=ep)
+        chunks_b, opt_b, sched_b = build(cfg, ctx_b, zero=zero, seed=2)
+        assert any(getattr(p, "is_expert", False) for c in chunks_b for p in c.parameters())
+        CheckpointManager(CheckpointConfig(load=root), ctx_b, cfg).load(chunks_b, opt_b, sched_b)
+        check_params(chunks_b, full)
+        counts[ep] = check_state(opt_b, st)
+    return counts
+
+
+def test_moe_state_reshards_from_ep1_to_ep2_and_ep4(tmp_path):
+    counts = run_ranks(_moe_ep1_to_ep2, 4, str(tmp_path / "ck"), timeout=600)
+    assert all(c[2] > 0 and c[4] > 0 for c in counts)
