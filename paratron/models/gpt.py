@@ -25,6 +25,7 @@ from .blocks import BLOCKS
 from .layer import make_norm
 from .recompute import checkpointed
 from .rope import rope_tables
+from .state import gather_full_state, load_full_state  # noqa: F401  (re-exported)
 
 StageLayers = dict[tuple[int, int], tuple[int, int]]
 """(pp_rank, chunk) -> (first global layer, layer count)."""
@@ -252,51 +253,3 @@ def full_logits(logits: torch.Tensor, ctx, vocab_size: int) -> torch.Tensor:
     full = ctx.tp.all_gather(logits.detach().contiguous(), dim=-1)
     return full[..., :vocab_size].transpose(0, 1)
 
-
-def _unique_params(chunks) -> list[torch.nn.Parameter]:
-    seen, out = set(), []
-    for chunk in chunks:
-        for p in chunk.parameters():
-            if id(p) not in seen:
-                seen.add(id(p))
-                out.append(p)
-    return out
-
-
-def load_full_state(chunks, tensors: dict[str, torch.Tensor]) -> set[str]:
-    """Copy each parameter's slice of the full tensor ``tensors[param.logical_name]`` into it
-    (``params.load_full_``; any TP/PP layout, padding rows left as they are).
-
-    Returns: the logical names used (a pipeline stage uses only its own).
-    Raises:
-        KeyError: a parameter of these chunks has no tensor (named).
-        ValueError: a tensor has the wrong full shape.
-    """
-    from paratron.parallel.params import load_full_
-
-    used = set()
-    for p in _unique_params(chunks):
-        if p.logical_name not in tensors:
-            raise KeyError(f"no tensor for parameter {p.logical_name!r}")
-        load_full_(p, tensors[p.logical_name])
-        used.add(p.logical_name)
-    return used
-
-
-def gather_full_state(chunks, ctx) -> dict[str, torch.Tensor]:
-    """The full logical tensors of these chunks' dense parameters, gathered over TP (vocab padding
-    dropped): ``{logical name: tensor}``. Every TP rank of the stage must call it (all-gathers in
-    parameter order). Each pipeline stage returns only its own parameters.
-
-    Raises:
-        NotImplementedError: an expert parameter (those are split over the expert groups).
-    """
-    out: dict[str, torch.Tensor] = {}
-    for p in _unique_params(chunks):
-        if getattr(p, "is_expert", False):
-            raise NotImplementedError(f"{p.logical_name}: gathering expert parameters is not supported here")
-        data = p.detach()
-        if p.tensor_parallel:
-            data = ctx.tp.all_gather(data.contiguous(), dim=p.partition_dim)
-        out[p.logical_name] = data[tuple(slice(0, n) for n in p.shard.global_shape)].clone()
-    return out
