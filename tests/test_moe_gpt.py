@@ -1,8 +1,8 @@
 """A tiny MoE GPT (4 experts, top-2, MoE in every layer) trained through the real stack: model
 chunks, DDP / ZeRO-1, the pipeline runtime and the training step, with SGD, against one process.
 
-Layouts: EP=1 with DP=2, EP=2, EP=4, EP=2 with TP=2 (SP on and off), with PP=2, with ZeRO-1, and
-the all-gather dispatcher. Each rank trains on its DP share of the same global batch (4 samples,
+Layouts: EP=1 with DP=2, EP=2, EP=4, EP=2 with TP=2 (SP on and off), with PP=2, with ZeRO-1, with
+expert-TP=2, with full recompute, and the all-gather dispatcher. Each rank trains on its DP share of the same global batch (4 samples,
 microbatches of 1), so every microbatch holds the same tokens as on one process and the aux loss
 (a per-microbatch quantity) means the same. SGD with lr 0.5 and no decay: the first update is
 ``-lr * grad``, so the expert grads are compared through it (to 1e-5; a double reduction would
@@ -22,7 +22,7 @@ GBS, SEQ, VOCAB, LR, STEPS = 4, 8, 32, 0.5, 2
 
 
 def _config(tp=1, ep=1, pp=1, sp=False, zero=0, dispatcher="alltoall", world=1, recompute="none",
-            aux=0.01) -> Config:
+            aux=0.01, etp=1) -> Config:
     cfg = Config()
     m, p, t, o = cfg.model, cfg.parallel, cfg.train, cfg.optimizer
     m.num_layers, m.hidden_size, m.num_attention_heads, m.ffn_hidden_size = 2, 16, 2, 32
@@ -30,6 +30,7 @@ def _config(tp=1, ep=1, pp=1, sp=False, zero=0, dispatcher="alltoall", world=1, 
     m.num_experts, m.moe_top_k, m.moe_token_dispatcher = 4, 2, dispatcher
     m.moe_aux_loss_coeff, m.moe_z_loss_coeff, m.recompute = aux, 0.001, recompute
     p.tensor, p.expert, p.pipeline, p.sequence_parallel, p.zero = tp, ep, pp, sp, zero
+    p.expert_tensor = etp
     p.bucket_size_mb = 0.001
     t.micro_batch_size, t.global_batch_size, t.seed = 1, GBS, 1234
     o.name, o.lr, o.weight_decay, o.clip_grad, o.lr_decay_style = "sgd", LR, 0.0, 0.0, "constant"
@@ -78,7 +79,7 @@ def _train(cfg: Config, ctx) -> dict:
 def _rank(kw, world):
     cfg = _config(world=world, **kw)
     p = cfg.parallel
-    ctx = ParallelContext.build(tp=p.tensor, ep=p.expert, pp=p.pipeline)
+    ctx = ParallelContext.build(tp=p.tensor, ep=p.expert, pp=p.pipeline, expert_tp=p.expert_tensor)
     out = _train(cfg, ctx)
     out["coords"] = (ctx.tp.rank, ctx.dp.rank, ctx.pp.rank)
     return out
@@ -98,6 +99,7 @@ LAYOUTS = {
     "ep2-dp4-zero1": (4, dict(ep=2, zero=1)),
     "ep2-allgather": (2, dict(ep=2, dispatcher="allgather")),
     "ep2-recompute": (2, dict(ep=2, recompute="full")),
+    "ep2-etp2-tp2-sp": (4, dict(ep=2, etp=2, tp=2, sp=True)),
 }
 
 

@@ -90,8 +90,8 @@ def _train(ctx, cfg, steps, *, sp, mbs, num_mb, lr=0.1, data=None, force=False):
     return out
 
 
-def _rank_fn(tp, ep, sp, cfg_kw, steps, force_skew):
-    ctx = ParallelContext.build(tp=tp, ep=ep)
+def _rank_fn(tp, ep, sp, cfg_kw, steps, force_skew, etp=1):
+    ctx = ParallelContext.build(tp=tp, ep=ep, expert_tp=etp)
     cfg = _cfg(**cfg_kw)
     num_mb = ctx.dp.size
     data = _data(steps, num_mb, force_skew)
@@ -160,6 +160,19 @@ def test_tp_without_ep_parity():
     _check_parity(results, _reference({}, 2, 1), sp=False)
 
 
+@pytest.mark.parametrize("world,tp,ep,sp,kw", [
+    (2, 1, 1, False, dict()),
+    (2, 1, 1, False, dict(activation="swiglu", add_bias_linear=False)),
+    (4, 2, 2, True, dict()),
+])
+def test_expert_tp_parity(world, tp, ep, sp, kw):
+    """Expert-TP=2 (experts split over the expert-TP group, biases included): grads and params of
+    every expert slice match one process to 1e-5 after 2 steps."""
+    results = run_ranks(_rank_fn, world, tp, ep, sp, kw, 2, None, 2, timeout=180)
+    _check_parity(results, _reference(kw, 2, world // tp), sp=sp)
+    assert any(r["slices"]["layers.0.mlp.experts.0.fc2.weight"][1] != slice(0, 32) for r in results)
+
+
 def test_capacity_dropping_parity():
     """Capacity factor 0.5 (tokens are dropped): the same pairs are dropped under EP=2 and TP=2+SP
     as on one process, and with padding to capacity too."""
@@ -172,23 +185,26 @@ def test_capacity_dropping_parity():
     _check_parity(results, ref1, sp=True)
 
 
-def test_forced_routing_idle_rank():
-    """EP=2: in step 1 every token goes to experts 0 and 1 (EP rank 1 idle), in step 2 half go to
-    experts 2 and 3. No error; experts 2, 3 get exactly zero grads in step 1; params equal one
-    process after both steps; the router grad is nonzero with both loss coefficients at 0."""
+@pytest.mark.parametrize("world,etp", [(2, 1), (4, 2)])
+def test_forced_routing_idle_rank(world, etp):
+    """EP=2 (and EP=2 x expert-TP=2): in step 1 every token goes to experts 0 and 1 (EP rank 1
+    idle), in step 2 half the microbatches go to experts 2 and 3. No error; experts 2, 3 get exactly
+    zero grads in step 1; params equal one process after both steps; the router grad is nonzero
+    with both loss coefficients at 0."""
     g = torch.Generator().manual_seed(3)
-    skew = 2.0 + torch.rand(2, S, 2 * B, generator=g)
-    skew[1, :, B:] *= -1  # step 2: the second microbatch goes to experts 2, 3
+    skew = 2.0 + torch.rand(2, S, world * B, generator=g)
+    skew[1, :, world * B // 2:] *= -1  # step 2: the later microbatches go to experts 2, 3
     kw = dict(moe_aux_loss_coeff=0.0, moe_z_loss_coeff=0.0)
-    results = run_ranks(_rank_fn, 2, 1, 2, False, kw, 2, skew, timeout=180)
-    ref = _reference(kw, 2, 2, skew)
+    results = run_ranks(_rank_fn, world, 1, 2, False, kw, 2, skew, etp, timeout=180)
+    ref = _reference(kw, 2, world, skew)
     _check_parity(results, ref, sp=False)
-    step1 = results[1]["grads"][0]
+    idle_rank = results[-1]  # holds experts 2 and 3
+    step1 = idle_rank["grads"][0]
     idle = [n for n in step1 if ".experts.2." in n or ".experts.3." in n]
     assert len(idle) == 8
     for n in idle:
         assert torch.count_nonzero(step1[n]) == 0, n
-        assert torch.count_nonzero(results[1]["grads"][1][n]) > 0, n  # busy in step 2
+        assert torch.count_nonzero(idle_rank["grads"][1][n]) > 0, n  # busy in step 2
     assert results[0]["grads"][0]["layers.0.mlp.router.weight"].norm() > 0
 
 

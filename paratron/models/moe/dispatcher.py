@@ -41,7 +41,7 @@ def _expert_major(indices: torch.Tensor, lo: int, hi: int):
     return slot_ids[order], experts[order]
 
 
-def _source_to_expert_major(counts: torch.Tensor) -> torch.Tensor:
+def source_to_expert_major(counts: torch.Tensor) -> torch.Tensor:
     """Permutation from rows grouped [source rank][local expert] to [local expert][source rank].
 
     Args:
@@ -151,7 +151,7 @@ class AllToAllDispatcher(TokenDispatcher):
         at = sum(out_splits[:me])
         source_major = torch.cat([received[:at], buf[local_range[0]:local_range[1]], received[at:]])
         # Rows arrive as [source rank][local expert]; experts run on [local expert][source rank].
-        to_expert_major = _source_to_expert_major(recv_counts)
+        to_expert_major = source_to_expert_major(recv_counts)
         expert_input = source_major.index_select(0, to_expert_major)
         plan = _AllToAllPlan(T * k, k, slot_ids, real_rows, buf.shape[0], in_splits, out_splits,
                              local_range, at, to_expert_major)

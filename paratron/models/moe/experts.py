@@ -1,11 +1,19 @@
 """The experts held by one rank: independent MLPs run on their own rows.
 
 Each expert is a dense MLP like :class:`paratron.models.mlp.MLP` (GELU: ``fc1 -> gelu -> fc2``;
-SwiGLU: ``silu(gate) * up -> fc2``, Shazeer 2020), kept whole on its rank (expert-TP is 1). Its
-parameters carry the expert's *global* id in their logical names, e.g.
-``layers.3.mlp.experts.5.fc1.weight``, so checkpoints reshard across any expert-parallel size,
-and every expert's full tensors are drawn from ``(seed, logical name)`` as in a single process.
-They are marked ``is_expert=True``: their grads reduce over ``ctx.expert_dp``.
+SwiGLU: ``silu(gate) * up -> fc2``, Shazeer 2020). Its parameters carry the expert's *global* id
+in their logical names, e.g. ``layers.3.mlp.experts.5.fc1.weight``, so checkpoints reshard across
+any expert-parallel size, and every expert's full tensors are drawn from ``(seed, logical name)``
+as in a single process. They are marked ``is_expert=True``: their grads reduce over
+``ctx.expert_dp``.
+
+Expert tensor parallelism (``parallel.expert_tensor = etp > 1``) splits every expert over the
+``ctx.expert_tp`` group like the dense MLP (Shoeybi et al. 2019, section 3): ``fc1``/``gate``/``up``
+by output rows, ``fc2`` by input columns. The ranks of that group hold different tokens, so each
+rank sends its dispatched rows to every rank of the group (an all-to-all with uneven splits),
+every rank runs its slice of the experts on all of them, and the partial outputs go back to their
+owner and are summed there (the reverse all-to-all). The ``fc2`` bias is added once, on the group's
+first rank, and every replica receives the full bias grad.
 
 Weight grads come from plain autograd. An expert that gets no rows still runs its matmuls on an
 empty ``[0, h]`` slice, so its params receive zero grads (not None) and every rank reports the
@@ -20,9 +28,12 @@ from torch import nn
 
 from paratron.config import ModelConfig
 from paratron.layers.init import InitMethod, draw_full, normal_, scaled_normal_
-from paratron.parallel.params import mark
+from paratron.parallel.comm import Group
+from paratron.parallel.params import ShardSpec, mark
 
 from .. import spec
+from .collectives import all_to_all
+from .dispatcher import source_to_expert_major
 
 
 def expert_ffn_size(cfg: ModelConfig) -> int:
@@ -31,22 +42,54 @@ def expert_ffn_size(cfg: ModelConfig) -> int:
     return cfg.moe_ffn_hidden_size if cfg.moe_ffn_hidden_size is not None else spec.ffn_size(cfg)
 
 
+class _BiasOnce(torch.autograd.Function):
+    """``x + bias`` on the first rank of the expert-TP group, ``x`` elsewhere (the partial outputs
+    are summed afterwards); every rank gets ``sum(grad)`` as the bias grad, which is the full grad
+    because the backward of that sum hands every rank the same output grads."""
+
+    @staticmethod
+    def forward(ctx, x, bias, first: bool):
+        return x + bias if first else x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, grad.sum(dim=0), None
+
+
 class _Proj(nn.Module):
-    """One expert linear ``[rows, in] -> [rows, out]``: weight ``[out, in]``, optional bias ``[out]``."""
+    """One expert linear ``[rows, in] -> [rows, out]``: weight ``[out, in]``, optional bias ``[out]``,
+    split over the expert-TP group along ``split`` ("out": rows of the weight, "in": columns,
+    None: whole)."""
 
     def __init__(self, in_f: int, out_f: int, ctx, *, logical_name: str, seed: int, bias: bool,
-                 init: InitMethod, params_dtype: torch.dtype):
+                 init: InitMethod, params_dtype: torch.dtype, split: str | None = None):
         super().__init__()
+        etp, r = ctx.expert_tp.size, ctx.expert_tp.rank
+        self.split, self.first = split if etp > 1 else None, r == 0
         full = draw_full(init, (out_f, in_f), seed, f"{logical_name}.weight")
-        self.weight = nn.Parameter(full.to(device=ctx.device, dtype=params_dtype))
-        mark(self.weight, f"{logical_name}.weight", is_expert=True)
+        if self.split == "out":
+            n = out_f // etp
+            weight, spec = full[r * n:(r + 1) * n], ShardSpec((out_f, in_f), (r * n, 0), (n, in_f))
+        elif self.split == "in":
+            n = in_f // etp
+            weight, spec = full[:, r * n:(r + 1) * n], ShardSpec((out_f, in_f), (0, r * n), (out_f, n))
+        else:
+            weight, spec = full, None
+        self.weight = nn.Parameter(weight.to(device=ctx.device, dtype=params_dtype).contiguous())
+        mark(self.weight, f"{logical_name}.weight", spec, partition_dim={"out": 0, "in": 1}.get(self.split, -1),
+             is_expert=True)
         if bias:
-            self.bias = nn.Parameter(torch.zeros(out_f, device=ctx.device, dtype=params_dtype))
-            mark(self.bias, f"{logical_name}.bias", is_expert=True, no_weight_decay=True)
+            n = out_f // etp if self.split == "out" else out_f
+            self.bias = nn.Parameter(torch.zeros(n, device=ctx.device, dtype=params_dtype))
+            bspec = ShardSpec((out_f,), (r * n,), (n,)) if self.split == "out" else None
+            mark(self.bias, f"{logical_name}.bias", bspec, partition_dim=0 if self.split == "out" else -1,
+                 is_expert=True, no_weight_decay=True)
         else:
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.split == "in" and self.bias is not None:
+            return _BiasOnce.apply(F.linear(x, self.weight), self.bias, self.first)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -65,17 +108,20 @@ class ExpertMLP(nn.Module):
     def __init__(self, cfg: ModelConfig, ctx, *, logical_name: str, seed: int, params_dtype: torch.dtype):
         super().__init__()
         h, f = cfg.hidden_size, expert_ffn_size(cfg)
+        if f % ctx.expert_tp.size:
+            raise ValueError(f"the expert width (model.moe_ffn_hidden_size or the MLP width) {f} is not "
+                             f"divisible by parallel.expert_tensor={ctx.expert_tp.size}")
         self.activation = cfg.activation
         kw = dict(seed=seed, bias=cfg.add_bias_linear, params_dtype=params_dtype)
         inner = normal_(cfg.init_method_std)
         # GPT-2's scaled init of residual-branch outputs, as the dense MLP's fc2.
         outer = scaled_normal_(cfg.init_method_std, max(cfg.num_layers, 1))
         if cfg.activation == "swiglu":
-            self.gate = _Proj(h, f, ctx, logical_name=f"{logical_name}.gate", init=inner, **kw)
-            self.up = _Proj(h, f, ctx, logical_name=f"{logical_name}.up", init=inner, **kw)
+            self.gate = _Proj(h, f, ctx, logical_name=f"{logical_name}.gate", init=inner, split="out", **kw)
+            self.up = _Proj(h, f, ctx, logical_name=f"{logical_name}.up", init=inner, split="out", **kw)
         else:
-            self.fc1 = _Proj(h, f, ctx, logical_name=f"{logical_name}.fc1", init=inner, **kw)
-        self.fc2 = _Proj(f, h, ctx, logical_name=f"{logical_name}.fc2", init=outer, **kw)
+            self.fc1 = _Proj(h, f, ctx, logical_name=f"{logical_name}.fc1", init=inner, split="out", **kw)
+        self.fc2 = _Proj(f, h, ctx, logical_name=f"{logical_name}.fc2", init=outer, split="in", **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.activation == "swiglu":
@@ -87,7 +133,8 @@ class ExpertMLP(nn.Module):
 
 
 class LocalExperts(nn.Module):
-    """The ``num_local`` experts of this EP rank, global ids ``first_expert + l``.
+    """The ``num_local`` experts of this EP rank, global ids ``first_expert + l`` (each split over
+    ``ctx.expert_tp`` when it is larger than 1, see the module docstring).
 
     ``forward(x, tokens_per_expert)``: ``x`` is ``[N, h]`` rows, expert-major (the first
     ``tokens_per_expert[0]`` rows for local expert 0, ...); returns ``[N, h]`` in the same order.
@@ -100,6 +147,7 @@ class LocalExperts(nn.Module):
                  params_dtype: torch.dtype):
         super().__init__()
         self.first_expert = first_expert
+        self.etp: Group = ctx.expert_tp
         self.local = nn.ModuleList(
             ExpertMLP(cfg, ctx, logical_name=f"{prefix}.experts.{first_expert + l}", seed=seed,
                       params_dtype=params_dtype)
@@ -109,6 +157,25 @@ class LocalExperts(nn.Module):
         if len(tokens_per_expert) != len(self.local) or sum(tokens_per_expert) != x.shape[0]:
             raise ValueError(f"LocalExperts: tokens_per_expert={tokens_per_expert} does not match "
                              f"{len(self.local)} local experts and {x.shape[0]} rows")
+        if self.etp.size > 1:
+            return self._expert_tp_forward(x, tokens_per_expert)
+        return self._run(x, tokens_per_expert)
+
+    def _run(self, x: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
         # Empty slices still run, so idle experts get zero grads rather than None.
         outs = [expert(part) for expert, part in zip(self.local, torch.split(x, tokens_per_expert))]
         return torch.cat(outs) if outs else x
+
+    def _expert_tp_forward(self, x: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
+        g, n = self.etp, x.shape[0]
+        mine = torch.tensor(tokens_per_expert, dtype=torch.int64, device=x.device)
+        counts = g.all_gather(mine.reshape(1, -1), 0)  # [etp, E_local]
+        rows = counts.sum(dim=1).tolist()
+        # Every rank of the group gets every rank's rows, grouped [source rank][local expert].
+        gathered = all_to_all(x.repeat(g.size, 1), g, rows, [n] * g.size)
+        perm = source_to_expert_major(counts)
+        partial = self._run(gathered.index_select(0, perm), counts.sum(dim=0).tolist())
+        source_major = partial.new_zeros(partial.shape).index_copy(0, perm, partial)
+        # Each owner receives the partial outputs of its rows from every rank and sums them.
+        back = all_to_all(source_major, g, [n] * g.size, rows)
+        return back.view(g.size, n, x.shape[-1]).sum(dim=0)

@@ -5,7 +5,7 @@ top-2 gating, expert parallelism with all-to-all); Fedus et al. 2021, Switch Tra
 (capacity factor, aux loss); Zoph et al. 2022, ST-MoE (router z-loss); Rajbhandari et al. 2022,
 DeepSpeed-MoE (shared expert, section 4.1 "Residual-MoE").
 
-How the layout maps onto the tokens (expert-TP is 1: every expert is whole on its rank):
+How the layout maps onto the tokens:
 
 * **EP.** The EP ranks are data-parallel ranks of the dense grid: each routes its own tokens and
   the dispatcher sends every (token, slot) to the rank holding its expert.
@@ -18,6 +18,8 @@ How the layout maps onto the tokens (expert-TP is 1: every expert is whole on it
   reduction) but dispatches only its 1/tp of them; the per-slot expert outputs are all-gathered
   over TP and combined everywhere. So each token passes its experts once, and the expert grads,
   summed over ``expert_dp``, count each token once.
+* **Expert-TP** (``parallel.expert_tensor``): each expert is split over ``ctx.expert_tp``; the
+  ranks of that group exchange their dispatched rows (see :mod:`.experts`).
 
 The aux and z losses reach the backward without changing the layer output: an identity autograd
 function on the output adds ``aux_loss_scale * (aux_coeff * aux + z_coeff * z)`` to the loss being
@@ -121,7 +123,7 @@ class MoELayer(nn.Module):
 
     Raises:
         ValueError: ``model.num_experts`` not positive or not divisible by ``parallel.expert``;
-            ``parallel.expert_tensor > 1`` (expert-TP is not implemented); an unknown
+            an expert width not divisible by ``parallel.expert_tensor``; an unknown
             ``model.moe_token_dispatcher``; ``moe_pad_to_capacity`` without a capacity factor;
             in ``forward``, without sequence parallelism, ``s * b`` not divisible by
             ``parallel.tensor``.
@@ -135,9 +137,6 @@ class MoELayer(nn.Module):
             raise ValueError(f"model.num_experts={E} must be >= 1 for an MoE layer")
         if E % ep:
             raise ValueError(f"model.num_experts={E} is not divisible by parallel.expert={ep}")
-        if ctx.grid.expert_tp != 1:
-            raise ValueError(f"parallel.expert_tensor={ctx.grid.expert_tp}: expert tensor parallelism "
-                             "is not implemented by the MoE layer; use 1 (experts stay whole per rank)")
         self.cfg, self.ctx = cfg, ctx
         self.sequence_parallel = bool(sequence_parallel) and ctx.tp.size > 1
         prefix = f"layers.{layer_number}.mlp"
