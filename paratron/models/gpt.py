@@ -25,7 +25,10 @@ from .blocks import BLOCKS
 from .layer import make_norm
 from .recompute import checkpointed
 from .rope import rope_tables
-from .state import gather_full_state, load_full_state  # noqa: F401  (re-exported)
+from .state import gather_full_state, load_full_state
+
+__all__ = ["GPTChunk", "build_model_chunks", "default_stage_layers", "model_order", "full_logits",
+           "load_full_state", "gather_full_state", "StageLayers"]
 
 StageLayers = dict[tuple[int, int], tuple[int, int]]
 """(pp_rank, chunk) -> (first global layer, layer count)."""

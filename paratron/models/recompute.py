@@ -18,7 +18,7 @@ a real graph over the real parameters.
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
