@@ -15,7 +15,7 @@ in the same steps, and a p2p latency from a ping-pong of one activation, are fed
 
 Usage::
 
-    .venv/bin/python benchmarks/bench_pipeline.py [--layers 8 --hidden 256 --seq 128 --mbs 4 \\
+    .venv/bin/python benchmarks/bench_pipeline.py [--ranks 4 --layers 8 --hidden 128 --seq 128 --mbs 4 \\
         --microbatches 8 --steps 6 --out benchmarks]
 """
 
@@ -168,7 +168,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--mbs", type=int, default=4)
     ap.add_argument("--microbatches", type=int, default=8)

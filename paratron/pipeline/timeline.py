@@ -80,8 +80,8 @@ def draw_png(events: list[TraceEvent], path: str | Path, title: str = "", unit: 
 
     ranks = sorted({e.rank for e in events})
     end = max((e.end for e in events), default=1.0) or 1.0
-    fig, ax = plt.subplots(figsize=(max(8.0, min(40.0, len(events) / max(len(ranks), 1) * 0.35)),
-                                    0.6 * len(ranks) + 1.2))
+    per_rank = len(events) / max(len(ranks), 1)
+    fig, ax = plt.subplots(figsize=(max(8.0, min(20.0, per_rank * 0.25)), 0.6 * len(ranks) + 1.4))
     for e in events:
         y = ranks.index(e.rank)
         ax.barh(y, e.end - e.start, left=e.start, height=0.8, color=COLOURS.get(e.kind, "#999999"),
