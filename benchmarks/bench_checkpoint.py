@@ -14,8 +14,8 @@ tensors. Cases:
 Save = ``CheckpointManager.save`` (DCP files with fsync, manifest, rename, ``latest``); load =
 ``CheckpointManager.load`` into the same layout. Baseline: each rank writes its share of the
 bytes (all on one rank; a quarter on each of 4 ranks, in the replicated case every 4th tensor)
-with ``ndarray.tofile`` + fsync, and reads them back with ``np.fromfile``. Reads hit the page cache on both sides. GB/s = state bytes / seconds;
-median of ``--repeats`` runs, slowest rank.
+with ``ndarray.tofile`` + fsync, and reads them back with ``np.fromfile``. Reads hit the page
+cache on both sides. GB/s = state bytes / seconds; median of ``--repeats`` runs, slowest rank.
 """
 
 from __future__ import annotations

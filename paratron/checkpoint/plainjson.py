@@ -2,7 +2,8 @@
 
 A tensor becomes ``{"__tensor__": {"dtype": "uint8", "shape": [...], "data": <base64>}}``;
 decoding rebuilds it with ``torch.frombuffer`` and never runs code named by the file. Tuples
-become lists; non-finite floats are written as ``Infinity``/``NaN``, which Python's json reads. Anything else that JSON cannot hold is an error that names its path.
+become lists; non-finite floats are written as ``Infinity``/``NaN``, which Python's json reads.
+Anything else that JSON cannot hold is an error that names its path.
 """
 
 from __future__ import annotations
