@@ -119,7 +119,7 @@ def test_sigterm_saves_and_exits_cleanly(tiny_data, tmp_path):
         while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
             time.sleep(0.5)
         assert metrics.exists(), "training never started"
-        os.killpg(p.pid, signal.SIGTERM)  # what a scheduler does: signal the whole job
+        p.send_signal(signal.SIGTERM)  # to the launcher, which hands it to the ranks
         out = p.communicate(timeout=180)[0]
     finally:
         if p.poll() is None:

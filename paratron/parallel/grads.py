@@ -18,8 +18,12 @@ from typing import Callable
 import torch
 
 
+@torch.no_grad()
 def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
-    """Add ``grad`` to the param's accumulator (``main_grad`` or ``.grad``) and notify DDP."""
+    """Add ``grad`` to the param's accumulator (``main_grad`` or ``.grad``) and notify DDP.
+
+    Runs without autograd: a deferred W action executes outside the backward pass, where its
+    inputs may still require grad."""
     main = getattr(param, "main_grad", None)
     if main is not None:
         main.add_(grad.view_as(main))
@@ -56,9 +60,11 @@ class WeightGradStore:
         self._current = None
 
     def flush(self) -> None:
-        """Run the oldest group of deferred weight grads (one W action)."""
-        for fn in self._queue.popleft():
-            fn()
+        """Run the oldest group of deferred weight grads (one W action), without autograd
+        recording (weight grads are leaves of the step, never differentiated again)."""
+        with torch.no_grad():
+            for fn in self._queue.popleft():
+                fn()
 
     def __len__(self) -> int:
         return len(self._queue) + (1 if self._current else 0)

@@ -91,14 +91,50 @@ def launch_or_run(args: argparse.Namespace, command: str, body) -> int:
         print(f"paratron {command}: config error: {e}", file=sys.stderr)
         return 2
     if args.nproc_per_node and "WORLD_SIZE" not in os.environ:
-        import subprocess
-
         cmd = torchrun_argv(args, ["-m", "paratron", command] + args.argv)
-        # torchrun gives each rank one thread by default; keep it so (OMP_NUM_THREADS=1).
-        env = dict(os.environ)
-        env.setdefault("OMP_NUM_THREADS", "1")
-        return subprocess.call(cmd, env=env)
+        return run_torchrun(cmd)
     return body(cfg, args)
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(x) for x in f.read().split()]
+    except OSError:
+        return []
+
+
+def run_torchrun(cmd: list[str]) -> int:
+    """Run torchrun in its own session; SIGTERM/SIGINT to this process go to the ranks only.
+
+    The ranks then finish their step, save and exit 0, so torchrun's agent sees a clean finish.
+    (Signalled itself, the agent would stop the ranks after a grace period and exit non-zero.)
+    """
+    import signal
+    import subprocess
+
+    # torchrun gives each rank one thread by default; keep it so (OMP_NUM_THREADS=1).
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+
+    def forward(signum, frame):
+        for child in _children(proc.pid):
+            try:
+                os.kill(child, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        while True:
+            try:
+                return proc.wait()
+            except KeyboardInterrupt:  # pragma: no cover - the handler above takes SIGINT
+                forward(signal.SIGINT, None)
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
 
 
 def run(args: argparse.Namespace) -> int:
