@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from paratron.config import ModelConfig
-from paratron.models.moe.layer import MoELayer, set_aux_loss_scale
+from paratron.models.moe.layer import MoELayer, aux_losses, set_aux_loss_scale
 from paratron.parallel.context import ParallelContext
 from paratron.parallel.grads import allreduce_sequence_parallel_grads
 from paratron.parallel.params import load_full_
@@ -263,6 +263,8 @@ def test_aux_loss_larger_when_unbalanced():
     x2 = x.clone()
     x2[..., 0] = 3.0
     skewed(x2)
+    assert aux_losses(balanced) == {"moe_aux_loss": float(balanced.last_aux_loss),
+                                    "moe_z_loss": float(balanced.last_z_loss)}
     assert float(balanced.last_aux_loss) < 1.3
     assert float(skewed.last_aux_loss) > 1.8
     assert float(skewed.last_aux_loss) > 1.5 * float(balanced.last_aux_loss)
