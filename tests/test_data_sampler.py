@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from paratron.data.sampler import PretrainingSampler, batch_indices, microbatches
+from paratron.data.sampler import PretrainingSampler, batch_indices, collate, microbatches
 
 
 def _run(sampler_per_rank, consumed, steps):
@@ -22,6 +22,8 @@ def test_resume_sees_the_same_samples(dp, mbs):
     total = 100  # not a multiple of the global batch: a step straddles the epoch boundary
     make = lambda: [PretrainingSampler(total, 8, mbs, r, dp, seed=11) for r in range(dp)]  # noqa: E731
     whole = np.concatenate(_run(make(), 0, 30))
+    # Layout-free: any (dp, micro batch) reads the same global batches as one rank.
+    np.testing.assert_array_equal(whole, np.concatenate(_run([PretrainingSampler(total, 8, 8, seed=11)], 0, 30)))
     resumed = np.concatenate(_run(make(), 40, 25))
     np.testing.assert_array_equal(resumed, whole[40:])
     # Epochs: each is a permutation of all samples, and the next one is reshuffled.
@@ -60,3 +62,12 @@ def test_microbatches_collate():
     step = next(microbatches(data, s, consumed_samples=4))
     assert len(step) == 1 and step[0]["tokens"].shape == (2, 5)
     assert step[0]["tokens"][:, 0].tolist() == [6, 7] and step[0]["labels"][:, 0].tolist() == [7, 8]
+
+
+def test_torch_dataloader_batch_sampler():
+    data = [{"tokens": torch.full((3,), i), "labels": torch.full((3,), i)} for i in range(50)]
+    s = PretrainingSampler(50, 8, 2, 1, 2, seed=3, consumed_samples=16)
+    loader = torch.utils.data.DataLoader(data, batch_sampler=s, collate_fn=collate)
+    got = [b["tokens"][:, 0] for _, b in zip(range(4), loader)]
+    want = [torch.as_tensor(mb) for mbs in (s.step(16), s.step(24)) for mb in mbs]
+    assert all(torch.equal(a, b) for a, b in zip(got, want))

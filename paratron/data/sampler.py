@@ -30,7 +30,12 @@ class PretrainingSampler:
         micro_batch_size: samples per microbatch on one rank.
         data_parallel_rank, data_parallel_size: this rank's place in the data-parallel group.
         seed: seeds each epoch's order.
-        shuffle: reorder each epoch (else the dataset's own order every epoch).
+        shuffle: reorder each epoch (else the dataset's own order every epoch). Costs one int64
+            permutation of ``total_samples`` in memory.
+        consumed_samples: where iteration (``iter(sampler)``) starts.
+
+    Iterating yields this rank's microbatches (lists of ``micro_batch_size`` ids) step after step
+    without end, so the sampler can serve as a ``torch.utils.data.DataLoader`` ``batch_sampler``.
 
     Raises:
         ValueError: a non-positive size, a rank outside ``[0, data_parallel_size)``, or a global
@@ -39,7 +44,7 @@ class PretrainingSampler:
 
     def __init__(self, total_samples: int, global_batch_size: int, micro_batch_size: int,
                  data_parallel_rank: int = 0, data_parallel_size: int = 1, seed: int = 0,
-                 shuffle: bool = True):
+                 shuffle: bool = True, consumed_samples: int = 0):
         for name, v in (("total_samples", total_samples), ("global_batch_size", global_batch_size),
                         ("micro_batch_size", micro_batch_size), ("data_parallel_size", data_parallel_size)):
             if v < 1:
@@ -53,6 +58,7 @@ class PretrainingSampler:
         self.micro_batch_size, self.dp_rank, self.dp_size = micro_batch_size, data_parallel_rank, data_parallel_size
         self.seed, self.shuffle = int(seed), shuffle
         self.num_microbatches = global_batch_size // (micro_batch_size * data_parallel_size)
+        self.consumed_samples = int(consumed_samples)
         self._epoch: Optional[int] = None  # the one epoch order kept, so a step costs O(batch)
         self._order: Optional[np.ndarray] = None
 
@@ -91,6 +97,11 @@ class PretrainingSampler:
         while True:
             yield self.step(consumed_samples)
             consumed_samples += self.global_batch_size
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for mbs in self.steps(self.consumed_samples):
+            for mb in mbs:
+                yield mb.tolist()
 
 
 MegatronPretrainingSampler = PretrainingSampler
