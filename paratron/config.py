@@ -531,7 +531,17 @@ def _split(cfg: Config, world: int | None) -> None:
         raise ConfigError(f"data.split={cfg.data.split!r} must be up to 3 non-negative numbers with a positive sum")
 
 
-VALIDATORS = [_positive, _world_divisible, _heads, _ffn, _batch, _sequence, _pipeline_layers,
+def _lr_schedule(cfg: Config, world: int | None) -> None:
+    o = cfg.optimizer
+    decay = o.lr_decay_iters if o.lr_decay_iters is not None else cfg.train.train_iters
+    if not 0 <= o.lr_warmup_iters <= decay:
+        src = "optimizer.lr_decay_iters" if o.lr_decay_iters is not None else "train.train_iters"
+        raise ConfigError(f"optimizer.lr_warmup_iters={o.lr_warmup_iters} must be in [0, {src}={decay}]")
+    if o.min_lr > o.lr:
+        raise ConfigError(f"optimizer.min_lr={o.min_lr} must be <= optimizer.lr={o.lr}")
+
+
+VALIDATORS = [_positive, _lr_schedule, _world_divisible, _heads, _ffn, _batch, _sequence, _pipeline_layers,
               _experts, _zero, _split]
 """Every config rule, in order. Each takes ``(cfg, world_size_or_None)`` and raises ConfigError."""
 
