@@ -111,7 +111,7 @@ def test_cache_reused_only_when_parameters_match(tmp_path):
 
 
 def test_build_datasets_splits(tmp_path):
-    ds = _write(tmp_path / "d", [50] * 100)
+    _write(tmp_path / "d", [50] * 100)
     tr, va, te = gd.build_datasets([(1.0, str(tmp_path / "d"))], 16, seed=3, split="90,8,2",
                                    num_samples=(500, 20, 0), cache_dir=tmp_path / "c")
     assert te is None and len(tr) >= 500 and len(va) >= 20

@@ -20,7 +20,6 @@ import contextlib
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Sequence
 
 import numpy as np
