@@ -101,12 +101,13 @@ def from_file(tokenizer_model: str | os.PathLike) -> Tokenizer:
         if not path.is_file():
             raise FileNotFoundError(f"tokenizer_model={tokenizer_model}: directory has no tokenizer.json")
     hf = HFTokenizer.from_file(str(path))
-    for tok in EOD_CANDIDATES:
-        eod = hf.token_to_id(tok)
+    # PREFIX.tokenizer.json is what preprocessing trains; name it by size like a fresh one.
+    trained = path.name.endswith(".tokenizer.json")
+    name = f"bpe{hf.get_vocab_size(with_added_tokens=True)}" if trained else f"hf-{path.stem}"
+    for candidate in EOD_CANDIDATES:
+        eod = hf.token_to_id(candidate)
         if eod is not None:
-            tok_ = Tokenizer(hf, eod, "")
-            tok_.name = f"bpe{tok_.vocab_size}" if path.name.endswith(".tokenizer.json") else f"hf-{path.stem}"
-            return tok_
+            return Tokenizer(hf, eod, name)
     raise ValueError(f"tokenizer_model={path}: no end-of-document token; looked for "
                      f"{', '.join(EOD_CANDIDATES)}")
 
