@@ -292,3 +292,24 @@ def test_bad_input_errors_name_the_field():
         DistributedDataParallel([unmarked], ctx)
     with pytest.raises(ValueError, match="optimizer.name"):
         build_optimizer([model], ctx, opt_cfg(name="lamb"))
+
+
+def _rank_bf16(zero):
+    ctx = ParallelContext.build()
+    params, res, _, _ = train_dp(ctx, opt_cfg(clip_grad=0.05), steps=3, zero=zero, overlap=True,
+                                 precision="bf16")
+    return params, [(r.grad_norm, r.clip_coeff) for r in res]
+
+
+def test_bf16_dp2_zero_matches_ddp():
+    """bf16 params at DP=2: ZeRO-1 (bf16 all-gather of params cast from fp32 main weights) and
+    plain DDP give the same params (bitwise: each element's update is the same arithmetic) and
+    the same grad norms (1e-6), and replicas are bitwise equal."""
+    zero = run_ranks(_rank_bf16, 2, True, timeout=180)
+    ddp = run_ranks(_rank_bf16, 2, False, timeout=180)
+    for r in range(2):
+        for n, p in ddp[r][0].items():
+            assert torch.equal(zero[r][0][n], p), n
+            assert torch.equal(zero[r][0][n], zero[0][0][n]), n
+        for (a, ca), (b, cb) in zip(zero[r][1], ddp[r][1]):
+            assert a == pytest.approx(b, rel=1e-6) and ca == pytest.approx(cb, rel=1e-6)

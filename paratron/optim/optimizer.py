@@ -327,12 +327,15 @@ def build_optimizer(chunks, ctx, opt_cfg, ddp: DistributedDataParallel | None = 
 
     Raises:
         ValueError: bad precision or optimizer name; params whose dtype is not ``precision``'s
-            (norms kept in fp32 are allowed).
+            (norms kept in fp32 are allowed); main grads that are not fp32.
     """
     if precision not in PRECISIONS:
         raise ValueError(f"train.precision={precision!r} must be one of {sorted(PRECISIONS)}")
     if ddp is None:
         ddp = DistributedDataParallel(chunks, ctx)
+    if ddp.grad_dtype != torch.float32:
+        raise ValueError(f"DistributedDataParallel(grad_dtype={ddp.grad_dtype}): the optimizer needs "
+                         "fp32 main grads (grad_dtype=torch.float32)")
     want = PRECISIONS[precision]
     for p in ddp.params:
         if p.dtype not in (want, torch.float32):
