@@ -59,7 +59,12 @@ def source_to_expert_major(counts: torch.Tensor) -> torch.Tensor:
 class TokenDispatcher:
     """Base class. Args: ``ctx`` (parallel context), ``num_experts``, ``capacity`` (slots per
     expert, None: dropless), ``pad_to_capacity`` (fill every expert's rows to ``capacity``, so
-    shapes are static; dropped pairs must already be marked -1)."""
+    shapes are static; dropped pairs must already be marked -1). The capacity counts the whole
+    microbatch, so under sequence parallelism each TP rank pads its own rows to it.
+
+    Raises:
+        ValueError: ``num_experts`` not divisible by the EP size; padding without a capacity.
+    """
 
     def __init__(self, ctx, num_experts: int, *, capacity: int | None = None, pad_to_capacity: bool = False):
         ep = ctx.ep.size
@@ -85,7 +90,6 @@ class _AllToAllPlan:
     k: int
     row_slots: torch.Tensor      # [R_real] slot id of each real row (send order)
     real_rows: torch.Tensor      # [R_real] position of each real row in the (padded) send buffer
-    send_rows: int               # rows in the (padded) send buffer
     in_splits: list[int]         # rows sent to each EP rank (0 for this rank: kept local)
     out_splits: list[int]        # rows received from each EP rank (0 for this rank)
     local_range: tuple[int, int] # this rank's own block in the send buffer
@@ -153,8 +157,8 @@ class AllToAllDispatcher(TokenDispatcher):
         # Rows arrive as [source rank][local expert]; experts run on [local expert][source rank].
         to_expert_major = source_to_expert_major(recv_counts)
         expert_input = source_major.index_select(0, to_expert_major)
-        plan = _AllToAllPlan(T * k, k, slot_ids, real_rows, buf.shape[0], in_splits, out_splits,
-                             local_range, at, to_expert_major)
+        plan = _AllToAllPlan(T * k, k, slot_ids, real_rows, in_splits, out_splits, local_range, at,
+                             to_expert_major)
         return expert_input, recv_counts.sum(dim=0).tolist(), plan
 
     def combine(self, expert_output: torch.Tensor, plan: _AllToAllPlan) -> torch.Tensor:

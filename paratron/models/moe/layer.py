@@ -145,7 +145,7 @@ class MoELayer(nn.Module):
         num_local = E // ep
         self.experts = LocalExperts(cfg, ctx, prefix=prefix, seed=seed, first_expert=ctx.ep.rank * num_local,
                                     num_local=num_local, params_dtype=params_dtype)
-        self.pad_to_capacity = bool(getattr(cfg, "moe_pad_to_capacity", False))
+        self.pad_to_capacity = bool(cfg.moe_pad_to_capacity)
         if self.pad_to_capacity and cfg.moe_capacity_factor is None:
             raise ValueError("model.moe_pad_to_capacity=true needs model.moe_capacity_factor to be set")
         self.dispatcher_cls = get_dispatcher(cfg.moe_token_dispatcher)
