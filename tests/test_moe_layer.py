@@ -353,3 +353,18 @@ def test_drop_priority_is_position_then_earlier_ranks():
     assert expert_capacity(16, 4, 2, 1.0) == 8 and expert_capacity(15, 4, 2, 1.0) == 8
     with pytest.raises(ValueError, match="moe_capacity_factor"):
         expert_capacity(16, 4, 2, 0.0)
+
+
+def test_flops_count_active_experts_only():
+    """Model FLOPs of an MoE layer grow with top-k, not with the number of experts (only the router
+    term 2hE does): 3 x forward per token, one SwiGLU expert is 3 matmuls of 2hf."""
+    from paratron.models.flops import flops_per_token
+
+    base = dict(num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=64, seq_length=8,
+                activation="swiglu", moe_ffn_hidden_size=24)
+    f = lambda **kw: flops_per_token(ModelConfig(**{**base, **kw}))  # noqa: E731
+    one_expert = 3 * (3 * 2 * 16 * 24)
+    assert f(num_experts=8, moe_top_k=2) - f(num_experts=8, moe_top_k=1) == one_expert
+    assert f(num_experts=8, moe_top_k=2) - f(num_experts=4, moe_top_k=2) == 3 * 2 * 16 * 4
+    assert f(num_experts=4, moe_top_k=2, moe_shared_expert_ffn_hidden_size=24) - \
+        f(num_experts=4, moe_top_k=2) == one_expert
