@@ -1,0 +1,133 @@
+"""Exact resume through ``run_training``: 6 steps straight against 3 steps, a save, a new process,
+a load and 3 steps (dp2 with ZeRO-1, dropout on): bitwise losses, the same train and validation
+batches in the same order, and the optimizer state right after the load equal to the saved one.
+(Resuming under other layouts: tests/test_checkpoint_optim.py.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from paratron.testing import run_ranks
+from paratron.training.callbacks import Callback
+
+ROOT = Path(__file__).resolve().parents[1]
+STOP_AT = "PARATRON_TEST_STOP_AT"
+
+TINY = [
+    "model.num_layers=4", "model.hidden_size=32", "model.num_attention_heads=4",
+    "model.seq_length=16", "model.tie_embeddings=true", "model.make_vocab_size_divisible_by=16",
+    "model.hidden_dropout=0.1",  # RNG streams matter for an exact resume
+    "train.micro_batch_size=2", "train.global_batch_size=8", "train.train_iters=6",
+    "train.eval_interval=2", "train.eval_iters=1", "train.deterministic=true", "train.seed=11",
+    "optimizer.lr=3e-3", "optimizer.lr_warmup_iters=2", "optimizer.clip_grad=1.0",
+    "logging.log_interval=1", "logging.tensorboard=false", "logging.progress=false",
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory):
+    """40 documents of the bundled corpus, tokenized with a 512-token byte-level BPE."""
+    d = tmp_path_factory.mktemp("data")
+    lines = (ROOT / "data" / "shakespeare.jsonl").read_text().splitlines()[:40]
+    corpus = d / "tiny.jsonl"
+    corpus.write_text("\n".join(lines) + "\n")
+    prefix = d / "tiny"
+    r = subprocess.run([sys.executable, "-m", "paratron", "preprocess", "--input", str(corpus),
+                        "--output-prefix", str(prefix), "--tokenizer-type", "ByteLevelBPE",
+                        "--vocab-size", "512", "--workers", "1"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    tok = next(d.glob("tiny*tokenizer.json"))
+    return [f"data.data_path={prefix}", "data.tokenizer_type=HuggingFaceTokenizer",
+            f"data.tokenizer_model={tok}", "data.split=80,20,0"]
+
+
+def _snapshot(state, name: str) -> None:
+    opt = state.optimizer
+    st = {k: [v.clone() for v, _ in pieces] for k, pieces in opt.sharded_state_dict().items()}
+    torch.save({"state": st, "step": opt.step_count, "iteration": state.iteration},
+               state.run_dir / f"{name}_rank{state.ctx.rank}.pt")
+
+
+class Probe(Callback):
+    """Stops after iteration ``$PARATRON_TEST_STOP_AT`` (the runner then saves), and snapshots the
+    optimizer state right after each save and right after a load."""
+
+    def __init__(self, state):
+        self.stop_at = int(os.environ.get(STOP_AT, "0"))
+
+    def on_train_start(self, state):
+        if state.config.checkpoint.load:
+            _snapshot(state, "loaded")
+
+    def on_step_end(self, state, metrics, timings):
+        if self.stop_at and state.iteration >= self.stop_at:
+            state.should_stop = True
+
+    def on_save_end(self, state, path):
+        _snapshot(state, "saved")
+
+
+def _train(overrides: list[str], run_dir: str, stop_at: int = 0):
+    """One rank of a run; returns the token batches it fed to training and to validation."""
+    import paratron.training.runner as runner
+    from paratron.config import load_config
+
+    if stop_at:
+        os.environ[STOP_AT] = str(stop_at)
+    seen = {"train": [], "valid": []}
+    real = runner.run_global_batch
+
+    def spy(cfg, ctx, chunks, microbatches, *, forward_only, **kw):
+        seen["valid" if forward_only else "train"].append(torch.cat([mb["tokens"] for mb in microbatches]))
+        return real(cfg, ctx, chunks, microbatches, forward_only=forward_only, **kw)
+
+    runner.run_global_batch = spy  # this forked rank only
+    code = runner.run_training(load_config(None, overrides), run_dir)
+    return code, seen
+
+
+def _run(tmp_path, name, overrides, world, stop_at=0):
+    run_dir = tmp_path / name
+    out = run_ranks(_train, world, overrides, str(run_dir), stop_at, timeout=300)
+    assert [c for c, _ in out] == [0] * world
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    losses = {r["iteration"]: r["loss"] for r in records if "loss" in r}
+    val = {r["iteration"]: r["val_loss"] for r in records if "val_loss" in r}
+    return losses, val, [s for _, s in out], run_dir
+
+
+def test_exact_resume_in_a_new_process(tiny_data, tmp_path):
+    base = TINY + tiny_data + ["parallel.zero=1"]  # dp2 with ZeRO-1 slices
+    ck = tmp_path / "ck"
+    straight, straight_val, seen_a, _ = _run(tmp_path, "straight", base, 2)
+    assert sorted(straight) == [1, 2, 3, 4, 5, 6]
+    extra = [f"checkpoint.save={ck}", "train.callbacks=test_checkpoint_resume:Probe"]
+    first, _, seen_b1, dir_b1 = _run(tmp_path, "first", base + extra, 2, stop_at=3)
+    assert sorted(first) == [1, 2, 3] and (ck / "latest").read_text().strip() == "step_3"
+    resumed, resumed_val, seen_b2, dir_b2 = _run(
+        tmp_path, "resumed", base + [f"checkpoint.load={ck}", "train.callbacks=test_checkpoint_resume:Probe"], 2)
+    assert sorted(resumed) == [4, 5, 6]
+    for it in (4, 5, 6):
+        assert resumed[it] == straight[it], f"iteration {it}: {resumed[it]!r} vs {straight[it]!r}"
+    assert resumed_val == {k: v for k, v in straight_val.items() if k > 3}
+    for rank in range(2):
+        for kind in ("train", "valid"):
+            before, after, whole = seen_b1[rank][kind], seen_b2[rank][kind], seen_a[rank][kind]
+            assert len(before) + len(after) == len(whole), (rank, kind)
+            for i, (got, want) in enumerate(zip(before + after, whole)):
+                assert torch.equal(got, want), f"rank {rank} {kind} batch {i}"
+        saved = torch.load(dir_b1 / f"saved_rank{rank}.pt")
+        loaded = torch.load(dir_b2 / f"loaded_rank{rank}.pt")
+        assert saved["step"] == loaded["step"] == 3 and loaded["iteration"] == 3
+        assert saved["state"].keys() == loaded["state"].keys()
+        assert any("exp_avg_sq" in k for k in saved["state"])
+        for k in saved["state"]:
+            for a, b in zip(saved["state"][k], loaded["state"][k]):
+                assert torch.equal(a, b), k
