@@ -150,6 +150,8 @@ WORLD4 = [  # world 4
     _L(4, 1, False, 0.05),                                   # clipping at TP=4
     _L(2, 1, True, 0.05, sp=True),                           # sequence parallel: deferred bucket
     _L(1, 2, True, 0.05, schedule="interleaved", v=2),       # clipping at PP=2 interleaved, ZeRO
+    _L(1, 2, False, schedule="zb-h1"),                       # deferred weight grads (W actions)
+    _L(1, 2, True, 0.05, schedule="zbv", v=2),               # V placement: both ends on one rank
 ]
 WORLD8 = [  # world 8
     _L(2, 2, False, 0.05), _L(2, 2, True),                   # TP=2 x PP=2 x DP=2
@@ -187,8 +189,8 @@ def _check_layouts(outs, layouts):
 
 
 def test_layouts_world4():
-    """TP=2 x DP=2 (also with SP) and PP=2 x DP=2 with ZeRO-1 on and off, TP=4, PP=2 interleaved:
-    3 AdamW steps
+    """TP=2 x DP=2 (also with SP) and PP=2 x DP=2 with ZeRO-1 on and off, TP=4, PP=2 interleaved,
+    zero-bubble ZB-H1 and ZBV (weight grads arrive in deferred W actions): 3 AdamW steps
     match one process to 1e-5; replicas bitwise equal; norms and clip coefficients match."""
     _check_layouts(run_ranks(_rank_layouts, 4, WORLD4, timeout=300), WORLD4)
 
