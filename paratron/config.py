@@ -134,6 +134,9 @@ class TrainConfig:
     """Import paths ``module:Class`` of training-loop callbacks (plugins)."""
     peak_flops_per_device: Optional[float] = None
     """Peak FLOP/s of one device for MFU; None looks it up (GPU) or measures it (CPU)."""
+    sample_prompt: Optional[str] = None
+    """When set, rank 0 prints a text sample from the final checkpoint, continuing this prompt."""
+    sample_tokens: int = 64
 
 
 @dataclass
