@@ -189,3 +189,24 @@ def test_broken_custom_schedule_fails_at_build_time():
         assert len(build_schedule("broken", 2, 2, 1, check=False)) == 2
     finally:
         SCHEDULES.unregister("broken")
+
+
+def test_stage_layers_even_layout_and_v_placement():
+    from paratron.pipeline.partition import chunk_stages, stage_layers
+
+    assert stage_layers(8, 2, 2, None, "interleaved") == {(0, 0): (0, 2), (1, 0): (2, 2), (0, 1): (4, 2),
+                                                          (1, 1): (6, 2)}
+    # Embedding-only first stage and head-only last stage; zbv puts both on rank 0 (V shape).
+    zbv = stage_layers(8, 2, 2, [0, 4, 4, 0], "zbv")
+    assert zbv == {(0, 0): (0, 0), (1, 0): (0, 4), (1, 1): (4, 4), (0, 1): (8, 0)}
+    assert list(zbv) == [(0, 0), (1, 0), (1, 1), (0, 1)]  # model order
+    assert stage_layers(6, 3, 1, [1, 4, 1], "1f1b") == {(0, 0): (0, 1), (1, 0): (1, 4), (2, 0): (5, 1)}
+    assert chunk_stages(4, 2, "zbv", 1) == [1, 6] and chunk_stages(4, 2, "interleaved", 1) == [1, 5]
+    with pytest.raises(ValueError, match="not divisible by pipeline\\*virtual_pipeline = 4"):
+        stage_layers(6, 4, 1, None, "1f1b")
+    with pytest.raises(ValueError, match="needs one per virtual stage"):
+        stage_layers(8, 2, 1, [8], "1f1b")
+    with pytest.raises(ValueError, match="sum to model.num_layers=8"):
+        stage_layers(8, 2, 1, [3, 4], "1f1b")
+    with pytest.raises(ValueError, match="non-negative"):
+        stage_layers(8, 2, 1, [-1, 9], "1f1b")
