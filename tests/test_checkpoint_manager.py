@@ -44,6 +44,7 @@ def test_rotation_keeps_last_k_and_latest_is_newest(tmp_path):
     for step in range(1, 6):
         _bump(chunks, float(step))
         mgr.save(step, chunks, None, None, {"iteration": step})
+    mgr.wait()  # old checkpoints are deleted in the background
     root = tmp_path / "ck"
     assert sorted(os.listdir(root)) == ["latest", "step_4", "step_5"]
     assert (root / LATEST).read_text().strip() == "step_5"
@@ -58,6 +59,7 @@ def test_resaving_a_step_replaces_it(tmp_path):
     mgr.save(3, chunks, None, None, {})
     _bump(chunks, 2.0)
     mgr.save(3, chunks, None, None, {})
+    mgr.wait()
     root = tmp_path / "ck"
     assert sorted(os.listdir(root)) == ["latest", "step_3"]
     _, t = load_model_full(root)
@@ -106,7 +108,9 @@ def test_kill_during_save_leaves_previous_latest_loadable(tmp_path):
     assert all(torch.all(p.shard.valid(p) == 2.0) for c in chunks for p in c.parameters())
     # The next successful save clears the leftover.
     cfg.checkpoint.save = root
-    CheckpointManager(cfg.checkpoint, ParallelContext.single(), cfg).save(4, chunks, None, None, {})
+    mgr = CheckpointManager(cfg.checkpoint, ParallelContext.single(), cfg)
+    mgr.save(4, chunks, None, None, {})
+    mgr.wait()
     assert sorted(os.listdir(root)) == ["latest", "step_2", "step_4"]
 
 

@@ -9,7 +9,8 @@ A save of step N (on every rank):
    spread over the ranks that hold them), and each rank's ``rank_<r>.json``;
 3. rank 0 writes ``paratron.json`` (the manifest, holding the sha256 of ``.metadata``), renames the
    directory to ``ROOT/step_N/``, then rewrites ``ROOT/latest`` (temp file + ``os.replace``), and
-   deletes all but the last ``checkpoint.keep_last`` checkpoints.
+   deletes all but the last ``checkpoint.keep_last`` checkpoints (in a thread of its own, joined
+   by the next save, load or :meth:`CheckpointManager.wait`).
 
 A crash at any point before the rename leaves a ``tmp.*`` directory that nothing loads (it has no
 manifest) and ``latest`` naming the previous, complete checkpoint. Steps 2-3 run in a background
@@ -79,6 +80,7 @@ class CheckpointManager:
         self.last_write_s = 0.0
         self._staging = Staging()
         self._writer = BackgroundWriter()
+        self._pruner = BackgroundWriter()  # deletes old checkpoints off the training path
         self._group = self._checkpoint_group(ctx)
 
     @staticmethod
@@ -173,6 +175,7 @@ class CheckpointManager:
             CheckpointError: the background save failed.
         """
         self._writer.wait()
+        self._pruner.wait()
 
     def _write_and_commit(self, root: Path, step: int, items: StateItems, rank_state: dict,
                           fields: dict) -> None:
@@ -191,7 +194,8 @@ class CheckpointManager:
             write_manifest(tmp, self.config, world_size=self.ctx.world_size, saved_at=time.time(),
                            **fields)
             final = self._commit(root, tmp, step)
-            self._prune(root, final)
+            # Deleting old checkpoints does not hold up the ranks; the next save or wait() joins it.
+            self._pruner.start(lambda: self._prune(root, final), name="paratron-checkpoint-prune")
         g.barrier()
         self._phase("committed", root / f"step_{step}")
 
