@@ -147,11 +147,11 @@ class DistributedDataParallel:
     # ---- the per-step cycle ------------------------------------------------------------------
     def zero_grad_buffer(self) -> None:
         """Zero every main grad and start a new step (call before the first microbatch)."""
+        self._reset_step()  # first: it waits for reductions still in flight on these buffers
         for buf in self.buffers:
             buf.grad_data.zero_()
         for p in self.params:
             p.grad = None
-        self._reset_step()
 
     @contextmanager
     def no_sync(self):
