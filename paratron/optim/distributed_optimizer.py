@@ -36,10 +36,3 @@ def gather_params(ddp) -> None:
         if h is not None:
             h.wait()
 
-
-def owned_numel(ddp) -> int:
-    """Elements of the grad buffers this rank owns for the optimizer (padding included)."""
-    total = 0
-    for i in range(len(ddp.buffers)):
-        total += sum(e - s for s, e, _ in ddp.owned_ranges(i))
-    return total
