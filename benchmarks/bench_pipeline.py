@@ -7,7 +7,7 @@ ranks (gloo, one thread each, forked by ``paratron.testing.run_ranks``). Both fr
 same ``GPTChunk`` modules and the same vocab-parallel cross-entropy; torch's schedules get
 ``scale_grads=False`` because the loss is already divided by the global token count, like ours.
 Step time: from a barrier to the end of the slowest rank's schedule, median over the measured
-steps, the two frameworks alternating step by step.
+steps; the two frameworks take turns, and which one goes first alternates from step to step.
 
 Prediction: the mean F and BW duration of every stage, measured by paratron's recorded timeline
 in the same steps, and a p2p latency from a ping-pong of one activation, are fed to
@@ -152,8 +152,12 @@ def _rank(a, schedule, v):
         for chunk in ours + theirs:
             chunk.zero_grad(set_to_none=True)
         timeline = [] if step >= a.warmup else None
-        t_ours = _synced_time(ctx, lambda: ours_step(step, timeline))
-        t_torch = _synced_time(ctx, lambda: torch_step(step))
+        if step % 2:  # alternate who goes first, so neither always runs on a warmer cache
+            t_torch = _synced_time(ctx, lambda: torch_step(step))
+            t_ours = _synced_time(ctx, lambda: ours_step(step, timeline))
+        else:
+            t_ours = _synced_time(ctx, lambda: ours_step(step, timeline))
+            t_torch = _synced_time(ctx, lambda: torch_step(step))
         if step >= a.warmup:
             times["paratron"].append(t_ours)
             times["torch"].append(t_torch)
