@@ -183,13 +183,12 @@ class CheckpointManager:
         pid = torch.tensor([os.getpid()], dtype=torch.int64)
         g.broadcast(pid)  # every rank writes into rank 0's temporary directory
         tmp = root / f"tmp.step_{step}.{int(pid.item())}"
-        if self.ctx.rank == 0:
-            tmp.mkdir(parents=True, exist_ok=True)
-        g.barrier()
-        write_items(tmp, items, process_group=g.pg, single_process=g.size == 1)
+        tmp.mkdir(parents=True, exist_ok=True)
         write_json_atomic(tmp / f"rank_{self.ctx.rank:05d}.json", rank_state)
+        # DCP's save ends with a collective after every rank's writes, so once it returns on rank 0
+        # every rank's files (its rank_<r>.json included) are complete.
+        write_items(tmp, items, process_group=g.pg, single_process=g.size == 1)
         self._phase("tensors_written", tmp)
-        g.barrier()
         if self.ctx.rank == 0:
             write_manifest(tmp, self.config, world_size=self.ctx.world_size, saved_at=time.time(),
                            **fields)
