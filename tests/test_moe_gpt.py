@@ -112,7 +112,7 @@ def test_moe_gpt_parity(name):
     for res in results:
         for n, (upd, slices) in res["update"].items():
             want = ref["update"][n][0][slices]
-            torch.testing.assert_close(upd, want, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name} grad {n}: {m}")
+            torch.testing.assert_close(upd, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name} grad {n}: {m}")
             if ".experts." in n and want.norm() > 1e-3:
                 assert abs(float(upd.norm() / want.norm()) - 1.0) < 1e-3, f"{name}: grad scale of {n}"
         for n, (p, slices) in res["params"].items():
