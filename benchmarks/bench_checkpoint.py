@@ -134,8 +134,10 @@ def stall(workdir: Path, mb: float, repeats: int) -> dict:
     out = {"sync": [], "async": [], "write_async": [], "step_idle": [], "step_during": []}
     for i in range(repeats):
         out["step_idle"].append(statistics.median(step() for _ in range(5)))
+        mgr.wait()  # saves are many steps apart: the previous one's cleanup has finished
         mgr.save(2 * i + 1, [m], None, None, {}, async_=False)
         out["sync"].append(mgr.last_stall_s)
+        mgr.wait()
         mgr.save(2 * i + 2, [m], None, None, {}, async_=True)
         out["async"].append(mgr.last_stall_s)
         during = []
