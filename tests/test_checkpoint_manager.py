@@ -205,3 +205,18 @@ def test_manifest_records_everything(tmp_path):
     assert m["config"]["model"]["hidden_size"] == 32 and m["layout"]["world"] == 1
     assert (tmp_path / "ck" / "step_2" / "rank_00000.json").is_file()
     assert (tmp_path / "ck" / "step_2" / MANIFEST).is_file()
+
+
+def test_load_step_picks_an_older_checkpoint(tmp_path):
+    cfg, mgr = _saver(tmp_path)
+    chunks = _model(cfg)
+    for step in (1, 2):
+        _bump(chunks, float(step))
+        mgr.save(step, chunks, None, None, {"iteration": step})
+    cfg.checkpoint.load, cfg.checkpoint.load_step = str(tmp_path / "ck"), 1
+    fresh = _model(cfg, seed=5)
+    assert CheckpointManager(cfg.checkpoint, ParallelContext.single(), cfg).load(fresh, None, None) == {"iteration": 1}
+    assert all(torch.all(p.shard.valid(p) == 1.0) for c in fresh for p in c.parameters())
+    cfg.checkpoint.load_step = 7
+    with pytest.raises(CheckpointError, match="no checkpoint for step 7"):
+        CheckpointManager(cfg.checkpoint, ParallelContext.single(), cfg).load(fresh, None, None)
