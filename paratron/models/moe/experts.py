@@ -149,9 +149,9 @@ class LocalExperts(nn.Module):
         self.first_expert = first_expert
         self.etp: Group = ctx.expert_tp
         self.local = nn.ModuleList(
-            ExpertMLP(cfg, ctx, logical_name=f"{prefix}.experts.{first_expert + l}", seed=seed,
+            ExpertMLP(cfg, ctx, logical_name=f"{prefix}.experts.{first_expert + i}", seed=seed,
                       params_dtype=params_dtype)
-            for l in range(num_local))
+            for i in range(num_local))
 
     def forward(self, x: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
         if len(tokens_per_expert) != len(self.local) or sum(tokens_per_expert) != x.shape[0]:
