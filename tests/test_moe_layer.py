@@ -10,7 +10,6 @@ replicas across TP bitwise.
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
