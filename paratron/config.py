@@ -514,6 +514,17 @@ def _experts(cfg: Config, world: int | None) -> None:
         raise ConfigError(f"model.moe_layer_freq={m.moe_layer_freq} must be >= 1")
     if m.moe_capacity_factor is not None and m.moe_capacity_factor <= 0:
         raise ConfigError(f"model.moe_capacity_factor={m.moe_capacity_factor} must be > 0 (or unset: dropless)")
+    if m.moe_pad_to_capacity and m.moe_capacity_factor is None:
+        raise ConfigError("model.moe_pad_to_capacity=true needs model.moe_capacity_factor to be set")
+    width = m.moe_ffn_hidden_size if m.moe_ffn_hidden_size is not None else m.ffn_hidden_size
+    if width is not None and width % p.expert_tensor:
+        field = "moe_ffn_hidden_size" if m.moe_ffn_hidden_size is not None else "ffn_hidden_size"
+        raise ConfigError(f"model.{field}={width} (the expert width) is not divisible by "
+                          f"parallel.expert_tensor={p.expert_tensor}")
+    shared = m.moe_shared_expert_ffn_hidden_size
+    if shared is not None and shared % p.tensor:
+        raise ConfigError(f"model.moe_shared_expert_ffn_hidden_size={shared} is not divisible by "
+                          f"parallel.tensor={p.tensor}")
 
 
 def _zero(cfg: Config, world: int | None) -> None:

@@ -366,3 +366,24 @@ def test_flops_count_active_experts_only():
     assert f(num_experts=8, moe_top_k=2) - f(num_experts=4, moe_top_k=2) == 3 * 2 * 16 * 4
     assert f(num_experts=4, moe_top_k=2, moe_shared_expert_ffn_hidden_size=24) - \
         f(num_experts=4, moe_top_k=2) == one_expert
+
+
+def test_config_rules_checked_before_any_group():
+    """MoE config rules fail in ``validate`` (before process groups), naming field and rule."""
+    from paratron.config import Config, ConfigError, validate
+
+    def cfg(**kw):
+        c = Config()
+        c.model.num_experts = 4
+        for k, v in kw.items():
+            section, key = k.split("__")
+            setattr(getattr(c, section), key, v)
+        return c
+
+    with pytest.raises(ConfigError, match="moe_pad_to_capacity"):
+        validate(cfg(model__moe_pad_to_capacity=True))
+    with pytest.raises(ConfigError, match=r"model.moe_ffn_hidden_size=30 .* parallel.expert_tensor=4"):
+        validate(cfg(model__moe_ffn_hidden_size=30, parallel__expert_tensor=4), 4)
+    with pytest.raises(ConfigError, match=r"moe_shared_expert_ffn_hidden_size=5 .* parallel.tensor=2"):
+        validate(cfg(model__moe_shared_expert_ffn_hidden_size=5, parallel__tensor=2), 2)
+    validate(cfg(model__moe_ffn_hidden_size=32, parallel__expert_tensor=4), 4)
