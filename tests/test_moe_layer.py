@@ -387,3 +387,22 @@ def test_config_rules_checked_before_any_group():
     with pytest.raises(ConfigError, match=r"moe_shared_expert_ffn_hidden_size=5 .* parallel.tensor=2"):
         validate(cfg(model__moe_shared_expert_ffn_hidden_size=5, parallel__tensor=2), 2)
     validate(cfg(model__moe_ffn_hidden_size=32, parallel__expert_tensor=4), 4)
+
+
+def test_registered_dispatcher_is_selected_by_name():
+    """A dispatcher registered under a new name is what model.moe_token_dispatcher selects, and a
+    subclass that only observes gives the built-in result."""
+    from paratron.models.moe.dispatcher import AllToAllDispatcher, register_dispatcher
+
+    seen = []
+
+    class Observing(AllToAllDispatcher):
+        def dispatch(self, tokens, indices):
+            seen.append(tuple(indices.shape))
+            return super().dispatch(tokens, indices)
+
+    register_dispatcher("test-observing", Observing)
+    x = torch.randn(S, B, H, generator=torch.Generator().manual_seed(5))
+    y = _layer(moe_token_dispatcher="test-observing")(x)
+    assert seen == [(S * B, 2)]
+    torch.testing.assert_close(y, _layer()(x), rtol=0, atol=0)
