@@ -210,3 +210,10 @@ def test_stage_layers_even_layout_and_v_placement():
         stage_layers(8, 2, 1, [3, 4], "1f1b")
     with pytest.raises(ValueError, match="non-negative"):
         stage_layers(8, 2, 1, [-1, 9], "1f1b")
+
+
+@pytest.mark.parametrize("p", [2, 4, 8])
+def test_zbv_memory_bound(p):
+    """ZBV keeps at most 2p chunk activations in flight per rank (1F1B's first-rank memory)."""
+    for m in (1, 4, 8, 16):
+        assert max(simulate(build_schedule("zbv", p, m, 2)).peak_in_flight) <= 2 * p
