@@ -158,17 +158,17 @@ def _train(cfg: Config, ctx, run_dir: Path) -> int:
                 record["loss_scale"] = float(result.loss_scale)
             if out.aux_loss is not None:
                 record["aux_loss"] = out.aux_loss
-            tflops = flops_tok * gbs * seq / step_time / ctx.world_size
-            record["tflops_per_device"] = tflops / 1e12
-            record["mfu"] = tflops / peak if peak and math.isfinite(peak) else float("nan")
+            record.update(throughput(record["tokens_per_second"], flops_tok, ctx.world_size, peak))
             record["peak_memory_mb"] = peak_memory_mb(ctx.device)
             state.metrics.append(record)
             timings = {"step": step_time, "data": t_data, "forward_backward": out.timings["forward_backward"],
                        "optimizer": t2 - t1}
             callbacks.on_step_end(state, record, timings)
             if state.iteration % cfg.logging.log_interval == 0 or state.iteration == 1:
-                record["tokens_per_second"] = window_tokens / window_time
-                _log(ctx, format_log_line(record, cfg.train.train_iters))
+                # The console shows the mean over the log interval; metrics.jsonl keeps each step.
+                shown = dict(record, tokens_per_second=window_tokens / window_time)
+                shown.update(throughput(shown["tokens_per_second"], flops_tok, ctx.world_size, peak))
+                _log(ctx, format_log_line(shown, cfg.train.train_iters))
                 window_tokens, window_time = 0, 0.0
             writer.write(record)
 
@@ -218,6 +218,13 @@ def print_sample(cfg: Config, ctx) -> None:
     text = generate_text(cfg.checkpoint.save, cfg.train.sample_prompt, cfg.train.sample_tokens,
                          temperature=0.8, top_k=40, seed=cfg.train.seed)
     _log(ctx, "sample from the saved checkpoint (temperature 0.8, top-k 40):\n" + text)
+
+
+def throughput(tokens_per_second: float, flops_per_token: float, world_size: int, peak: float) -> dict:
+    """TFLOP/s per device and MFU for a token rate of the whole job."""
+    flops = flops_per_token * tokens_per_second / world_size
+    mfu = flops / peak if peak and math.isfinite(peak) else float("nan")
+    return {"tflops_per_device": flops / 1e12, "mfu": mfu}
 
 
 def agree_to_stop(ctx, local: bool) -> bool:
