@@ -67,7 +67,8 @@ def read_chrome_trace(path: str | Path, time_unit_us: float = 1e6) -> list[Trace
 
 
 def draw_png(events: list[TraceEvent], path: str | Path, title: str = "", unit: str = "") -> Path:
-    """Draw one row per rank, one box per action coloured by kind and labelled with its microbatch.
+    """Draw one row per rank, one box per action coloured by kind and labelled with its microbatch;
+    boxes of later model chunks (stage >= number of ranks) are lighter.
 
     Raises:
         ImportError: matplotlib is not installed.
@@ -84,8 +85,10 @@ def draw_png(events: list[TraceEvent], path: str | Path, title: str = "", unit: 
     fig, ax = plt.subplots(figsize=(max(8.0, min(20.0, per_rank * 0.25)), 0.6 * len(ranks) + 1.4))
     for e in events:
         y = ranks.index(e.rank)
+        # Later model chunks (virtual stages beyond the first p) are drawn lighter.
+        alpha = (1.0, 0.65, 0.4)[min(e.stage // len(ranks), 2)]
         ax.barh(y, e.end - e.start, left=e.start, height=0.8, color=COLOURS.get(e.kind, "#999999"),
-                edgecolor="black", linewidth=0.3)
+                alpha=alpha, edgecolor="black", linewidth=0.3)
         if (e.end - e.start) / end > 0.008:
             ax.text((e.start + e.end) / 2, y, str(e.microbatch), ha="center", va="center", fontsize=6,
                     color="white")
