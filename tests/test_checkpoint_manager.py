@@ -220,3 +220,11 @@ def test_load_step_picks_an_older_checkpoint(tmp_path):
     cfg.checkpoint.load_step = 7
     with pytest.raises(CheckpointError, match="no checkpoint for step 7"):
         CheckpointManager(cfg.checkpoint, ParallelContext.single(), cfg).load(fresh, None, None)
+
+
+def test_bad_checkpoint_settings_are_named():
+    cfg = tiny_config()
+    with pytest.raises(CheckpointError, match=r"checkpoint.keep_last=-1 must be >= 0"):
+        CheckpointManager(CheckpointConfig(keep_last=-1), ParallelContext.single(), cfg)
+    with pytest.raises(CheckpointError, match=r"checkpoint.load_step=3 needs checkpoint.load"):
+        CheckpointManager(CheckpointConfig(load_step=3), ParallelContext.single(), cfg)

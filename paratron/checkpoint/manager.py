@@ -71,9 +71,19 @@ class CheckpointManager:
             written (``"tensors_written"``) and after the commit (``"committed"``); a test hook.
         last_stall_s: seconds the last :meth:`save` call blocked the caller.
         last_write_s: seconds the last save took from start to commit (async included).
+
+    Raises:
+        CheckpointError: ``checkpoint.keep_last`` < 0; ``checkpoint.load_step`` without
+            ``checkpoint.load``.
     """
 
     def __init__(self, ckpt_cfg, ctx, config) -> None:
+        if int(ckpt_cfg.keep_last) < 0:
+            raise CheckpointError(f"checkpoint.keep_last={ckpt_cfg.keep_last} must be >= 0 "
+                                  "(0 keeps every checkpoint)")
+        if ckpt_cfg.load_step is not None and not ckpt_cfg.load:
+            raise CheckpointError(f"checkpoint.load_step={ckpt_cfg.load_step} needs checkpoint.load (the directory "
+                                  "holding step_<N>/)")
         self.cfg, self.ctx, self.config = ckpt_cfg, ctx, config
         self.on_phase: Callable[[str, Path], None] | None = None
         self.last_stall_s = 0.0

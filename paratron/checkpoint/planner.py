@@ -86,11 +86,13 @@ class ChunkSavePlanner(SavePlanner):
 
 
 def _check_complete(metadata: Metadata) -> None:
-    """Every saved tensor is tiled exactly by its chunks (no overlap, no hole).
+    """The chunks of every saved tensor add up to the full tensor's element count.
+
+    Identical chunks from several ranks were already reduced to one (dedup), so a sum that differs
+    means a hole or an overlap: ranks that disagree on how the tensor is split.
 
     Raises:
-        CheckpointError: naming the key, when the chunks do not add up to the full tensor or two
-            distinct chunks overlap (two ranks disagree on a layout).
+        CheckpointError: naming the key and the two counts.
     """
     for key, md in metadata.state_dict_metadata.items():
         if not isinstance(md, TensorStorageMetadata):
