@@ -1,9 +1,33 @@
-"""Test-suite settings: one intra-op thread, so forked ranks are safe and do not oversubscribe."""
+"""Test-suite settings (one intra-op thread, so forked ranks are safe and do not oversubscribe)
+and shared fixtures."""
 
 import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_corpus(tmp_path_factory) -> list[str]:
+    """Overrides pointing at 40 documents of the bundled corpus, tokenized by `paratron preprocess`
+    with a 512-token byte-level BPE trained on them (add a ``data.split`` of your own)."""
+    d = tmp_path_factory.mktemp("tiny_corpus")
+    lines = (ROOT / "data" / "shakespeare.jsonl").read_text().splitlines()[:40]
+    corpus = d / "tiny.jsonl"
+    corpus.write_text("\n".join(lines) + "\n")
+    prefix = d / "tiny"
+    r = subprocess.run([sys.executable, "-m", "paratron", "preprocess", "--input", str(corpus),
+                        "--output-prefix", str(prefix), "--tokenizer-type", "ByteLevelBPE",
+                        "--vocab-size", "512", "--workers", "1"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    tok = next(d.glob("tiny*tokenizer.json"))
+    return [f"data.data_path={prefix}", "data.tokenizer_type=HuggingFaceTokenizer", f"data.tokenizer_model={tok}"]

@@ -6,9 +6,7 @@ import sys
 import pytest
 import torch.distributed as dist
 
-from paratron.config import (ConfigError, build_config, load_config, megatron_overrides, to_toml,
-                             validate, from_dict)
-import tomllib
+from paratron.config import ConfigError, build_config, load_config, megatron_overrides, to_toml, validate
 
 
 def cfg_with(*overrides):

@@ -30,20 +30,8 @@ TINY = [
 
 
 @pytest.fixture(scope="module")
-def tiny_data(tmp_path_factory):
-    """A 40-document slice of the bundled corpus, tokenized with a 512-token byte-level BPE."""
-    d = tmp_path_factory.mktemp("data")
-    lines = (ROOT / "data" / "shakespeare.jsonl").read_text().splitlines()[:40]
-    corpus = d / "tiny.jsonl"
-    corpus.write_text("\n".join(lines) + "\n")
-    prefix = d / "tiny"
-    r = subprocess.run([sys.executable, "-m", "paratron", "preprocess", "--input", str(corpus),
-                        "--output-prefix", str(prefix), "--tokenizer-type", "ByteLevelBPE",
-                        "--vocab-size", "512", "--workers", "1"], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout + r.stderr
-    tok = next(d.glob("tiny*tokenizer.json"))
-    return [f"data.data_path={prefix}", "data.tokenizer_type=HuggingFaceTokenizer",
-            f"data.tokenizer_model={tok}", "data.split=90,10,0"]
+def tiny_data(tiny_corpus):
+    return tiny_corpus + ["data.split=90,10,0"]
 
 
 def _train_in_rank(argv):

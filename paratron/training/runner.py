@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 
