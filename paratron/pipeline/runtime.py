@@ -4,9 +4,11 @@ The runtime is the only part of the pipeline package that touches tensors. It ru
 list it is given (built by a registered schedule and checked by :mod:`.validate`), with these
 rules:
 
-* Each maximal run of send/recv actions is one ``dist.batch_isend_irecv`` call of ops built by
-  ``ctx.pp.p2p_op`` (so the comm ledger counts them). The rank waits for the batch's receives at
-  once and for its sends at the end of the schedule (sends never block, as the validator assumes).
+* Each maximal run of send/recv actions is one batch of ``dist.batch_isend_irecv`` ops built by
+  ``ctx.pp.p2p_op`` (so the comm ledger counts them). The rank waits for the batch's receives when
+  it reaches the batch and for its sends at the end of the schedule (sends never block, as the
+  validator assumes). A batch's receives are posted one batch ahead, when the previous batch is
+  reached, so that their transfers overlap the compute in between.
 * ``B`` runs autograd with the chunk's :class:`~paratron.parallel.grads.WeightGradStore` deferring:
   linear layers queue their weight grads (Qi et al. 2023, section 2) while everything else
   (norms, embeddings, biases outside linears) gets its grad at once; ``W`` flushes the oldest
@@ -109,14 +111,21 @@ class _Run:
         self.out_grads: dict[tuple[int, int], torch.Tensor] = {}
         self.losses: dict[int, torch.Tensor] = {}
         self.pending_sends: list[tuple[Any, torch.Tensor]] = []
+        self.prefetched: dict[int, list[tuple[Action, torch.Tensor, Any]]] = {}  # step index -> posted recvs
+        self.next_p2p: dict[int, int] = {}
         self.t0 = time.perf_counter()
 
     def execute(self, actions: list[Action]) -> None:
+        steps = batches(actions)
+        p2p_at = [i for i, step in enumerate(steps) if step[0].is_p2p]
+        self.next_p2p = dict(zip(p2p_at, p2p_at[1:]))
         try:
-            for step in batches(actions):
+            if p2p_at:
+                self.prefetched[p2p_at[0]] = self.post_recvs(steps[p2p_at[0]])
+            for i, step in enumerate(steps):
                 start = time.perf_counter()
                 if step[0].is_p2p:
-                    self.p2p(step)
+                    self.p2p(i, step, steps)
                 else:
                     getattr(self, "do_" + step[0].kind)(step[0])
                 if self.timeline is not None:
@@ -189,8 +198,22 @@ class _Run:
         self.stores[self.local[a.stage]].flush()
 
     # ---- p2p ---------------------------------------------------------------------------------
-    def p2p(self, step: list[Action]) -> None:
-        ops, sends, recvs = [], [], []
+    def post_recvs(self, step: list[Action]) -> list[tuple[Action, torch.Tensor, Any]]:
+        """Post the receives of a batch now; they are waited for when the batch is reached.
+
+        Posting a receive early changes neither the matching (receives from one peer keep their
+        list order) nor any wait, so the validator's guarantees hold; it lets the transfer run
+        while this rank computes instead of after it reaches the batch.
+        """
+        recvs = [(a, torch.empty(self.shape, dtype=self.dtype, device=self.device)) for a in step
+                 if a.kind.startswith("RECV")]
+        if not recvs:
+            return []
+        works = dist.batch_isend_irecv([self.ctx.pp.p2p_op("recv", buf, a.peer) for a, buf in recvs])
+        return [(a, buf, work) for (a, buf), work in zip(recvs, works)]
+
+    def p2p(self, index: int, step: list[Action], steps: list[list[Action]]) -> None:
+        ops, sends = [], []
         for a in step:
             if a.kind.startswith("SEND"):
                 t = self.to_send.pop((a.kind[-1], a.microbatch, a.stage)).contiguous()
@@ -199,19 +222,15 @@ class _Run:
                                      f"the receiver expects tensor_shape={list(self.shape)}, dtype={self.dtype}")
                 ops.append(self.ctx.pp.p2p_op("send", t, a.peer))
                 sends.append(t)
-            else:
-                buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-                ops.append(self.ctx.pp.p2p_op("recv", buf, a.peer))
-                recvs.append((a, buf))
-        works = dist.batch_isend_irecv(ops)
-        n_send = 0
-        for op, work in zip(ops, works):
-            if op.op is dist.isend:
-                self.pending_sends.append((work, sends[n_send]))
-                n_send += 1
-            else:
-                work.wait()
-        for a, buf in recvs:
+        if ops:
+            for work, t in zip(dist.batch_isend_irecv(ops), sends):
+                self.pending_sends.append((work, t))
+        recvs = self.prefetched.pop(index)
+        nxt = self.next_p2p.get(index)
+        if nxt is not None:
+            self.prefetched[nxt] = self.post_recvs(steps[nxt])
+        for a, buf, work in recvs:
+            work.wait()
             if a.kind == "RECV_F":
                 self.received[(a.microbatch, a.stage)] = buf
             else:
