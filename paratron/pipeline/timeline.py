@@ -97,10 +97,11 @@ def draw_png(events: list[TraceEvent], path: str | Path, title: str = "", unit: 
     ax.set_xlim(0, end)
     ax.set_xlabel(f"time ({unit})" if unit else "time")
     kinds = [k for k in COLOURS if any(e.kind == k for e in events)]
-    ax.legend(handles=[Patch(color=COLOURS[k], label=k) for k in kinds], loc="upper right", fontsize=7,
-              ncol=len(kinds))
+    # Above the axes, right-aligned, so that it never hides the first rank's row.
+    ax.legend(handles=[Patch(color=COLOURS[k], label=k) for k in kinds], loc="lower right", fontsize=7,
+              ncol=len(kinds), bbox_to_anchor=(1.0, 1.0), frameon=False)
     if title:
-        ax.set_title(title)
+        ax.set_title(title, loc="left", fontsize=9)
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=120)
