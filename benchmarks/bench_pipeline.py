@@ -17,7 +17,7 @@ in the same steps, and a p2p latency from a ping-pong of one activation, are fed
 Usage::
 
     .venv/bin/python benchmarks/bench_pipeline.py [--ranks 4 --layers 8 --hidden 128 --seq 128 --mbs 4 \\
-        --microbatches 8 --steps 6 --out benchmarks]
+        --microbatches 8 --steps 16 --out benchmarks]
 """
 
 from __future__ import annotations
@@ -177,7 +177,7 @@ def main() -> int:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--mbs", type=int, default=4)
     ap.add_argument("--microbatches", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--out", default=os.path.dirname(os.path.abspath(__file__)))
     a = ap.parse_args()
