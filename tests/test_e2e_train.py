@@ -121,6 +121,10 @@ def test_sigterm_saves_and_exits_cleanly(tiny_data, tmp_path):
 @pytest.mark.parametrize("overrides,msg", [
     (["data.data_path=/nonexistent/prefix"], "data.data_path: '/nonexistent/prefix.bin' does not exist"),
     (["parallel.tensor=3"], "world size 2 is not divisible by parallel.tensor*parallel.context*parallel.pipeline"),
+    (["parallel.pipeline=2", "parallel.schedule=interleaved", "parallel.virtual_pipeline=2",
+      "train.global_batch_size=12", "train.micro_batch_size=4"],
+     "needs microbatches m to be a multiple of the pipeline size p: m=3, p=2"),
+    (["train.callbacks=nope.py:X"], "train.callbacks entry 'nope.py:X': file 'nope.py' does not exist"),
 ])
 def test_errors_before_any_process_group(overrides, msg):
     cmd = [sys.executable, "-m", "paratron", "train", "--nproc-per-node", "2"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -85,21 +86,8 @@ def load_callback(spec: str, state: TrainState) -> Callback:
         ValueError: the spec is malformed, the module/file or class is missing, or the class is not
             a :class:`Callback`.
     """
-    if ":" not in spec:
-        raise ValueError(f"train.callbacks entry {spec!r} must look like 'module:Class' or 'file.py:Class'")
+    module = import_callback_module(spec)
     where, _, cls_name = spec.rpartition(":")
-    if where.endswith(".py"):
-        path = Path(where)
-        if not path.is_file():
-            raise ValueError(f"train.callbacks entry {spec!r}: file {where!r} does not exist")
-        mod_spec = importlib.util.spec_from_file_location(f"paratron_plugin_{path.stem}", path)
-        module = importlib.util.module_from_spec(mod_spec)
-        mod_spec.loader.exec_module(module)
-    else:
-        try:
-            module = importlib.import_module(where)
-        except ModuleNotFoundError as e:
-            raise ValueError(f"train.callbacks entry {spec!r}: cannot import {where!r} ({e})") from None
     cls = getattr(module, cls_name, None)
     if cls is None:
         raise ValueError(f"train.callbacks entry {spec!r}: {where!r} has no {cls_name!r}")
@@ -109,11 +97,25 @@ def load_callback(spec: str, state: TrainState) -> Callback:
     return cls(state) if params else cls()
 
 
-def check_callback_specs(specs: list[str]) -> None:
-    """Fail early (before process groups) on callback entries that cannot be loaded."""
-    for spec in specs:
-        where = spec.rpartition(":")[0]
-        if ":" not in spec:
-            raise ValueError(f"train.callbacks entry {spec!r} must look like 'module:Class' or 'file.py:Class'")
-        if where.endswith(".py") and not Path(where).is_file():
+def import_callback_module(spec: str):
+    """Import the module of ``"module:Class"`` or ``"file.py:Class"`` (a file is imported once per
+    process, under a stable name, so registrations in it happen once)."""
+    if ":" not in spec:
+        raise ValueError(f"train.callbacks entry {spec!r} must look like 'module:Class' or 'file.py:Class'")
+    where = spec.rpartition(":")[0]
+    if where.endswith(".py"):
+        path = Path(where)
+        if not path.is_file():
             raise ValueError(f"train.callbacks entry {spec!r}: file {where!r} does not exist")
+        name = f"paratron_plugin_{path.stem}"
+        if name in sys.modules:
+            return sys.modules[name]
+        mod_spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(mod_spec)
+        sys.modules[name] = module
+        mod_spec.loader.exec_module(module)
+        return module
+    try:
+        return importlib.import_module(where)
+    except ModuleNotFoundError as e:
+        raise ValueError(f"train.callbacks entry {spec!r}: cannot import {where!r} ({e})") from None

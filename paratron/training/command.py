@@ -56,9 +56,14 @@ def load_and_validate(args: argparse.Namespace) -> Config:
     """Config from file + overrides, validated for this world size (no process group yet)."""
     cfg = build_config(args.config, args.overrides)
     validate(cfg, world_size_for(args))
-    from paratron.training.preflight import check_paths
+    from paratron.training.preflight import check_paths, check_schedule, import_plugins
 
     check_paths(cfg)
+    try:
+        import_plugins(cfg)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    check_schedule(cfg, world_size_for(args))
     return cfg
 
 

@@ -41,3 +41,30 @@ def check_paths(cfg: Config) -> None:
             raise ConfigError(f"data.{name}={v!r}: no such file")
     if cfg.checkpoint.load is not None and not Path(cfg.checkpoint.load).exists():
         raise ConfigError(f"checkpoint.load={cfg.checkpoint.load!r}: no such directory")
+
+
+def import_plugins(cfg: Config) -> None:
+    """Import the modules named in ``train.callbacks``, so that the schedules, dispatchers and
+    blocks they register exist before the config is checked against the registries."""
+    from paratron.training.callbacks import import_callback_module
+
+    for spec in cfg.train.callbacks:
+        import_callback_module(spec)
+
+
+def check_schedule(cfg: Config, world_size: int) -> None:
+    """Build the pipeline schedule once, so an unsupported (schedule, p, m, v) fails here, with its
+    rule, before any process group exists (instead of at the first step, or as a hang)."""
+    from paratron.pipeline.registry import build_schedule
+
+    p, t = cfg.parallel, cfg.train
+    dp = world_size // (p.tensor * p.context * p.pipeline)
+    m = t.global_batch_size // (t.micro_batch_size * dp)
+    try:
+        build_schedule(p.schedule, p.pipeline, m, p.virtual_pipeline)
+    except ValueError as e:
+        raise ConfigError(
+            f"parallel.schedule={p.schedule!r} with parallel.pipeline={p.pipeline}, "
+            f"parallel.virtual_pipeline={p.virtual_pipeline} and {m} microbatches per step "
+            f"(train.global_batch_size / (train.micro_batch_size * dp) = {t.global_batch_size} / "
+            f"({t.micro_batch_size} * {dp})): {e}") from None

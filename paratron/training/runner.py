@@ -21,7 +21,7 @@ from paratron.config import Config, to_toml
 from paratron.training.callbacks import CallbackList, TrainState, load_callback
 from paratron.training.metrics import (MetricsWriter, format_log_line, peak_flops_per_device,
                                        peak_memory_mb, plot_losses)
-from paratron.training.step import run_global_batch
+from paratron.training.step import rank_actions, run_global_batch
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -115,6 +115,7 @@ def _train(cfg: Config, ctx, run_dir: Path) -> int:
     if data.unigram_entropy is not None:
         _log(ctx, f"unigram entropy of the training tokens: {data.unigram_entropy:.4f} nats/token")
 
+    actions = rank_actions(cfg, ctx, data.num_microbatches)  # the same list every step
     stop = StopFlag()
     stop.install()
     callbacks.on_train_start(state)
@@ -131,7 +132,7 @@ def _train(cfg: Config, ctx, run_dir: Path) -> int:
             t_data = time.perf_counter() - t0
             optimizer.zero_grad()
             out = run_global_batch(cfg, ctx, chunks, microbatches, forward_only=False,
-                                   loss_scale=optimizer.loss_scale)
+                                   loss_scale=optimizer.loss_scale, actions=actions)
             t1 = time.perf_counter()
             lr = scheduler_lr(scheduler, optimizer)  # the rate this step uses
             result = optimizer.step()
@@ -172,7 +173,7 @@ def _train(cfg: Config, ctx, run_dir: Path) -> int:
             writer.write(record)
 
             if cfg.train.eval_interval and state.iteration % cfg.train.eval_interval == 0:
-                last_val = evaluate(cfg, ctx, chunks, data, state, writer, callbacks)
+                last_val = evaluate(cfg, ctx, chunks, data, state, writer, callbacks, actions)
             stop_now = agree_to_stop(ctx, stop.requested or state.should_stop)
             if ckpt is not None and (stop_now or (cfg.checkpoint.interval and
                                                   state.iteration % cfg.checkpoint.interval == 0)):
@@ -182,7 +183,7 @@ def _train(cfg: Config, ctx, run_dir: Path) -> int:
                 break
         else:
             if not (cfg.train.eval_interval and state.iteration % cfg.train.eval_interval == 0):
-                last_val = evaluate(cfg, ctx, chunks, data, state, writer, callbacks)
+                last_val = evaluate(cfg, ctx, chunks, data, state, writer, callbacks, actions)
             if ckpt is not None and not (cfg.checkpoint.interval and
                                          state.iteration % cfg.checkpoint.interval == 0):
                 save(ckpt, state, callbacks)
@@ -244,7 +245,7 @@ def save(ckpt, state: TrainState, callbacks) -> None:
 
 
 @torch.no_grad()
-def evaluate(cfg, ctx, chunks, data, state: TrainState, writer, callbacks) -> float | None:
+def evaluate(cfg, ctx, chunks, data, state: TrainState, writer, callbacks, actions=None) -> float | None:
     """Token-mean validation loss over ``train.eval_iters`` global batches."""
     if not data.has_validation or cfg.train.eval_iters < 1:
         return None
@@ -253,7 +254,7 @@ def evaluate(cfg, ctx, chunks, data, state: TrainState, writer, callbacks) -> fl
     total, tokens = 0.0, 0
     for _ in range(cfg.train.eval_iters):
         mbs = data.valid_microbatches(state.consumed_valid_samples)
-        out = run_global_batch(cfg, ctx, chunks, mbs, forward_only=True)
+        out = run_global_batch(cfg, ctx, chunks, mbs, forward_only=True, actions=actions)
         total += out.loss * out.num_tokens
         tokens += out.num_tokens
         state.consumed_valid_samples += cfg.train.global_batch_size

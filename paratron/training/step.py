@@ -34,18 +34,26 @@ def count_global_tokens(microbatches: list[dict], ctx) -> torch.Tensor:
     return t
 
 
+def rank_actions(cfg, ctx, num_microbatches: int) -> list:
+    """This rank's action list of the configured pipeline schedule (build once, reuse every step)."""
+    from paratron.pipeline.registry import build_schedule
+
+    p = cfg.parallel
+    return build_schedule(p.schedule, ctx.pp.size, num_microbatches, p.virtual_pipeline)[ctx.pp.rank]
+
+
 def run_global_batch(cfg, ctx, chunks, microbatches: list[dict], *, forward_only: bool,
-                     loss_scale: float = 1.0, trace=None) -> StepOutput:
+                     loss_scale: float = 1.0, actions: list | None = None) -> StepOutput:
     """Run forward (and backward unless ``forward_only``) of every microbatch of one global batch.
 
     Args:
         microbatches: this DP rank's microbatches, each ``{"tokens": [b, s], "labels": [b, s]}``.
         loss_scale: multiplies the loss fed to backward (fp16 dynamic loss scaling).
+        actions: this rank's schedule (:func:`rank_actions`); built here when None.
 
     Returns:
         :class:`StepOutput` with the global-batch loss, known on every rank.
     """
-    from paratron.pipeline.registry import build_schedule
     from paratron.pipeline.runtime import run_pipeline
 
     t0 = time.perf_counter()
@@ -70,7 +78,8 @@ def run_global_batch(cfg, ctx, chunks, microbatches: list[dict], *, forward_only
         # MoE aux-loss grads: coeff x the mean over every microbatch of the global batch, scaled
         # like the LM loss (see paratron.models.moe.layer).
         set_aux_loss_scale(chunks, loss_scale / (m * ctx.dp.size))
-    actions = build_schedule(p.schedule, ctx.pp.size, m, p.virtual_pipeline)[ctx.pp.rank]
+    if actions is None:
+        actions = rank_actions(cfg, ctx, m)
     mb_size, seq = microbatches[0]["tokens"].shape
     s_local = seq // ctx.tp.size if p.sequence_parallel else seq
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.train.precision]
