@@ -1,0 +1,198 @@
+"""The seven sections of a run's configuration, one dataclass each, a docstring under each field."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional
+
+
+@dataclass
+class ModelConfig:
+    num_layers: int = 4
+    """Number of transformer layers."""
+    hidden_size: int = 256
+    """Model width h."""
+    num_attention_heads: int = 4
+    """Query heads."""
+    num_query_groups: Optional[int] = None
+    """KV groups for grouped-query attention; None means multi-head (= num_attention_heads)."""
+    ffn_hidden_size: Optional[int] = None
+    """MLP inner width; None means 4h (GELU) or Llama's rounded 8h/3 (SwiGLU)."""
+    vocab_size: Optional[int] = None
+    """Vocabulary size before padding; None takes it from the tokenizer."""
+    make_vocab_size_divisible_by: int = 128
+    """The padded vocab is a multiple of this times parallel.tensor."""
+    seq_length: int = 256
+    """Tokens per sample."""
+    max_position_embeddings: Optional[int] = None
+    """Rows of the learned position table; None means seq_length."""
+    normalization: Literal["layernorm", "rmsnorm"] = "layernorm"
+    norm_epsilon: float = 1e-5
+    position_embedding_type: Literal["learned", "rope"] = "learned"
+    rope_theta: float = 10000.0
+    activation: Literal["gelu", "gelu_tanh", "swiglu"] = "gelu"
+    """gelu (erf), gelu_tanh (the tanh approximation GPT-2 uses), or swiglu (gated, Llama)."""
+    add_bias_linear: bool = True
+    """Biases in the attention and MLP linears."""
+    tie_embeddings: bool = True
+    """Share the input embedding with the output layer."""
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    init_method_std: float = 0.02
+    recompute: Literal["none", "full", "selective"] = "none"
+    """Activation recompute (Korthikanti et al. 2022): whole layer, or the attention core only."""
+    block: str = "transformer"
+    """Name of the transformer block in the block registry."""
+    # Mixture of experts (num_experts = 0 means dense).
+    num_experts: int = 0
+    moe_top_k: int = 2
+    moe_router_score: Literal["softmax", "sigmoid"] = "softmax"
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: float = 0.0
+    moe_capacity_factor: Optional[float] = None
+    """None means dropless."""
+    moe_layer_freq: int = 1
+    """Every k-th layer is an MoE layer (1 = every layer)."""
+    moe_ffn_hidden_size: Optional[int] = None
+    """Inner width of one expert; None means ffn_hidden_size."""
+    moe_shared_expert_ffn_hidden_size: Optional[int] = None
+    """Inner width of the shared expert; None means no shared expert."""
+    moe_token_dispatcher: str = "alltoall"
+    """Token dispatcher registry name: alltoall or allgather."""
+    moe_pad_to_capacity: bool = False
+    """With a capacity factor, pad every expert's rows to its capacity (static shapes)."""
+
+
+@dataclass
+class ParallelConfig:
+    tensor: int = 1
+    """Tensor-parallel size."""
+    pipeline: int = 1
+    """Pipeline-parallel size."""
+    virtual_pipeline: int = 1
+    """Virtual pipeline stages (model chunks) per rank."""
+    context: int = 1
+    """Context-parallel size."""
+    expert: int = 1
+    """Expert-parallel size."""
+    expert_tensor: int = 1
+    """Tensor-parallel size of expert layers."""
+    sequence_parallel: bool = False
+    zero: int = 0
+    """0: plain DDP; 1: ZeRO-1 distributed optimizer."""
+    schedule: str = "1f1b"
+    """Pipeline schedule registry name: gpipe, 1f1b, interleaved, zb-h1, zbv, or a registered one."""
+    pipeline_layout: Optional[list[int]] = None
+    """Transformer layers per pipeline stage (virtual stages in order); None splits evenly."""
+    order: str = "tp-cp-ep-dp-pp"
+    """Rank order, fastest-varying axis first."""
+    overlap_grad_reduce: bool = True
+    """Start each gradient bucket's reduction as soon as its grads are ready."""
+    bucket_size_mb: float = 40.0
+    """Gradient bucket size in MiB."""
+    timeout_s: float = 600.0
+    """Collective timeout; a hang becomes an error after this long."""
+
+
+@dataclass
+class TrainConfig:
+    train_iters: int = 200
+    seed: int = 1234
+    micro_batch_size: int = 4
+    global_batch_size: int = 16
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    deterministic: bool = False
+    """Bitwise-repeatable CPU fp32 runs."""
+    eval_interval: int = 50
+    eval_iters: int = 4
+    callbacks: list[str] = field(default_factory=list)
+    """Import paths ``module:Class`` of training-loop callbacks (plugins)."""
+    peak_flops_per_device: Optional[float] = None
+    """Peak FLOP/s of one device for MFU; None looks it up (GPU) or measures it (CPU)."""
+    sample_prompt: Optional[str] = None
+    """When set, rank 0 prints a text sample from the final checkpoint, continuing this prompt."""
+    sample_tokens: int = 64
+
+
+@dataclass
+class OptimizerConfig:
+    name: Literal["adamw", "sgd"] = "adamw"
+    lr: float = 3e-4
+    min_lr: float = 0.0
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    sgd_momentum: float = 0.0
+    clip_grad: float = 1.0
+    """Max global grad norm; 0 disables clipping."""
+    lr_decay_style: Literal["cosine", "linear", "constant", "wsd"] = "cosine"
+    lr_warmup_iters: int = 0
+    lr_decay_iters: Optional[int] = None
+    """None means train.train_iters."""
+    lr_wsd_decay_iters: Optional[int] = None
+    """Length of WSD's final decay; None means 10% of lr_decay_iters."""
+    initial_loss_scale: float = 65536.0
+    min_loss_scale: float = 1.0
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+
+
+@dataclass
+class DataConfig:
+    data_path: list[str] = field(default_factory=list)
+    """Indexed-dataset prefixes, optionally weighted Megatron-style: ["0.7", "a", "0.3", "b"]."""
+    corpus: Optional[str] = None
+    """A JSONL or text corpus preprocessed into data_path on first use."""
+    json_key: str = "text"
+    tokenizer_type: Literal["GPT2BPETokenizer", "HuggingFaceTokenizer", "ByteLevelBPE"] = "GPT2BPETokenizer"
+    vocab_file: Optional[str] = None
+    merge_file: Optional[str] = None
+    tokenizer_model: Optional[str] = None
+    """A tokenizer.json (HuggingFaceTokenizer)."""
+    tokenizer_vocab_size: int = 8192
+    """Vocab size when training a byte-level BPE on the corpus."""
+    split: str = "969,30,1"
+    num_workers: int = 1
+    """Preprocessing worker processes."""
+    cache_dir: Optional[str] = None
+    """Where sample-index files go; None means next to the data."""
+
+
+@dataclass
+class CheckpointConfig:
+    save: Optional[str] = None
+    """Directory to save checkpoints into."""
+    load: Optional[str] = None
+    """Directory to resume from (its ``latest``, or load_step)."""
+    load_step: Optional[int] = None
+    interval: int = 0
+    """Save every N iterations (0: only at the end)."""
+    keep_last: int = 3
+    async_save: bool = False
+    load_optimizer: bool = True
+
+
+@dataclass
+class LoggingConfig:
+    log_interval: int = 10
+    tensorboard: bool = True
+    progress: bool = True
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+
+SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
