@@ -20,6 +20,7 @@ principle 7).
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Callable
 
@@ -56,7 +57,7 @@ def source_to_expert_major(counts: torch.Tensor) -> torch.Tensor:
     return torch.arange(n, device=counts.device) + torch.repeat_interleave(s - offsets, c)
 
 
-class TokenDispatcher:
+class TokenDispatcher(ABC):
     """Base class. Args: ``ctx`` (parallel context), ``num_experts``, ``capacity`` (slots per
     expert, None: dropless), ``pad_to_capacity`` (fill every expert's rows to ``capacity``, so
     shapes are static; dropped pairs must already be marked -1). The capacity counts the whole
@@ -77,11 +78,14 @@ class TokenDispatcher:
         self.first_expert = self.group.rank * self.num_local
         self.capacity, self.pad_to_capacity = capacity, pad_to_capacity
 
+    @abstractmethod
     def dispatch(self, tokens: torch.Tensor, indices: torch.Tensor):
-        raise NotImplementedError
+        """Send each routed token row to the rank of its expert: ``tokens [T, h]``, ``indices
+        [T, k]`` -> ``(expert_input [N, h], tokens_per_local_expert, plan)``."""
 
+    @abstractmethod
     def combine(self, expert_output: torch.Tensor, plan) -> torch.Tensor:
-        raise NotImplementedError
+        """Bring expert outputs ``[N, h]`` back to their tokens' ranks: ``[T, k, h]``."""
 
 
 @dataclass
