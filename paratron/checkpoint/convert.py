@@ -60,11 +60,22 @@ def _paratron_to_hf(args) -> str:
 
     cfg, tensors = load_model_full(resolve(args.src, args.step))
     out = paratron_to_hf(cfg.model, tensors, args.dst)
-    tok = cfg.data.tokenizer_model
-    if tok and Path(tok).is_file() and Path(tok).name == "tokenizer.json":
-        shutil.copyfile(tok, out / "tokenizer.json")
+    _export_tokenizer(cfg, out)
     arch = {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel"}[hf_architecture_for(cfg.model)]
     return f"{len(tensors)} tensors as a {cfg.model.num_layers}-layer {arch}"
+
+
+def _export_tokenizer(cfg, out: Path) -> None:
+    """Write the run's tokenizer (GPT-2 BPE, a tokenizer.json, or the BPE trained on the corpus)
+    as ``tokenizer.json``, so that an export -> import round trip keeps the same token ids."""
+    from paratron.data.tokenizer import build_tokenizer
+
+    try:
+        tok = build_tokenizer(cfg.data)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"paratron convert: warning: tokenizer not exported ({e})", file=sys.stderr)
+        return
+    tok.save(out / "tokenizer.json")
 
 
 def run(args) -> int:

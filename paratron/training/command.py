@@ -23,7 +23,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="TOML config file (default: built-in defaults)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override one config key, e.g. --set parallel.tensor=2 (repeatable)")
-    p.add_argument("--run-dir", default=None, help="where logs, metrics and plots go (default runs/NAME)")
+    p.add_argument("--run-dir", default=None,
+                   help="where metrics.jsonl, tensorboard/ and loss.png go (default: runs/<config file stem>, "
+                        "or runs/latest without --config)")
     p.add_argument("--nproc-per-node", type=int, default=None,
                    help="start torchrun with this many ranks on this node")
     p.add_argument("--nnodes", default="1", help="torchrun --nnodes (with --nproc-per-node)")
@@ -93,7 +95,10 @@ def launch_or_run(args: argparse.Namespace, command: str, body) -> int:
     try:
         cfg = load_and_validate(args)
     except ConfigError as e:
-        print(f"paratron {command}: config error: {e}", file=sys.stderr)
+        hint = ""
+        if "world size" in str(e) and "WORLD_SIZE" not in os.environ and not args.nproc_per_node:
+            hint = " (to start several ranks, add --nproc-per-node N, or launch with torchrun)"
+        print(f"paratron {command}: config error: {e}{hint}", file=sys.stderr)
         return 2
     if args.nproc_per_node and "WORLD_SIZE" not in os.environ:
         cmd = torchrun_argv(args, ["-m", "paratron", command] + args.argv)
@@ -142,10 +147,17 @@ def run_torchrun(cmd: list[str]) -> int:
             signal.signal(s, h)
 
 
+def default_run_dir(config_path: str | None) -> str:
+    """``runs/<config file stem>`` (``runs/default`` for configs/default.toml), else ``runs/latest``."""
+    from pathlib import Path
+
+    return f"runs/{Path(config_path).stem}" if config_path else "runs/latest"
+
+
 def run(args: argparse.Namespace) -> int:
     def body(cfg: Config, a: argparse.Namespace) -> int:
         from paratron.training.runner import run_training
 
-        return run_training(cfg, run_dir=a.run_dir)
+        return run_training(cfg, run_dir=a.run_dir or default_run_dir(a.config))
 
     return launch_or_run(args, "train", body)

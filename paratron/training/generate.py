@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         text = generate_text(args.checkpoint, args.prompt, args.max_new_tokens, args.temperature,
                              args.top_k, args.seed)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, RuntimeError) as e:  # CheckpointError is a RuntimeError
         print(f"paratron generate: {e}", file=sys.stderr)
         return 2
     print(text)

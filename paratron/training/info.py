@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
 from paratron.training.command import add_arguments as add_train_arguments
 from paratron.training.command import launch_or_run, parse  # noqa: F401 (parse used by cli)
@@ -32,9 +33,13 @@ def _describe_grid(cfg, world: int) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     if args.world_size and "WORLD_SIZE" not in os.environ and not args.nproc_per_node:
-        from paratron.config import build_config, validate
+        from paratron.config import ConfigError, build_config, validate
 
-        cfg = validate(build_config(args.config, args.overrides), args.world_size)
+        try:
+            cfg = validate(build_config(args.config, args.overrides), args.world_size)
+        except ConfigError as e:
+            print(f"paratron info: config error: {e}", file=sys.stderr)
+            return 2
         print(json.dumps(_describe_grid(cfg, args.world_size), indent=1))
         return 0
     return launch_or_run(args, "info", _body)

@@ -124,6 +124,7 @@ def _train(cfg: Config, ctx, run_dir: Path) -> int:
     skipped = 0
     window_tokens, window_time = 0, 0.0
     last_val = None
+    stopped_early = False
     try:
         while state.iteration < cfg.train.train_iters:
             callbacks.on_step_start(state)
@@ -180,6 +181,7 @@ def _train(cfg: Config, ctx, run_dir: Path) -> int:
                 save(ckpt, state, callbacks)
             if stop_now:
                 _log(ctx, f"stop requested: saved and exiting at iteration {state.iteration}")
+                stopped_early = True
                 break
         else:
             if not (cfg.train.eval_interval and state.iteration % cfg.train.eval_interval == 0):
@@ -203,7 +205,7 @@ def _train(cfg: Config, ctx, run_dir: Path) -> int:
             _log(ctx, f"final validation loss {last_val:.4f} vs unigram entropy "
                       f"{data.unigram_entropy:.4f} nats/token: {verdict}")
         _log(ctx, f"metrics: {run_dir / 'metrics.jsonl'} | plot: {run_dir / 'loss.png'}")
-    if cfg.train.sample_prompt and cfg.checkpoint.save:
+    if cfg.train.sample_prompt and cfg.checkpoint.save and not stopped_early:
         print_sample(cfg, ctx)
     return 0
 
