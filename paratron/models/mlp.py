@@ -50,9 +50,14 @@ class MLP(nn.Module):
                                      params_dtype=params_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.activation == "swiglu":
-            inner = F.silu(self.gate(x)) * self.up(x)
-        else:
-            approximate = "tanh" if self.activation == "gelu_tanh" else "none"
-            inner = F.gelu(self.fc1(x), approximate=approximate)
-        return self.fc2(inner)
+        return self.fc2(inner_activation(self, x))
+
+
+def inner_activation(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The MLP's inner activation, shared by the dense MLP and the experts: SwiGLU
+    ``silu(gate(x)) * up(x)`` (Shazeer 2020) or GELU ``gelu(fc1(x))`` (tanh form for GPT-2), from the
+    module's ``activation`` and its ``gate``/``up`` or ``fc1`` projections."""
+    if mlp.activation == "swiglu":
+        return F.silu(mlp.gate(x)) * mlp.up(x)
+    approximate = "tanh" if mlp.activation == "gelu_tanh" else "none"
+    return F.gelu(mlp.fc1(x), approximate=approximate)

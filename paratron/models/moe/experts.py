@@ -32,6 +32,7 @@ from paratron.parallel.comm import Group
 from paratron.parallel.params import ShardSpec, mark
 
 from .. import spec
+from ..mlp import inner_activation
 from .collectives import all_to_all
 from .dispatcher import source_to_expert_major
 
@@ -124,12 +125,7 @@ class ExpertMLP(nn.Module):
         self.fc2 = _Proj(f, h, ctx, logical_name=f"{logical_name}.fc2", init=outer, split="in", **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.activation == "swiglu":
-            inner = F.silu(self.gate(x)) * self.up(x)
-        else:
-            approximate = "tanh" if self.activation == "gelu_tanh" else "none"
-            inner = F.gelu(self.fc1(x), approximate=approximate)
-        return self.fc2(inner)
+        return self.fc2(inner_activation(self, x))
 
 
 class LocalExperts(nn.Module):
