@@ -97,6 +97,7 @@ def _train(cfg: Config, ctx, run_dir: Path) -> int:
     callbacks = CallbackList([load_callback(s, state) for s in cfg.train.callbacks])
     ckpt = build_checkpoint_manager(cfg, ctx)
 
+    warn_if_saving_over(cfg, ctx)
     if ckpt is not None and cfg.checkpoint.load:
         extra = ckpt.load(chunks, optimizer, scheduler)
         if extra:
@@ -227,6 +228,19 @@ def throughput(tokens_per_second: float, flops_per_token: float, world_size: int
     flops = flops_per_token * tokens_per_second / world_size
     mfu = flops / peak if peak and math.isfinite(peak) else float("nan")
     return {"tflops_per_device": flops / 1e12, "mfu": mfu}
+
+
+def warn_if_saving_over(cfg: Config, ctx) -> None:
+    """Say so when ``checkpoint.save`` already holds another run's checkpoints: a save of the
+    same step number replaces theirs."""
+    save, load = cfg.checkpoint.save, cfg.checkpoint.load
+    if not save or ctx.rank != 0:
+        return
+    latest = Path(save) / "latest"
+    if latest.is_file() and not (load and Path(load).resolve() == Path(save).resolve()):
+        _log(ctx, f"warning: checkpoint.save={save} already holds checkpoints (latest: "
+                  f"{latest.read_text().strip()}); this run's saves go there too and replace any step "
+                  "of the same number. Set checkpoint.save to a new directory to keep them apart.")
 
 
 def agree_to_stop(ctx, local: bool) -> bool:
