@@ -13,6 +13,7 @@ import torch
 from paratron.config import ModelConfig
 from paratron.models.gpt import build_model_chunks
 from paratron.parallel.context import ParallelContext
+from paratron.parallel.params import unique_params
 from paratron.pipeline.actions import BW, F
 from paratron.pipeline.partition import stage_layers
 from paratron.pipeline.registry import SCHEDULES, build_schedule
@@ -61,16 +62,6 @@ def _forward_step(total_tokens):
     return step
 
 
-def _unique_params(chunks):
-    seen, out = set(), []
-    for c in chunks:
-        for p in c.parameters():
-            if id(p) not in seen:
-                seen.add(id(p))
-                out.append(p)
-    return out
-
-
 def _reference(num_layers=LAYERS, steps=1, lr=0.0):
     """One process, whole global batch: per-microbatch-agnostic per-token losses, grads by name."""
     ctx = ParallelContext.single()
@@ -109,7 +100,7 @@ def _build(ctx, schedule, v, layout=None, num_layers=LAYERS):
 
 def _grads_by_name(chunks):
     out = {}
-    for p in _unique_params(chunks):
+    for p in unique_params(chunks):
         assert p.grad is not None, f"{p.logical_name} has no grad at the optimizer step"
         out[p.logical_name] = p.grad.clone()
     return out
@@ -179,7 +170,7 @@ def test_every_schedule_matches_single_process(p):
 def _train_two_steps(p, schedule, v, layout):
     ctx = ParallelContext.build(pp=p)
     chunks = _build(ctx, schedule, v, layout)
-    params = _unique_params(chunks)
+    params = unique_params(chunks)
     layer_counts = [len(c.layer_ids) for c in chunks]
     losses = []
     for step in range(2):
@@ -265,7 +256,7 @@ def _eval_and_trace(p, trace_path):
     assert all(e.end >= e.start >= 0 for e in events)
     if ctx.pp.rank == 0:
         write_chrome_trace(events, trace_path)
-    no_grad = all(q.grad is None for q in _unique_params(_build(ctx, "interleaved", 2)))
+    no_grad = all(q.grad is None for q in unique_params(_build(ctx, "interleaved", 2)))
     return train, evaluated, no_grad
 
 
@@ -302,8 +293,8 @@ def test_b_defers_weight_grads_and_missing_w_is_an_error():
     with pytest.raises(RuntimeError, match="deferred weight-grad groups are still queued"):
         run_pipeline([F(0, 0), Action("B", 0, 0)], chunks, ctx, [(ids, labels)], step, shape, torch.float32)
     # The B computed the norms' grads at once but left every linear weight without a grad.
-    linear = [p for p in _unique_params(chunks) if p.logical_name.endswith("fc1.weight")]
-    norms = [p for p in _unique_params(chunks) if "norm" in p.logical_name]
+    linear = [p for p in unique_params(chunks) if p.logical_name.endswith("fc1.weight")]
+    norms = [p for p in unique_params(chunks) if "norm" in p.logical_name]
     assert linear and all(p.grad is None for p in linear)
     assert norms and all(p.grad is not None for p in norms)
 

@@ -37,11 +37,7 @@ class LayerNorm(nn.Module):
                  sequence_parallel: bool = False, params_dtype: torch.dtype = torch.float32,
                  bias: bool = True):
         super().__init__()
-        if hidden < 1 or eps < 0:
-            raise ValueError(f"{logical_name}: need hidden >= 1 and eps >= 0, got {hidden}, {eps}")
-        self.hidden, self.eps, self.logical_name = int(hidden), float(eps), logical_name
-        self.weight = nn.Parameter(torch.ones(hidden, device=ctx.device, dtype=params_dtype))
-        mark(self.weight, f"{logical_name}.weight", sequence_parallel=sequence_parallel, no_weight_decay=True)
+        _init_norm(self, hidden, ctx, logical_name, eps, sequence_parallel, params_dtype)
         if bias:
             self.bias = nn.Parameter(torch.zeros(hidden, device=ctx.device, dtype=params_dtype))
             mark(self.bias, f"{logical_name}.bias", sequence_parallel=sequence_parallel, no_weight_decay=True)
@@ -69,11 +65,7 @@ class RMSNorm(nn.Module):
     def __init__(self, hidden: int, ctx, *, logical_name: str, eps: float = 1e-5,
                  sequence_parallel: bool = False, params_dtype: torch.dtype = torch.float32):
         super().__init__()
-        if hidden < 1 or eps < 0:
-            raise ValueError(f"{logical_name}: need hidden >= 1 and eps >= 0, got {hidden}, {eps}")
-        self.hidden, self.eps, self.logical_name = int(hidden), float(eps), logical_name
-        self.weight = nn.Parameter(torch.ones(hidden, device=ctx.device, dtype=params_dtype))
-        mark(self.weight, f"{logical_name}.weight", sequence_parallel=sequence_parallel, no_weight_decay=True)
+        _init_norm(self, hidden, ctx, logical_name, eps, sequence_parallel, params_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
@@ -82,3 +74,14 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.hidden}, eps={self.eps}"
+
+
+def _init_norm(norm: nn.Module, hidden: int, ctx, logical_name: str, eps: float, sequence_parallel: bool,
+               params_dtype: torch.dtype) -> None:
+    """Shared set-up of both norms: checks, and a weight of ones marked replicated over TP (and
+    sequence_parallel under SP, so its grads are summed over TP) with no weight decay."""
+    if hidden < 1 or eps < 0:
+        raise ValueError(f"{logical_name}: need hidden >= 1 and eps >= 0, got {hidden}, {eps}")
+    norm.hidden, norm.eps, norm.logical_name = int(hidden), float(eps), logical_name
+    norm.weight = nn.Parameter(torch.ones(hidden, device=ctx.device, dtype=params_dtype))
+    mark(norm.weight, f"{logical_name}.weight", sequence_parallel=sequence_parallel, no_weight_decay=True)

@@ -7,15 +7,7 @@ from __future__ import annotations
 
 import torch
 
-
-def _unique_params(chunks) -> list[torch.nn.Parameter]:
-    seen, out = set(), []
-    for chunk in chunks:
-        for p in chunk.parameters():
-            if id(p) not in seen:
-                seen.add(id(p))
-                out.append(p)
-    return out
+from paratron.parallel.params import unique_params
 
 
 def load_full_state(chunks, tensors: dict[str, torch.Tensor]) -> set[str]:
@@ -30,7 +22,7 @@ def load_full_state(chunks, tensors: dict[str, torch.Tensor]) -> set[str]:
     from paratron.parallel.params import load_full_
 
     used = set()
-    for p in _unique_params(chunks):
+    for p in unique_params(chunks):
         if p.logical_name not in tensors:
             raise KeyError(f"no tensor for parameter {p.logical_name!r}")
         load_full_(p, tensors[p.logical_name])
@@ -47,7 +39,7 @@ def gather_full_state(chunks, ctx) -> dict[str, torch.Tensor]:
         NotImplementedError: an expert parameter (those are split over the expert groups).
     """
     out: dict[str, torch.Tensor] = {}
-    for p in _unique_params(chunks):
+    for p in unique_params(chunks):
         if getattr(p, "is_expert", False):
             raise NotImplementedError(f"{p.logical_name}: gathering expert parameters is not supported here")
         data = p.detach()

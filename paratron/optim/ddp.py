@@ -39,21 +39,15 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from paratron.parallel.params import unique_params
+
 from .grad_buffer import Bucket, GradBuffer
 
 
 def chunk_params(chunks) -> list[nn.Parameter]:
     """Unique trainable params of ``chunks`` (a module or a list of modules), in registration
     order (a tied param shared by two chunks appears once)."""
-    if isinstance(chunks, nn.Module):
-        chunks = [chunks]
-    seen, out = set(), []
-    for chunk in chunks:
-        for p in chunk.parameters():
-            if p.requires_grad and id(p) not in seen:
-                seen.add(id(p))
-                out.append(p)
-    return out
+    return unique_params(chunks, trainable_only=True)
 
 
 def _needs_model_parallel_reduction(p) -> bool:

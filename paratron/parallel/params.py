@@ -102,3 +102,17 @@ def load_full_(param: torch.Tensor, full: torch.Tensor) -> None:
                          f"expected {tuple(spec.global_shape)}")
     with torch.no_grad():
         spec.valid(param).copy_(full[spec.slices()])
+
+
+def unique_params(chunks, trainable_only: bool = False) -> list[torch.nn.Parameter]:
+    """The parameters of ``chunks`` (a module or a list of modules) in registration order, each
+    once: a tied embedding shared by two chunks of one rank appears a single time."""
+    if isinstance(chunks, torch.nn.Module):
+        chunks = [chunks]
+    seen, out = set(), []
+    for chunk in chunks:
+        for p in chunk.parameters():
+            if id(p) not in seen and (p.requires_grad or not trainable_only):
+                seen.add(id(p))
+                out.append(p)
+    return out
