@@ -16,6 +16,20 @@ torch.set_num_threads(1)
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def pytest_addoption(parser):
+    parser.addoption("--runslow", action="store_true", help="also run tests marked slow")
+
+
+def pytest_collection_modifyitems(config, items):
+    # The default suite must stay under 15 minutes on 2 cores; slow tests run on request.
+    if config.getoption("--runslow"):
+        return
+    skip = pytest.mark.skip(reason="slow: run with --runslow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def tiny_corpus(tmp_path_factory) -> list[str]:
     """Overrides pointing at 40 documents of the bundled corpus, tokenized by `paratron preprocess`
