@@ -6,6 +6,7 @@ its value and the rule, e.g. ``model.num_attention_heads=6 is not divisible by p
 
 from __future__ import annotations
 
+from .context_rules import check_context
 from .errors import ConfigError
 from .sections import Config
 
@@ -100,8 +101,6 @@ def _sequence(cfg: Config, world: int | None) -> None:
     if p.sequence_parallel and s % p.tensor:
         raise ConfigError(f"model.seq_length={s} is not divisible by parallel.tensor={p.tensor}, "
                           "which sequence parallelism needs (parallel.sequence_parallel=true)")
-    if p.context > 1 and s % (2 * p.context):
-        raise ConfigError(f"model.seq_length={s} is not divisible by 2*parallel.context={2 * p.context}")
     if m_pos := cfg.model.max_position_embeddings:
         if cfg.model.position_embedding_type == "learned" and s > m_pos:
             raise ConfigError(f"model.seq_length={s} exceeds model.max_position_embeddings={m_pos}")
@@ -162,9 +161,6 @@ def _experts(cfg: Config, world: int | None) -> None:
 def _zero(cfg: Config, world: int | None) -> None:
     if cfg.parallel.zero not in (0, 1):
         raise ConfigError(f"parallel.zero={cfg.parallel.zero} must be 0 (DDP) or 1 (ZeRO-1)")
-    if cfg.parallel.context > 1:
-        raise ConfigError(f"parallel.context={cfg.parallel.context}: context parallelism is not "
-                          "implemented yet; use 1")
 
 
 def _split(cfg: Config, world: int | None) -> None:
@@ -188,7 +184,7 @@ def _lr_schedule(cfg: Config, world: int | None) -> None:
 
 
 VALIDATORS = [_positive, _lr_schedule, _world_divisible, _heads, _ffn, _batch, _sequence, _pipeline_layers,
-              _experts, _zero, _split]
+              _experts, _zero, _split, check_context]
 """Every config rule, in order. Each takes ``(cfg, world_size_or_None)`` and raises ConfigError."""
 
 

@@ -16,12 +16,13 @@ from typing import Callable
 
 import torch
 
-from .layout import ALGORITHMS, SeqLayout, attention_flops_per_rank, chunk_ids, local_positions, shard_sequence
+from .layout import (ALGORITHMS, SeqLayout, attention_flops_per_rank, chunk_ids, local_positions, sequence_layout,
+                     shard_microbatch, shard_sequence)
 from .ring import RingAttention
 from .ulysses import HeadsToSeq, SeqToHeads
 
 __all__ = ["ALGORITHMS", "SeqLayout", "context_attention", "attention_flops_per_rank", "chunk_ids",
-           "local_positions", "shard_sequence"]
+           "local_positions", "sequence_layout", "shard_microbatch", "shard_sequence"]
 
 
 def _local(layout: SeqLayout) -> SeqLayout:

@@ -186,3 +186,37 @@ class SeqLayout:
         doc = torch.searchsorted(cu[:, 1:].contiguous(), pos.expand(cu.shape[0], -1).contiguous(), right=True)
         ids = index.gather(1, doc).t().contiguous()            # [s / C, b]
         return ids, lengths[nonempty]
+
+
+def sequence_layout(ctx, algorithm: str, batch: int, local_len: int, position_ids: torch.Tensor | None,
+                    cu_seqlens: torch.Tensor | None, device=None) -> tuple[SeqLayout, torch.Tensor | None]:
+    """The :class:`SeqLayout` of a microbatch and the positions of this rank's tokens.
+
+    Args:
+        ctx: the parallel context (its ``cp`` group).
+        algorithm: ``parallel.context_algorithm``.
+        batch, local_len: ``b`` and ``s / C`` of this rank's token ids.
+        position_ids: ``[b, s / C]`` positions of this rank's tokens when they restart at each
+            document (``data.reset_position_ids``), else None (global positions).
+        cu_seqlens: ``[b, D + 1]`` document starts (``data.reset_attention_mask``), else None.
+    Returns:
+        ``(layout, positions)``: positions ``[s / C, b]`` (or ``[s / C, 1]``) int64, or None when
+        they are simply ``0 .. s - 1`` (one rank, no reset), so that path stays unchanged.
+    """
+    layout = SeqLayout(local_len * ctx.cp.size, ctx.cp, algorithm, cu_seqlens, batch)
+    if position_ids is not None:
+        return layout, position_ids.t().to(device)
+    if ctx.cp.size == 1:
+        return layout, None
+    return layout, layout.positions(device)[:, None]
+
+
+SHARDED_KEYS = ("tokens", "labels", "position_ids")
+"""Microbatch fields split along the sequence over CP; ``cu_seqlens`` stays whole (global offsets)."""
+
+
+def shard_microbatch(mb: dict[str, torch.Tensor], cp_rank: int, cp_size: int, algorithm: str
+                     ) -> dict[str, torch.Tensor]:
+    """A CP rank's part of a microbatch: its chunks of ``tokens``, ``labels`` and ``position_ids``
+    (``[b, s]`` -> ``[b, s / C]``); other fields unchanged."""
+    return {k: shard_sequence(v, cp_rank, cp_size, algorithm) if k in SHARDED_KEYS else v for k, v in mb.items()}

@@ -60,7 +60,7 @@ class RingAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, layout: SeqLayout, scale: float):
+    def forward(fctx, q, k, v, layout: SeqLayout, scale: float):
         group = layout.cp
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
@@ -74,14 +74,14 @@ class RingAttention(torch.autograd.Function):
                 merge_(out[qr, b], lse[qr, b], o, l_)
             _wait(reqs)
             cur = nxt or cur
-        ctx.layout, ctx.scale = layout, scale
-        ctx.save_for_backward(q, k, v, out, lse)
+        fctx.layout, fctx.scale = layout, scale
+        fctx.save_for_backward(q, k, v, out, lse)
         return out.to(q.dtype)
 
     @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        layout, scale, group = ctx.layout, ctx.scale, ctx.layout.cp
+    def backward(fctx, dout):
+        q, k, v, out, lse = fctx.saved_tensors
+        layout, scale, group = fctx.layout, fctx.scale, fctx.layout.cp
         dout = dout.float()
         delta = (dout * out).sum(-1)
         dq = torch.zeros_like(out)

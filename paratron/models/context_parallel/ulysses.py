@@ -36,23 +36,23 @@ class SeqToHeads(torch.autograd.Function):
     inverse all-to-all."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(fctx, x, group):
+        fctx.group = group
         return _seq_to_heads(x, group)
 
     @staticmethod
-    def backward(ctx, g):
-        return _heads_to_seq(g.contiguous(), ctx.group), None
+    def backward(fctx, g):
+        return _heads_to_seq(g.contiguous(), fctx.group), None
 
 
 class HeadsToSeq(torch.autograd.Function):
     """``[s, b, n/C, d]`` -> ``[s/C, b, n, d]``; backward is the inverse all-to-all."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(fctx, x, group):
+        fctx.group = group
         return _heads_to_seq(x, group)
 
     @staticmethod
-    def backward(ctx, g):
-        return _seq_to_heads(g.contiguous(), ctx.group), None
+    def backward(fctx, g):
+        return _seq_to_heads(g.contiguous(), fctx.group), None
