@@ -54,7 +54,7 @@ class GPTChunk(nn.Module):
             ``ctx.cp`` has more than one rank.
 
     Raises:
-        ConfigError: the model does not fit the TP size (see :func:`paratron.models.model_shape.check_model`),
+        ConfigError: the model does not fit the TP size (see :func:`paratron.config.model_shape.check_model`),
             or ``model.block`` is not registered; raised before any collective.
 
     The layers are built by the block registered as ``model.block`` (:mod:`paratron.models.blocks`).
