@@ -294,7 +294,8 @@ def build_model_and_optimizer(cfg: Config, ctx):
     p = cfg.parallel
     layout = stage_layers(cfg.model.num_layers, p.pipeline, p.virtual_pipeline, p.pipeline_layout, p.schedule)
     chunks = build_model_chunks(cfg.model, ctx, seed=cfg.train.seed, sequence_parallel=p.sequence_parallel,
-                                params_dtype=DTYPES[cfg.train.precision], stage_layers=layout)
+                                params_dtype=DTYPES[cfg.train.precision], stage_layers=layout,
+                                context_algorithm=p.context_algorithm)
     for c in chunks:
         c.to(ctx.device)
     ddp = DistributedDataParallel(chunks, ctx, grad_dtype=torch.float32, bucket_size_mb=p.bucket_size_mb,
