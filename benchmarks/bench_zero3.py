@@ -29,12 +29,10 @@ DeepSpeed is not installed in this environment, so its stages 2 and 3 are not pa
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
 import sys
-import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -43,7 +41,7 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
-from bench_zero import TinyGPT, _data  # noqa: E402
+from bench_zero import TinyGPT, _data, parse_args, time_in_turn  # noqa: E402
 from paratron.config import OptimizerConfig  # noqa: E402
 from paratron.testing import run_ranks  # noqa: E402
 
@@ -109,16 +107,7 @@ def _rank(args):
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad)
             opt.step()
 
-    times = {name: [] for name in runs}
-    for i in range(args.steps + 3):
-        for name in runs:
-            torch.distributed.barrier()
-            t0 = time.perf_counter()
-            step(name, i)
-            t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-            if i >= 3:
-                times[name].append(t.item())
+    times = time_in_turn(list(runs), args.steps, step)
     peak = runs["paratron_zero3"][2].ddp.param_shards.peak_gathered_bytes  # before full_params below
     memory, full = {}, {}
     for name, (kind, model, opt) in runs.items():
@@ -137,17 +126,7 @@ def _rank(args):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--vocab", type=int, default=2048)
-    ap.add_argument("--hidden", type=int, default=128)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=64)
-    ap.add_argument("--micro-batch", type=int, default=4)
-    ap.add_argument("--microbatches", type=int, default=2)
-    ap.add_argument("--bucket-mb", type=float, default=1.0)
-    args = ap.parse_args()
+    args = parse_args(__doc__.split("\n")[0], layers=4)
     torch.set_num_threads(1)
     out = run_ranks(_rank, 2, args, timeout=3600)[0]
     med = {k: statistics.median(v) * 1e3 for k, v in out["times"].items()}

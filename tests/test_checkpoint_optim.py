@@ -147,18 +147,28 @@ def _train_save_and_resume_elsewhere(root):
     if ctx.rank == 0:
         layouts["single"] = None
     for name, lay in layouts.items():
-        if lay is None:
-            cfg_b, ctx_b = train_config(dict(tp=1, pp=1, v=1, zero=0)), ParallelContext.single()
-        else:
-            cfg_b, ctx_b = train_config(lay), ParallelContext.build(tp=lay["tp"], pp=lay["pp"])
-        model_b = build_model_and_optimizer(cfg_b, ctx_b)
-        chunks_b, _, opt_b, sched_b = model_b
-        extra = CheckpointManager(CheckpointConfig(load=root), ctx_b, cfg_b).load(chunks_b, opt_b, sched_b)
-        assert extra == {"iteration": SAVE_AT}
-        assert opt_b.step_count == SAVE_AT and sched_b.num_steps == SAVE_AT
-        checked = check_against_checkpoint(saved, model_b)
-        out[name] = (checked, train_steps(cfg_b, ctx_b, model_b, steps_after))
+        out[name] = load_and_continue(root, lay, saved, SAVE_AT, steps_after)
     return out
+
+
+def load_and_continue(root, lay: dict | None, saved, save_at: int, steps_after) -> tuple[int, list[float]]:
+    """Build layout ``lay`` (None: one process, no ZeRO), load the checkpoint at ``root`` (saved
+    at step ``save_at``), check it against ``saved`` bitwise and train ``steps_after``.
+
+    Returns: (number of optimizer chunks checked, the losses)."""
+    from paratron.training.runner import build_model_and_optimizer
+
+    if lay is None:
+        cfg_b, ctx_b = train_config(dict(tp=1, pp=1, v=1, zero=0)), ParallelContext.single()
+    else:
+        cfg_b, ctx_b = train_config(lay), ParallelContext.build(tp=lay["tp"], pp=lay["pp"])
+    model_b = build_model_and_optimizer(cfg_b, ctx_b)
+    chunks_b, _, opt_b, sched_b = model_b
+    extra = CheckpointManager(CheckpointConfig(load=root), ctx_b, cfg_b).load(chunks_b, opt_b, sched_b)
+    assert extra == {"iteration": save_at}
+    assert opt_b.step_count == save_at and sched_b.num_steps == save_at
+    checked = check_against_checkpoint(saved, model_b)
+    return checked, train_steps(cfg_b, ctx_b, model_b, steps_after)
 
 
 def test_training_state_reshards_and_continues(tmp_path):

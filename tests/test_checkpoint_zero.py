@@ -6,10 +6,9 @@ checkpoint loading at DP=8 ZeRO-3, is a layout of ``test_checkpoint_optim``.)"""
 
 from paratron.checkpoint.io import load_tensors_full
 from paratron.checkpoint.manager import CheckpointManager
-from paratron.config import CheckpointConfig
 from paratron.parallel.context import ParallelContext
 from paratron.testing import run_ranks
-from test_checkpoint_optim import check_against_checkpoint, train_config, train_steps
+from test_checkpoint_optim import load_and_continue, train_config, train_steps
 
 ORIGINAL = dict(tp=2, pp=1, v=1, zero=3, mbs=1)
 TARGETS = {
@@ -37,15 +36,7 @@ def _save_zero3_and_load_elsewhere(root):
     if ctx.rank == 0:
         targets["single"] = None
     for name, lay in targets.items():
-        if lay is None:
-            cfg_b, ctx_b = train_config(dict(tp=1, pp=1, v=1, zero=0)), ParallelContext.single()
-        else:
-            cfg_b, ctx_b = train_config(lay), ParallelContext.build(tp=lay["tp"], pp=lay["pp"])
-        model_b = build_model_and_optimizer(cfg_b, ctx_b)
-        chunks_b, _, opt_b, sched_b = model_b
-        extra = CheckpointManager(CheckpointConfig(load=root), ctx_b, cfg_b).load(chunks_b, opt_b, sched_b)
-        assert extra == {"iteration": SAVE_AT} and opt_b.step_count == SAVE_AT
-        out[name] = (check_against_checkpoint(saved, model_b), train_steps(cfg_b, ctx_b, model_b, [SAVE_AT + 1]))
+        out[name] = load_and_continue(root, lay, saved, SAVE_AT, [SAVE_AT + 1])
     return out
 
 
