@@ -134,7 +134,7 @@ def _train(cfg: Config, ctx, run_dir: Path) -> int:
             t_data = time.perf_counter() - t0
             optimizer.zero_grad()
             out = run_global_batch(cfg, ctx, chunks, microbatches, forward_only=False,
-                                   loss_scale=optimizer.loss_scale, actions=actions)
+                                   loss_scale=optimizer.loss_scale, actions=actions, ddp=ddp)
             t1 = time.perf_counter()
             lr = scheduler_lr(scheduler, optimizer)  # the rate this step uses
             result = optimizer.step()
