@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from paratron.config import OptimizerConfig
-from paratron.optim import DistributedDataParallel, build_optimizer, finalize_grads
+from paratron.optim import DistributedDataParallel, build_optimizer, finalize_grads, precision_dtype
 from paratron.parallel.context import ParallelContext
 from paratron.parallel.grads import accumulate_grad
 from paratron.parallel.params import ShardSpec, mark
@@ -134,8 +134,7 @@ def train_dp(ctx, cfg, *, steps, zero, overlap, microbatches=2, bucket_mb=0.0005
 
     ``inject_loss(step, model)`` may return a term added to the step's first microbatch loss.
     """
-    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[precision]
-    model = Toy(dtype=dtype, **(model_kw or {}))
+    model = Toy(dtype=precision_dtype(precision), **(model_kw or {}))
     ddp = DistributedDataParallel([model], ctx, bucket_size_mb=bucket_mb,
                                   overlap_grad_reduce=overlap, use_distributed_optimizer=zero)
     opt = build_optimizer([model], ctx, cfg, ddp, precision=precision)

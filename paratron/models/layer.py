@@ -12,12 +12,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from paratron.config import ModelConfig
+from paratron.config import ModelConfig, model_shape
+from paratron.layers.dropout import dropout
 
-from . import spec
 from .attention import SelfAttention
 from .mlp import MLP
-from .recompute import dropout
 
 
 def make_norm(cfg: ModelConfig, ctx, logical_name: str, sequence_parallel: bool, params_dtype: torch.dtype
@@ -54,7 +53,7 @@ class TransformerLayer(nn.Module):
                                        rng_tracker=rng_tracker, output_init=output_init)
         self.post_attention_norm = make_norm(cfg, ctx, f"{prefix}.post_attention_norm", sequence_parallel,
                                              params_dtype)
-        if spec.is_moe_layer(cfg, layer_number):
+        if model_shape.is_moe_layer(cfg, layer_number):
             from paratron.models.moe.layer import MoELayer
 
             self.mlp = MoELayer(cfg, ctx, layer_number=layer_number, seed=seed,
@@ -67,6 +66,11 @@ class TransformerLayer(nn.Module):
         # Under sequence parallelism each TP rank holds other positions: draw other masks.
         return dropout(x, self.hidden_dropout, self.training, self.rng_tracker, self.sequence_parallel)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        x = x + self._dropout(self.attention(self.input_norm(x), rope))
-        return x + self._dropout(self.mlp(self.post_attention_norm(x)))
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                layout=None) -> torch.Tensor:
+        """``layout``: the microbatch's :class:`~paratron.models.context_parallel.SeqLayout` or None."""
+        x = x + self._dropout(self.attention(self.input_norm(x), rope, layout))
+        y = self.post_attention_norm(x)
+        # The MoE layer needs the layout for its per-sequence aux loss (model.moe_aux_loss_type).
+        y = self.mlp(y, layout) if getattr(self.mlp, "takes_layout", False) else self.mlp(y)
+        return x + self._dropout(y)

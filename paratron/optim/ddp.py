@@ -43,6 +43,12 @@ different tokens of the same sequences), expert params over ``ctx.expert_dp``. W
 
 A rank may hold no trainable param at all (an empty pipeline stage): it then has no buffer and
 no bucket, and its DP reductions are empty.
+
+ZeRO stages 2 and 3 (``zero=2|3``) keep no full-size grad buffer: grads are staged per bucket and
+reduce-scattered during backward by :class:`~paratron.optim.zero.ShardedGrads` whenever every
+param of a bucket has a grad (a rule that needs no last-backward block), which also holds the
+ZeRO-1 shards, so all three stages share one set of shard buffers. Stage 3 also shards the
+params (:class:`~paratron.optim.param_gather.ParamShards`).
 """
 
 from __future__ import annotations
@@ -55,6 +61,8 @@ from torch import nn
 from paratron.parallel.params import unique_params
 
 from .grad_buffer import Bucket, GradBuffer
+from .param_gather import ParamShards, unit_ids
+from .zero import ShardedGrads
 
 
 def chunk_params(chunks) -> list[nn.Parameter]:
@@ -97,30 +105,41 @@ class DistributedDataParallel:
             is ready; else reduce everything in :meth:`finish_grad_sync`.
         use_distributed_optimizer: ZeRO-1: reduce-scatter grads (each DP rank keeps the summed
             grads of its shard of every bucket, in :attr:`shard_grads`).
+        zero: the ZeRO stage 0-3 (overrides ``use_distributed_optimizer``; stage 1 is the same).
+        zero3_reshard_after_forward: stage 3: free a unit's params after its forward.
+        zero3_prefetch: stage 3: all-gather the next unit's params ahead of use.
 
     Raises:
-        ValueError: a param was not marked (no ``logical_name``).
+        ValueError: a param was not marked (no ``logical_name``), or ``zero`` is not 0..3.
     """
 
     def __init__(self, chunks, ctx, *, grad_dtype: torch.dtype = torch.float32,
                  bucket_size_mb: float = 40.0, overlap_grad_reduce: bool = True,
-                 use_distributed_optimizer: bool = False) -> None:
+                 use_distributed_optimizer: bool = False, zero: int | None = None,
+                 zero3_reshard_after_forward: bool = True, zero3_prefetch: bool = True) -> None:
         self.chunks = [chunks] if isinstance(chunks, nn.Module) else list(chunks)
         self.ctx = ctx
         self.grad_dtype = grad_dtype
         self.overlap_grad_reduce = bool(overlap_grad_reduce)
-        self.use_distributed_optimizer = bool(use_distributed_optimizer)
-        self.params = chunk_params(self.chunks)
-        for p in self.params:
+        self.zero = int(zero) if zero is not None else int(bool(use_distributed_optimizer))
+        if self.zero not in (0, 1, 2, 3):
+            raise ValueError(f"parallel.zero={self.zero} must be 0, 1, 2 or 3")
+        self.use_distributed_optimizer = self.zero >= 1
+        params = chunk_params(self.chunks)
+        for p in params:
             if not hasattr(p, "logical_name"):
                 raise ValueError(f"a param of shape {tuple(p.shape)} has no logical_name: every "
                                  "param must be marked with paratron.parallel.params.mark")
-        self.buffers = self._build_buffers(bucket_size_mb)
-        # ZeRO-1: the summed grads of this rank's shard of each bucket land here.
-        self.shard_grads: list[list[torch.Tensor]] = [
-            [torch.zeros(b.numel // buf.group.size, dtype=grad_dtype, device=buf.grad_data.device)
-             for b in buf.buckets] if self.use_distributed_optimizer else []
-            for buf in self.buffers]
+        self.buffers = self._build_buffers(params, bucket_size_mb)
+        self.params = params
+
+        # ZeRO: the summed grads of this rank's shard of each bucket land in shard_grads.
+        self.sharded = ShardedGrads(self.buffers, self.zero, grad_dtype) if self.zero else None
+        self.shard_grads = self.sharded.shard_grads if self.sharded else [[] for _ in self.buffers]
+        self.param_shards = (ParamShards(self.buffers, self.chunks, prefetch=zero3_prefetch,
+                                         reshard_after_forward=zero3_reshard_after_forward)
+                             if self.zero == 3 else None)
+
         self._where = {id(p): (i, b.index) for i, buf in enumerate(self.buffers)
                        for b in buf.buckets for p in b.params}
         # The chunks that hold each param (two for a tied embedding whose ends share a rank).
@@ -135,29 +154,36 @@ class DistributedDataParallel:
         self._closed: set[int] = set()      # chunks whose last backward is over
         self._ready: set[int] = set()       # ids of params whose grads are complete
         self.finalized = False
-        for p in self.params:
+        for p in params:
             p.grad_ready_hook = self._grad_ready
+            if self.zero >= 2:
+                p.acquire_main_grad = self.sharded.acquire
             p.register_post_accumulate_grad_hook(self._autograd_grad_ready)
         self._reset_step()
 
-    def _build_buffers(self, bucket_size_mb: float) -> list[GradBuffer]:
+    def _build_buffers(self, params, bucket_size_mb: float) -> list[GradBuffer]:
         bucket_numel = int(bucket_size_mb * 2**20) // torch.empty((), dtype=self.grad_dtype).element_size()
         # Reverse registration order approximates the order in which backward produces grads.
         kinds: dict[tuple[torch.dtype, bool], list] = {}
-        for p in reversed(self.params):
+        for p in reversed(params):
             kinds.setdefault((p.dtype, bool(getattr(p, "is_expert", False))), []).append(p)
+        units = unit_ids(self.chunks, params) if self.zero == 3 else {}
         return [GradBuffer.build(ps, [_needs_model_parallel_reduction(p) for p in ps],
                                  group=self.ctx.expert_dp if is_expert else self.ctx.dp_cp,
                                  is_expert=is_expert, grad_dtype=self.grad_dtype,
-                                 bucket_numel=bucket_numel)
+                                 bucket_numel=bucket_numel, units=[units.get(id(p), 0) for p in ps],
+                                 allocate_grads=self.zero < 2)
                 for (_, is_expert), ps in kinds.items()]
 
     # ---- the per-step cycle ------------------------------------------------------------------
     def zero_grad_buffer(self) -> None:
         """Zero every main grad and start a new step (call before the first microbatch)."""
         self._reset_step()  # first: it waits for reductions still in flight on these buffers
+        if self.sharded is not None:
+            self.sharded.start_step()
         for buf in self.buffers:
-            buf.grad_data.zero_()
+            if buf.grad_data is not None:
+                buf.grad_data.zero_()
         for p in self.params:
             p.grad = None
 
@@ -168,8 +194,10 @@ class DistributedDataParallel:
 
         Inside, a param's first grad makes it ready (it may then be reduced at once); on exit,
         every param of these chunks is ready and each bucket whose params are all ready starts
-        its reduction, in bucket order. Entering the block for a chunk twice in one step raises
-        ``RuntimeError``.
+        its reduction, in bucket order. (ZeRO-2/3 flush by their own rule and ignore it.)
+
+        Raises:
+            RuntimeError: a chunk's last backward was already declared this step.
         """
         ids = range(len(self.chunks)) if chunk_ids is None else list(chunk_ids)
         for c in ids:
@@ -185,7 +213,8 @@ class DistributedDataParallel:
             for p in self._chunk_params[c]:
                 if all(o in self._closed for o in self._owners[id(p)]):
                     self._mark_ready(p)
-        self._launch_all_ready()
+        for i in range(len(self.buffers)):
+            self._launch_ready(i)
 
     def start_deferred(self) -> None:
         """Launch, in order, every bucket not yet launched, including the deferred ones (call
@@ -195,28 +224,37 @@ class DistributedDataParallel:
 
     def finish_grad_sync(self) -> None:
         """Launch every remaining bucket (in order) and wait for all reductions; afterwards the
-        main grads (all-reduce) or :attr:`shard_grads` (ZeRO-1) hold the sum over the DP group
+        main grads (all-reduce) or :attr:`shard_grads` (ZeRO) hold the sum over the DP group
         and :attr:`finalized` is True until the next :meth:`zero_grad_buffer`. A second call in
         the same step does nothing."""
         if self.finalized:
             return
-        self.start_deferred()
-        for states in self._states:
-            for st in states:
-                if st.handle is not None:
-                    st.handle.wait()
-                    st.handle = None
+        if self.param_shards is not None:
+            self.param_shards.release_all()
+        if self.zero >= 2:
+            self.sharded.finish()
+        else:
+            self.start_deferred()
+            for states in self._states:
+                for st in states:
+                    if st.handle is not None:
+                        st.handle.wait()
+                        st.handle = None
         self.finalized = True
 
     # ---- grad events -------------------------------------------------------------------------
     def _autograd_grad_ready(self, p: torch.Tensor) -> None:
         if p.grad is None:
             return
-        p.main_grad.add_(p.grad.view_as(p.main_grad))
+        main = p.main_grad if getattr(p, "main_grad", None) is not None else self.sharded.acquire(p)
+        main.add_(p.grad.view_as(main))
         p.grad = None
         self._grad_ready(p)
 
     def _grad_ready(self, p: torch.Tensor) -> None:
+        if self.zero >= 2:
+            self.sharded.grad_event(p)
+            return
         i, k = self._where[id(p)]
         if self._states[i][k].launched:
             raise RuntimeError(
@@ -226,8 +264,7 @@ class DistributedDataParallel:
                 "that last backward pass (a module applied twice in one forward: set "
                 "parallel.overlap_grad_reduce=false for such a model)")
         if self._closing and id(p) not in self._ready:
-            owners = self._owners[id(p)]
-            if all(o in self._closing or o in self._closed for o in owners):
+            if all(o in self._closing or o in self._closed for o in self._owners[id(p)]):
                 self._mark_ready(p)
                 self._launch_ready(i)
 
@@ -238,13 +275,9 @@ class DistributedDataParallel:
         i, k = self._where[id(p)]
         self._states[i][k].pending -= 1
 
-    def _launch_all_ready(self) -> None:
-        for i in range(len(self.buffers)):
-            self._launch_ready(i)
-
     def _launch_ready(self, i: int) -> None:
         buf, states = self.buffers[i], self._states[i]
-        if buf.is_expert or not self.overlap_grad_reduce:
+        if buf.is_expert or not self.overlap_grad_reduce or self.zero >= 2:
             return
         n = self._next[i]
         while n < len(buf.buckets) and states[n].pending == 0 and not buf.buckets[n].deferred:
@@ -295,6 +328,35 @@ class DistributedDataParallel:
         return [(*b.shard_range(max(g.rank, 0), g.size), self.shard_grads[i][b.index])
                 for b in buf.buckets]
 
+    @contextmanager
+    def full_params(self, writeback: bool = False):
+        """Inside the block every param holds its full (TP-local) tensor: a no-op below ZeRO-3;
+        with ZeRO-3 every bucket is all-gathered for the block (costs a full copy of this rank's
+        params), and with ``writeback`` changes are copied back into the shards at exit."""
+        if self.param_shards is None:
+            yield
+            return
+        with self.param_shards.gathered(writeback):
+            yield
+
+    def owned_params(self, i: int) -> list[torch.Tensor]:
+        """The param storage of each range of :meth:`owned_ranges` (same order): slices of the
+        full param buffer, or with ZeRO-3 this rank's param shard of each bucket."""
+        if self.param_shards is not None:
+            return list(self.param_shards.shards[i])
+        return [self.buffers[i].param_data[s:e] for s, e, _ in self.owned_ranges(i)]
+
+    def model_state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The param and grad storage this rank holds now, by kind (for memory accounting)."""
+        params = (self.param_shards.param_tensors() if self.param_shards is not None
+                  else [b.param_data for b in self.buffers])
+        grads = [b.grad_data for b in self.buffers if b.grad_data is not None]
+        if self.sharded is not None:
+            grads += self.sharded.grad_tensors()
+        return {"params": params, "grads": grads}
+
     def num_launched(self) -> int:
         """Buckets whose reduction has started this step (for tests and logging)."""
+        if self.zero >= 2:
+            return self.sharded.flushes
         return sum(st.launched for states in self._states for st in states)

@@ -50,21 +50,3 @@ def import_plugins(cfg: Config) -> None:
 
     for spec in cfg.train.callbacks:
         import_callback_module(spec)
-
-
-def check_schedule(cfg: Config, world_size: int) -> None:
-    """Build the pipeline schedule once, so an unsupported (schedule, p, m, v) fails here, with its
-    rule, before any process group exists (instead of at the first step, or as a hang)."""
-    from paratron.pipeline.registry import build_schedule
-
-    p, t = cfg.parallel, cfg.train
-    dp = world_size // (p.tensor * p.context * p.pipeline)
-    m = t.global_batch_size // (t.micro_batch_size * dp)
-    try:
-        build_schedule(p.schedule, p.pipeline, m, p.virtual_pipeline)
-    except ValueError as e:
-        raise ConfigError(
-            f"parallel.schedule={p.schedule!r} with parallel.pipeline={p.pipeline}, "
-            f"parallel.virtual_pipeline={p.virtual_pipeline} and {m} microbatches per step "
-            f"(train.global_batch_size / (train.micro_batch_size * dp) = {t.global_batch_size} / "
-            f"({t.micro_batch_size} * {dp})): {e}") from None

@@ -23,8 +23,6 @@ from paratron.training.metrics import (MetricsWriter, format_log_line, peak_flop
                                        peak_memory_mb, plot_losses)
 from paratron.training.step import rank_actions, run_global_batch
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
 
 class StopFlag:
     """Set by SIGTERM/SIGINT; the loop stops after the current step."""
@@ -288,18 +286,20 @@ def evaluate(cfg, ctx, chunks, data, state: TrainState, writer, callbacks, actio
 def build_model_and_optimizer(cfg: Config, ctx):
     """Model chunks of this rank, wrapped for data parallelism, with optimizer and LR schedule."""
     from paratron.models.gpt import build_model_chunks
-    from paratron.optim import DistributedDataParallel, build_lr_scheduler, build_optimizer
+    from paratron.optim import DistributedDataParallel, build_lr_scheduler, build_optimizer, precision_dtype
     from paratron.pipeline.partition import stage_layers
 
     p = cfg.parallel
     layout = stage_layers(cfg.model.num_layers, p.pipeline, p.virtual_pipeline, p.pipeline_layout, p.schedule)
     chunks = build_model_chunks(cfg.model, ctx, seed=cfg.train.seed, sequence_parallel=p.sequence_parallel,
-                                params_dtype=DTYPES[cfg.train.precision], stage_layers=layout)
+                                params_dtype=precision_dtype(cfg.train.precision), stage_layers=layout,
+                                context_algorithm=p.context_algorithm)
     for c in chunks:
         c.to(ctx.device)
     ddp = DistributedDataParallel(chunks, ctx, grad_dtype=torch.float32, bucket_size_mb=p.bucket_size_mb,
                                   overlap_grad_reduce=p.overlap_grad_reduce,
-                                  use_distributed_optimizer=p.zero == 1)
+                                  zero=p.zero, zero3_reshard_after_forward=p.zero3_reshard_after_forward,
+                                  zero3_prefetch=p.zero3_prefetch)
     optimizer = build_optimizer(chunks, ctx, cfg.optimizer, ddp, precision=cfg.train.precision)
     scheduler = build_lr_scheduler(cfg.optimizer, cfg.train.train_iters, optimizer)
     return chunks, ddp, optimizer, scheduler
