@@ -68,7 +68,16 @@ def test_lr_bad_input_names_the_field():
     with pytest.raises(ValueError, match="min_lr"):
         build_lr_scheduler(OptimizerConfig(lr=0.1, min_lr=0.5), 10)
     with pytest.raises(ValueError, match="lr_warmup_iters"):
-        build_lr_scheduler(OptimizerConfig(lr_warmup_iters=20), 10)
+        build_lr_scheduler(OptimizerConfig(lr_warmup_iters=-1), 10)
+
+
+def test_lr_warmup_longer_than_the_run_keeps_rising():
+    """Issue 19: a smoke run shorter than the config's warmup is allowed (as in Megatron-LM):
+    the lr rises linearly for the whole run and never reaches the peak or decays."""
+    s = build_lr_scheduler(OptimizerConfig(lr=3.0, min_lr=0.0, lr_warmup_iters=30), 4)
+    lrs = [s.lr_at(n) for n in range(4)]
+    assert lrs == pytest.approx([3.0 * (n + 1) / 30 for n in range(4)])
+    build_lr_scheduler(OptimizerConfig(lr=3.0, lr_warmup_iters=30, lr_decay_style="wsd"), 4)
 
 
 # ---- loss scaler ------------------------------------------------------------------------------

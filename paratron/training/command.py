@@ -60,19 +60,34 @@ def world_size_for(args: argparse.Namespace) -> int:
 
 def load_and_validate(args: argparse.Namespace) -> Config:
     """Config from file + overrides, validated for this world size (no process group yet)."""
-    from paratron.training.preflight import apply_data_argument, check_paths, check_schedule, import_plugins
+    from paratron.training.preflight import apply_data_argument, check_paths, import_plugins
 
     cfg = build_config(args.config, args.overrides)
     apply_data_argument(cfg, getattr(args, "data", None), args.overrides)
-    validate(cfg, world_size_for(args))
-
-    check_paths(cfg)
-    try:
+    try:  # first: the config may name schedules, dispatchers or blocks that plugins register
         import_plugins(cfg)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    check_schedule(cfg, world_size_for(args))
+    validate(cfg, world_size_for(args))
+    check_paths(cfg)
+    print_config_warnings(cfg, launching=bool(args.nproc_per_node) and "WORLD_SIZE" not in os.environ)
     return cfg
+
+
+def print_config_warnings(cfg: Config, launching: bool) -> None:
+    """Print :func:`~paratron.config.validators.config_warnings` once per run, one line each: in
+    the launcher, or else on rank 0 (a launcher marks its ranks so they stay quiet)."""
+    from paratron.config.validators import config_warnings
+
+    if launching:
+        os.environ[_WARNED] = "1"  # inherited by the ranks torchrun starts
+    elif os.environ.get(_WARNED) or os.environ.get("RANK", "0") != "0":
+        return
+    for line in config_warnings(cfg):
+        print(f"paratron: warning: {line}", file=sys.stderr)
+
+
+_WARNED = "PARATRON_CONFIG_WARNED"
 
 
 def torchrun_argv(args: argparse.Namespace, module_argv: list[str]) -> list[str]:

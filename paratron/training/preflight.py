@@ -129,17 +129,17 @@ def estimated_checkpoint_bytes(cfg: Config, vocab_size: int | None) -> int:
     """About the bytes of one checkpoint: every parameter in the training precision plus the
     optimizer's fp32 state (the small JSON files are not counted).
 
-    The count follows the model definition (:mod:`paratron.models`): attention with GQA, a GELU or
+    The count follows the model shape (:mod:`paratron.config.model_shape`): attention with GQA, a GELU or
     SwiGLU MLP (or the experts), norms, the embedding (and an untied output layer).
     """
-    from paratron.models import spec
+    from paratron.config import model_shape as spec
 
     m = cfg.model
     h, d = m.hidden_size, m.hidden_size // m.num_attention_heads
     attention = h * d * (2 * m.num_attention_heads + 2 * spec.query_groups(m))
     matrices = 3 if m.activation == "swiglu" else 2
     dense = matrices * h * spec.ffn_size(m)
-    expert = matrices * h * (m.moe_ffn_hidden_size or spec.ffn_size(m)) * m.num_experts
+    expert = matrices * h * spec.expert_ffn_size(m) * m.num_experts
     shared = matrices * h * (m.moe_shared_expert_ffn_hidden_size or 0)
     layers = sum(attention + 2 * h + (expert + shared + h * m.num_experts if spec.is_moe_layer(m, i) else dense)
                  for i in range(m.num_layers))
@@ -180,24 +180,6 @@ def import_plugins(cfg: Config) -> None:
 
     for spec in cfg.train.callbacks:
         import_callback_module(spec)
-
-
-def check_schedule(cfg: Config, world_size: int) -> None:
-    """Build the pipeline schedule once, so an unsupported (schedule, p, m, v) fails here, with its
-    rule, before any process group exists (instead of at the first step, or as a hang)."""
-    from paratron.pipeline.registry import build_schedule
-
-    p, t = cfg.parallel, cfg.train
-    dp = world_size // (p.tensor * p.context * p.pipeline)
-    m = t.global_batch_size // (t.micro_batch_size * dp)
-    try:
-        build_schedule(p.schedule, p.pipeline, m, p.virtual_pipeline)
-    except ValueError as e:
-        raise ConfigError(
-            f"parallel.schedule={p.schedule!r} with parallel.pipeline={p.pipeline}, "
-            f"parallel.virtual_pipeline={p.virtual_pipeline} and {m} microbatches per step "
-            f"(train.global_batch_size / (train.micro_batch_size * dp) = {t.global_batch_size} / "
-            f"({t.micro_batch_size} * {dp})): {e}") from None
 
 
 def prepare_training(cfg: Config, run_dir: str | os.PathLike) -> None:

@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from paratron.config import ModelConfig
+from paratron.config import ModelConfig, model_shape
 
 from .collectives import gather_rows, split_rows
 from .dispatcher import get_dispatcher
@@ -47,15 +47,15 @@ class _AttachAuxLoss(torch.autograd.Function):
     """Identity on ``out``; in backward, hands ``scale`` as the grad of the scalar ``aux``."""
 
     @staticmethod
-    def forward(ctx, out, aux, scale: float):
-        ctx.scale = scale
-        ctx.aux_meta = (aux.shape, aux.dtype, aux.device)
+    def forward(fctx, out, aux, scale: float):
+        fctx.scale = scale
+        fctx.aux_meta = (aux.shape, aux.dtype, aux.device)
         return out
 
     @staticmethod
-    def backward(ctx, grad):
-        shape, dtype, device = ctx.aux_meta
-        return grad, torch.full(shape, ctx.scale, dtype=dtype, device=device), None
+    def backward(fctx, grad):
+        shape, dtype, device = fctx.aux_meta
+        return grad, torch.full(shape, fctx.scale, dtype=dtype, device=device), None
 
 
 class SharedExpert(nn.Module):
@@ -122,11 +122,10 @@ class MoELayer(nn.Module):
         aux_loss_scale: multiplies the aux/z-loss grads (see the module docstring); default 1.0.
 
     Raises:
-        ValueError: ``model.num_experts`` not positive or not divisible by ``parallel.expert``;
-            an expert width not divisible by ``parallel.expert_tensor``; an unknown
-            ``model.moe_token_dispatcher``; ``moe_pad_to_capacity`` without a capacity factor;
-            in ``forward``, without sequence parallelism, ``s * b`` not divisible by
-            ``parallel.tensor``.
+        ValueError: ``model.num_experts`` not positive; in ``forward``, without sequence
+            parallelism, ``s * b`` not divisible by ``parallel.tensor``.
+        ConfigError: a rule of :func:`paratron.config.model_shape.check_moe`; an unknown
+            ``model.moe_token_dispatcher``.
     """
 
     def __init__(self, cfg: ModelConfig, ctx, *, layer_number: int, seed: int, sequence_parallel: bool,
@@ -135,8 +134,7 @@ class MoELayer(nn.Module):
         E, ep = cfg.num_experts, ctx.ep.size
         if E < 1:
             raise ValueError(f"model.num_experts={E} must be >= 1 for an MoE layer")
-        if E % ep:
-            raise ValueError(f"model.num_experts={E} is not divisible by parallel.expert={ep}")
+        model_shape.check_moe(cfg, tp=ctx.tp.size, ep=ep, expert_tp=ctx.expert_tp.size)
         self.cfg, self.ctx = cfg, ctx
         self.sequence_parallel = bool(sequence_parallel) and ctx.tp.size > 1
         prefix = f"layers.{layer_number}.mlp"
@@ -146,8 +144,6 @@ class MoELayer(nn.Module):
         self.experts = LocalExperts(cfg, ctx, prefix=prefix, seed=seed, first_expert=ctx.ep.rank * num_local,
                                     num_local=num_local, params_dtype=params_dtype)
         self.pad_to_capacity = bool(cfg.moe_pad_to_capacity)
-        if self.pad_to_capacity and cfg.moe_capacity_factor is None:
-            raise ValueError("model.moe_pad_to_capacity=true needs model.moe_capacity_factor to be set")
         self.dispatcher_cls = get_dispatcher(cfg.moe_token_dispatcher)
         self.shared_expert = None
         if cfg.moe_shared_expert_ffn_hidden_size:
