@@ -30,6 +30,11 @@ different tokens of the same sequences), expert params over ``ctx.expert_dp``. W
 ``use_distributed_optimizer`` (ZeRO-1) a bucket is reduce-scattered instead of all-reduced: rank
 ``r`` receives the summed grads of shard ``r`` of every bucket (Rajbhandari et al. 2020, section
 5.1).
+
+ZeRO stages 2 and 3 (``zero=2|3``) keep no full-size grad buffer: grads are staged per bucket and
+reduce-scattered during backward by :class:`~paratron.optim.zero.ShardedGrads`, which also
+holds the ZeRO-1 shards, so all three stages share one set of shard buffers. Stage 3 also shards
+the params (:class:`~paratron.optim.param_gather.ParamShards`).
 """
 
 from __future__ import annotations
@@ -42,6 +47,8 @@ from torch import nn
 from paratron.parallel.params import unique_params
 
 from .grad_buffer import Bucket, GradBuffer
+from .param_gather import ParamShards, unit_ids
+from .zero import ShardedGrads
 
 
 def chunk_params(chunks) -> list[nn.Parameter]:
@@ -79,19 +86,27 @@ class DistributedDataParallel:
             ready; else reduce everything in :meth:`finish_grad_sync`.
         use_distributed_optimizer: ZeRO-1: reduce-scatter grads (each DP rank keeps the summed
             grads of its shard of every bucket, in :attr:`shard_grads`).
+        zero: the ZeRO stage 0-3 (overrides ``use_distributed_optimizer``; stage 1 is the same).
+        zero3_reshard_after_forward: stage 3: free a unit's params after its forward.
+        zero3_prefetch: stage 3: all-gather the next unit's params ahead of use.
 
     Raises:
-        ValueError: a param was not marked (no ``logical_name``), or no param is trainable.
+        ValueError: a param was not marked (no ``logical_name``), no param is trainable, or
+            ``zero`` is not 0..3.
     """
 
     def __init__(self, chunks, ctx, *, grad_dtype: torch.dtype = torch.float32,
                  bucket_size_mb: float = 40.0, overlap_grad_reduce: bool = True,
-                 use_distributed_optimizer: bool = False) -> None:
+                 use_distributed_optimizer: bool = False, zero: int | None = None,
+                 zero3_reshard_after_forward: bool = True, zero3_prefetch: bool = True) -> None:
         self.chunks = [chunks] if isinstance(chunks, nn.Module) else list(chunks)
         self.ctx = ctx
         self.grad_dtype = grad_dtype
         self.overlap_grad_reduce = bool(overlap_grad_reduce)
-        self.use_distributed_optimizer = bool(use_distributed_optimizer)
+        self.zero = int(zero) if zero is not None else int(bool(use_distributed_optimizer))
+        if self.zero not in (0, 1, 2, 3):
+            raise ValueError(f"parallel.zero={self.zero} must be 0, 1, 2 or 3")
+        self.use_distributed_optimizer = self.zero >= 1
         params = chunk_params(self.chunks)
         if not params:
             raise ValueError("DistributedDataParallel: the model chunks have no trainable params")
@@ -105,22 +120,22 @@ class DistributedDataParallel:
         kinds: dict[tuple[torch.dtype, bool], list] = {}
         for p in reversed(params):
             kinds.setdefault((p.dtype, bool(getattr(p, "is_expert", False))), []).append(p)
+        units = unit_ids(self.chunks, params) if self.zero == 3 else {}
         self.buffers: list[GradBuffer] = []
         for (dtype, is_expert), ps in kinds.items():
             group = ctx.expert_dp if is_expert else ctx.dp_cp
             self.buffers.append(GradBuffer.build(
                 ps, [_needs_model_parallel_reduction(p) for p in ps], group=group,
-                is_expert=is_expert, grad_dtype=grad_dtype, bucket_numel=bucket_numel))
+                is_expert=is_expert, grad_dtype=grad_dtype, bucket_numel=bucket_numel,
+                units=[units.get(id(p), 0) for p in ps], allocate_grads=self.zero < 2))
         self.params = params
 
-        # ZeRO-1: the summed grads of this rank's shard of each bucket land here.
-        self.shard_grads: list[list[torch.Tensor]] = []
-        for buf in self.buffers:
-            if self.use_distributed_optimizer:
-                self.shard_grads.append([torch.zeros(b.numel // buf.group.size, dtype=grad_dtype,
-                                                     device=buf.grad_data.device) for b in buf.buckets])
-            else:
-                self.shard_grads.append([])
+        # ZeRO: the summed grads of this rank's shard of each bucket land in shard_grads.
+        self.sharded = ShardedGrads(self.buffers, self.zero, grad_dtype) if self.zero else None
+        self.shard_grads = self.sharded.shard_grads if self.sharded else [[] for _ in self.buffers]
+        self.param_shards = (ParamShards(self.buffers, self.chunks, prefetch=zero3_prefetch,
+                                         reshard_after_forward=zero3_reshard_after_forward)
+                             if self.zero == 3 else None)
 
         self._where: dict[int, tuple[int, int]] = {}
         for i, buf in enumerate(self.buffers):
@@ -135,6 +150,8 @@ class DistributedDataParallel:
         self._hooks = []
         for p in params:
             p.grad_ready_hook = self._grad_ready
+            if self.zero >= 2:
+                p.acquire_main_grad = self.sharded.acquire
             self._hooks.append(p.register_post_accumulate_grad_hook(self._autograd_grad_ready))
         self._reset_step()
 
@@ -142,23 +159,29 @@ class DistributedDataParallel:
     def zero_grad_buffer(self) -> None:
         """Zero every main grad and start a new step (call before the first microbatch)."""
         self._reset_step()  # first: it waits for reductions still in flight on these buffers
+        if self.sharded is not None:
+            self.sharded.start_step()
         for buf in self.buffers:
-            buf.grad_data.zero_()
+            if buf.grad_data is not None:
+                buf.grad_data.zero_()
         for p in self.params:
             p.grad = None
 
     @contextmanager
     def no_sync(self):
         """Inside this block grads accumulate but no bucket reduction starts."""
-        prev, self._sync_enabled = self._sync_enabled, False
+        prev = self._sync_enabled
+        self.set_is_last_microbatch(False)
         try:
             yield
         finally:
-            self._sync_enabled = prev
+            self.set_is_last_microbatch(prev)
 
     def set_is_last_microbatch(self, last: bool) -> None:
         """Megatron-style switch: ``False`` holds reductions back like :meth:`no_sync`."""
         self._sync_enabled = bool(last)
+        if self.sharded is not None:
+            self.sharded.sync_enabled = bool(last)
 
     def recalibrate(self) -> None:
         """Forget the expected grad counts (e.g. when the number of microbatches per step
@@ -178,6 +201,11 @@ class DistributedDataParallel:
         Afterwards the main grads (all-reduce) or :attr:`shard_grads` (ZeRO-1) hold the sum over
         the DP group. The grad counts of this step become the expected counts of the next.
         """
+        if self.param_shards is not None:
+            self.param_shards.release_all()
+        if self.zero >= 2:
+            self.sharded.finish()
+            return
         self.start_deferred()
         for states in self._states:
             for st in states:
@@ -191,11 +219,15 @@ class DistributedDataParallel:
     def _autograd_grad_ready(self, p: torch.Tensor) -> None:
         if p.grad is None:
             return
-        p.main_grad.add_(p.grad.view_as(p.main_grad))
+        main = p.main_grad if getattr(p, "main_grad", None) is not None else self.sharded.acquire(p)
+        main.add_(p.grad.view_as(main))
         p.grad = None
         self._grad_ready(p)
 
     def _grad_ready(self, p: torch.Tensor) -> None:
+        if self.zero >= 2:
+            self.sharded.grad_event(p)
+            return
         key = id(p)
         i, k = self._where[key]
         st = self._states[i][k]
@@ -266,14 +298,47 @@ class DistributedDataParallel:
         return [(*b.shard_range(max(g.rank, 0), g.size), self.shard_grads[i][b.index])
                 for b in buf.buckets]
 
+    @contextmanager
+    def full_params(self, writeback: bool = False):
+        """Inside the block every param holds its full (TP-local) tensor: a no-op below ZeRO-3;
+        with ZeRO-3 every bucket is all-gathered for the block (costs a full copy of this rank's
+        params), and with ``writeback`` changes are copied back into the shards at exit."""
+        if self.param_shards is None:
+            yield
+            return
+        with self.param_shards.gathered(writeback):
+            yield
+
+    def owned_params(self, i: int) -> list[torch.Tensor]:
+        """The param storage of each range of :meth:`owned_ranges` (same order): slices of the
+        full param buffer, or with ZeRO-3 this rank's param shard of each bucket."""
+        if self.param_shards is not None:
+            return list(self.param_shards.shards[i])
+        return [self.buffers[i].param_data[s:e] for s, e, _ in self.owned_ranges(i)]
+
+    def model_state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The param and grad storage this rank holds now, by kind (for memory accounting)."""
+        params = (self.param_shards.param_tensors() if self.param_shards is not None
+                  else [b.param_data for b in self.buffers])
+        grads = [b.grad_data for b in self.buffers if b.grad_data is not None]
+        if self.sharded is not None:
+            grads += self.sharded.grad_tensors()
+        return {"params": params, "grads": grads}
+
     def num_launched(self) -> int:
         """Buckets whose reduction has started this step (for tests and logging)."""
+        if self.zero >= 2:
+            return self.sharded.flushes
         return sum(st.launched for states in self._states for st in states)
 
     def remove_hooks(self) -> None:
         """Detach the grad hooks (the buffers keep the params' data)."""
         for h in self._hooks:
             h.remove()
+        if self.param_shards is not None:
+            self.param_shards.remove_hooks()
         for p in self.params:
             if getattr(p, "grad_ready_hook", None) == self._grad_ready:
                 del p.grad_ready_hook
+            if hasattr(p, "acquire_main_grad"):
+                del p.acquire_main_grad

@@ -33,6 +33,7 @@ from .finalize import finalize_grads
 from .update_rules import adamw_step, sgd_step
 from .scaler import ConstantLossScaler, DynamicLossScaler
 from .state_chunks import chunk_views, rectangles
+from .zero import storage_bytes
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -64,6 +65,7 @@ class _Segment:
     grad: torch.Tensor
     main: torch.Tensor
     state: dict[str, torch.Tensor]
+    param: torch.Tensor  # the model's storage of the range (a view, or a ZeRO-3 shard)
 
 
 @dataclass
@@ -121,9 +123,10 @@ class Optimizer:
     def _build_state(self) -> None:
         for i, buf in enumerate(self.ddp.buffers):
             ranges = self.ddp.owned_ranges(i)
+            views = self.ddp.owned_params(i)
             total = sum(e - s for s, e, _ in ranges)
-            dev = buf.param_data.device
-            alias = buf.param_data.dtype == torch.float32
+            dev = buf.device
+            alias = buf.dtype == torch.float32
             main_flat = None if alias else torch.empty(total, dtype=torch.float32, device=dev)
             if main_flat is not None:
                 self._allocated["main_param"].append(main_flat)
@@ -131,14 +134,15 @@ class Optimizer:
             for n, t in flats.items():
                 self._allocated[n].append(t)
             off = 0
-            for s, e, grad in ranges:
+            for (s, e, grad), pview in zip(ranges, views):
                 n = e - s
                 if alias:
-                    main = buf.param_data[s:e]
+                    main = pview
                 else:
                     main = main_flat[off:off + n]
-                    main.copy_(buf.param_data[s:e])
-                seg = _Segment(i, s, e, grad, main, {k: v[off:off + n] for k, v in flats.items()})
+                    main.copy_(pview)
+                seg = _Segment(i, s, e, grad, main, {k: v[off:off + n] for k, v in flats.items()},
+                               pview)
                 seg_id = len(self.segments)
                 self.segments.append(seg)
                 for p in buf.params:
@@ -182,7 +186,7 @@ class Optimizer:
         self._decay_grad = [seg_of[s].grad[a:b] for s, a, b in decay_runs]
         self._grads = [s.grad for s in self.segments]
         self._mains = [s.main for s in self.segments]
-        self._aliased = [buf.param_data.dtype == torch.float32 for buf in self.ddp.buffers]
+        self._aliased = [buf.dtype == torch.float32 for buf in self.ddp.buffers]
 
     # ---- per step ----------------------------------------------------------------------------
     @property
@@ -247,11 +251,12 @@ class Optimizer:
                      weight_decay=c.weight_decay)
 
     def _publish(self) -> None:
-        """Copy main weights into the params (cast) and, with ZeRO-1, all-gather them."""
+        """Copy main weights into the params (cast) and, with ZeRO-1/2, all-gather them (ZeRO-3
+        gathers each unit at its next use)."""
         for seg in self.segments:
             if not self._aliased[seg.buffer]:
-                self.ddp.buffers[seg.buffer].param_data[seg.start:seg.end].copy_(seg.main)
-        if self.ddp.use_distributed_optimizer:
+                seg.param.copy_(seg.main)
+        if self.ddp.zero in (1, 2):
             gather_params(self.ddp)
 
     def reload_model_params(self) -> None:
@@ -303,14 +308,7 @@ class Optimizer:
 
     def state_bytes(self) -> int:
         """Bytes of the storages behind :meth:`allocated_state`."""
-        seen, total = set(), 0
-        for ts in self._allocated.values():
-            for t in ts:
-                s = t.untyped_storage()
-                if s.data_ptr() not in seen:
-                    seen.add(s.data_ptr())
-                    total += s.nbytes()
-        return total
+        return storage_bytes(t for ts in self._allocated.values() for t in ts)
 
 
 def build_optimizer(chunks, ctx, opt_cfg, ddp: DistributedDataParallel | None = None, *,

@@ -296,12 +296,14 @@ def build_model_and_optimizer(cfg: Config, ctx):
     p = cfg.parallel
     layout = stage_layers(cfg.model.num_layers, p.pipeline, p.virtual_pipeline, p.pipeline_layout, p.schedule)
     chunks = build_model_chunks(cfg.model, ctx, seed=cfg.train.seed, sequence_parallel=p.sequence_parallel,
-                                params_dtype=DTYPES[cfg.train.precision], stage_layers=layout)
+                                params_dtype=DTYPES[cfg.train.precision], stage_layers=layout,
+                                context_algorithm=p.context_algorithm)
     for c in chunks:
         c.to(ctx.device)
     ddp = DistributedDataParallel(chunks, ctx, grad_dtype=torch.float32, bucket_size_mb=p.bucket_size_mb,
                                   overlap_grad_reduce=p.overlap_grad_reduce,
-                                  use_distributed_optimizer=p.zero == 1)
+                                  zero=p.zero, zero3_reshard_after_forward=p.zero3_reshard_after_forward,
+                                  zero3_prefetch=p.zero3_prefetch)
     optimizer = build_optimizer(chunks, ctx, cfg.optimizer, ddp, precision=cfg.train.precision)
     scheduler = build_lr_scheduler(cfg.optimizer, cfg.train.train_iters, optimizer)
     return chunks, ddp, optimizer, scheduler

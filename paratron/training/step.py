@@ -27,10 +27,11 @@ class StepOutput:
 
 
 def count_global_tokens(microbatches: list[dict], ctx) -> torch.Tensor:
-    """Valid labels over this rank's microbatches, summed over the DP group (fp64 scalar)."""
+    """Valid labels over this rank's microbatches, summed over DP x CP (each CP rank holds its own
+    tokens of the same sequences) (fp64 scalar)."""
     local = sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in microbatches)
     t = torch.tensor([float(local)], dtype=torch.float64)
-    ctx.dp.all_reduce(t)
+    ctx.dp_cp.all_reduce(t)
     return t
 
 
@@ -63,9 +64,11 @@ def run_global_batch(cfg, ctx, chunks, microbatches: list[dict], *, forward_only
 
     def forward_step(chunk_id, chunk, input_tensor, mb):
         x = mb["tokens"].to(ctx.device) if chunk.pre_process else input_tensor
+        # Packed documents (data.reset_position_ids / reset_attention_mask): every chunk needs them.
+        packed = {k: mb[k].to(ctx.device) for k in ("position_ids", "cu_seqlens") if k in mb}
         if not chunk.post_process:
-            return chunk(x)
-        losses = chunk(x, labels=mb["labels"].to(ctx.device))  # [s, b] fp32, 0 where ignored
+            return chunk(x, **packed)
+        losses = chunk(x, labels=mb["labels"].to(ctx.device), **packed)  # [s, b] fp32, 0 where ignored
         loss = losses.sum() / denom
         lm_losses.append(loss.detach())
         return loss * loss_scale if loss_scale != 1.0 else loss
@@ -75,9 +78,15 @@ def run_global_batch(cfg, ctx, chunks, microbatches: list[dict], *, forward_only
     if cfg.model.num_experts > 0:
         from paratron.models.moe.layer import set_aux_loss_scale
 
-        # MoE aux-loss grads: coeff x the mean over every microbatch of the global batch, scaled
-        # like the LM loss (see paratron.models.moe.layer).
-        set_aux_loss_scale(chunks, loss_scale / (m * ctx.dp.size))
+        # MoE aux-loss grads: coeff x the mean over every microbatch (or, for the sequence-level
+        # loss, every sequence) of the global batch, scaled like the LM loss (see
+        # paratron.models.moe.layer).
+        if cfg.model.moe_aux_loss_type == "seq":
+            from paratron.models.moe.seq_aux import count_global_sequences
+
+            set_aux_loss_scale(chunks, loss_scale / count_global_sequences(microbatches, ctx))
+        else:
+            set_aux_loss_scale(chunks, loss_scale / (m * ctx.dp.size))
     if actions is None:
         actions = rank_actions(cfg, ctx, m)
     mb_size, seq = microbatches[0]["tokens"].shape
@@ -88,7 +97,8 @@ def run_global_batch(cfg, ctx, chunks, microbatches: list[dict], *, forward_only
                  forward_only=forward_only)
     t1 = time.perf_counter()
 
-    # The loss lives on the last stage of each pipeline; sum over pp (others add 0) and dp.
+    # The loss lives on the last stage of each pipeline; sum over pp (others add 0), dp and cp
+    # (each CP rank holds its tokens' share; the aux values are the same on every CP rank).
     loss = torch.zeros(2, dtype=torch.float64)
     if lm_losses:
         loss[0] = torch.stack(lm_losses).double().sum()
@@ -96,11 +106,11 @@ def run_global_batch(cfg, ctx, chunks, microbatches: list[dict], *, forward_only
     if aux is not None:
         loss[1] = aux
     ctx.pp.all_reduce(loss)
-    ctx.dp.all_reduce(loss)
+    ctx.dp_cp.all_reduce(loss)
     aux_value = None
     if aux is not None or cfg.model.num_experts > 0:
         # Summed over MoE layers and stages for the last microbatch, averaged over DP.
-        aux_value = loss[1].item() / ctx.dp.size
+        aux_value = loss[1].item() / ctx.dp_cp.size
     return StepOutput(loss[0].item(), int(global_tokens.item()), aux_value,
                       {"forward_backward": t1 - t0})
 
