@@ -204,19 +204,21 @@ def _train(cfg: Config, ctx, run_dir: Path) -> int:
             _log(ctx, f"final validation loss {last_val:.4f} vs unigram entropy "
                       f"{data.unigram_entropy:.4f} nats/token: {verdict}")
         _log(ctx, f"metrics: {run_dir / 'metrics.jsonl'} | plot: {run_dir / 'loss.png'}")
-    if cfg.train.sample_prompt and cfg.checkpoint.save and not stopped_early:
-        print_sample(cfg, ctx)
+    prompt = cfg.train.sample_prompt or data.default_prompt
+    if prompt and cfg.train.sample_tokens > 0 and cfg.checkpoint.save and not stopped_early:
+        print_sample(cfg, ctx, prompt)
     return 0
 
 
-def print_sample(cfg: Config, ctx) -> None:
-    """Rank 0 reloads the checkpoint just saved on one process and continues the sample prompt."""
+def print_sample(cfg: Config, ctx, prompt: str) -> None:
+    """Rank 0 reloads the checkpoint just saved on one process and continues ``prompt``
+    (``train.sample_prompt``, else the start of a validation document)."""
     ctx.world.barrier()  # every rank's shards are on disk
     if ctx.rank != 0:
         return
     from paratron.training.generate import generate_text
 
-    text = generate_text(cfg.checkpoint.save, cfg.train.sample_prompt, cfg.train.sample_tokens,
+    text = generate_text(cfg.checkpoint.save, prompt, cfg.train.sample_tokens,
                          temperature=0.8, top_k=40, seed=cfg.train.seed)
     _log(ctx, "sample from the saved checkpoint (temperature 0.8, top-k 40):\n" + text)
 
