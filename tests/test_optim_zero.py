@@ -39,13 +39,16 @@ WORLD4 = [
     _L(1, 2, 3, 0.05, schedule="zb-h1"),                # deferred W actions
     _L(1, 2, 3, 0.05, reshard=False),                   # kept across the microbatches
     _L(1, 2, 2, 0.05, schedule="interleaved", v=2),     # ZeRO-2 with virtual stages
+    _L(1, 2, 3, 0.05, schedule="zbv", v=2),             # both ends (tied embedding) on one rank
+    _L(2, 2, 3, 0.05),                                  # DP=1: groups of one gather by copying
 ]
 
 
 @pytest.mark.parametrize("world,layouts", [(2, WORLD2), (4, WORLD4)], ids=["dp2", "world4"])
 def test_zero23_parity(world, layouts):
     """ZeRO-2 and ZeRO-3 at DP=2 and DP=4; ZeRO-3 at DP=2 with TP=2 (SP on and off) and with PP=2
-    (1F1B and ZB-H1); with zero3_reshard_after_forward=false; ZeRO-2 with interleaved PP: 3 AdamW steps with clipping active match one
+    (1F1B, ZB-H1 and ZBV); with zero3_reshard_after_forward=false; at DP=1 (TP=2 x PP=2); ZeRO-2
+    with interleaved PP: 3 AdamW steps with clipping active match one
     process to 1e-5; replicas bitwise equal; grad norms and clip coefficients match."""
     _check_layouts(run_ranks(_rank_layouts, world, layouts, timeout=400), layouts)
 
