@@ -84,8 +84,12 @@ class RankWatch:
             if r not in self.deaths and not alive(pid):
                 self.deaths[r] = now
 
-    def kill_leftovers(self) -> list[int]:
-        """SIGKILL every local rank process still alive; returns their ranks."""
+    def kill_leftovers(self, wait_s: float = 2.0) -> list[int]:
+        """SIGKILL every local rank process still alive after ``wait_s`` (the parent-death
+        signal normally ends them within milliseconds of the agent); returns their ranks."""
+        deadline = time.time() + wait_s
+        while any(alive(pid) for pid in self.pids.values()) and time.time() < deadline:
+            time.sleep(POLL_S)
         left = [r for r, pid in self.pids.items() if alive(pid)]
         for r in left:
             try:
@@ -138,7 +142,7 @@ def run_torchrun(cmd: list[str], run_dir: Path | None = None) -> int:
     if rc != 0:
         for line in failure_report(Path(run_dir), log_dir, watch, rc, left):
             print(line, file=sys.stderr)
-    return rc
+    return 128 - rc if rc < 0 else rc  # killed by a signal: the shell's convention
 
 
 def failure_report(run_dir: Path, log_dir: Path, watch: RankWatch, rc: int, left: list[int]) -> list[str]:

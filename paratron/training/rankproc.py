@@ -10,7 +10,8 @@
 * :func:`rank_session`: writes ``LOG_DIR/rank_N.status.json`` (pid, host) at start, and on an
   exception ``LOG_DIR/rank_N.error.json`` (type, message, time, the ``file:line`` of the
   innermost frame outside the Python and site-packages libraries, i.e. in paratron or a plugin,
-  the step); the launcher's summary reads them (:mod:`paratron.training.failures`).
+  the step), prints the traceback to the log and ends the process at once; the launcher's
+  summary reads the records (:mod:`paratron.training.failures`).
 """
 
 from __future__ import annotations
@@ -146,6 +147,12 @@ def rank_session():
     try:
         yield
     except BaseException as exc:
-        if not isinstance(exc, SystemExit) or exc.code not in (0, None):
-            write_error_record(log_dir, rank, exc)
-        raise
+        if isinstance(exc, SystemExit) and exc.code in (0, None):
+            raise
+        write_error_record(log_dir, rank, exc)
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # End now: the peers are blocked until this process is gone, and the interpreter's
+        # teardown has been seen to take seconds here.
+        os._exit(1)
