@@ -24,6 +24,7 @@ timings compare runs that compute the same thing.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -93,7 +94,7 @@ def _rank(args):
     from deepspeed.utils import logger
 
     logger.setLevel("ERROR")
-    from paratron.optim import DistributedDataParallel, build_optimizer
+    from paratron.optim import DistributedDataParallel, build_optimizer, finalize_grads
     from paratron.parallel.context import ParallelContext
 
     rank = torch.distributed.get_rank()
@@ -144,7 +145,9 @@ def _rank(args):
             # The token mean over the global batch (all tokens valid): each microbatch's mean
             # divided by microbatches x DP ranks, then summed by DDP.
             loss = model(tokens[i * mb:(i + 1) * mb], labels[i * mb:(i + 1) * mb])
-            (loss / (m * dp)).backward()
+            with opt.ddp.last_backward() if i == m - 1 else contextlib.nullcontext():
+                (loss / (m * dp)).backward()
+        finalize_grads([model], ctx, opt.ddp)
         opt.step()
 
     times = {"deepspeed": [], "paratron": [], "paratron_no_overlap": []}

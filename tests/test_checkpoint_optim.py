@@ -104,8 +104,7 @@ def train_steps(cfg, ctx, model, steps) -> list[float]:
     for step in steps:
         opt.zero_grad()
         out = run_global_batch(cfg, ctx, chunks, microbatches(step, ctx, cfg.train.micro_batch_size),
-                               forward_only=False,
-                               loss_scale=opt.loss_scale)
+                               forward_only=False, loss_scale=opt.loss_scale, ddp=opt.ddp)
         opt.step()
         sched.step()
         losses.append(out.loss)

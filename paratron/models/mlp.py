@@ -20,7 +20,7 @@ class MLP(nn.Module):
 
     Parameters (under ``layers.{i}.mlp``): GELU: ``fc1.weight`` ``[f, h]``, ``fc2.weight`` ``[h, f]``;
     SwiGLU: ``gate.weight``, ``up.weight`` ``[f, h]``, ``fc2.weight`` ``[h, f]``; biases when
-    ``add_bias_linear``. ``f`` is :func:`paratron.models.model_shape.ffn_size`.
+    ``add_bias_linear``. ``f`` is :func:`paratron.config.model_shape.ffn_size`.
     """
 
     def __init__(self, cfg: ModelConfig, ctx, *, layer_number: int, seed: int, sequence_parallel: bool,

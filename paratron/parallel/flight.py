@@ -90,15 +90,19 @@ class FlightRecorder:
                 e.end, e.work = now, None
 
     def close_all(self) -> None:
-        """Close every asynchronous entry: the caller knows their works have been waited for."""
+        """Close every open entry: the caller (the end of a step) knows that every op it issued
+        has been waited for."""
         now = time.time()
         for e in self.entries():
-            if e.end is None and e.work is not None:
+            if e.end is None:
                 e.end, e.work = now, None
 
     def pending(self) -> list[FlightEntry]:
-        """Open entries, oldest first."""
-        return [e for e in self.entries() if e.end is None]
+        """Open entries, oldest first, leaving out p2p ops whose work was never attached (built
+        by :meth:`Group.p2p_op` but posted by a direct ``dist.batch_isend_irecv``: their
+        completion cannot be seen)."""
+        return [e for e in self.entries() if e.end is None
+                and (e.work is not None or e.op not in ("send", "recv"))]
 
     def snapshot(self) -> dict:
         """JSON-ready state: every buffered entry and the op count of every group."""

@@ -25,6 +25,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="TOML config file (default: built-in defaults)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override one config key, e.g. --set parallel.tensor=2 (repeatable)")
+    p.add_argument("--data", default=None, metavar="PATH",
+                   help="train on this text: a .jsonl/.json/.txt file or a directory of them (tokenised on "
+                        "first use into the data cache), or an existing .bin/.idx prefix; replaces the "
+                        "config's data.corpus and data.data_path")
     p.add_argument("--run-dir", default=None,
                    help="where metrics.jsonl, tensorboard/ and loss.png go (default: runs/<config file stem>, "
                         "or runs/latest without --config)")
@@ -58,17 +62,34 @@ def world_size_for(args: argparse.Namespace) -> int:
 
 def load_and_validate(args: argparse.Namespace) -> Config:
     """Config from file + overrides, validated for this world size (no process group yet)."""
-    cfg = build_config(args.config, args.overrides)
-    validate(cfg, world_size_for(args))
-    from paratron.training.preflight import check_paths, check_schedule, import_plugins
+    from paratron.training.preflight import apply_data_argument, check_paths, import_plugins
 
-    check_paths(cfg)
-    try:
+    cfg = build_config(args.config, args.overrides)
+    apply_data_argument(cfg, getattr(args, "data", None), args.overrides)
+    try:  # first: the config may name schedules, dispatchers or blocks that plugins register
         import_plugins(cfg)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    check_schedule(cfg, world_size_for(args))
+    validate(cfg, world_size_for(args))
+    check_paths(cfg)
+    print_config_warnings(cfg, launching=bool(args.nproc_per_node) and "WORLD_SIZE" not in os.environ)
     return cfg
+
+
+def print_config_warnings(cfg: Config, launching: bool) -> None:
+    """Print :func:`~paratron.config.validators.config_warnings` once per run, one line each: in
+    the launcher, or else on rank 0 (a launcher marks its ranks so they stay quiet)."""
+    from paratron.config.validators import config_warnings
+
+    if launching:
+        os.environ[_WARNED] = "1"  # inherited by the ranks torchrun starts
+    elif os.environ.get(_WARNED) or os.environ.get("RANK", "0") != "0":
+        return
+    for line in config_warnings(cfg):
+        print(f"paratron: warning: {line}", file=sys.stderr)
+
+
+_WARNED = "PARATRON_CONFIG_WARNED"
 
 
 def torchrun_argv(args: argparse.Namespace, module_argv: list[str]) -> list[str]:
@@ -92,10 +113,13 @@ def torchrun_argv(args: argparse.Namespace, module_argv: list[str]) -> list[str]
     return cmd + rest
 
 
-def launch_or_run(args: argparse.Namespace, command: str, body) -> int:
-    """Validate, then either re-exec under torchrun or call ``body(cfg, args)`` in this process."""
+def launch_or_run(args: argparse.Namespace, command: str, body, prepare=None) -> int:
+    """Validate (and ``prepare(cfg, args)``, which may raise ConfigError), then either re-exec
+    under torchrun or call ``body(cfg, args)`` in this process."""
     try:
         cfg = load_and_validate(args)
+        if prepare is not None:
+            prepare(cfg, args)
     except ConfigError as e:
         hint = ""
         if "world size" in str(e) and "WORLD_SIZE" not in os.environ and not args.nproc_per_node:
@@ -161,4 +185,9 @@ def run(args: argparse.Namespace) -> int:
         with rank_session(), run_locks(run_dir, cfg, take) as refused:
             return 2 if refused else run_training(cfg, run_dir=str(run_dir))
 
-    return launch_or_run(args, "train", body)
+    def prepare(cfg: Config, a: argparse.Namespace) -> None:
+        from paratron.training.preflight import prepare_training
+
+        prepare_training(cfg, a.run_dir or default_run_dir(a.config))
+
+    return launch_or_run(args, "train", body, prepare)

@@ -36,12 +36,6 @@ from .collectives import all_to_all
 from .dispatcher import source_to_expert_major
 
 
-def expert_ffn_size(cfg: ModelConfig) -> int:
-    """Inner width of one expert: ``moe_ffn_hidden_size``, else the dense MLP width
-    (:func:`paratron.models.model_shape.ffn_size`)."""
-    return cfg.moe_ffn_hidden_size if cfg.moe_ffn_hidden_size is not None else model_shape.ffn_size(cfg)
-
-
 class _BiasOnce(torch.autograd.Function):
     """``x + bias`` on the first rank of the expert-TP group, ``x`` elsewhere (the partial outputs
     are summed afterwards); every rank gets ``sum(grad)`` as the bias grad, which is the full grad
@@ -107,10 +101,7 @@ class ExpertMLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig, ctx, *, logical_name: str, seed: int, params_dtype: torch.dtype):
         super().__init__()
-        h, f = cfg.hidden_size, expert_ffn_size(cfg)
-        if f % ctx.expert_tp.size:
-            raise ValueError(f"the expert width (model.moe_ffn_hidden_size or the MLP width) {f} is not "
-                             f"divisible by parallel.expert_tensor={ctx.expert_tp.size}")
+        h, f = cfg.hidden_size, model_shape.expert_ffn_size(cfg)
         self.activation = cfg.activation
         kw = dict(seed=seed, bias=cfg.add_bias_linear, params_dtype=params_dtype)
         inner = normal_(cfg.init_method_std)
