@@ -71,7 +71,7 @@ def test_fused_fc1_is_gate_then_up():
 class _NoAttention(nn.Module):
     """An attention replacement without parameters that adds nothing to the residual stream."""
 
-    def forward(self, x, rope=None):
+    def forward(self, x, rope=None, layout=None):
         return torch.zeros_like(x)
 
 

@@ -24,11 +24,11 @@ restores the scalars, and the RNG per rank (see :mod:`paratron.checkpoint.rng`).
 from __future__ import annotations
 
 import math
-
 import os
 import re
 import shutil
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Callable
 
@@ -144,6 +144,11 @@ class CheckpointManager:
             return
         root = Path(self.cfg.save)
         asynchronous = self.cfg.async_save if async_ is None else bool(async_)
+        with full_params(optimizer):
+            self._save_items(root, int(step), chunks, optimizer, scheduler, extra, asynchronous, t0)
+
+    def _save_items(self, root: Path, step: int, chunks, optimizer, scheduler, extra, asynchronous: bool,
+                    t0: float) -> None:
         first = self.ctx.is_first_stage
         items = model_items(chunks, is_first_stage=first, for_save=True)
         if optimizer is not None:
@@ -276,18 +281,19 @@ class CheckpointManager:
                 f"{directory} holds no optimizer state (it was saved without one), but "
                 "checkpoint.load_optimizer=true; set checkpoint.load_optimizer=false to start a fresh "
                 "optimizer from these weights")
-        items = model_items(chunks, for_save=False)
-        if want_optimizer:
-            items = merge(items, optimizer_items(optimizer))
         with torch.no_grad():
-            read_items(directory, items)
+            with full_params(optimizer, writeback=True):
+                items = model_items(chunks, for_save=False)
+                if want_optimizer:
+                    items = merge(items, optimizer_items(optimizer))
+                read_items(directory, items)
+                if not want_optimizer and optimizer is not None:
+                    copy_params_into_main(chunks, optimizer)
             if want_optimizer:
                 optimizer.load_scalar_state(decode(manifest["optimizer"]))
                 optimizer.reload_model_params()
                 if scheduler is not None and manifest.get("scheduler") is not None:
                     scheduler.load_state_dict(decode(manifest["scheduler"]))
-            elif optimizer is not None:
-                copy_params_into_main(chunks, optimizer)
         self._restore_rng(chunks, directory, manifest)
         return decode(manifest.get("extra") or {})
 
@@ -305,6 +311,13 @@ class CheckpointManager:
             rng.restore(chunks, decode(read_json(path)["rng"]))
         else:
             rng.rederive(chunks, self.ctx, self.config.train.seed, int(manifest.get("step") or 0))
+
+
+def full_params(optimizer, writeback: bool = False):
+    """The optimizer's DDP :meth:`~paratron.optim.ddp.DistributedDataParallel.full_params`
+    context (ZeRO-3 gathers every param for the block; otherwise nothing happens)."""
+    ddp = getattr(optimizer, "ddp", None)
+    return ddp.full_params(writeback) if ddp is not None else nullcontext()
 
 
 def copy_params_into_main(chunks, optimizer) -> None:

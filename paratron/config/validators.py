@@ -14,6 +14,7 @@ importing the config loads neither numpy nor the pipeline package.
 from __future__ import annotations
 
 from . import model_shape
+from .context_rules import check_context
 from .errors import ConfigError
 from .sections import Config
 
@@ -85,8 +86,6 @@ def _sequence(cfg: Config, world: int | None) -> None:
     if p.sequence_parallel and s % p.tensor:
         raise ConfigError(f"model.seq_length={s} is not divisible by parallel.tensor={p.tensor}, "
                           "which sequence parallelism needs (parallel.sequence_parallel=true)")
-    if p.context > 1 and s % (2 * p.context):
-        raise ConfigError(f"model.seq_length={s} is not divisible by 2*parallel.context={2 * p.context}")
 
 
 def _pipeline_layers(cfg: Config, world: int | None) -> None:
@@ -128,11 +127,9 @@ def _experts(cfg: Config, world: int | None) -> None:
 
 
 def _zero(cfg: Config, world: int | None) -> None:
-    if cfg.parallel.zero not in (0, 1):
-        raise ConfigError(f"parallel.zero={cfg.parallel.zero} must be 0 (DDP) or 1 (ZeRO-1)")
-    if cfg.parallel.context > 1:
-        raise ConfigError(f"parallel.context={cfg.parallel.context}: context parallelism is not "
-                          "implemented yet; use 1")
+    if cfg.parallel.zero not in (0, 1, 2, 3):
+        raise ConfigError(f"parallel.zero={cfg.parallel.zero} must be 0 (DDP), 1 (optimizer state "
+                          "sharded), 2 (also grads) or 3 (also params)")
 
 
 def _split(cfg: Config, world: int | None) -> None:
@@ -161,7 +158,7 @@ def _lr_schedule(cfg: Config, world: int | None) -> None:
 
 
 VALIDATORS = [_positive, _lr_schedule, _grid, _model, _batch, _sequence, _schedule, _pipeline_layers,
-              _experts, _zero, _split]
+              _experts, _zero, _split, check_context]
 """Every config rule, in order. Each takes ``(cfg, world_size_or_None)`` and raises ConfigError."""
 
 

@@ -48,9 +48,14 @@ class TransformerLayer(nn.Module):
         # Under sequence parallelism each TP rank holds other positions: draw other masks.
         return dropout(x, self.hidden_dropout, self.training, self.rng_tracker, self.sequence_parallel)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        x = x + self._dropout(self.attention(self.input_norm(x), rope))
-        return x + self._dropout(self.mlp(self.post_attention_norm(x)))
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                layout=None) -> torch.Tensor:
+        """``layout``: the microbatch's :class:`~paratron.models.context_parallel.SeqLayout` or None."""
+        x = x + self._dropout(self.attention(self.input_norm(x), rope, layout))
+        y = self.post_attention_norm(x)
+        # The MoE layer needs the layout for its per-sequence aux loss (model.moe_aux_loss_type).
+        y = self.mlp(y, layout) if getattr(self.mlp, "takes_layout", False) else self.mlp(y)
+        return x + self._dropout(y)
 
 
 def transformer_block(spec: TransformerLayerSpec) -> Callable[..., nn.Module]:

@@ -12,8 +12,9 @@ A :class:`TransformerLayerSpec` names a builder for each submodule of
 A builder is called as ``builder(inputs, name)``: ``inputs`` is the :class:`LayerInputs` of the
 layer, ``name`` the attribute the module is stored under (its parameters are named
 ``{inputs.prefix}.{name}.*``). It returns an ``nn.Module`` mapping ``[s, b, h]`` (``[s/tp, b, h]``
-under sequence parallelism) to the same layout; an attention module's ``forward`` also takes
-``rope`` (the ``(cos, sin)`` tables or None).
+under sequence parallelism) to the same layout; an attention module's ``forward(x, rope, layout)``
+also takes ``rope`` (the ``(cos, sin)`` tables or None) and ``layout`` (the context-parallel
+:class:`~paratron.models.context_parallel.SeqLayout` or None).
 """
 
 from __future__ import annotations

@@ -123,11 +123,38 @@ class MoELayer(nn.Module):
         return self.dispatcher_cls(self.ctx, self.cfg.num_experts, capacity=capacity,
                                    pad_to_capacity=self.pad_to_capacity)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    takes_layout = True
+    """The transformer layer hands :meth:`forward` the microbatch's sequence layout."""
+
+    def _stats_group(self):
+        """The ranks that hold the other tokens of this microbatch: TP (under SP) x CP."""
+        cp = self.ctx.cp.size > 1
+        if self.sequence_parallel:
+            return self.ctx.tp_cp if cp else self.ctx.tp
+        return self.ctx.cp if cp else None
+
+    def _segments(self, s: int, b: int, layout) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(sequence id of each row [s*b], sequence lengths) for the sequence-level aux loss."""
+        if self.cfg.moe_aux_loss_type != "seq":
+            return None
+        tp, device = self.ctx.tp, self.router.weight.device
+        if layout is None:  # one rank holds whole sequences (up to SP): each sample is a sequence
+            full = s * (tp.size if self.sequence_parallel else 1)
+            ids = torch.arange(b, device=device).repeat(s)
+            return ids, torch.full((b,), full, device=device)
+        ids, lengths = layout.segment_ids(device)  # [s_cp, b]
+        if self.sequence_parallel:
+            ids = ids[tp.rank * s:(tp.rank + 1) * s]
+        return ids.reshape(-1), lengths
+
+    def forward(self, x: torch.Tensor, layout=None) -> torch.Tensor:
+        """``x`` ``[s, b, h]`` (``[s/tp, b, h]`` under SP); ``layout`` the microbatch's
+        :class:`~paratron.models.context_parallel.SeqLayout` (context parallelism, packed
+        documents) or None."""
         cfg, tp = self.cfg, self.ctx.tp
         s, b, h = x.shape
         tokens = x.reshape(s * b, h)
-        routing = self.router(tokens, tp if self.sequence_parallel else None)
+        routing = self.router(tokens, self._stats_group(), self._segments(s, b, layout))
         indices = routing.indices
         capacity = None
         if cfg.moe_capacity_factor is not None:
