@@ -129,7 +129,7 @@ def test_unknown_key_in_toml_names_file(tmp_path):
     (["parallel.virtual_pipeline=2", "model.num_layers=4"], 1, "schedule '1f1b' runs one model chunk per rank"),
     (["model.num_experts=6", "parallel.expert=4"], 4, "model.num_experts=6 is not divisible by parallel.expert=4"),
     (["parallel.expert=2"], 2, "parallel.expert=2 needs model.num_experts > 0"),
-    (["parallel.zero=2"], 1, "parallel.zero=2 must be 0 (DDP) or 1 (ZeRO-1)"),
+    (["parallel.zero=4"], 1, "parallel.zero=4 must be 0 (DDP), 1 (optimizer state sharded)"),
     (["data.split=9,x"], 1, "data.split='9,x' must be comma-separated numbers"),
 ])
 def test_validation_errors_before_any_group(overrides, world, msg):

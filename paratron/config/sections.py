@@ -87,7 +87,12 @@ class ParallelConfig:
     """Tensor-parallel size of expert layers."""
     sequence_parallel: bool = False
     zero: int = 0
-    """0: plain DDP; 1: ZeRO-1 distributed optimizer."""
+    """ZeRO stage over DP: 0 plain DDP; 1 optimizer state sharded; 2 also grads; 3 also params."""
+    zero3_reshard_after_forward: bool = True
+    """ZeRO-3: free a layer's gathered params after its forward (gather again for backward);
+    false keeps them gathered until the end of the step's backward (one all-gather per step)."""
+    zero3_prefetch: bool = True
+    """ZeRO-3: start the next layer's all-gather while the current layer computes."""
     schedule: str = "1f1b"
     """Pipeline schedule registry name: gpipe, 1f1b, interleaved, zb-h1, zbv, or a registered one."""
     pipeline_layout: Optional[list[int]] = None

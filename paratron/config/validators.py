@@ -127,8 +127,9 @@ def _experts(cfg: Config, world: int | None) -> None:
 
 
 def _zero(cfg: Config, world: int | None) -> None:
-    if cfg.parallel.zero not in (0, 1):
-        raise ConfigError(f"parallel.zero={cfg.parallel.zero} must be 0 (DDP) or 1 (ZeRO-1)")
+    if cfg.parallel.zero not in (0, 1, 2, 3):
+        raise ConfigError(f"parallel.zero={cfg.parallel.zero} must be 0 (DDP), 1 (optimizer state "
+                          "sharded), 2 (also grads) or 3 (also params)")
 
 
 def _split(cfg: Config, world: int | None) -> None:

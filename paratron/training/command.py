@@ -23,6 +23,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="TOML config file (default: built-in defaults)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override one config key, e.g. --set parallel.tensor=2 (repeatable)")
+    p.add_argument("--data", default=None, metavar="PATH",
+                   help="train on this text: a .jsonl/.json/.txt file or a directory of them (tokenised on "
+                        "first use into the data cache), or an existing .bin/.idx prefix; replaces the "
+                        "config's data.corpus and data.data_path")
     p.add_argument("--run-dir", default=None,
                    help="where metrics.jsonl, tensorboard/ and loss.png go (default: runs/<config file stem>, "
                         "or runs/latest without --config)")
@@ -56,9 +60,10 @@ def world_size_for(args: argparse.Namespace) -> int:
 
 def load_and_validate(args: argparse.Namespace) -> Config:
     """Config from file + overrides, validated for this world size (no process group yet)."""
-    from paratron.training.preflight import check_paths, import_plugins
+    from paratron.training.preflight import apply_data_argument, check_paths, import_plugins
 
     cfg = build_config(args.config, args.overrides)
+    apply_data_argument(cfg, getattr(args, "data", None), args.overrides)
     try:  # first: the config may name schedules, dispatchers or blocks that plugins register
         import_plugins(cfg)
     except ValueError as e:
@@ -106,10 +111,13 @@ def torchrun_argv(args: argparse.Namespace, module_argv: list[str]) -> list[str]
     return cmd + rest
 
 
-def launch_or_run(args: argparse.Namespace, command: str, body) -> int:
-    """Validate, then either re-exec under torchrun or call ``body(cfg, args)`` in this process."""
+def launch_or_run(args: argparse.Namespace, command: str, body, prepare=None) -> int:
+    """Validate (and ``prepare(cfg, args)``, which may raise ConfigError), then either re-exec
+    under torchrun or call ``body(cfg, args)`` in this process."""
     try:
         cfg = load_and_validate(args)
+        if prepare is not None:
+            prepare(cfg, args)
     except ConfigError as e:
         hint = ""
         if "world size" in str(e) and "WORLD_SIZE" not in os.environ and not args.nproc_per_node:
@@ -176,4 +184,9 @@ def run(args: argparse.Namespace) -> int:
 
         return run_training(cfg, run_dir=a.run_dir or default_run_dir(a.config))
 
-    return launch_or_run(args, "train", body)
+    def prepare(cfg: Config, a: argparse.Namespace) -> None:
+        from paratron.training.preflight import prepare_training
+
+        prepare_training(cfg, a.run_dir or default_run_dir(a.config))
+
+    return launch_or_run(args, "train", body, prepare)

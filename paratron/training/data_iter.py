@@ -25,6 +25,8 @@ class TrainingData:
     unigram_entropy: float | None
     prepare: Callable[[dict], dict] = field(default=lambda mb: mb)
     """Per microbatch: packed-document fields, then this CP rank's chunks (:func:`microbatch_preparer`)."""
+    default_prompt: str | None = None
+    """The start of a validation document: the sample prompt when train.sample_prompt is unset."""
 
     @property
     def num_microbatches(self) -> int:
@@ -48,16 +50,14 @@ class TrainingData:
         first; the others wait at a barrier and then reuse them."""
         from paratron.data.gpt_dataset import build_datasets
         from paratron.data.sampler import PretrainingSampler
-        from paratron.data.prepare import ensure_dataset
-        from paratron.data.tokenizer import build_tokenizer
+        from paratron.data.prepare import prepare_run_data, validation_prompt
 
         t = cfg.train
         n_evals = (t.train_iters // t.eval_interval + 1) if t.eval_interval else 1
         num_samples = (t.train_iters * t.global_batch_size, n_evals * t.eval_iters * t.global_batch_size, 0)
 
         def make():
-            prefixes = ensure_dataset(cfg.data, t.seed)
-            tok = build_tokenizer(cfg.data)
+            prefixes, tok = prepare_run_data(cfg.data, progress=ctx.rank == 0)
             train, valid, _ = build_datasets(prefixes, cfg.model.seq_length, t.seed, split=cfg.data.split,
                                              num_samples=num_samples, cache_dir=cfg.data.cache_dir)
             return prefixes, tok, train, valid
@@ -67,6 +67,8 @@ class TrainingData:
         ctx.world.barrier()
         if ctx.rank != 0:
             prefixes, tok, train, valid = make()
+        if cfg.data.corpus and not cfg.data.data_path:
+            cfg.data.data_path = [prefixes[0][1]]  # saved configs name the tokenised corpus itself
         entropy = unigram_entropy(prefixes) if ctx.rank == 0 else None
 
         def sampler(ds):
@@ -75,7 +77,9 @@ class TrainingData:
             return PretrainingSampler(len(ds), t.global_batch_size, t.micro_batch_size,
                                       ctx.dp.rank, ctx.dp.size, seed=t.seed)
 
-        return cls(tok, train, valid, sampler(train), sampler(valid), entropy, microbatch_preparer(cfg, ctx, tok.eod))
+        prompt = validation_prompt(prefixes, cfg.data.split, tok)  # every rank: they agree on sampling
+        return cls(tok, train, valid, sampler(train), sampler(valid), entropy, microbatch_preparer(cfg, ctx, tok.eod),
+                   prompt)
 
 
 def microbatch_preparer(cfg, ctx, eod: int) -> Callable[[dict], dict]:

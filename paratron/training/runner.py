@@ -23,8 +23,6 @@ from paratron.training.metrics import (MetricsWriter, format_log_line, peak_flop
                                        peak_memory_mb, plot_losses)
 from paratron.training.step import rank_actions, run_global_batch
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
 
 class StopFlag:
     """Set by SIGTERM/SIGINT; the loop stops after the current step."""
@@ -134,7 +132,7 @@ def _train(cfg: Config, ctx, run_dir: Path) -> int:
             t_data = time.perf_counter() - t0
             optimizer.zero_grad()
             out = run_global_batch(cfg, ctx, chunks, microbatches, forward_only=False,
-                                   loss_scale=optimizer.loss_scale, actions=actions)
+                                   loss_scale=optimizer.loss_scale, actions=actions, ddp=ddp)
             t1 = time.perf_counter()
             lr = scheduler_lr(scheduler, optimizer)  # the rate this step uses
             result = optimizer.step()
@@ -206,19 +204,21 @@ def _train(cfg: Config, ctx, run_dir: Path) -> int:
             _log(ctx, f"final validation loss {last_val:.4f} vs unigram entropy "
                       f"{data.unigram_entropy:.4f} nats/token: {verdict}")
         _log(ctx, f"metrics: {run_dir / 'metrics.jsonl'} | plot: {run_dir / 'loss.png'}")
-    if cfg.train.sample_prompt and cfg.checkpoint.save and not stopped_early:
-        print_sample(cfg, ctx)
+    prompt = cfg.train.sample_prompt or data.default_prompt
+    if prompt and cfg.train.sample_tokens > 0 and cfg.checkpoint.save and not stopped_early:
+        print_sample(cfg, ctx, prompt)
     return 0
 
 
-def print_sample(cfg: Config, ctx) -> None:
-    """Rank 0 reloads the checkpoint just saved on one process and continues the sample prompt."""
+def print_sample(cfg: Config, ctx, prompt: str) -> None:
+    """Rank 0 reloads the checkpoint just saved on one process and continues ``prompt``
+    (``train.sample_prompt``, else the start of a validation document)."""
     ctx.world.barrier()  # every rank's shards are on disk
     if ctx.rank != 0:
         return
     from paratron.training.generate import generate_text
 
-    text = generate_text(cfg.checkpoint.save, cfg.train.sample_prompt, cfg.train.sample_tokens,
+    text = generate_text(cfg.checkpoint.save, prompt, cfg.train.sample_tokens,
                          temperature=0.8, top_k=40, seed=cfg.train.seed)
     _log(ctx, "sample from the saved checkpoint (temperature 0.8, top-k 40):\n" + text)
 
@@ -288,19 +288,20 @@ def evaluate(cfg, ctx, chunks, data, state: TrainState, writer, callbacks, actio
 def build_model_and_optimizer(cfg: Config, ctx):
     """Model chunks of this rank, wrapped for data parallelism, with optimizer and LR schedule."""
     from paratron.models.gpt import build_model_chunks
-    from paratron.optim import DistributedDataParallel, build_lr_scheduler, build_optimizer
+    from paratron.optim import DistributedDataParallel, build_lr_scheduler, build_optimizer, precision_dtype
     from paratron.pipeline.partition import stage_layers
 
     p = cfg.parallel
     layout = stage_layers(cfg.model.num_layers, p.pipeline, p.virtual_pipeline, p.pipeline_layout, p.schedule)
     chunks = build_model_chunks(cfg.model, ctx, seed=cfg.train.seed, sequence_parallel=p.sequence_parallel,
-                                params_dtype=DTYPES[cfg.train.precision], stage_layers=layout,
+                                params_dtype=precision_dtype(cfg.train.precision), stage_layers=layout,
                                 context_algorithm=p.context_algorithm)
     for c in chunks:
         c.to(ctx.device)
     ddp = DistributedDataParallel(chunks, ctx, grad_dtype=torch.float32, bucket_size_mb=p.bucket_size_mb,
                                   overlap_grad_reduce=p.overlap_grad_reduce,
-                                  use_distributed_optimizer=p.zero == 1)
+                                  zero=p.zero, zero3_reshard_after_forward=p.zero3_reshard_after_forward,
+                                  zero3_prefetch=p.zero3_prefetch)
     optimizer = build_optimizer(chunks, ctx, cfg.optimizer, ddp, precision=cfg.train.precision)
     scheduler = build_lr_scheduler(cfg.optimizer, cfg.train.train_iters, optimizer)
     return chunks, ddp, optimizer, scheduler
