@@ -79,7 +79,7 @@ def _layout_step(seq: int, cp: int, algorithm: str):
     cfg = _config(seq, cp, algorithm)
     ctx = ParallelContext.build(cp=cp)
     torch.manual_seed(0)
-    chunks, _, opt, _ = build_model_and_optimizer(cfg, ctx)
+    chunks, ddp, opt, _ = build_model_and_optimizer(cfg, ctx)
     prepare = microbatch_preparer(cfg, ctx, eod=0)
     tokens = torch.randint(0, 512, (2, seq + 1), generator=torch.Generator().manual_seed(1))
     rows = range(2) if ctx.dp.size == 1 else [ctx.dp.rank]
@@ -87,7 +87,7 @@ def _layout_step(seq: int, cp: int, algorithm: str):
 
     def step():
         opt.zero_grad()
-        out = run_global_batch(cfg, ctx, chunks, micro, forward_only=False)
+        out = run_global_batch(cfg, ctx, chunks, micro, forward_only=False, ddp=ddp)
         opt.step()
         return out.loss
 

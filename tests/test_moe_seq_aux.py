@@ -93,17 +93,15 @@ def _step_router_grad(mbs: int, cp: int = 1):
     cfg.train.micro_batch_size, cfg.train.global_batch_size = mbs, GBS
     cfg = validate(cfg, cp)
     ctx = ParallelContext.build(cp=cp) if cp > 1 else ParallelContext.single()
-    chunks, _, opt, _ = build_model_and_optimizer(cfg, ctx)
+    chunks, ddp, opt, _ = build_model_and_optimizer(cfg, ctx)
     prepare = microbatch_preparer(cfg, ctx, EOD)
     full = _batch(packed=True)  # only its tokens and labels: the preparer finds the documents
     micro = [prepare({"tokens": full["tokens"][i:i + mbs], "labels": full["labels"][i:i + mbs]})
              for i in range(0, GBS, mbs)]
     opt.zero_grad()
-    run_global_batch(cfg, ctx, chunks, micro, forward_only=False)
+    run_global_batch(cfg, ctx, chunks, micro, forward_only=False, ddp=ddp)
     (layer,) = moe_layers(chunks[0])
-    grad = layer.router.weight.main_grad.clone()
-    ctx.cp.all_reduce(grad)
-    return grad
+    return layer.router.weight.main_grad.clone()  # final: summed over DP x CP by the step
 
 
 def _step_rank():
