@@ -1,7 +1,7 @@
 """Process-group handles and the communication ledger.
 
 Every collective paratron issues goes through a :class:`Group` method, so that one place can count
-calls and bytes per operation and per group (DESIGN.md principle 8). The ledger is off by default;
+calls and bytes per operation and per group (docs/DESIGN.md principle 8). The ledger is off by default;
 when off, recording costs one attribute check.
 
 Groups of size 1 short-circuit: their collectives return the input without calling
@@ -96,9 +96,6 @@ class Group:
     @property
     def is_member(self) -> bool:
         return self.rank >= 0
-
-    def global_rank(self, group_rank: int) -> int:
-        return self.ranks[group_rank]
 
     # ---- collectives (in place where torch is) -------------------------------------------
     def all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False):
