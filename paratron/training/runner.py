@@ -92,7 +92,8 @@ def _train(cfg: Config, ctx, run_dir: Path) -> int:
         (run_dir / "config.toml").write_text(to_toml(cfg))
     writer = MetricsWriter(run_dir, is_logger, cfg.logging.tensorboard)
     state = TrainState(cfg, ctx, chunks, optimizer, scheduler, run_dir)
-    callbacks = CallbackList([load_callback(s, state) for s in cfg.train.callbacks])
+    callbacks = CallbackList(builtin_callbacks(cfg, ctx, state) +
+                             [load_callback(s, state) for s in cfg.train.callbacks])
     ckpt = build_checkpoint_manager(cfg, ctx)
 
     warn_if_saving_over(cfg, ctx)
@@ -208,6 +209,15 @@ def _train(cfg: Config, ctx, run_dir: Path) -> int:
     if prompt and cfg.train.sample_tokens > 0 and cfg.checkpoint.save and not stopped_early:
         print_sample(cfg, ctx, prompt)
     return 0
+
+
+def builtin_callbacks(cfg: Config, ctx, state: TrainState) -> list:
+    """The hang watchdog (first, so it sees every step of the other callbacks), when on."""
+    if cfg.parallel.hang_timeout_s > 0 and ctx.world_size > 1:
+        from paratron.training.watchdog import HangWatchdog
+
+        return [HangWatchdog(state, cfg.parallel.hang_timeout_s)]
+    return []
 
 
 def print_sample(cfg: Config, ctx, prompt: str) -> None:
