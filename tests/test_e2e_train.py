@@ -59,6 +59,7 @@ LAYOUTS = {
     "tp2_pp2": (["parallel.tensor=2", "parallel.pipeline=2"], 4),
     "tp2_dp2_sp": (["parallel.tensor=2", "parallel.sequence_parallel=true"], 4),
     "pp2_zbv": (["parallel.pipeline=2", "parallel.schedule=zbv", "parallel.virtual_pipeline=2"], 2),
+    "cp2_ring": (["parallel.context=2"], 2),
 }
 
 
