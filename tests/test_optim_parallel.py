@@ -66,13 +66,14 @@ def reference(clip: float, batches):
 
 
 def train(ctx, *, zero, clip, schedule="1f1b", v=1, m=2, sp=False, precision="fp32", batches=None,
-          inject=None, opt_kw=None, snapshots=None, set_scale=None):
+          inject=None, opt_kw=None, snapshots=None, set_scale=None, reshard=True, probe=None):
     """Train the GPT for len(batches) steps on this rank's part of the layout.
 
     ``inject(step, chunk)`` may return a term added to the loss of microbatch 0 on the last stage.
     Returns (full params of this stage, [(grad_norm, clip_coeff, skipped, loss_scale)]); when
     ``snapshots`` is a list, the full params after every step are appended to it.
-    ``set_scale`` maps a step to a loss scale forced before it.
+    ``set_scale`` maps a step to a loss scale forced before it. ``reshard`` is ZeRO-3's
+    ``zero3_reshard_after_forward``; ``probe(chunks, ddp, opt)`` is called after the last step.
     """
     dtype = precision_dtype(precision)
     layers = stage_layers(LAYERS, ctx.pp.size, v, None, schedule)
@@ -80,7 +81,7 @@ def train(ctx, *, zero, clip, schedule="1f1b", v=1, m=2, sp=False, precision="fp
                                 sequence_parallel=sp)
     perturb_1d_params_(chunks)
     ddp = DistributedDataParallel(chunks, ctx, bucket_size_mb=0.002, overlap_grad_reduce=True,
-                                  zero=int(zero))
+                                  zero=int(zero), zero3_reshard_after_forward=reshard)
     opt = build_optimizer(chunks, ctx, _opt(clip, **(opt_kw or {})), ddp, precision=precision)
     dp, r = ctx.dp.size, ctx.dp.rank
     rows = GLOBAL_B // dp
@@ -115,6 +116,8 @@ def train(ctx, *, zero, clip, schedule="1f1b", v=1, m=2, sp=False, precision="fp
         if snapshots is not None:
             with ddp.full_params():
                 snapshots.append({k: t.float() for k, t in gather_full_state(chunks, ctx).items()})
+    if probe is not None:
+        probe(chunks, ddp, opt)
     with ddp.full_params():
         full = {k: t.float() for k, t in gather_full_state(chunks, ctx).items()}
     return full, out
@@ -128,7 +131,7 @@ def _rank_layouts(layouts):
         ctx = ParallelContext.build(tp=lay["tp"], pp=lay["pp"])
         full, steps = train(ctx, zero=lay["zero"], clip=lay["clip"], schedule=lay.get("schedule", "1f1b"),
                             v=lay.get("v", 1), m=lay.get("m", 2), sp=lay.get("sp", False),
-                            batches=[_batch(s) for s in range(STEPS)])
+                            reshard=lay.get("reshard", True), batches=[_batch(s) for s in range(STEPS)])
         coords = (ctx.tp.rank, ctx.pp.rank, ctx.dp.rank)
         res.append((coords, full, steps))
     return res
