@@ -20,16 +20,16 @@ from paratron.pipeline.registry import build_schedule
 from paratron.pipeline.runtime import run_pipeline
 from paratron.testing import run_ranks
 
+from helpers import gpt2_config, perturb_1d_params_
+
 SEQ, GLOBAL_B, VOCAB, HID, LAYERS, SEED = 8, 8, 37, 16, 4, 5
 STEPS = 3
 IGNORE = -100
 
 
 def _cfg() -> ModelConfig:
-    return ModelConfig(num_layers=LAYERS, hidden_size=HID, num_attention_heads=4, vocab_size=VOCAB,
-                       seq_length=SEQ, normalization="layernorm", position_embedding_type="learned",
-                       activation="gelu", add_bias_linear=True, tie_embeddings=True,
-                       make_vocab_size_divisible_by=4)
+    return gpt2_config(num_layers=LAYERS, hidden_size=HID, num_attention_heads=4, vocab_size=VOCAB,
+                       seq_length=SEQ, make_vocab_size_divisible_by=4)
 
 
 def _opt(clip: float, **kw) -> OptimizerConfig:
@@ -45,21 +45,11 @@ def _batch(step: int):
     return ids, labels
 
 
-def _perturb_(chunks):
-    """Norm weights start at 1 and biases at 0: perturb every 1-D param by name (layout-free)."""
-    for chunk in chunks:
-        for p in chunk.parameters():
-            if p.dim() == 1:
-                g = torch.Generator().manual_seed(11 + sum(map(ord, p.logical_name)))
-                with torch.no_grad():
-                    p.add_(0.1 * torch.randn(p.shard.global_shape, generator=g)[p.shard.slices()].to(p.dtype))
-
-
 def reference(clip: float, batches):
     """One process, plain torch: full params by logical name, grad norm per step."""
     ctx = ParallelContext.single()
     (model,) = build_model_chunks(_cfg(), ctx, seed=SEED)
-    _perturb_([model])
+    perturb_1d_params_([model])
     params = list(model.parameters())
     cfg = _opt(clip)
     opt = torch.optim.AdamW([{"params": [p for p in params if not p.no_weight_decay]},
@@ -89,7 +79,7 @@ def train(ctx, *, zero, clip, schedule="1f1b", v=1, m=2, sp=False, precision="fp
     layers = stage_layers(LAYERS, ctx.pp.size, v, None, schedule)
     chunks = build_model_chunks(_cfg(), ctx, seed=SEED, stage_layers=layers, params_dtype=dtype,
                                 sequence_parallel=sp)
-    _perturb_(chunks)
+    perturb_1d_params_(chunks)
     ddp = DistributedDataParallel(chunks, ctx, bucket_size_mb=0.002, overlap_grad_reduce=True,
                                   zero=int(zero), zero3_reshard_after_forward=reshard)
     opt = build_optimizer(chunks, ctx, _opt(clip, **(opt_kw or {})), ddp, precision=precision)
@@ -282,7 +272,7 @@ def _own_params(chunks) -> dict[str, torch.Tensor]:
 
 def _train_moe(ctx, zero, clip, batches, m=2):
     chunks = build_model_chunks(_moe_cfg(), ctx, seed=SEED)
-    _perturb_(chunks)
+    perturb_1d_params_(chunks)
     if ctx.world_size == 1:
         params = list(chunks[0].parameters())
         c = _opt(clip)

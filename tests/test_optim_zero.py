@@ -22,6 +22,8 @@ from paratron.parallel.context import ParallelContext
 from paratron.pipeline.registry import build_schedule
 from paratron.pipeline.runtime import run_pipeline
 from paratron.testing import run_ranks
+
+from helpers import gpt2_config
 from test_optim_dp import _wire_bytes
 from test_optim_parallel import (GLOBAL_B, HID, IGNORE, SEED, SEQ, VOCAB, _batch, _check_layouts, _L, _opt,
                                  _rank_layouts, train)
@@ -91,10 +93,8 @@ def test_zero3_bf16_gathers_bf16_and_keeps_fp32_main_shards():
 # ---- memory -------------------------------------------------------------------------------------
 
 def _cfg_untied(layers=4) -> ModelConfig:
-    return ModelConfig(num_layers=layers, hidden_size=HID, num_attention_heads=4, vocab_size=VOCAB,
-                       seq_length=SEQ, normalization="layernorm", position_embedding_type="learned",
-                       activation="gelu", add_bias_linear=True, tie_embeddings=False,
-                       make_vocab_size_divisible_by=4)
+    return gpt2_config(num_layers=layers, hidden_size=HID, num_attention_heads=4, vocab_size=VOCAB,
+                       seq_length=SEQ, tie_embeddings=False, make_vocab_size_divisible_by=4)
 
 
 def _step(chunks, ctx, opt, step=0, m=1):
