@@ -64,7 +64,7 @@ def _train(cfg: Config, ctx) -> dict:
     from paratron.training.step import run_global_batch
 
     torch.manual_seed(0)
-    chunks, _, optimizer, _ = build_model_and_optimizer(cfg, ctx)
+    chunks, ddp, optimizer, _ = build_model_and_optimizer(cfg, ctx)
     prepare = microbatch_preparer(cfg, ctx, eod=0)
     dp, r, mbs = ctx.dp.size, ctx.dp.rank, cfg.train.micro_batch_size
     rows = GBS // dp
@@ -74,7 +74,8 @@ def _train(cfg: Config, ctx) -> dict:
         tokens, labels = tokens[r * rows:(r + 1) * rows], labels[r * rows:(r + 1) * rows]
         mbs_ = [prepare({"tokens": tokens[i:i + mbs], "labels": labels[i:i + mbs]}) for i in range(0, rows, mbs)]
         optimizer.zero_grad()
-        out = run_global_batch(cfg, ctx, chunks, mbs_, forward_only=False, loss_scale=optimizer.loss_scale)
+        out = run_global_batch(cfg, ctx, chunks, mbs_, forward_only=False, loss_scale=optimizer.loss_scale,
+                               ddp=ddp)
         res = optimizer.step()
         history.append((out.loss, res.grad_norm))
     return {"params": _snapshot(chunks), "history": history}

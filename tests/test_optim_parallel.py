@@ -13,7 +13,7 @@ import torch
 
 from paratron.config import ModelConfig, OptimizerConfig
 from paratron.models.gpt import build_model_chunks, gather_full_state
-from paratron.optim import DistributedDataParallel, build_optimizer
+from paratron.optim import DistributedDataParallel, build_optimizer, finalize_grads, precision_dtype
 from paratron.parallel.context import ParallelContext
 from paratron.pipeline.partition import stage_layers
 from paratron.pipeline.registry import build_schedule
@@ -84,7 +84,7 @@ def train(ctx, *, zero, clip, schedule="1f1b", v=1, m=2, sp=False, precision="fp
     ``snapshots`` is a list, the full params after every step are appended to it.
     ``set_scale`` maps a step to a loss scale forced before it.
     """
-    dtype = {"fp32": torch.float32, "fp16": torch.float16}[precision]
+    dtype = precision_dtype(precision)
     layers = stage_layers(LAYERS, ctx.pp.size, v, None, schedule)
     chunks = build_model_chunks(_cfg(), ctx, seed=SEED, stage_layers=layers, params_dtype=dtype,
                                 sequence_parallel=sp)
@@ -118,7 +118,8 @@ def train(ctx, *, zero, clip, schedule="1f1b", v=1, m=2, sp=False, precision="fp
         opt.zero_grad()
         actions = build_schedule(schedule, ctx.pp.size, m, v)[ctx.pp.rank]
         seq = SEQ // ctx.tp.size if sp else SEQ
-        run_pipeline(actions, chunks, ctx, micro, forward_step, (seq, mbs, HID), dtype)
+        run_pipeline(actions, chunks, ctx, micro, forward_step, (seq, mbs, HID), dtype, grad_sync=ddp)
+        finalize_grads(chunks, ctx, ddp)
         res = opt.step()
         out.append((res.grad_norm, res.clip_coeff, res.skipped, res.loss_scale))
         if snapshots is not None:
@@ -308,6 +309,7 @@ def _train_moe(ctx, zero, clip, batches, m=2):
         for i in range(m // dp):
             sl = slice(i * rows * dp // m, (i + 1) * rows * dp // m)
             (chunks[0](ids[sl], labels[sl]).sum() / total).backward()
+        finalize_grads(chunks, ctx, ddp)
         res = opt.step()
         norms.append((res.grad_norm, res.clip_coeff))
     with ddp.full_params():

@@ -16,7 +16,7 @@ import torch
 
 from paratron.config import ModelConfig
 from paratron.models.gpt import build_model_chunks
-from paratron.optim import DistributedDataParallel, build_optimizer
+from paratron.optim import DistributedDataParallel, build_optimizer, finalize_grads
 from paratron.optim.zero import model_state_bytes_per_rank, storage_bytes
 from paratron.parallel.context import ParallelContext
 from paratron.pipeline.registry import build_schedule
@@ -72,7 +72,8 @@ def _step(chunks, ctx, opt, step=0, m=1):
 
     opt.zero_grad()
     run_pipeline(build_schedule("1f1b", ctx.pp.size, m, 1)[ctx.pp.rank], chunks, ctx, micro, forward_step,
-                 (SEQ, mbs, HID), torch.float32)
+                 (SEQ, mbs, HID), torch.float32, grad_sync=opt.ddp)
+    finalize_grads(chunks, ctx, opt.ddp)
     return opt.step()
 
 

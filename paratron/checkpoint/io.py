@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from . import integrity, storage
 from .items import MODEL_PREFIX, CheckpointError, StateItems, full_items, model_items
+from .legacy import adapt_items, fuse_full
 from .planner import ChunkLoadPlanner, ChunkSavePlanner
 from .safety import (METADATA_FILE, SafeFileSystemReader, check_same_model, file_sha256,
                      read_metadata_safely, refuse_pickle_files)
@@ -129,6 +130,7 @@ def read_items(directory: str | os.PathLike, items: StateItems) -> None:
     """
     directory = Path(directory)
     manifest = verify_directory(directory)
+    items = adapt_items(items, set(saved_tensors(directory, verified=True)))
     reader = SafeFileSystemReader(str(directory), checksums=manifest.get(integrity.CHECKSUMS),
                                   rank=integrity.reading_rank())
     try:
@@ -139,9 +141,11 @@ def read_items(directory: str | os.PathLike, items: StateItems) -> None:
         raise _unwrap(e, f"{directory}: reading the tensors failed") from None
 
 
-def saved_tensors(directory: str | os.PathLike) -> dict[str, TensorStorageMetadata]:
-    """Key -> DCP tensor metadata (full shape, dtype, saved chunks) of a verified checkpoint."""
-    verify_directory(directory)
+def saved_tensors(directory: str | os.PathLike, *, verified: bool = False) -> dict[str, TensorStorageMetadata]:
+    """Key -> DCP tensor metadata (full shape, dtype, saved chunks) of a checkpoint, verified
+    first unless the caller just did (``verified``)."""
+    if not verified:
+        verify_directory(directory)
     md = read_metadata_safely(Path(directory) / METADATA_FILE)
     return {k: v for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
 
@@ -288,7 +292,7 @@ def load_tensors_full(directory: str | os.PathLike, prefix: str = "") -> dict[st
     out = {key[len(prefix):]: torch.empty(tuple(md.size), dtype=md.properties.dtype)
            for key, md in saved_tensors(directory).items() if key.startswith(prefix)}
     read_items(directory, full_items(out, prefix=prefix))
-    return out
+    return fuse_full(out)
 
 
 def load_model_full(directory: str | os.PathLike) -> tuple[Any, dict[str, torch.Tensor]]:

@@ -23,8 +23,6 @@ from paratron.training.metrics import (MetricsWriter, format_log_line, peak_flop
                                        peak_memory_mb, plot_losses)
 from paratron.training.step import rank_actions, run_global_batch
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
 
 class StopFlag:
     """Set by SIGTERM/SIGINT; the loop stops after the current step."""
@@ -94,7 +92,8 @@ def _train(cfg: Config, ctx, run_dir: Path) -> int:
         (run_dir / "config.toml").write_text(to_toml(cfg))
     writer = MetricsWriter(run_dir, is_logger, cfg.logging.tensorboard)
     state = TrainState(cfg, ctx, chunks, optimizer, scheduler, run_dir)
-    callbacks = CallbackList([load_callback(s, state) for s in cfg.train.callbacks])
+    callbacks = CallbackList(builtin_callbacks(cfg, ctx, state) +
+                             [load_callback(s, state) for s in cfg.train.callbacks])
     ckpt = build_checkpoint_manager(cfg, ctx)
 
     warn_if_saving_over(cfg, ctx)
@@ -134,7 +133,7 @@ def _train(cfg: Config, ctx, run_dir: Path) -> int:
             t_data = time.perf_counter() - t0
             optimizer.zero_grad()
             out = run_global_batch(cfg, ctx, chunks, microbatches, forward_only=False,
-                                   loss_scale=optimizer.loss_scale, actions=actions)
+                                   loss_scale=optimizer.loss_scale, actions=actions, ddp=ddp)
             t1 = time.perf_counter()
             lr = scheduler_lr(scheduler, optimizer)  # the rate this step uses
             result = optimizer.step()
@@ -210,6 +209,15 @@ def _train(cfg: Config, ctx, run_dir: Path) -> int:
     if prompt and cfg.train.sample_tokens > 0 and cfg.checkpoint.save and not stopped_early:
         print_sample(cfg, ctx, prompt)
     return 0
+
+
+def builtin_callbacks(cfg: Config, ctx, state: TrainState) -> list:
+    """The hang watchdog (first, so it sees every step of the other callbacks), when on."""
+    if cfg.parallel.hang_timeout_s > 0 and ctx.world_size > 1:
+        from paratron.training.watchdog import HangWatchdog
+
+        return [HangWatchdog(state, cfg.parallel.hang_timeout_s)]
+    return []
 
 
 def print_sample(cfg: Config, ctx, prompt: str) -> None:
@@ -290,13 +298,13 @@ def evaluate(cfg, ctx, chunks, data, state: TrainState, writer, callbacks, actio
 def build_model_and_optimizer(cfg: Config, ctx):
     """Model chunks of this rank, wrapped for data parallelism, with optimizer and LR schedule."""
     from paratron.models.gpt import build_model_chunks
-    from paratron.optim import DistributedDataParallel, build_lr_scheduler, build_optimizer
+    from paratron.optim import DistributedDataParallel, build_lr_scheduler, build_optimizer, precision_dtype
     from paratron.pipeline.partition import stage_layers
 
     p = cfg.parallel
     layout = stage_layers(cfg.model.num_layers, p.pipeline, p.virtual_pipeline, p.pipeline_layout, p.schedule)
     chunks = build_model_chunks(cfg.model, ctx, seed=cfg.train.seed, sequence_parallel=p.sequence_parallel,
-                                params_dtype=DTYPES[cfg.train.precision], stage_layers=layout,
+                                params_dtype=precision_dtype(cfg.train.precision), stage_layers=layout,
                                 context_algorithm=p.context_algorithm)
     for c in chunks:
         c.to(ctx.device)

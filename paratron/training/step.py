@@ -44,17 +44,24 @@ def rank_actions(cfg, ctx, num_microbatches: int) -> list:
 
 
 def run_global_batch(cfg, ctx, chunks, microbatches: list[dict], *, forward_only: bool,
-                     loss_scale: float = 1.0, actions: list | None = None) -> StepOutput:
+                     loss_scale: float = 1.0, actions: list | None = None, ddp=None) -> StepOutput:
     """Run forward (and backward unless ``forward_only``) of every microbatch of one global batch.
+
+    With backward, the grads are final on return (:func:`paratron.optim.finalize_grads`, once):
+    the schedule tells ``ddp`` which backward is the last of each chunk, so its buckets are
+    reduced while the rest of the schedule runs.
 
     Args:
         microbatches: this DP rank's microbatches, each ``{"tokens": [b, s], "labels": [b, s]}``.
         loss_scale: multiplies the loss fed to backward (fp16 dynamic loss scaling).
         actions: this rank's schedule (:func:`rank_actions`); built here when None.
+        ddp: the chunks' :class:`~paratron.optim.ddp.DistributedDataParallel` (None: plain
+            ``.grad`` params).
 
     Returns:
         :class:`StepOutput` with the global-batch loss, known on every rank.
     """
+    from paratron.optim import finalize_grads, precision_dtype
     from paratron.pipeline.runtime import run_pipeline
 
     t0 = time.perf_counter()
@@ -91,10 +98,11 @@ def run_global_batch(cfg, ctx, chunks, microbatches: list[dict], *, forward_only
         actions = rank_actions(cfg, ctx, m)
     mb_size, seq = microbatches[0]["tokens"].shape
     s_local = seq // ctx.tp.size if p.sequence_parallel else seq
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.train.precision]
     run_pipeline(actions, chunks, ctx, microbatches, forward_step,
-                 tensor_shape=(s_local, mb_size, cfg.model.hidden_size), dtype=dtype,
-                 forward_only=forward_only)
+                 tensor_shape=(s_local, mb_size, cfg.model.hidden_size),
+                 dtype=precision_dtype(cfg.train.precision), forward_only=forward_only, grad_sync=ddp)
+    if not forward_only:
+        finalize_grads(chunks, ctx, ddp)
     t1 = time.perf_counter()
 
     # The loss lives on the last stage of each pipeline; sum over pp (others add 0), dp and cp

@@ -20,7 +20,6 @@ blocks are not kept.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from .kernels import block_backward, block_forward, merge_
 from .layout import SeqLayout, pair_pieces
@@ -32,7 +31,7 @@ def _exchange(group, send: list[torch.Tensor], recv: list[torch.Tensor]):
         return []
     nxt, prev = (group.rank + 1) % group.size, (group.rank - 1) % group.size
     ops = [group.p2p_op("send", t, nxt) for t in send] + [group.p2p_op("recv", t, prev) for t in recv]
-    return dist.batch_isend_irecv(ops)
+    return group.batch_isend_irecv(ops)
 
 
 def _wait(reqs) -> None:
