@@ -12,14 +12,11 @@ from paratron.models.gpt import build_model_chunks
 from paratron.parallel.context import ParallelContext
 from paratron.testing import run_ranks
 
+from helpers import config_with
+
 
 def _cfg(**kw) -> Config:
-    cfg = Config()
-    cfg.model.seq_length, cfg.model.num_attention_heads, cfg.model.hidden_size = 64, 4, 64
-    for key, value in kw.items():
-        section, name = key.split("__")
-        setattr(getattr(cfg, section), name, value)
-    return cfg
+    return config_with(**{"model__seq_length": 64, "model__num_attention_heads": 4, "model__hidden_size": 64, **kw})
 
 
 @pytest.mark.parametrize("kw, words", [

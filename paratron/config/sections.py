@@ -201,6 +201,7 @@ class LoggingConfig:
     log_interval: int = 10
     tensorboard: bool = True
     progress: bool = True
+    """Show a progress bar while the corpus is tokenised on first use."""
 
 
 @dataclass
