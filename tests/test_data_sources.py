@@ -15,7 +15,7 @@ from paratron import cli
 from paratron.config import ConfigError, Config, DataConfig
 from paratron.data import paths, prepare, preprocess, provenance, tokenizer
 from paratron.data.indexed import IndexedDataset
-from paratron.training import command, preflight
+from paratron.training import launch, preflight
 
 ROOT = Path(__file__).resolve().parents[1]
 FIELD_NOTES = ROOT / "tests" / "fixtures" / "field_notes.jsonl"
@@ -82,7 +82,7 @@ def _no_launch(monkeypatch):
     def refuse(cmd):
         raise AssertionError(f"ranks were launched: {cmd}")
 
-    monkeypatch.setattr(command, "run_torchrun", refuse)
+    monkeypatch.setattr(launch, "run_torchrun", refuse)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
 
 
