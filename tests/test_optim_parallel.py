@@ -20,16 +20,16 @@ from paratron.pipeline.registry import build_schedule
 from paratron.pipeline.runtime import run_pipeline
 from paratron.testing import run_ranks
 
+from helpers import gpt2_config, perturb_1d_params_
+
 SEQ, GLOBAL_B, VOCAB, HID, LAYERS, SEED = 8, 8, 37, 16, 4, 5
 STEPS = 3
 IGNORE = -100
 
 
 def _cfg(num_layers: int = LAYERS) -> ModelConfig:
-    return ModelConfig(num_layers=num_layers, hidden_size=HID, num_attention_heads=4, vocab_size=VOCAB,
-                       seq_length=SEQ, normalization="layernorm", position_embedding_type="learned",
-                       activation="gelu", add_bias_linear=True, tie_embeddings=True,
-                       make_vocab_size_divisible_by=4)
+    return gpt2_config(num_layers=num_layers, hidden_size=HID, num_attention_heads=4, vocab_size=VOCAB,
+                       seq_length=SEQ, make_vocab_size_divisible_by=4)
 
 
 def _opt(clip: float, **kw) -> OptimizerConfig:
@@ -45,21 +45,11 @@ def _batch(step: int):
     return ids, labels
 
 
-def _perturb_(chunks):
-    """Norm weights start at 1 and biases at 0: perturb every 1-D param by name (layout-free)."""
-    for chunk in chunks:
-        for p in chunk.parameters():
-            if p.dim() == 1:
-                g = torch.Generator().manual_seed(11 + sum(map(ord, p.logical_name)))
-                with torch.no_grad():
-                    p.add_(0.1 * torch.randn(p.shard.global_shape, generator=g)[p.shard.slices()].to(p.dtype))
-
-
 def reference(clip: float, batches, num_layers: int = LAYERS):
     """One process, plain torch: full params by logical name, grad norm per step."""
     ctx = ParallelContext.single()
     (model,) = build_model_chunks(_cfg(num_layers), ctx, seed=SEED)
-    _perturb_([model])
+    perturb_1d_params_([model])
     params = list(model.parameters())
     cfg = _opt(clip)
     opt = torch.optim.AdamW([{"params": [p for p in params if not p.no_weight_decay]},
@@ -76,26 +66,28 @@ def reference(clip: float, batches, num_layers: int = LAYERS):
 
 
 def train(ctx, *, zero, clip, schedule="1f1b", v=1, m=2, sp=False, precision="fp32", batches=None,
-          inject=None, opt_kw=None, snapshots=None, set_scale=None, layout=None, num_layers=LAYERS,
-          poison=None, states=None):
+          inject=None, opt_kw=None, snapshots=None, set_scale=None, reshard=True, probe=None,
+          layout=None, num_layers=LAYERS, poison=None, states=None):
     """Train the GPT for len(batches) steps on this rank's part of the layout.
 
     ``inject(step, chunk)`` may return a term added to the loss of microbatch 0 on the last stage.
     Returns (full params of this stage, [(grad_norm, clip_coeff, skipped, loss_scale)]); when
     ``snapshots`` is a list, the full params after every step are appended to it.
-    ``set_scale`` maps a step to a loss scale forced before it. ``layout``: transformer layers
-    per stage (``parallel.pipeline_layout``) of a ``num_layers`` model. ``poison(step)`` may
-    return a value written into this rank's first owned grad element after the grads are final
-    (an inf or NaN on one rank). When ``states`` is a list, this rank's params and optimizer
-    state (step count, main weights and moments) after every step are appended to it.
+    ``set_scale`` maps a step to a loss scale forced before it. ``reshard`` is ZeRO-3's
+    ``zero3_reshard_after_forward``; ``probe(chunks, ddp, opt)`` is called after the last step.
+    ``layout``: transformer layers per stage (``parallel.pipeline_layout``) of a ``num_layers``
+    model. ``poison(step)`` may return a value written into this rank's first owned grad element
+    after the grads are final (an inf or NaN on one rank). When ``states`` is a list, this rank's
+    params and optimizer state (step count, main weights and moments) after every step are
+    appended to it.
     """
     dtype = precision_dtype(precision)
     layers = stage_layers(num_layers, ctx.pp.size, v, layout, schedule)
     chunks = build_model_chunks(_cfg(num_layers), ctx, seed=SEED, stage_layers=layers, params_dtype=dtype,
                                 sequence_parallel=sp)
-    _perturb_(chunks)
+    perturb_1d_params_(chunks)
     ddp = DistributedDataParallel(chunks, ctx, bucket_size_mb=0.002, overlap_grad_reduce=True,
-                                  zero=int(zero))
+                                  zero=int(zero), zero3_reshard_after_forward=reshard)
     opt = build_optimizer(chunks, ctx, _opt(clip, **(opt_kw or {})), ddp, precision=precision)
     dp, r = ctx.dp.size, ctx.dp.rank
     rows = GLOBAL_B // dp
@@ -135,6 +127,8 @@ def train(ctx, *, zero, clip, schedule="1f1b", v=1, m=2, sp=False, precision="fp
         if snapshots is not None:
             with ddp.full_params():
                 snapshots.append({k: t.float() for k, t in gather_full_state(chunks, ctx).items()})
+    if probe is not None:
+        probe(chunks, ddp, opt)
     with ddp.full_params():
         full = {k: t.float() for k, t in gather_full_state(chunks, ctx).items()}
     return full, out
@@ -157,8 +151,8 @@ def _rank_layouts(layouts):
         ctx = ParallelContext.build(tp=lay["tp"], pp=lay["pp"])
         full, steps = train(ctx, zero=lay["zero"], clip=lay["clip"], schedule=lay.get("schedule", "1f1b"),
                             v=lay.get("v", 1), m=lay.get("m", 2), sp=lay.get("sp", False),
-                            batches=[_batch(s) for s in range(STEPS)], layout=lay.get("layout"),
-                            num_layers=lay.get("layers", LAYERS))
+                            reshard=lay.get("reshard", True), batches=[_batch(s) for s in range(STEPS)],
+                            layout=lay.get("layout"), num_layers=lay.get("layers", LAYERS))
         coords = (ctx.tp.rank, ctx.pp.rank, ctx.dp.rank)
         res.append((coords, full, steps))
     return res
@@ -241,10 +235,10 @@ def test_empty_pipeline_stages_match_one_process():
 
 
 @pytest.mark.slow
-def test_empty_pipeline_stage_under_zero2():
-    """The empty middle stage of [2, 0, 3, 3] under ZeRO-2 (no grad buffer at all) matches one
-    process to 1e-5."""
-    layouts = [_L(1, 4, 2, 0.05, layout=[2, 0, 3, 3], layers=8)]
+def test_empty_pipeline_stage_under_zero2_and_zero3():
+    """The empty middle stage of [2, 0, 3, 3] under ZeRO-2 (no grad buffer at all) and ZeRO-3
+    (no param buffer either) matches one process to 1e-5."""
+    layouts = [_L(1, 4, z, 0.05, layout=[2, 0, 3, 3], layers=8) for z in (2, 3)]
     _check_layouts(run_ranks(_rank_layouts, 4, layouts, timeout=300), layouts)
 
 
@@ -368,7 +362,7 @@ def _own_params(chunks) -> dict[str, torch.Tensor]:
 
 def _train_moe(ctx, zero, clip, batches, m=2):
     chunks = build_model_chunks(_moe_cfg(), ctx, seed=SEED)
-    _perturb_(chunks)
+    perturb_1d_params_(chunks)
     if ctx.world_size == 1:
         params = list(chunks[0].parameters())
         c = _opt(clip)

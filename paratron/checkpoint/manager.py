@@ -23,12 +23,12 @@ restores the scalars, and the RNG per rank (see :mod:`paratron.checkpoint.rng`).
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-
+import math
 import os
 import re
 import shutil
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Callable
 
@@ -343,22 +343,28 @@ def copy_params_into_main(chunks, optimizer) -> None:
     for key, pieces in optimizer.sharded_state_dict().items():
         if not key.startswith(prefix):
             continue
-        p = params[key[len(prefix):]]
-        local2d, roff, coff = _param_2d(p)
+        blocks = _param_blocks_2d(params[key[len(prefix):]])
         for view, spec in pieces:
             (r, c), (nr, nc) = spec.offsets, spec.local_shape
+            # A rectangle lies inside one block (one, unless the shard is strided).
+            local2d, roff, coff = next(b for b in blocks if b[1] <= r < b[1] + b[0].shape[0]
+                                       and b[2] <= c < b[2] + b[0].shape[1])
             view.copy_(local2d[r - roff:r - roff + nr, c - coff:c - coff + nc])
 
 
-def _param_2d(p) -> tuple[torch.Tensor, int, int]:
-    """The valid part of ``p`` as a 2-D view, and its row/column offset in the full 2-D view."""
+def _param_blocks_2d(p) -> list[tuple[torch.Tensor, int, int]]:
+    """The valid part of ``p`` as 2-D views, one per contiguous block of its shard, each with
+    its row/column offset in the full 2-D view."""
     spec = p.shard
-    v = spec.valid(p.detach())
-    if v.dim() == 0:
-        return v.reshape(1, 1), 0, 0
-    if v.dim() == 1:
-        return v.reshape(1, -1), 0, spec.offsets[0]
-    mid = 1
-    for s in v.shape[1:-1]:
-        mid *= s
-    return v.reshape(-1, v.shape[-1]), spec.offsets[0] * mid, spec.offsets[-1]
+    valid = spec.valid(p.detach())
+    out = []
+    for first, block in spec.blocks():
+        v = valid[first:first + block.local_shape[0]] if spec.stride > 1 else valid
+        if v.dim() == 0:
+            out.append((v.reshape(1, 1), 0, 0))
+        elif v.dim() == 1:
+            out.append((v.reshape(1, -1), 0, block.offsets[0]))
+        else:
+            mid = math.prod(v.shape[1:-1])
+            out.append((v.reshape(-1, v.shape[-1]), block.offsets[0] * mid, block.offsets[-1]))
+    return out

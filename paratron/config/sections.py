@@ -105,6 +105,9 @@ class ParallelConfig:
     """Gradient bucket size in MiB."""
     timeout_s: float = 600.0
     """Collective timeout; a hang becomes an error after this long."""
+    hang_timeout_s: float = 300.0
+    """Seconds one collective or p2p op may stay pending before the hang watchdog dumps every
+    rank's recent ops to RUN_DIR/hang/ and ends the job; 0 turns the watchdog off."""
 
 
 @dataclass
@@ -203,6 +206,7 @@ class LoggingConfig:
     log_interval: int = 10
     tensorboard: bool = True
     progress: bool = True
+    """Show a progress bar while the corpus is tokenised on first use."""
 
 
 @dataclass

@@ -43,6 +43,10 @@ def _positive(cfg: Config, world: int | None) -> None:
                     ("model.vocab_size", cfg.model.vocab_size)):
         if v is not None and v < 1:
             raise ConfigError(f"{name}={v} must be a positive integer (>= 1)")
+    for name, v in (("parallel.timeout_s", cfg.parallel.timeout_s),
+                    ("parallel.hang_timeout_s", cfg.parallel.hang_timeout_s)):
+        if not 0 <= v < float("inf"):
+            raise ConfigError(f"{name}={v} must be a finite number of seconds >= 0")
     if cfg.optimizer.lr < 0:
         raise ConfigError(f"optimizer.lr={cfg.optimizer.lr} must be >= 0")
     for name, v in (("model.hidden_dropout", cfg.model.hidden_dropout),

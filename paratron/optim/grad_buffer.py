@@ -80,6 +80,7 @@ class GradBuffer:
             with ZeRO-2/3 (``allocate_grads=False``).
         buckets: in reduction order.
         index: ``param -> (start, end)`` flat offsets of the param inside the buffer.
+        shapes: ``id(param) -> shape`` (ZeRO-3 empties ``.data`` between uses).
     """
 
     group: Group
@@ -89,6 +90,7 @@ class GradBuffer:
     buckets: list[Bucket]
     index: dict[int, tuple[int, int]] = field(default_factory=dict)
     params: list[torch.nn.Parameter] = field(default_factory=list)
+    shapes: dict[int, torch.Size] = field(default_factory=dict)
     dtype: torch.dtype = torch.float32
     grad_dtype: torch.dtype = torch.float32
     device: torch.device = torch.device("cpu")
@@ -163,5 +165,5 @@ class GradBuffer:
             p.data = view
             if grad_data is not None:
                 p.main_grad = grad_data[s:e].view_as(p)
-        return cls(group, is_expert, param_data, grad_data, buckets, index, ordered, dtype,
-                   grad_dtype, device)
+        return cls(group, is_expert, param_data, grad_data, buckets, index, ordered,
+                   {id(p): p.shape for p in ordered}, dtype, grad_dtype, device)

@@ -84,6 +84,7 @@ class _Piece:
     lo: int
     hi: int
     at: int
+    shape: tuple[int, ...]  # the param's local shape (its .data is empty between uses with ZeRO-3)
 
 
 class Optimizer:
@@ -154,7 +155,7 @@ class Optimizer:
                     ps, pe = buf.index[id(p)]
                     a, b = max(ps, s), min(pe, e)
                     if a < b:
-                        self.pieces.append(_Piece(p, seg_id, a - ps, b - ps, a - s))
+                        self.pieces.append(_Piece(p, seg_id, a - ps, b - ps, a - s, tuple(buf.shapes[id(p)])))
                 off += n
 
     def _runs(self, want) -> list[tuple[int, int, int]]:
@@ -311,7 +312,7 @@ class Optimizer:
         out: dict[str, list] = {}
         for pc in self.pieces:
             p = pc.param
-            rects = rectangles(tuple(p.shape), p.shard, pc.lo, pc.hi, p.logical_name)
+            rects = rectangles(pc.shape, p.shard, pc.lo, pc.hi, p.logical_name)
             if not rects:
                 continue
             seg = self.segments[pc.segment]

@@ -4,7 +4,9 @@ paper's section 7.2.2 and PyTorch FSDP, Zhao et al. 2023, section 3.3).
 
 A *unit* is a module whose forward needs a set of params: for a GPT chunk, the embedding, each
 transformer layer, and the head (final norm plus output weight, gathered from the final norm's
-forward until the end of the chunk's forward). Any other model is one unit. DDP lays out the
+forward until the end of the chunk's forward). In any other model each module of a direct
+``ModuleList``/``ModuleDict`` child is a unit and the remaining params form one unit that spans
+the chunk's whole forward. DDP lays out the
 buckets so that a bucket never spans two units (:mod:`paratron.optim.grad_buffer`), and
 :class:`ParamShards` keeps, per bucket, only this rank's ``[bucket.numel / N_d]`` shard of the
 params (in the params' dtype: bf16 gathers bf16 while the optimizer's fp32 main weights stay
@@ -51,13 +53,31 @@ class Unit:
     held: bool = False
     chunk: int = 0
     pos: int = 0
+    backward_next: "Unit | None" = None
+
+
+def _generic_units(chunk: nn.Module) -> list[Unit]:
+    """Each module of the chunk's direct ModuleList/ModuleDict children is a unit; the chunk's
+    other params form one unit gathered for the chunk's whole forward (as FSDP wraps blocks and
+    leaves the rest to the root)."""
+    blocks = []
+    for child in chunk.children():
+        if isinstance(child, nn.ModuleList):
+            blocks += list(child)
+        elif isinstance(child, nn.ModuleDict):
+            blocks += list(child.values())
+    units = [Unit(b, b, unique_params(b, trainable_only=True)) for b in blocks]
+    covered = {id(p) for u in units for p in u.params}
+    rest = [p for p in unique_params(chunk, trainable_only=True) if id(p) not in covered]
+    units = [u for u in units if u.params]
+    return ([Unit(chunk, chunk, rest)] if rest else []) + units
 
 
 def units_of(chunk: nn.Module) -> list[Unit]:
     """The units of one model chunk in forward order (see module docstring)."""
     layers = getattr(chunk, "layers", None)
-    if not isinstance(layers, nn.ModuleDict):
-        return [Unit(chunk, chunk, unique_params(chunk, trainable_only=True))]
+    if not (isinstance(layers, nn.ModuleDict) and hasattr(chunk, "output_weight")):
+        return _generic_units(chunk)
     units = []
     emb = getattr(chunk, "embedding", None)
     if emb is not None:
@@ -128,19 +148,26 @@ class ParamShards:
         where = {id(p): (i, b.index) for i, buf in enumerate(buffers) for b in buf.buckets for p in b.params}
         self._full: list[list[torch.Tensor | None]] = [[None] * len(buf.buckets) for buf in buffers]
         self._pending: list[list[object]] = [[None] * len(buf.buckets) for buf in buffers]
+        self._viewed = [[False] * len(buf.buckets) for buf in buffers]  # params point into _full
         self._holders: list[list[set[int]]] = [[set() for _ in buf.buckets] for buf in buffers]
         self.chunk_units: list[list[Unit]] = []
         self._hooks = []
         for c, chunk in enumerate(chunks):
             units = units_of(chunk)
+            # Backward runs in the reverse order of the forwards' *ends*: a unit spanning the
+            # chunk's forward (the generic rest) ends last, so its backward starts first.
+            by_end = sorted(units, key=lambda u: (u.end is chunk, units.index(u)))
             for pos, u in enumerate(units):
                 u.chunk, u.pos = c, pos
+                u.backward_next = None
+                j = by_end.index(u)
+                if j > 0:
+                    u.backward_next = by_end[j - 1]
                 u.buckets = sorted({where[id(p)] for p in u.params})
                 self._hooks.append(u.start.register_forward_pre_hook(self._pre_forward_hook(u)))
                 self._hooks.append(u.end.register_forward_hook(self._post_forward_hook(u)))
             self.chunk_units.append(units)
         self.gathered_bytes = self.peak_gathered_bytes = 0
-        self._shapes = {id(p): p.shape for buf in buffers for p in buf.params}
         for buf in buffers:
             for p in buf.params:
                 p.data = torch.empty(0, dtype=buf.dtype, device=buf.device)
@@ -160,15 +187,17 @@ class ParamShards:
 
     def _materialize(self, i: int, k: int) -> None:
         self._launch(i, k)
-        handle, self._pending[i][k] = self._pending[i][k], None
-        if handle is None:
+        if self._viewed[i][k]:
             return
-        handle.wait()
+        handle, self._pending[i][k] = self._pending[i][k], None
+        if handle is not None:  # None: a group of one copied at once
+            handle.wait()
+        self._viewed[i][k] = True
         buf = self.buffers[i]
         b, full = buf.buckets[k], self._full[i][k]
         for p in b.params:
             s, e = buf.index[id(p)]
-            p.data = full[s - b.start:e - b.start].view(self._shapes[id(p)])
+            p.data = full[s - b.start:e - b.start].view(buf.shapes[id(p)])
 
     def _free(self, i: int, k: int) -> None:
         full = self._full[i][k]
@@ -181,6 +210,7 @@ class ParamShards:
         for p in buf.buckets[k].params:
             p.data = torch.empty(0, dtype=buf.dtype, device=buf.device)
         self._full[i][k] = None
+        self._viewed[i][k] = False
         self.gathered_bytes -= full.numel() * full.element_size()
 
     # ---- units ------------------------------------------------------------------------------
@@ -246,7 +276,9 @@ class ParamShards:
             for later in self.chunk_units[u.chunk][u.pos + 1:]:
                 self.release(later)
         self.hold(u)
-        self._prefetch(u.chunk, u.pos - 1)
+        if self.prefetch and u.backward_next is not None:
+            for i, k in u.backward_next.buckets:
+                self._launch(i, k)
 
     @contextmanager
     def gathered(self, writeback: bool = False):

@@ -61,7 +61,6 @@ class ShardedGrads:
                              for b in buf.buckets] for buf in buffers]
         self._where = {id(p): (i, b.index) for i, buf in enumerate(buffers)
                        for b in buf.buckets for p in b.params}
-        self._shapes = {id(p): p.shape for buf in buffers for p in buf.params}  # ZeRO-3 empties .data
         self._staging: list[list[torch.Tensor | None]] = [[None] * len(buf.buckets) for buf in buffers]
         self._seen: list[list[set[int]]] = [[set() for _ in buf.buckets] for buf in buffers]
         self._inflight: list[_InFlight] = []
@@ -84,7 +83,7 @@ class ShardedGrads:
         self._staging[i][k] = flat
         for p in b.params:
             s, e = buf.index[id(p)]
-            p.main_grad = flat[s - b.start:e - b.start].view(self._shapes[id(p)])
+            p.main_grad = flat[s - b.start:e - b.start].view(buf.shapes[id(p)])
 
     def grad_event(self, p: torch.Tensor) -> None:
         """``p``'s ``main_grad`` just received a grad: flush its bucket once every param of the

@@ -4,7 +4,7 @@ The runtime is the only part of the pipeline package that touches tensors. It ru
 list it is given (built by a registered schedule and checked by :mod:`.validate`), with these
 rules:
 
-* Each maximal run of send/recv actions is one batch of ``dist.batch_isend_irecv`` ops built by
+* Each maximal run of send/recv actions is one batch (``ctx.pp.batch_isend_irecv``) of ops built by
   ``ctx.pp.p2p_op`` (so the comm ledger counts them). The rank waits for the batch's receives when
   it reaches the batch and for its sends at the end of the schedule (sends never block, as the
   validator assumes). A batch's receives are posted one batch ahead, when the previous batch is
@@ -30,7 +30,6 @@ import time
 from typing import Any, Callable, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ..parallel.grads import WeightGradStore
@@ -229,7 +228,7 @@ class _Run:
                  if a.kind.startswith("RECV")]
         if not recvs:
             return []
-        works = dist.batch_isend_irecv([self.ctx.pp.p2p_op("recv", buf, a.peer) for a, buf in recvs])
+        works = self.ctx.pp.batch_isend_irecv([self.ctx.pp.p2p_op("recv", buf, a.peer) for a, buf in recvs])
         return [(a, buf, work) for (a, buf), work in zip(recvs, works)]
 
     def p2p(self, index: int, step: list[Action], steps: list[list[Action]]) -> None:
@@ -243,7 +242,7 @@ class _Run:
                 ops.append(self.ctx.pp.p2p_op("send", t, a.peer))
                 sends.append(t)
         if ops:
-            for work, t in zip(dist.batch_isend_irecv(ops), sends):
+            for work, t in zip(self.ctx.pp.batch_isend_irecv(ops), sends):
                 self.pending_sends.append((work, t))
         recvs = self.prefetched.pop(index)
         nxt = self.next_p2p.get(index)

@@ -191,5 +191,5 @@ def prepare_training(cfg: Config, run_dir: str | os.PathLike) -> None:
         ConfigError: as :func:`prepare_data` and :func:`check_checkpoint_dir`.
     """
     apply_run_dir_defaults(cfg, run_dir)
-    tok = None if "WORLD_SIZE" in os.environ else prepare_data(cfg)
+    tok = None if "WORLD_SIZE" in os.environ else prepare_data(cfg, progress=cfg.logging.progress)
     check_checkpoint_dir(cfg, tok.vocab_size if tok is not None else None)

@@ -31,8 +31,8 @@ from paratron.training.callbacks import CallbackList, TrainState, load_callback
 from paratron.training.evaluator import Evaluator
 from paratron.training.metrics import MetricsWriter, peak_flops_per_device, plot_losses
 from paratron.training.nonfinite import NonFiniteGuard, NonFiniteStop
-from paratron.training.setup import (build_checkpoint_manager, build_model_and_optimizer, count_params,
-                                     print_sample, seed_everything, warn_if_saving_over)
+from paratron.training.setup import (build_checkpoint_manager, build_model_and_optimizer, builtin_callbacks,
+                                     count_params, print_sample, seed_everything, warn_if_saving_over)
 from paratron.training.step import rank_actions, run_global_batch
 from paratron.training.step_log import StepLog, log
 
@@ -84,7 +84,8 @@ class Trainer:
             (run_dir / "config.toml").write_text(to_toml(cfg))
         self.writer = MetricsWriter(run_dir, ctx.rank == 0, cfg.logging.tensorboard)
         self.state = TrainState(cfg, ctx, self.chunks, self.optimizer, self.scheduler, run_dir)
-        self.callbacks = CallbackList([load_callback(s, self.state) for s in cfg.train.callbacks])
+        self.callbacks = CallbackList(builtin_callbacks(cfg, ctx, self.state) +
+                                      [load_callback(s, self.state) for s in cfg.train.callbacks])
         self.ckpt = build_checkpoint_manager(cfg, ctx)
         self.actions = rank_actions(cfg, ctx, self.data.num_microbatches)  # the same every step
         self.evaluator = Evaluator(cfg, ctx, self.chunks, self.data, self.actions)

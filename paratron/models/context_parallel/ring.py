@@ -20,7 +20,6 @@ blocks are not kept.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from .kernels import block_backward, block_forward, merge_
 from .layout import SeqLayout, pair_pieces
@@ -32,7 +31,7 @@ def _exchange(group, send: list[torch.Tensor], recv: list[torch.Tensor]):
         return []
     nxt, prev = (group.rank + 1) % group.size, (group.rank - 1) % group.size
     ops = [group.p2p_op("send", t, nxt) for t in send] + [group.p2p_op("recv", t, prev) for t in recv]
-    return dist.batch_isend_irecv(ops)
+    return group.batch_isend_irecv(ops)
 
 
 def _wait(reqs) -> None:
@@ -82,8 +81,6 @@ class RingAttention(torch.autograd.Function):
     def backward(fctx, dout):
         q, k, v, out, lse = fctx.saved_tensors
         layout, scale, group = fctx.layout, fctx.scale, fctx.layout.cp
-        dout = dout.float()
-        delta = (dout * out).sum(-1)
         dq = torch.zeros_like(out)
         cur = [k.contiguous(), v.contiguous()]
         grads = [torch.zeros(k.shape, dtype=torch.float32, device=k.device) for _ in range(2)]
@@ -93,8 +90,8 @@ class RingAttention(torch.autograd.Function):
             kv_reqs = _exchange(group, [] if last else cur, nxt)
             src = (group.rank - t) % group.size
             for qr, kr, b, causal in _pieces(layout, src):
-                gq, gk, gv = block_backward(q[qr, b], cur[0][kr, b], cur[1][kr, b], lse[qr, b],
-                                            dout[qr, b], delta[qr, b], causal, scale)
+                gq, gk, gv = block_backward(q[qr, b], cur[0][kr, b], cur[1][kr, b], out[qr, b], lse[qr, b],
+                                            dout[qr, b], causal, scale)
                 dq[qr, b] += gq
                 grads[0][kr, b] += gk
                 grads[1][kr, b] += gv

@@ -31,7 +31,7 @@ from paratron.layers.init import InitMethod, draw_full, normal_, scaled_normal_
 from paratron.parallel.comm import Group
 from paratron.parallel.params import ShardSpec, mark
 
-from ..mlp import inner_activation
+from ..mlp import gelu, swiglu
 from .collectives import all_to_all
 from .dispatcher import source_to_expert_major
 
@@ -115,7 +115,9 @@ class ExpertMLP(nn.Module):
         self.fc2 = _Proj(f, h, ctx, logical_name=f"{logical_name}.fc2", init=outer, split="in", **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(inner_activation(self, x))
+        if self.activation == "swiglu":
+            return self.fc2(swiglu(self.gate(x), self.up(x)))
+        return self.fc2(gelu(self.fc1(x), self.activation))
 
 
 class LocalExperts(nn.Module):

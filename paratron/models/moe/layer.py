@@ -36,7 +36,9 @@ import torch
 from torch import nn
 
 from paratron.config import ModelConfig, model_shape
+from paratron.layers.init import scaled_normal_
 
+from ..mlp import MLP
 from .collectives import gather_rows, split_rows
 from .dispatcher import get_dispatcher
 from .experts import LocalExperts
@@ -56,46 +58,6 @@ class _AttachAuxLoss(torch.autograd.Function):
     def backward(fctx, grad):
         shape, dtype, device = fctx.aux_meta
         return grad, torch.full(shape, fctx.scale, dtype=dtype, device=device), None
-
-
-class SharedExpert(nn.Module):
-    """A dense MLP run on every token, added to the routed experts' output (DeepSpeed-MoE's
-    residual expert, Rajbhandari et al. 2022, section 4.1), split over TP like the dense MLP.
-
-    Parameters: ``layers.{i}.mlp.shared_expert.{fc1|gate|up|fc2}.{weight|bias}``.
-    ``forward``: ``[s, b, h]`` (``[s/tp, b, h]`` under SP) -> same layout.
-    """
-
-    def __init__(self, cfg: ModelConfig, ctx, *, prefix: str, ffn: int, seed: int, sequence_parallel: bool,
-                 params_dtype: torch.dtype):
-        from paratron.layers import ColumnParallelLinear, RowParallelLinear
-        from paratron.layers.init import normal_, scaled_normal_
-
-        super().__init__()
-        self.activation = cfg.activation
-        kw = dict(seed=seed, bias=cfg.add_bias_linear, sequence_parallel=sequence_parallel,
-                  params_dtype=params_dtype)
-
-        def column(name: str) -> nn.Module:
-            return ColumnParallelLinear(cfg.hidden_size, ffn, ctx, logical_name=f"{prefix}.{name}",
-                                        init_method=normal_(cfg.init_method_std), **kw)
-
-        if cfg.activation == "swiglu":
-            self.gate, self.up = column("gate"), column("up")
-        else:
-            self.fc1 = column("fc1")
-        self.fc2 = RowParallelLinear(ffn, cfg.hidden_size, ctx, logical_name=f"{prefix}.fc2",
-                                     input_is_parallel=True,
-                                     init_method=scaled_normal_(cfg.init_method_std, max(cfg.num_layers, 1)),
-                                     **kw)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.activation == "swiglu":
-            inner = torch.nn.functional.silu(self.gate(x)) * self.up(x)
-        else:
-            approximate = "tanh" if self.activation == "gelu_tanh" else "none"
-            inner = torch.nn.functional.gelu(self.fc1(x), approximate=approximate)
-        return self.fc2(inner)
 
 
 class MoELayer(nn.Module):
@@ -147,10 +109,12 @@ class MoELayer(nn.Module):
         self.dispatcher_cls = get_dispatcher(cfg.moe_token_dispatcher)
         self.shared_expert = None
         if cfg.moe_shared_expert_ffn_hidden_size:
-            self.shared_expert = SharedExpert(cfg, ctx, prefix=f"{prefix}.shared_expert",
-                                              ffn=cfg.moe_shared_expert_ffn_hidden_size, seed=seed,
-                                              sequence_parallel=self.sequence_parallel,
-                                              params_dtype=params_dtype)
+            # DeepSpeed-MoE's residual expert (Rajbhandari et al. 2022, section 4.1): a dense MLP
+            # run on every token, split over TP like the dense MLP.
+            self.shared_expert = MLP(cfg, ctx, logical_name=f"{prefix}.shared_expert",
+                                     ffn=cfg.moe_shared_expert_ffn_hidden_size, seed=seed,
+                                     sequence_parallel=self.sequence_parallel, params_dtype=params_dtype,
+                                     output_init=scaled_normal_(cfg.init_method_std, max(cfg.num_layers, 1)))
         self.aux_loss_scale = 1.0
         self.last_aux_loss: torch.Tensor | None = None
         self.last_z_loss: torch.Tensor | None = None
