@@ -47,6 +47,7 @@ from .io import (LATEST, MANIFEST, read_items, read_json, resolve, verify_direct
 from .items import (CheckpointError, StateItems, iter_params, merge, model_items, optimizer_items,
                     shared_embedding_names)
 from .plainjson import decode, encode
+from .finite import refuse_nonfinite
 from .safety import check_same_model
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -120,6 +121,13 @@ class CheckpointManager:
         """Whether ``checkpoint.save`` names a directory (else :meth:`save` does nothing)."""
         return bool(self.cfg.save)
 
+    def should_save(self, step: int, *, final: bool) -> bool:
+        """The save rule of the training loop: after every ``checkpoint.interval``-th step, and
+        after the ``final`` one (the last step, or a stop request); never without
+        ``checkpoint.save``."""
+        interval = int(self.cfg.interval or 0)
+        return self.saving and (final or bool(interval and step % interval == 0))
+
     def directory_for(self, step: int) -> Path | None:
         """Where the checkpoint of ``step`` ends up (``ROOT/step_<step>``); None when not saving."""
         return Path(self.cfg.save) / f"step_{int(step)}" if self.saving else None
@@ -143,7 +151,9 @@ class CheckpointManager:
 
         Raises:
             CheckpointError: ``extra`` not plain; a previous async save failed (raised here, before
-                the new save starts); a sharding inconsistency.
+                the new save starts); a sharding inconsistency; an inf or NaN in the model or
+                optimizer state of any rank (nothing is written: a poisoned state never
+                becomes ``latest``).
         """
         t0 = time.perf_counter()
         self.wait()
@@ -162,6 +172,7 @@ class CheckpointManager:
             # The last stage's tied-embedding copy is saved by the first stage (same values).
             skip = set() if first else shared_embedding_names(chunks)
             items = merge(items, optimizer_items(optimizer, skip_names=skip))
+        refuse_nonfinite(items, step, self._group)
         rank_state = {"rank": self.ctx.rank, "layout": rng.layout_signature(self.ctx, self.config),
                       "coordinates": rng.rank_coordinates(self.ctx), "rng": encode(rng.capture(chunks))}
         fields = {
