@@ -113,8 +113,10 @@ def _step(chunks, ctx, opt, step=0, m=1):
     opt.zero_grad()
     run_pipeline(build_schedule("1f1b", ctx.pp.size, m, 1)[ctx.pp.rank], chunks, ctx, micro, forward_step,
                  (SEQ, mbs, HID), torch.float32, grad_sync=opt.ddp)
+    in_backward = opt.ddp.num_launched()  # reductions started before finalisation
     finalize_grads(chunks, ctx, opt.ddp)
-    return opt.step()
+    opt.step()
+    return in_backward
 
 
 def _rank_memory(zero):
@@ -130,13 +132,13 @@ def _rank_memory(zero):
         ddp.param_shards.reset_peak()
         fwd_peak = []
         chunks[-1].register_forward_hook(lambda *a: fwd_peak.append(ddp.param_shards.peak_gathered_bytes))
-    _step(chunks, ctx, opt)
+    in_backward = _step(chunks, ctx, opt)
     held = ddp.model_state_tensors()
     measured = {"params": storage_bytes(held["params"]), "grads": storage_bytes(held["grads"]),
                 "optimizer": opt.state_bytes()}
     measured["total"] = sum(measured.values())
     peak = (fwd_peak[0], ddp.param_shards.peak_gathered_bytes) if ddp.param_shards is not None else None
-    return psi, ctx.dp.size, measured, peak, unit_bytes
+    return psi, ctx.dp.size, measured, peak, unit_bytes, (in_backward, sum(len(b.buckets) for b in ddp.buffers))
 
 
 def test_zero3_memory_at_dp4():
@@ -144,7 +146,7 @@ def test_zero3_memory_at_dp4():
     the optimizer step <= 1.10 x 16 psi / 4; during the forward, and during the whole step, at most
     the two largest units' full params are gathered at once (prefetch included), and in the forward
     more than one (the prefetch did overlap)."""
-    for psi, dp, measured, peak, units in run_ranks(_rank_memory, 4, 3, timeout=240):
+    for psi, dp, measured, peak, units, _ in run_ranks(_rank_memory, 4, 3, timeout=240):
         analytic = model_state_bytes_per_rank(psi, zero=3, dp=dp)
         assert analytic["total"] == 16 * psi / 4
         ratio = measured["total"] / analytic["total"]
@@ -156,9 +158,11 @@ def test_zero3_memory_at_dp4():
 
 
 def test_zero2_grads_at_dp2():
-    """ZeRO-2 at DP=2: the grad bytes each rank holds at the optimizer step <= 1.10 x 4 psi / DP
-    (no full-size grad buffer), while the params stay whole."""
-    for psi, dp, measured, _, _ in run_ranks(_rank_memory, 2, 2, timeout=240):
+    """ZeRO-2 at DP=2: every bucket's reduce-scatter starts during backward; the grad bytes each
+    rank holds at the optimizer step <= 1.10 x 4 psi / DP (no full-size grad buffer), while the
+    params stay whole."""
+    for psi, dp, measured, _, _, (in_backward, buckets) in run_ranks(_rank_memory, 2, 2, timeout=240):
+        assert buckets > 4 and in_backward == buckets  # every bucket reduce-scattered during backward
         analytic = model_state_bytes_per_rank(psi, zero=2, dp=dp)
         assert measured["grads"] / analytic["grads"] <= 1.10, (measured, analytic)
         assert measured["params"] >= 4 * psi
@@ -203,7 +207,7 @@ def _rank_ledger(zero):
     chunks = build_model_chunks(_cfg_untied(), ctx, seed=SEED)
     ddp = DistributedDataParallel(chunks, ctx, bucket_size_mb=0.002, zero=zero)
     opt = build_optimizer(chunks, ctx, _opt(0.05), ddp)
-    _step(chunks, ctx, opt)  # the first step: warm up (DDP learns its grad counts)
+    _step(chunks, ctx, opt)  # a first step outside the recording
     with ctx.ledger.recording():
         _step(chunks, ctx, opt, step=1)
         padded = sum(b.numel for buf in ddp.buffers for b in buf.buckets) * 4
