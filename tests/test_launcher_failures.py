@@ -287,22 +287,20 @@ def test_watchdog_reasons_and_dump(tmp_path):
 def test_watchdog_sees_sigterm_while_the_main_thread_is_busy(tmp_path):
     """Two SIGTERMs end the rank through the watchdog thread, whatever the main thread does (a
     rank blocked in a C++ collective never runs its Python handler)."""
-    from paratron.training.runner import StopFlag
+    from paratron.training.trainer import StopFlag
     from paratron.training.watchdog import EXIT_TERM, HangWatchdog
 
     codes = []
-    stop = StopFlag()
-    stop.install()
     wd = HangWatchdog(_State(tmp_path), timeout_s=5, exit_fn=codes.append)
     wd.poll_s = 0.01
-    try:
-        wd.on_train_start(None)
-        os.kill(os.getpid(), signal.SIGTERM)
-        os.kill(os.getpid(), signal.SIGTERM)
-        deadline = time.time() + 10
-        while not codes and time.time() < deadline:
-            time.sleep(0.01)
-    finally:
-        wd.stop()
-        stop.restore()
+    with StopFlag() as stop:
+        try:
+            wd.on_train_start(None)
+            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGTERM)
+            deadline = time.time() + 10
+            while not codes and time.time() < deadline:
+                time.sleep(0.01)
+        finally:
+            wd.stop()
     assert codes == [EXIT_TERM] and stop.requested
