@@ -12,17 +12,20 @@ import torch
 
 from paratron.config import ModelConfig
 from paratron.models.gpt import build_model_chunks
+from paratron.optim import finalize_grads
 from paratron.parallel.context import ParallelContext
 from paratron.parallel.params import unique_params
 from paratron.pipeline.actions import BW, F
 from paratron.pipeline.partition import stage_layers
 from paratron.pipeline.registry import SCHEDULES, build_schedule
-from paratron.pipeline.runtime import finalize_embedding_grads, run_pipeline
+from paratron.pipeline.runtime import run_pipeline
 from paratron.pipeline.schedules import check_1f1b, with_p2p
 from paratron.pipeline.simulator import simulate
 from paratron.pipeline.timeline import write_chrome_trace
 from paratron.pipeline.validate import validate
 from paratron.testing import run_ranks
+
+from helpers import gpt2_config, perturb_1d_params_
 
 TOL = 1e-5
 SEQ, GLOBAL_BATCH, VOCAB, HIDDEN, LAYERS = 8, 8, 37, 16, 8
@@ -30,9 +33,8 @@ SEED = 3
 
 
 def _cfg(num_layers=LAYERS) -> ModelConfig:
-    return ModelConfig(num_layers=num_layers, hidden_size=HIDDEN, num_attention_heads=2, vocab_size=VOCAB,
-                       seq_length=SEQ, normalization="layernorm", position_embedding_type="learned",
-                       activation="gelu", add_bias_linear=True, tie_embeddings=True)
+    return gpt2_config(num_layers=num_layers, hidden_size=HIDDEN, num_attention_heads=2, vocab_size=VOCAB,
+                       seq_length=SEQ)
 
 
 def _global_batch(step=0):
@@ -41,17 +43,6 @@ def _global_batch(step=0):
     labels = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=g)
     labels[0, :3] = -100
     return ids, labels
-
-
-def _perturb_(chunks):
-    """Norm weights start at 1 and biases at 0; perturb them by name so that all layouts agree and
-    their grads are exercised."""
-    for chunk in chunks:
-        for p in chunk.parameters():
-            if p.dim() == 1:
-                g = torch.Generator().manual_seed(11 + sum(map(ord, p.logical_name)))
-                with torch.no_grad():
-                    p.add_(0.1 * torch.randn(p.shard.global_shape, generator=g)[p.shard.slices()])
 
 
 def _forward_step(total_tokens):
@@ -66,7 +57,7 @@ def _reference(num_layers=LAYERS, steps=1, lr=0.0):
     """One process, whole global batch: per-microbatch-agnostic per-token losses, grads by name."""
     ctx = ParallelContext.single()
     (model,) = build_model_chunks(_cfg(num_layers), ctx, seed=SEED)
-    _perturb_([model])
+    perturb_1d_params_([model])
     history = []
     for step in range(steps):
         ids, labels = _global_batch(step)
@@ -94,7 +85,7 @@ def _pipeline_step(ctx, chunks, schedule, m, v, step=0, forward_only=False, time
 def _build(ctx, schedule, v, layout=None, num_layers=LAYERS):
     layers = stage_layers(num_layers, ctx.pp.size, v, layout, schedule)
     chunks = build_model_chunks(_cfg(num_layers), ctx, seed=SEED, stage_layers=layers)
-    _perturb_(chunks)
+    perturb_1d_params_(chunks)
     return chunks
 
 
@@ -115,7 +106,7 @@ def _sweep(p, combos):
         with ctx.ledger.recording():
             losses = _pipeline_step(ctx, chunks, schedule, m, v)
             sends = ctx.ledger.total("send", "pp").calls
-        finalize_embedding_grads(chunks, ctx)
+        finalize_grads(chunks, ctx)
         planned = sum(a.kind.startswith("SEND") for a in build_schedule(schedule, p, m, v)[ctx.pp.rank])
         assert sends == planned, (schedule, m, sends, planned)
         results.append((losses, _grads_by_name(chunks)))
@@ -177,7 +168,7 @@ def _train_two_steps(p, schedule, v, layout):
         for q in params:
             q.grad = None
         losses.append(_pipeline_step(ctx, chunks, schedule, 4, v, step=step))
-        finalize_embedding_grads(chunks, ctx)
+        finalize_grads(chunks, ctx)
         with torch.no_grad():
             for q in params:
                 q.sub_(0.5 * q.grad)
@@ -279,7 +270,7 @@ def test_single_rank_schedules_match(schedule, v):
     chunks = _build(ctx, schedule, v)
     assert len(chunks) == v
     losses = _pipeline_step(ctx, chunks, schedule, 4, v)
-    finalize_embedding_grads(chunks, ctx)
+    finalize_grads(chunks, ctx)
     _check([[(losses, _grads_by_name(chunks))]], [(schedule, 4, v)], ref_losses, ref_grads, 1)
 
 

@@ -8,11 +8,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from paratron.config import ModelConfig
+from paratron.config import ModelConfig, model_shape
+from paratron.layers.dropout import dropout
 from paratron.parallel.params import mark
-
-from . import spec
-from .recompute import dropout
 
 WORD_EMBEDDINGS = "embedding.word_embeddings"
 POSITION_EMBEDDINGS = "embedding.position_embeddings"
@@ -45,14 +43,18 @@ class Embedding(nn.Module):
             params_dtype=params_dtype)
         if cfg.position_embedding_type == "learned":
             name = f"{POSITION_EMBEDDINGS}.weight"
-            full = full_init((spec.max_positions(cfg), cfg.hidden_size), seed, name, cfg.init_method_std)
+            full = full_init((model_shape.max_positions(cfg), cfg.hidden_size), seed, name, cfg.init_method_std)
             self.position_embeddings = nn.Parameter(full.to(device=ctx.device, dtype=params_dtype))
             mark(self.position_embeddings, name, sequence_parallel=self.sequence_parallel)
         else:
             self.register_parameter("position_embeddings", None)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """``input_ids`` ``[b, s]`` int64 -> ``[s, b, h]`` or ``[s/tp, b, h]``.
+
+        ``positions``: ``[s, b]`` or ``[s, 1]`` int64 positions of the tokens (global positions of a
+        context-parallel rank's tokens, or positions restarting at each packed document); None
+        means ``0 .. s - 1``.
 
         Raises:
             ValueError: a sequence longer than the position table (learned positions).
@@ -67,5 +69,8 @@ class Embedding(nn.Module):
             if self.sequence_parallel:
                 n = s // self.tp.size
                 lo = self.tp.rank * n
-            x = x + self.position_embeddings[lo:lo + n].unsqueeze(1)
+            if positions is None:
+                x = x + self.position_embeddings[lo:lo + n].unsqueeze(1)
+            else:
+                x = x + self.position_embeddings[positions[lo:lo + n]]
         return dropout(x, self.hidden_dropout, self.training, self.rng_tracker, self.sequence_parallel)

@@ -1,7 +1,7 @@
 """The parallel context: one object holding every process group, rank and size of a layout.
 
 There is no module-level state: layers, optimizers and schedules receive a
-:class:`ParallelContext` and ask it for groups (DESIGN.md principle 2). Tests can build a
+:class:`ParallelContext` and ask it for groups (docs/DESIGN.md principle 2). Tests can build a
 single-process context (:meth:`ParallelContext.single`) next to a distributed one.
 
 Attributes of a context (each a :class:`~paratron.parallel.comm.Group`):
@@ -55,13 +55,29 @@ class ParallelContext:
 
     Build it with :meth:`build` (inside an initialised ``torch.distributed`` world) or
     :meth:`single` (one process, no ``torch.distributed``). Sizes: ``tp, cp, ep, pp, dp,
-    expert_tp, expert_dp``; ``dp = world / (tp*cp*pp)``.
+    expert_tp, expert_dp``; ``dp = world / (tp*cp*pp)``. Each group of the table in the module
+    docstring is a typed attribute (:data:`GROUP_KINDS` lists them); :meth:`group` looks one up
+    by name.
     """
 
     grid: RankGrid
     rank: int
     device: torch.device
-    groups: dict[str, Group]
+    tp: Group
+    cp: Group
+    dp: Group
+    pp: Group
+    mp: Group
+    tp_cp: Group
+    dp_cp: Group
+    tp_dp_cp: Group
+    world: Group
+    embedding: Group
+    position_embedding: Group
+    expert_tp: Group
+    ep: Group
+    expert_dp: Group
+    expert_tp_ep: Group
     ledger: CommLedger = field(default_factory=CommLedger)
 
     # ---- construction --------------------------------------------------------------------
@@ -107,7 +123,7 @@ class ParallelContext:
                 groups[kind] = Group(kind, mine, mine.index(rank), made.get(tuple(mine)), ledger)
         if device is None:
             device = default_device()
-        return cls(grid, rank, device, groups, ledger)
+        return cls(grid=grid, rank=rank, device=device, ledger=ledger, **groups)
 
     @classmethod
     def single(cls, device: torch.device | str = "cpu") -> "ParallelContext":
@@ -115,14 +131,18 @@ class ParallelContext:
         grid = build_grid(1)
         ledger = CommLedger()
         groups = {k: Group(k, [0], 0, None, ledger) for k in GROUP_KINDS}
-        return cls(grid, 0, torch.device(device), groups, ledger)
+        return cls(grid=grid, rank=0, device=torch.device(device), ledger=ledger, **groups)
 
     # ---- group access --------------------------------------------------------------------
-    def __getattr__(self, name: str) -> Group:
-        groups = self.__dict__.get("groups")
-        if groups is not None and name in groups:
-            return groups[name]
-        raise AttributeError(name)
+    def group(self, kind: str) -> Group:
+        """The group named ``kind`` (one of :data:`GROUP_KINDS`).
+
+        Raises:
+            KeyError: ``kind`` is not a group kind.
+        """
+        if kind not in GROUP_KINDS:
+            raise KeyError(f"{kind!r} is not a group kind; known: {', '.join(GROUP_KINDS)}")
+        return getattr(self, kind)
 
     @property
     def world_size(self) -> int:
@@ -130,11 +150,11 @@ class ParallelContext:
 
     @property
     def is_first_stage(self) -> bool:
-        return self.groups["pp"].rank == 0
+        return self.pp.rank == 0
 
     @property
     def is_last_stage(self) -> bool:
-        return self.groups["pp"].rank == self.groups["pp"].size - 1
+        return self.pp.rank == self.pp.size - 1
 
     def describe(self) -> str:
         g = self.grid

@@ -1,4 +1,4 @@
-"""Pipeline actions: the vocabulary of schedules (DESIGN.md principle 3).
+"""Pipeline actions: the vocabulary of schedules (docs/DESIGN.md principle 3).
 
 A schedule is one list of :class:`Action` per pipeline rank. The runtime executes the lists, the
 simulator costs them and the timeline draws them; nothing else describes a schedule.
@@ -105,6 +105,12 @@ def batches(actions: list[Action]) -> list[list[Action]]:
 def forward_only(actions: list[Action]) -> list[Action]:
     """The same list without backward work and grad transfers (for evaluation)."""
     return [a for a in actions if a.kind not in BACKWARD_KINDS]
+
+
+def last_backward_actions(actions: list[Action]) -> dict[int, Action]:
+    """For each stage of one rank's list, its last ``B``, ``W`` or ``BW`` action: after it, that
+    stage's chunk receives no more grads in the step (a ``W`` always follows its ``B``)."""
+    return {a.stage: a for a in actions if a.kind in ("B", "W", "BW")}
 
 
 def stages_of(actions: list[Action]) -> list[int]:

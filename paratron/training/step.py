@@ -27,10 +27,11 @@ class StepOutput:
 
 
 def count_global_tokens(microbatches: list[dict], ctx) -> torch.Tensor:
-    """Valid labels over this rank's microbatches, summed over the DP group (fp64 scalar)."""
+    """Valid labels over this rank's microbatches, summed over DP x CP (each CP rank holds its own
+    tokens of the same sequences) (fp64 scalar)."""
     local = sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in microbatches)
     t = torch.tensor([float(local)], dtype=torch.float64)
-    ctx.dp.all_reduce(t)
+    ctx.dp_cp.all_reduce(t)
     return t
 
 
@@ -43,17 +44,24 @@ def rank_actions(cfg, ctx, num_microbatches: int) -> list:
 
 
 def run_global_batch(cfg, ctx, chunks, microbatches: list[dict], *, forward_only: bool,
-                     loss_scale: float = 1.0, actions: list | None = None) -> StepOutput:
+                     loss_scale: float = 1.0, actions: list | None = None, ddp=None) -> StepOutput:
     """Run forward (and backward unless ``forward_only``) of every microbatch of one global batch.
+
+    With backward, the grads are final on return (:func:`paratron.optim.finalize_grads`, once):
+    the schedule tells ``ddp`` which backward is the last of each chunk, so its buckets are
+    reduced while the rest of the schedule runs.
 
     Args:
         microbatches: this DP rank's microbatches, each ``{"tokens": [b, s], "labels": [b, s]}``.
         loss_scale: multiplies the loss fed to backward (fp16 dynamic loss scaling).
         actions: this rank's schedule (:func:`rank_actions`); built here when None.
+        ddp: the chunks' :class:`~paratron.optim.ddp.DistributedDataParallel` (None: plain
+            ``.grad`` params).
 
     Returns:
         :class:`StepOutput` with the global-batch loss, known on every rank.
     """
+    from paratron.optim import finalize_grads, precision_dtype
     from paratron.pipeline.runtime import run_pipeline
 
     t0 = time.perf_counter()
@@ -63,9 +71,11 @@ def run_global_batch(cfg, ctx, chunks, microbatches: list[dict], *, forward_only
 
     def forward_step(chunk_id, chunk, input_tensor, mb):
         x = mb["tokens"].to(ctx.device) if chunk.pre_process else input_tensor
+        # Packed documents (data.reset_position_ids / reset_attention_mask): every chunk needs them.
+        packed = {k: mb[k].to(ctx.device) for k in ("position_ids", "cu_seqlens") if k in mb}
         if not chunk.post_process:
-            return chunk(x)
-        losses = chunk(x, labels=mb["labels"].to(ctx.device))  # [s, b] fp32, 0 where ignored
+            return chunk(x, **packed)
+        losses = chunk(x, labels=mb["labels"].to(ctx.device), **packed)  # [s, b] fp32, 0 where ignored
         loss = losses.sum() / denom
         lm_losses.append(loss.detach())
         return loss * loss_scale if loss_scale != 1.0 else loss
@@ -73,22 +83,42 @@ def run_global_batch(cfg, ctx, chunks, microbatches: list[dict], *, forward_only
     p = cfg.parallel
     m = len(microbatches)
     if cfg.model.num_experts > 0:
-        from paratron.models.moe.layer import set_aux_loss_scale
-
-        # MoE aux-loss grads: coeff x the mean over every microbatch of the global batch, scaled
-        # like the LM loss (see paratron.models.moe.layer).
-        set_aux_loss_scale(chunks, loss_scale / (m * ctx.dp.size))
+        _scale_aux_losses(cfg, ctx, chunks, microbatches, loss_scale)
     if actions is None:
         actions = rank_actions(cfg, ctx, m)
     mb_size, seq = microbatches[0]["tokens"].shape
     s_local = seq // ctx.tp.size if p.sequence_parallel else seq
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.train.precision]
     run_pipeline(actions, chunks, ctx, microbatches, forward_step,
-                 tensor_shape=(s_local, mb_size, cfg.model.hidden_size), dtype=dtype,
-                 forward_only=forward_only)
+                 tensor_shape=(s_local, mb_size, cfg.model.hidden_size),
+                 dtype=precision_dtype(cfg.train.precision), forward_only=forward_only, grad_sync=ddp)
+    if not forward_only:
+        finalize_grads(chunks, ctx, ddp)
     t1 = time.perf_counter()
 
-    # The loss lives on the last stage of each pipeline; sum over pp (others add 0) and dp.
+    loss, aux_value = _global_loss(cfg, ctx, chunks, lm_losses)
+    return StepOutput(loss, int(global_tokens.item()), aux_value, {"forward_backward": t1 - t0})
+
+
+def _scale_aux_losses(cfg, ctx, chunks, microbatches: list[dict], loss_scale: float) -> None:
+    """MoE aux-loss grads: coeff x the mean over every microbatch (or, for the sequence-level
+    loss, every sequence) of the global batch, scaled like the LM loss (see
+    :mod:`paratron.models.moe.layer`)."""
+    from paratron.models.moe.layer import set_aux_loss_scale
+
+    if cfg.model.moe_aux_loss_type == "seq":
+        from paratron.models.moe.seq_aux import count_global_sequences
+
+        set_aux_loss_scale(chunks, loss_scale / count_global_sequences(microbatches, ctx))
+    else:
+        set_aux_loss_scale(chunks, loss_scale / (len(microbatches) * ctx.dp.size))
+
+
+def _global_loss(cfg, ctx, chunks, lm_losses: list[torch.Tensor]) -> tuple[float, float | None]:
+    """(global-batch LM loss, MoE aux loss or None), the same on every rank.
+
+    The loss lives on the last stage of each pipeline; it is summed over pp (others add 0), dp
+    and cp (each CP rank holds its tokens' share; the aux values are the same on every CP rank).
+    """
     loss = torch.zeros(2, dtype=torch.float64)
     if lm_losses:
         loss[0] = torch.stack(lm_losses).double().sum()
@@ -96,13 +126,12 @@ def run_global_batch(cfg, ctx, chunks, microbatches: list[dict], *, forward_only
     if aux is not None:
         loss[1] = aux
     ctx.pp.all_reduce(loss)
-    ctx.dp.all_reduce(loss)
+    ctx.dp_cp.all_reduce(loss)
     aux_value = None
     if aux is not None or cfg.model.num_experts > 0:
         # Summed over MoE layers and stages for the last microbatch, averaged over DP.
-        aux_value = loss[1].item() / ctx.dp.size
-    return StepOutput(loss[0].item(), int(global_tokens.item()), aux_value,
-                      {"forward_backward": t1 - t0})
+        aux_value = loss[1].item() / ctx.dp_cp.size
+    return loss[0].item(), aux_value
 
 
 def _aux_loss(chunks) -> float | None:

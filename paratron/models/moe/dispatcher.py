@@ -14,7 +14,7 @@ Experts are split over the EP group: group rank ``j`` holds global experts
 its experts still produce (zero) grads.
 
 Dispatchers are chosen by name through :func:`register_dispatcher` / :func:`get_dispatcher`
-(``model.moe_token_dispatcher``), a registry that research code can extend (DESIGN.md
+(``model.moe_token_dispatcher``), a registry that research code can extend (docs/DESIGN.md
 principle 7).
 """
 
@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+
+from paratron.registry import Registry
 
 from .collectives import all_to_all, gather_rows, reduce_scatter_rows
 
@@ -61,18 +63,12 @@ class TokenDispatcher(ABC):
     """Base class. Args: ``ctx`` (parallel context), ``num_experts``, ``capacity`` (slots per
     expert, None: dropless), ``pad_to_capacity`` (fill every expert's rows to ``capacity``, so
     shapes are static; dropped pairs must already be marked -1). The capacity counts the whole
-    microbatch, so under sequence parallelism each TP rank pads its own rows to it.
-
-    Raises:
-        ValueError: ``num_experts`` not divisible by the EP size; padding without a capacity.
+    microbatch, so under sequence parallelism each TP rank pads its own rows to it. The
+    arguments obey :func:`paratron.config.model_shape.check_moe` (the MoE layer runs it).
     """
 
     def __init__(self, ctx, num_experts: int, *, capacity: int | None = None, pad_to_capacity: bool = False):
         ep = ctx.ep.size
-        if num_experts % ep:
-            raise ValueError(f"model.num_experts={num_experts} is not divisible by parallel.expert={ep}")
-        if pad_to_capacity and capacity is None:
-            raise ValueError("model.moe_pad_to_capacity=true needs model.moe_capacity_factor to be set")
         self.ctx, self.group = ctx, ctx.ep
         self.num_experts, self.num_local = num_experts, num_experts // ep
         self.first_expert = self.group.rank * self.num_local
@@ -214,10 +210,10 @@ class AllGatherDispatcher(TokenDispatcher):
         return mine.view(mine.shape[0] // plan.k, plan.k, h)
 
 
-_DISPATCHERS: dict[str, Callable[..., TokenDispatcher]] = {
-    "alltoall": AllToAllDispatcher,
-    "allgather": AllGatherDispatcher,
-}
+DISPATCHERS: Registry[Callable[..., TokenDispatcher]] = Registry("token dispatcher",
+                                                                "model.moe_token_dispatcher")
+DISPATCHERS.register("alltoall", AllToAllDispatcher)
+DISPATCHERS.register("allgather", AllGatherDispatcher)
 
 
 def register_dispatcher(name: str, cls: Callable[..., TokenDispatcher]) -> None:
@@ -229,18 +225,13 @@ def register_dispatcher(name: str, cls: Callable[..., TokenDispatcher]) -> None:
     Raises:
         ValueError: ``name`` is already registered to another class.
     """
-    if name in _DISPATCHERS and _DISPATCHERS[name] is not cls:
-        raise ValueError(f"token dispatcher {name!r} is already registered")
-    _DISPATCHERS[name] = cls
+    DISPATCHERS.register(name, cls)
 
 
 def get_dispatcher(name: str) -> Callable[..., TokenDispatcher]:
     """The dispatcher class registered as ``name``.
 
     Raises:
-        ValueError: unknown name (the message lists the registered ones).
+        ConfigError: unknown name (with did-you-mean and the registered ones).
     """
-    if name not in _DISPATCHERS:
-        raise ValueError(f"model.moe_token_dispatcher={name!r} is not a registered token dispatcher; "
-                         f"choose one of {', '.join(sorted(_DISPATCHERS))}")
-    return _DISPATCHERS[name]
+    return DISPATCHERS.get(name)

@@ -1,0 +1,211 @@
+"""Validation: small named rules, run before any process group exists.
+
+Each rule takes ``(cfg, world_size_or_None)`` and raises :class:`ConfigError` naming the field,
+its value and the rule, e.g. ``model.num_attention_heads=6 is not divisible by parallel.tensor=4``.
+
+A rule owned by another module is called, not written again here: the model shape and MoE rules
+(:mod:`.model_shape`, also run by the model constructors), the rank grid
+(:func:`paratron.parallel.grid.build_grid`), the pipeline split
+(:func:`paratron.pipeline.partition.stage_sizes`) and the schedule's own check
+(:func:`paratron.pipeline.registry.build_schedule`). Those imports sit inside the rules, so that
+importing the config loads neither numpy nor the pipeline package.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from . import model_shape
+from .context_rules import check_context
+from .errors import ConfigError
+from .sections import Config
+
+
+# ------------------------------------------------------------------------------------------
+def _positive(cfg: Config, world: int | None) -> None:
+    checks = [
+        ("model.num_layers", cfg.model.num_layers),
+        ("parallel.tensor", cfg.parallel.tensor), ("parallel.pipeline", cfg.parallel.pipeline),
+        ("parallel.virtual_pipeline", cfg.parallel.virtual_pipeline),
+        ("parallel.context", cfg.parallel.context), ("parallel.expert", cfg.parallel.expert),
+        ("parallel.expert_tensor", cfg.parallel.expert_tensor),
+        ("train.micro_batch_size", cfg.train.micro_batch_size),
+        ("train.global_batch_size", cfg.train.global_batch_size),
+        ("train.train_iters", cfg.train.train_iters),
+        ("make_vocab_size_divisible_by", cfg.model.make_vocab_size_divisible_by),
+    ]
+    for name, v in checks:
+        if v is None or v < 1:
+            raise ConfigError(f"{name}={v} must be a positive integer (>= 1)")
+    for name, v in (("model.num_query_groups", cfg.model.num_query_groups),
+                    ("model.ffn_hidden_size", cfg.model.ffn_hidden_size),
+                    ("model.vocab_size", cfg.model.vocab_size)):
+        if v is not None and v < 1:
+            raise ConfigError(f"{name}={v} must be a positive integer (>= 1)")
+    for name, v in (("parallel.timeout_s", cfg.parallel.timeout_s),
+                    ("parallel.hang_timeout_s", cfg.parallel.hang_timeout_s)):
+        if not 0 <= v < float("inf"):
+            raise ConfigError(f"{name}={v} must be a finite number of seconds >= 0")
+    if cfg.optimizer.lr < 0:
+        raise ConfigError(f"optimizer.lr={cfg.optimizer.lr} must be >= 0")
+    for name, v in (("model.hidden_dropout", cfg.model.hidden_dropout),
+                    ("model.attention_dropout", cfg.model.attention_dropout)):
+        if not 0.0 <= v < 1.0:
+            raise ConfigError(f"{name}={v} must be in [0, 1)")
+
+
+def _finite(cfg: Config, world: int | None) -> None:
+    """Every float field of every section is a finite number (``optimizer.lr = nan`` or ``inf``
+    would poison the first step)."""
+    for section in dataclasses.fields(cfg):
+        sub = getattr(cfg, section.name)
+        if not dataclasses.is_dataclass(sub):
+            continue
+        for f in dataclasses.fields(sub):
+            v = getattr(sub, f.name)
+            if isinstance(v, float) and not math.isfinite(v):
+                raise ConfigError(f"{section.name}.{f.name}={v} must be a finite number")
+
+
+def _nonfinite_policy(cfg: Config, world: int | None) -> None:
+    t = cfg.train  # train.nonfinite itself is checked against its Literal type when loading
+    if t.max_consecutive_skips < 1:
+        raise ConfigError(f"train.max_consecutive_skips={t.max_consecutive_skips} must be >= 1")
+
+
+def _grid(cfg: Config, world: int | None) -> None:
+    if world is None:
+        return
+    from paratron.parallel.grid import LayoutError, build_grid
+
+    p = cfg.parallel
+    try:
+        build_grid(world, tp=p.tensor, cp=p.context, ep=p.expert, pp=p.pipeline, expert_tp=p.expert_tensor,
+                   order=p.order)
+    except LayoutError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _model(cfg: Config, world: int | None) -> None:
+    model_shape.check_shape(cfg.model, cfg.parallel.tensor)
+
+
+def _data_parallel_size(cfg: Config, world: int | None) -> int | None:
+    """``world / (tp * cp * pp)``, or None without a world size (or when it does not divide)."""
+    p = cfg.parallel
+    mp = p.tensor * p.context * p.pipeline
+    return world // mp if world is not None and world % mp == 0 else None
+
+
+def _batch(cfg: Config, world: int | None) -> None:
+    t, dp = cfg.train, _data_parallel_size(cfg, world)
+    unit = t.micro_batch_size * (dp or 1)
+    if t.global_batch_size % unit:
+        where = f"train.micro_batch_size*dp = {t.micro_batch_size}*{dp}" if dp else \
+            f"train.micro_batch_size={t.micro_batch_size}"
+        raise ConfigError(f"train.global_batch_size={t.global_batch_size} is not divisible by {where}")
+
+
+def _sequence(cfg: Config, world: int | None) -> None:
+    p, s = cfg.parallel, cfg.model.seq_length
+    if p.sequence_parallel and s % p.tensor:
+        raise ConfigError(f"model.seq_length={s} is not divisible by parallel.tensor={p.tensor}, "
+                          "which sequence parallelism needs (parallel.sequence_parallel=true)")
+
+
+def _pipeline_layers(cfg: Config, world: int | None) -> None:
+    from paratron.pipeline.partition import stage_sizes
+
+    p = cfg.parallel
+    try:
+        stage_sizes(cfg.model.num_layers, p.pipeline, p.virtual_pipeline, p.pipeline_layout)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _schedule(cfg: Config, world: int | None) -> None:
+    from paratron.pipeline.registry import build_schedule, get_schedule
+
+    p, t = cfg.parallel, cfg.train
+    spec = get_schedule(p.schedule)  # ConfigError with did-you-mean for an unknown name
+    if spec.virtual_stages is not None and p.virtual_pipeline != spec.virtual_stages:
+        raise ConfigError(f"parallel.schedule={p.schedule!r} always runs {spec.virtual_stages} chunks per rank, "
+                          f"but parallel.virtual_pipeline={p.virtual_pipeline} was given: leave it unset "
+                          f"or set parallel.virtual_pipeline={spec.virtual_stages}")
+    dp = _data_parallel_size(cfg, world)
+    if dp is None or t.global_batch_size % (t.micro_batch_size * dp):
+        return  # the microbatch count is not known yet
+    m = t.global_batch_size // (t.micro_batch_size * dp)
+    try:
+        build_schedule(p.schedule, p.pipeline, m, p.virtual_pipeline)
+    except ValueError as e:
+        raise ConfigError(
+            f"parallel.schedule={p.schedule!r} with parallel.pipeline={p.pipeline}, "
+            f"parallel.virtual_pipeline={p.virtual_pipeline} and {m} microbatches per step "
+            f"(train.global_batch_size / (train.micro_batch_size * dp) = {t.global_batch_size} / "
+            f"({t.micro_batch_size} * {dp})): {e}") from None
+
+
+def _experts(cfg: Config, world: int | None) -> None:
+    p = cfg.parallel
+    model_shape.check_moe(cfg.model, tp=p.tensor, ep=p.expert, expert_tp=p.expert_tensor)
+
+
+def _zero(cfg: Config, world: int | None) -> None:
+    if cfg.parallel.zero not in (0, 1, 2, 3):
+        raise ConfigError(f"parallel.zero={cfg.parallel.zero} must be 0 (DDP), 1 (optimizer state "
+                          "sharded), 2 (also grads) or 3 (also params)")
+
+
+def _split(cfg: Config, world: int | None) -> None:
+    parts = cfg.data.split.replace("/", ",").split(",")
+    try:
+        vals = [float(x) for x in parts]
+    except ValueError:
+        raise ConfigError(f"data.split={cfg.data.split!r} must be comma-separated numbers like '969,30,1'") from None
+    if len(vals) > 3 or any(v < 0 for v in vals) or sum(vals) <= 0:
+        raise ConfigError(f"data.split={cfg.data.split!r} must be up to 3 non-negative numbers with a positive sum")
+
+
+def _lr_decay_iters(cfg: Config) -> tuple[str, int]:
+    o = cfg.optimizer
+    if o.lr_decay_iters is not None:
+        return "optimizer.lr_decay_iters", o.lr_decay_iters
+    return "train.train_iters", cfg.train.train_iters
+
+
+def _lr_schedule(cfg: Config, world: int | None) -> None:
+    o = cfg.optimizer
+    if o.lr_warmup_iters < 0:
+        raise ConfigError(f"optimizer.lr_warmup_iters={o.lr_warmup_iters} must be >= 0")
+    if o.min_lr > o.lr:
+        raise ConfigError(f"optimizer.min_lr={o.min_lr} must be <= optimizer.lr={o.lr}")
+
+
+VALIDATORS = [_finite, _positive, _nonfinite_policy, _lr_schedule, _grid, _model, _batch, _sequence, _schedule, _pipeline_layers,
+              _experts, _zero, _split, check_context]
+"""Every config rule, in order. Each takes ``(cfg, world_size_or_None)`` and raises ConfigError."""
+
+
+def validate(cfg: Config, world_size: int | None = None) -> Config:
+    """Run every validator; call before creating any process group (and after importing the
+    plugins of ``train.callbacks``, whose schedules, dispatchers and blocks are looked up here).
+
+    Raises:
+        ConfigError: the first rule broken, naming field, value and rule.
+    """
+    for rule in VALIDATORS:
+        rule(cfg, world_size)
+    return cfg
+
+
+def config_warnings(cfg: Config) -> list[str]:
+    """Allowed but probably unintended settings, one line each (the launcher prints them once)."""
+    out = []
+    o = cfg.optimizer
+    src, decay = _lr_decay_iters(cfg)
+    if o.lr_warmup_iters > decay:
+        out.append(f"optimizer.lr_warmup_iters={o.lr_warmup_iters} > {src}={decay}: the warmup will not "
+                   f"finish; the lr stays below optimizer.lr={o.lr} for the whole run")
+    return out
