@@ -24,6 +24,7 @@ class Layout:
         mbs: ``train.micro_batch_size``.
         recompute: ``model.recompute``: ``none``, ``selective`` or ``full``.
         sp: ``parallel.sequence_parallel``.
+        cp_algo: ``parallel.context_algorithm`` (``ring`` or ``all2all``; only varied when cp > 1).
     """
 
     tp: int
@@ -37,6 +38,7 @@ class Layout:
     mbs: int
     recompute: str
     sp: bool
+    cp_algo: str = "ring"
 
     def microbatches(self, global_batch_size: int) -> int:
         """Microbatches per pipeline per step: ``global_batch / (mbs * dp)``."""
@@ -49,7 +51,7 @@ class Layout:
             parts.append(f"v{self.vpp}")
         parts.append(f"dp{self.dp}")
         if self.cp > 1:
-            parts.append(f"cp{self.cp}")
+            parts.append(f"cp{self.cp}" + ("a2a" if self.cp_algo == "all2all" else ""))
         if self.ep > 1:
             parts.append(f"ep{self.ep}")
         parts += [f"z{self.zero}", self.schedule, f"mbs{self.mbs}", self.recompute]
@@ -63,7 +65,7 @@ def apply(cfg: Config, layout: Layout, global_batch_size: int, seq_length: int, 
     p = cfg.parallel
     p.tensor, p.pipeline, p.virtual_pipeline = layout.tp, layout.pp, layout.vpp
     p.context, p.expert, p.zero, p.schedule = layout.cp, layout.ep, layout.zero, layout.schedule
-    p.sequence_parallel, p.pipeline_layout = layout.sp, None
+    p.sequence_parallel, p.pipeline_layout, p.context_algorithm = layout.sp, None, layout.cp_algo
     cfg.train.micro_batch_size, cfg.train.global_batch_size = layout.mbs, global_batch_size
     cfg.train.precision, cfg.model.recompute, cfg.model.seq_length = precision, layout.recompute, seq_length
     return cfg

@@ -1,10 +1,16 @@
 """Every layout the config validator accepts, for a model, world size and global batch.
 
 The planner has no rules of its own: it proposes each combination of axis sizes (divisors of the
-world size), ZeRO level, registered schedule, virtual stages, microbatch size, recompute mode and
-sequence parallelism, and keeps those that :func:`paratron.config.validate` and the schedule's own
-check (the pre-flight of ``paratron train``) accept. So a ZeRO level or a context-parallel size
-becomes plannable the day the validator starts accepting it.
+world size), ZeRO level, registered schedule, virtual stages, microbatch size, recompute mode,
+sequence parallelism and context-parallel algorithm, and keeps those that the rules of
+:data:`paratron.config.VALIDATORS` accept. So a ZeRO level or a context-parallel size becomes
+plannable the day the validator starts accepting it.
+
+One rule is deferred: the schedule rule builds and proves the schedule's action lists (seconds
+for p = 64, m = 512), so enumeration runs only the schedule's cheap ``check`` and the search
+(:mod:`.search`) builds and proves the lists, through :class:`~.pipeline.ScheduleCache`, for
+each layout it costs; a layout whose lists fail is dropped there. Every plan printed has passed
+every rule.
 """
 
 from __future__ import annotations
@@ -20,6 +26,9 @@ from .layout import Layout, apply
 
 ZERO_LEVELS = (0, 1, 2, 3)
 RECOMPUTE = ("none", "selective", "full")
+CONTEXT_ALGORITHMS = ("ring", "all2all")
+DEFERRED_RULES = ("_schedule",)
+"""Validator rules run lazily by the search (they build the schedule's lists)."""
 
 
 def divisors(n: int) -> list[int]:
@@ -37,28 +46,34 @@ def _axes(cfg: Config, world: int) -> Iterator[tuple[int, int, int, int, int]]:
                     yield tp, cp, pp, dp, ep
 
 
+def _cheap_schedule_rule(cfg: Config, world: int) -> None:
+    """The deferred rule's fast part: the schedule exists, its chunk count, its own ``check``."""
+    p, t = cfg.parallel, cfg.train
+    spec = get_schedule(p.schedule)
+    if getattr(spec, "virtual_stages", None) is not None and p.virtual_pipeline != spec.virtual_stages:
+        raise ConfigError(f"parallel.schedule={p.schedule!r} always runs {spec.virtual_stages} chunks per rank")
+    dp = world // (p.tensor * p.context * p.pipeline)
+    if spec.check is not None and t.global_batch_size % (t.micro_batch_size * dp) == 0:
+        try:
+            spec.check(p.pipeline, t.global_batch_size // (t.micro_batch_size * dp), p.virtual_pipeline)
+        except ValueError as e:
+            raise ConfigError(f"parallel.schedule={p.schedule!r}: {e}") from None
+
+
 def accepted(cfg: Config, world: int) -> tuple[int, str] | None:
-    """None when ``paratron train`` would accept ``cfg`` on ``world`` ranks, else (how many rules it
-    passed first, the rule broken): the later the rule, the closer the candidate came."""
+    """None when the validator's rules (the deferred one by its fast part) accept ``cfg`` on
+    ``world`` ranks, else (how many rules it passed first, the rule broken)."""
     for i, rule in enumerate(VALIDATORS):
         try:
-            rule(cfg, world)
+            (_cheap_schedule_rule if rule.__name__ in DEFERRED_RULES else rule)(cfg, world)
         except ConfigError as e:
             return i, str(e)
-    p, t = cfg.parallel, cfg.train
-    m = t.global_batch_size // (t.micro_batch_size * world // (p.tensor * p.context * p.pipeline))
-    check = get_schedule(p.schedule).check
-    try:
-        if check is not None:
-            check(p.pipeline, m, p.virtual_pipeline)
-    except ValueError as e:
-        return len(VALIDATORS), f"parallel.schedule={p.schedule!r}: {e}"
     return None
 
 
 def enumerate_layouts(base: Config, world: int, global_batch_size: int, seq_length: int,
-                      precision: str) -> tuple[list[Layout], dict[str, int]]:
-    """(accepted layouts, {rule's first 80 characters: (rules passed before it, candidates refused)}).
+                      precision: str) -> tuple[list[Layout], dict[str, tuple[int, int]]]:
+    """(accepted layouts, {rule's first 160 characters: (rules passed before it, candidates refused)}).
 
     ``base`` supplies the model and everything the planner does not choose.
     """
@@ -67,13 +82,14 @@ def enumerate_layouts(base: Config, world: int, global_batch_size: int, seq_leng
     for tp, cp, pp, dp, ep in _axes(base, world):
         choices = itertools.product(divisors(max(base.model.num_layers // pp, 1)), ZERO_LEVELS, SCHEDULES.names(),
                                     (False, True) if tp > 1 else (False,),
+                                    CONTEXT_ALGORITHMS if cp > 1 else ("ring",),
                                     divisors(max(global_batch_size // dp, 1)), RECOMPUTE)
-        for vpp, zero, schedule, sp, mbs, rc in choices:
-            lay = Layout(tp, pp, vpp, dp, cp, ep, zero, schedule, mbs, rc, sp)
+        for vpp, zero, schedule, sp, algo, mbs, rc in choices:
+            lay = Layout(tp, pp, vpp, dp, cp, ep, zero, schedule, mbs, rc, sp, algo)
             why = accepted(apply(scratch, lay, global_batch_size, seq_length, precision), world)
             if why is None:
                 layouts.append(lay)
             else:
                 stage, rule = why
-                refused[rule[:80]] = (stage, refused.get(rule[:80], (stage, 0))[1] + 1)
+                refused[rule[:160]] = (stage, refused.get(rule[:160], (stage, 0))[1] + 1)
     return layouts, refused

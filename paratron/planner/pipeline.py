@@ -29,7 +29,11 @@ class PipelineCost:
 
 
 class ScheduleCache:
-    """Action lists and per-rank peak in-flight counts, built once per (schedule, p, m, v)."""
+    """Action lists and per-rank peak in-flight counts, built once per (schedule, p, m, v).
+
+    The lists are built with ``check=True``: proving them is the validator's schedule rule, which
+    enumeration defers to here (:mod:`.layouts`); a failing schedule raises ``ValueError``.
+    """
 
     def __init__(self) -> None:
         self._lists: dict[tuple[str, int, int, int], list[list[Action]]] = {}
@@ -37,7 +41,7 @@ class ScheduleCache:
     def lists(self, name: str, p: int, m: int, v: int) -> list[list[Action]]:
         key = (name, p, m, v)
         if key not in self._lists:
-            self._lists[key] = build_schedule(name, p, m, v, check=False)
+            self._lists[key] = build_schedule(name, p, m, v)
         return self._lists[key]
 
     def in_flight(self, name: str, p: int, m: int, v: int) -> list[int]:

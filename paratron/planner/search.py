@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from paratron.config import Config
+from paratron.config import Config, validate
 
 from .compute import stage_works
 from .estimate import Estimate, Problem, estimate, fixed_seconds, lower_bound, memory_per_rank
-from .layout import Layout
+from .layout import Layout, to_config
 from .layouts import enumerate_layouts
 from .pipeline import ScheduleCache
 
@@ -49,15 +49,12 @@ def plan(prob: Problem, base: Config, top_k: int = 5, cache: ScheduleCache | Non
     world = prob.cluster.world
     layouts, refused = enumerate_layouts(base, world, prob.global_batch_size, prob.seq_length, prob.precision)
     if not layouts:
-        # Rules on the inputs (batch, sequence, model) before rules on the planner's own choices
-        # (parallel.*); among them the rules met last, by the candidates that came closest.
-        rules = sorted(refused.items(), key=lambda kv: (kv[0].startswith("parallel."), -kv[1][0], -kv[1][1]))[:3]
         raise PlanError(f"no layout of {world} ranks is accepted for --global-batch-size={prob.global_batch_size} "
-                        f"--seq-length={prob.seq_length}; the closest candidates break:\n  "
-                        + "\n  ".join(f"{rule} ({n} layouts)" for rule, (_, n) in rules))
+                        f"--seq-length={prob.seq_length}; the candidates break:\n  " + "\n  ".join(_by_field(refused)))
     limit = prob.cluster.hw.memory_bytes
     cands, floors = [], []
-    for lay in layouts:
+    costed = distinct(layouts)
+    for lay in costed:
         works = stage_works(prob.shape, lay, prob.cluster, prob.fused_attention)
         fixed = fixed_seconds(prob, lay, works)
         floor = memory_per_rank(prob, lay, [1] * lay.pp)[0].total
@@ -66,21 +63,45 @@ def plan(prob: Problem, base: Config, top_k: int = 5, cache: ScheduleCache | Non
             cands.append((lower_bound(prob, lay, works, fixed), lay, works, fixed))
     cands.sort(key=lambda c: c[0])
     best: list[Estimate] = []
-    too_big, simulated = len(layouts) - len(cands), 0
+    too_big, simulated = len(costed) - len(cands), 0
     for lb, lay, works, fixed in cands:
-        if len(best) >= top_k and lb >= best[-1].step_time:
+        if len(best) >= top_k and lb > best[-1].step_time:
             break
-        est = estimate(prob, lay, cache, works, fixed)
+        try:
+            est = estimate(prob, lay, cache, works, fixed)
+        except ValueError as e:  # the deferred schedule rule refused its lists
+            refused[str(e)[:160]] = (len(refused), refused.get(str(e)[:160], (0, 0))[1] + 1)
+            continue
         simulated += 1
         if est.memory.total > limit:
             too_big += 1
             continue
         best.append(est)
-        best.sort(key=lambda e: e.step_time)
+        best.sort(key=lambda e: (e.step_time, e.memory.total))  # equal time: the leaner one first
         del best[top_k:]
     if not best:
         raise PlanError(_no_fit_message(prob, floors, cache, limit))
+    for e in best:  # every rule, the deferred one included, on exactly what will be printed
+        validate(to_config(base, e.layout, prob.global_batch_size, prob.seq_length, prob.precision), world)
     return PlanResult(best, len(layouts), refused, too_big, simulated, layouts)
+
+
+def distinct(layouts: list[Layout]) -> list[Layout]:
+    """The layouts worth costing: with one pipeline stage every schedule and chunk count runs the
+    same work, so only ``1f1b`` with one chunk is kept (the others stay counted as accepted)."""
+    return [lay for lay in layouts if lay.pp > 1 or (lay.schedule == "1f1b" and lay.vpp == 1)]
+
+
+def _by_field(refused: dict[str, tuple[int, int]], fields: int = 5) -> list[str]:
+    """The most frequent rule of each input field named first in a message (the batch, the sequence,
+    the heads, ...), before the planner's own parallel.* fields, at most ``fields`` lines."""
+    best: dict[str, tuple[int, str]] = {}
+    for rule, (_, n) in refused.items():
+        field = rule.split("=", 1)[0]
+        if n > best.get(field, (0, ""))[0]:
+            best[field] = (n, rule)
+    order = sorted(best.items(), key=lambda kv: (kv[0].startswith("parallel."), -kv[1][0]))[:fields]
+    return [f"{rule} ({n} layouts)" for _, (n, rule) in order]
 
 
 def _no_fit_message(prob: Problem, floors: list, cache: ScheduleCache, limit: float) -> str:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from paratron.config import ModelConfig
 from paratron.layers.embedding import pad_vocab_size
-from paratron.models import spec
+from paratron.config import model_shape as spec
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,7 @@ class Shape:
     top_k: int
     expert_f: int
     moe_freq: int
+    vocab_multiple: int = 128
 
     @classmethod
     def of(cls, m: ModelConfig, seq_length: int) -> "Shape":
@@ -42,14 +43,16 @@ class Shape:
                    bias=m.add_bias_linear, tied=m.tie_embeddings, learned_pos=m.position_embedding_type == "learned",
                    max_pos=spec.max_positions(m), layernorm=m.normalization == "layernorm",
                    dropout=m.hidden_dropout > 0 or m.attention_dropout > 0, experts=m.num_experts,
-                   top_k=m.moe_top_k if m.num_experts else 0, expert_f=m.moe_ffn_hidden_size or f,
+                   top_k=m.moe_top_k if m.num_experts else 0, expert_f=spec.expert_ffn_size(m),
+                   vocab_multiple=m.make_vocab_size_divisible_by,
                    moe_freq=max(m.moe_layer_freq, 1))
 
     def is_moe(self, layer: int) -> bool:
         return self.experts > 0 and layer % self.moe_freq == 0
 
-    def padded_vocab(self, tp: int, multiple: int = 128) -> int:
-        return pad_vocab_size(self.V, tp, multiple)
+    def padded_vocab(self, tp: int) -> int:
+        """The vocabulary padded as the embedding pads it (a multiple of ``tp * vocab_multiple``)."""
+        return pad_vocab_size(self.V, tp, self.vocab_multiple)
 
     def layer_params(self, layer: int, tp: int, ep: int) -> int:
         """Parameters of one transformer layer held by one (tp, ep) rank (norms replicated)."""
