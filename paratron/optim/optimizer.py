@@ -240,10 +240,9 @@ class Optimizer:
         self.ctx.world.all_reduce(local)
         found_inf = bool(local[1] > 0) or not math.isfinite(local[0].item())
         grad_norm = math.sqrt(local[0].item()) if local[0].item() >= 0 else float("nan")
-        at_min = not self.scaler.dynamic or self.scaler.scale <= self.scaler.min_scale
-        self.scaler.update(found_inf)
         if found_inf:
-            return StepResult(True, grad_norm, self.scaler.scale, 1.0, nonfinite=at_min)
+            return self.skip_step(grad_norm)
+        self.scaler.update(False)
 
         coeff = clip_coefficient(grad_norm, float(self.cfg.clip_grad))
         if coeff < 1.0 and self._grads:
@@ -253,6 +252,15 @@ class Optimizer:
             self._update()
         self._publish()
         return StepResult(False, grad_norm, self.scaler.scale, coeff)
+
+    def skip_step(self, grad_norm: float = float("nan")) -> StepResult:
+        """Skip this step on this rank: nothing changes but the fp16 loss scale, which backs off
+        as after an overflow. Call it on every rank with the same decision (e.g. a non-finite
+        loss, which the training step already knows on every rank), or let :meth:`step` call it.
+        """
+        at_min = not self.scaler.dynamic or self.scaler.scale <= self.scaler.min_scale
+        self.scaler.update(True)
+        return StepResult(True, grad_norm, self.scaler.scale, 1.0, nonfinite=at_min)
 
     def first_nonfinite_param(self) -> str | None:
         """The logical name of the first param (in buffer order) whose local grad holds an inf

@@ -83,17 +83,7 @@ def run_global_batch(cfg, ctx, chunks, microbatches: list[dict], *, forward_only
     p = cfg.parallel
     m = len(microbatches)
     if cfg.model.num_experts > 0:
-        from paratron.models.moe.layer import set_aux_loss_scale
-
-        # MoE aux-loss grads: coeff x the mean over every microbatch (or, for the sequence-level
-        # loss, every sequence) of the global batch, scaled like the LM loss (see
-        # paratron.models.moe.layer).
-        if cfg.model.moe_aux_loss_type == "seq":
-            from paratron.models.moe.seq_aux import count_global_sequences
-
-            set_aux_loss_scale(chunks, loss_scale / count_global_sequences(microbatches, ctx))
-        else:
-            set_aux_loss_scale(chunks, loss_scale / (m * ctx.dp.size))
+        _scale_aux_losses(cfg, ctx, chunks, microbatches, loss_scale)
     if actions is None:
         actions = rank_actions(cfg, ctx, m)
     mb_size, seq = microbatches[0]["tokens"].shape
@@ -105,8 +95,30 @@ def run_global_batch(cfg, ctx, chunks, microbatches: list[dict], *, forward_only
         finalize_grads(chunks, ctx, ddp)
     t1 = time.perf_counter()
 
-    # The loss lives on the last stage of each pipeline; sum over pp (others add 0), dp and cp
-    # (each CP rank holds its tokens' share; the aux values are the same on every CP rank).
+    loss, aux_value = _global_loss(cfg, ctx, chunks, lm_losses)
+    return StepOutput(loss, int(global_tokens.item()), aux_value, {"forward_backward": t1 - t0})
+
+
+def _scale_aux_losses(cfg, ctx, chunks, microbatches: list[dict], loss_scale: float) -> None:
+    """MoE aux-loss grads: coeff x the mean over every microbatch (or, for the sequence-level
+    loss, every sequence) of the global batch, scaled like the LM loss (see
+    :mod:`paratron.models.moe.layer`)."""
+    from paratron.models.moe.layer import set_aux_loss_scale
+
+    if cfg.model.moe_aux_loss_type == "seq":
+        from paratron.models.moe.seq_aux import count_global_sequences
+
+        set_aux_loss_scale(chunks, loss_scale / count_global_sequences(microbatches, ctx))
+    else:
+        set_aux_loss_scale(chunks, loss_scale / (len(microbatches) * ctx.dp.size))
+
+
+def _global_loss(cfg, ctx, chunks, lm_losses: list[torch.Tensor]) -> tuple[float, float | None]:
+    """(global-batch LM loss, MoE aux loss or None), the same on every rank.
+
+    The loss lives on the last stage of each pipeline; it is summed over pp (others add 0), dp
+    and cp (each CP rank holds its tokens' share; the aux values are the same on every CP rank).
+    """
     loss = torch.zeros(2, dtype=torch.float64)
     if lm_losses:
         loss[0] = torch.stack(lm_losses).double().sum()
@@ -119,8 +131,7 @@ def run_global_batch(cfg, ctx, chunks, microbatches: list[dict], *, forward_only
     if aux is not None or cfg.model.num_experts > 0:
         # Summed over MoE layers and stages for the last microbatch, averaged over DP.
         aux_value = loss[1].item() / ctx.dp_cp.size
-    return StepOutput(loss[0].item(), int(global_tokens.item()), aux_value,
-                      {"forward_backward": t1 - t0})
+    return loss[0].item(), aux_value
 
 
 def _aux_loss(chunks) -> float | None:

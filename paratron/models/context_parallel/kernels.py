@@ -39,7 +39,7 @@ def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> tor
 
 
 def _fused(t: torch.Tensor) -> bool:
-    return t.device.type == "cpu" and t.dtype in (torch.float32, torch.bfloat16)
+    return t.device.type == "cpu"
 
 
 def _bnsd(t: torch.Tensor) -> torch.Tensor:
@@ -51,10 +51,11 @@ def block_forward(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, to
     ``k``/``v`` (``causal``: row ``i`` sees keys ``0..i``; needs ``sq == sk``)."""
     if not _fused(q):
         return block_forward_math(q, k, v, causal, scale)
+    # fp32 inside whatever the input dtype: partial outputs are merged, so they are not rounded.
     n_q = q.shape[2]
-    kx, vx = (_expand(t, n_q).to(q.dtype) for t in (k, v))
+    kx, vx = (_expand(t, n_q) for t in (k, v))
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        _bnsd(q), _bnsd(kx), _bnsd(vx), 0.0, causal, scale=scale)
+        _bnsd(q.float()), _bnsd(kx), _bnsd(vx), 0.0, causal, scale=scale)
     return out.permute(2, 0, 1, 3).float(), lse.permute(2, 0, 1).float()
 
 
@@ -71,9 +72,9 @@ def block_backward(q, k, v, out, lse, dout, causal: bool, scale: float
         delta = (dout.float() * out.float()).sum(-1)
         return block_backward_math(q, k, v, lse, dout, delta, causal, scale)
     n_q, n_kv = q.shape[2], k.shape[2]
-    kx, vx = (_expand(t, n_q).to(q.dtype) for t in (k, v))
+    kx, vx = (_expand(t, n_q) for t in (k, v))
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        _bnsd(dout.to(q.dtype)), _bnsd(q), _bnsd(kx), _bnsd(vx), _bnsd(out.to(q.dtype)),
+        _bnsd(dout.float()), _bnsd(q.float()), _bnsd(kx), _bnsd(vx), _bnsd(out.float()),
         lse.permute(1, 2, 0).contiguous(), 0.0, causal, scale=scale)
     dq, dk, dv = (t.permute(2, 0, 1, 3).float() for t in (dq, dk, dv))
     if n_q != n_kv:
