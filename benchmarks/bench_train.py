@@ -49,7 +49,7 @@ def step_overhead(rounds: int, steps: int) -> dict:
 
     from paratron.config import load_config
     from paratron.models.gpt import gather_full_state
-    from paratron.models.spec import ffn_size, query_groups
+    from paratron.config.model_shape import ffn_size, query_groups
     from paratron.parallel.context import ParallelContext
     from paratron.training.runner import build_model_and_optimizer
     from paratron.training.step import run_global_batch

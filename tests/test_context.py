@@ -37,6 +37,21 @@ def test_single_context_has_size_one_groups():
     assert ctx.is_first_stage and ctx.is_last_stage
 
 
+def test_groups_are_typed_fields():
+    """Every group kind is a declared ``Group`` field (seen by IDEs and type checkers), and the
+    names match the grid's group kinds one for one."""
+    import dataclasses
+
+    from paratron.parallel.comm import Group
+
+    fields = {f.name: f.type for f in dataclasses.fields(ParallelContext)}
+    assert all(fields.get(k) in (Group, "Group") for k in GROUP_KINDS)
+    assert set(build_grid(1).groups) == set(GROUP_KINDS)
+    ctx = ParallelContext.single()
+    assert ctx.group("expert_dp") is ctx.expert_dp
+    assert not hasattr(ParallelContext, "__getattr__")
+
+
 def _fail_on_rank_1():
     import torch.distributed as dist
 

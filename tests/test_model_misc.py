@@ -11,7 +11,7 @@ from paratron.config import Config, ConfigError, ModelConfig, load_config, valid
 from paratron.models.flops import flops_per_token, forward_flops_per_token
 from paratron.models.gpt import build_model_chunks
 from paratron.models.presets import PRESETS, preset
-from paratron.models.spec import check_model, ffn_size
+from paratron.config.model_shape import check_model, ffn_size
 from paratron.parallel.context import ParallelContext
 from paratron.testing import run_ranks
 
@@ -148,7 +148,8 @@ class _ScaledResidualBlock(torch.nn.Module):
 
 
 def test_block_registry_selects_the_layer_class():
-    from paratron.models.blocks import BlockRegistry, register_block
+    from paratron.models.blocks import register_block
+    from paratron.registry import Registry
 
     name = "test-scaled-residual"
     register_block(name, _ScaledResidualBlock, replace=True)
@@ -163,7 +164,7 @@ def test_block_registry_selects_the_layer_class():
     assert not torch.allclose(a(ids, ids), b(ids, ids))
     with pytest.raises(ConfigError, match="model.block='transformr'.*did you mean 'transformer'"):
         build_model_chunks(dataclasses.replace(base, block="transformr"), ParallelContext.single(), seed=2)
-    registry = BlockRegistry()
+    registry = Registry("block", "model.block")
     registry.register("x", _ScaledResidualBlock)
     with pytest.raises(ValueError, match="already registered"):
         registry.register("x", _ScaledResidualBlock)

@@ -26,8 +26,7 @@ from pathlib import Path
 
 import torch
 
-from paratron.config import ConfigError, ModelConfig
-from paratron.models import spec
+from paratron.config import ConfigError, ModelConfig, model_shape
 
 Tensors = dict[str, torch.Tensor]
 
@@ -148,7 +147,7 @@ def _take(src: Tensors, name: str, where: str) -> torch.Tensor:
 
 
 def _llama_tensors(cfg: ModelConfig, src: Tensors, where: str) -> Tensors:
-    heads, groups, bias = cfg.num_attention_heads, spec.query_groups(cfg), cfg.add_bias_linear
+    heads, groups, bias = cfg.num_attention_heads, model_shape.query_groups(cfg), cfg.add_bias_linear
     out: Tensors = {"embedding.word_embeddings.weight": _take(src, "model.embed_tokens.weight", where),
                     "final_norm.weight": _take(src, "model.norm.weight", where)}
     if not cfg.tie_embeddings:
@@ -253,7 +252,7 @@ def hf_architecture_for(cfg: ModelConfig) -> str:
             cfg.activation in ("gelu", "gelu_tanh"):
         if not cfg.add_bias_linear:
             raise ConfigError("model.add_bias_linear=false: GPT-2 always has biases; no export target")
-        if spec.query_groups(cfg) != cfg.num_attention_heads:
+        if model_shape.query_groups(cfg) != cfg.num_attention_heads:
             raise ConfigError(f"model.num_query_groups={cfg.num_query_groups}: GPT-2 has no grouped-query "
                               "attention; no export target")
         return "gpt2"
@@ -268,12 +267,12 @@ def _dtype_name(tensors: Tensors) -> str:
 
 
 def _llama_export(cfg: ModelConfig, t: Tensors) -> tuple[dict, Tensors]:
-    heads, groups = cfg.num_attention_heads, spec.query_groups(cfg)
+    heads, groups = cfg.num_attention_heads, model_shape.query_groups(cfg)
     hf = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
-          "hidden_size": cfg.hidden_size, "intermediate_size": spec.ffn_size(cfg),
+          "hidden_size": cfg.hidden_size, "intermediate_size": model_shape.ffn_size(cfg),
           "num_hidden_layers": cfg.num_layers, "num_attention_heads": heads, "num_key_value_heads": groups,
-          "head_dim": spec.head_dim(cfg), "hidden_act": "silu",
-          "max_position_embeddings": spec.max_positions(cfg), "rms_norm_eps": cfg.norm_epsilon,
+          "head_dim": model_shape.head_dim(cfg), "hidden_act": "silu",
+          "max_position_embeddings": model_shape.max_positions(cfg), "rms_norm_eps": cfg.norm_epsilon,
           "rope_theta": cfg.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
           "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": cfg.add_bias_linear,
           "mlp_bias": cfg.add_bias_linear, "attention_dropout": cfg.attention_dropout,
@@ -299,8 +298,8 @@ def _gpt2_export(cfg: ModelConfig, t: Tensors) -> tuple[dict, Tensors]:
     heads = cfg.num_attention_heads
     act = "gelu_new" if cfg.activation == "gelu_tanh" else "gelu"
     hf = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": cfg.vocab_size,
-          "n_positions": spec.max_positions(cfg), "n_embd": cfg.hidden_size, "n_layer": cfg.num_layers,
-          "n_head": heads, "n_inner": spec.ffn_size(cfg), "activation_function": act,
+          "n_positions": model_shape.max_positions(cfg), "n_embd": cfg.hidden_size, "n_layer": cfg.num_layers,
+          "n_head": heads, "n_inner": model_shape.ffn_size(cfg), "activation_function": act,
           "resid_pdrop": cfg.hidden_dropout, "embd_pdrop": cfg.hidden_dropout, "attn_pdrop": cfg.attention_dropout,
           "layer_norm_epsilon": cfg.norm_epsilon, "initializer_range": cfg.init_method_std,
           "tie_word_embeddings": cfg.tie_embeddings, "scale_attn_weights": True}

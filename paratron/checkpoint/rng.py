@@ -35,8 +35,7 @@ def layout_signature(ctx, config=None) -> dict:
 
 def rank_coordinates(ctx) -> dict:
     """This rank's index in each group (what the RNG streams are seeded from)."""
-    return {k: ctx.groups[k].rank for k in ("tp", "cp", "ep", "pp", "dp", "expert_tp", "expert_dp")
-            if k in ctx.groups}
+    return {k: ctx.group(k).rank for k in ("tp", "cp", "ep", "pp", "dp", "expert_tp", "expert_dp")}
 
 
 def find_tracker(chunks):

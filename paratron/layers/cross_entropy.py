@@ -20,7 +20,7 @@ __all__ = ["vocab_parallel_cross_entropy"]
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, labels, group: Group, vocab_size: int, ignore_index: int,
+    def forward(fctx, logits, labels, group: Group, vocab_size: int, ignore_index: int,
                 label_smoothing: float):
         local_v = logits.shape[-1]
         start = group.rank * local_v
@@ -55,14 +55,14 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         loss = loss.masked_fill(~valid, 0.0)
 
         softmax = exp.div_(sum_exp.unsqueeze(-1))
-        ctx.save_for_backward(softmax, index, mine, valid)
-        ctx.meta = (local_v, n_valid, vocab_size, label_smoothing, logits.dtype)
+        fctx.save_for_backward(softmax, index, mine, valid)
+        fctx.meta = (local_v, n_valid, vocab_size, label_smoothing, logits.dtype)
         return loss
 
     @staticmethod
-    def backward(ctx, grad_loss):
-        softmax, index, mine, valid = ctx.saved_tensors
-        local_v, n_valid, vocab_size, eps, dtype = ctx.meta
+    def backward(fctx, grad_loss):
+        softmax, index, mine, valid = fctx.saved_tensors
+        local_v, n_valid, vocab_size, eps, dtype = fctx.meta
         grad = softmax  # saved only for this backward: safe to overwrite
         if n_valid:
             grad.scatter_add_(-1, index.unsqueeze(-1), -(1.0 - eps) * mine.unsqueeze(-1).to(grad.dtype))

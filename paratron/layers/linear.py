@@ -64,7 +64,7 @@ class _ColumnFn(torch.autograd.Function):
     """y = AllGather_seq?(x) W^T + b; backward: dx = AllReduce|ReduceScatter(dy W)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, owner, group: Group, sequence_parallel: bool):
+    def forward(fctx, x, weight, bias, owner, group: Group, sequence_parallel: bool):
         # With SP the gathered input is kept for dW rather than re-gathered in backward: one
         # all-gather per layer instead of two, at the cost of s*b*in activation memory.
         total = group.all_gather(x, dim=0) if sequence_parallel else x
@@ -74,20 +74,20 @@ class _ColumnFn(torch.autograd.Function):
             out = torch.addmm(bias, flat, weight.t()).view(*total.shape[:-1], weight.shape[0])
         else:
             out = total.matmul(weight.t())
-        ctx.save_for_backward(total, weight)
-        ctx.owner, ctx.group, ctx.sp, ctx.bias = owner, group, sequence_parallel, bias
+        fctx.save_for_backward(total, weight)
+        fctx.owner, fctx.group, fctx.sp, fctx.bias = owner, group, sequence_parallel, bias
         return out
 
     @staticmethod
-    def backward(ctx, dy):
-        total, weight = ctx.saved_tensors
-        group, dx, work = ctx.group, None, None
+    def backward(fctx, dy):
+        total, weight = fctx.saved_tensors
+        group, dx, work = fctx.group, None, None
         dy = dy.contiguous()
-        if ctx.needs_input_grad[0]:
+        if fctx.needs_input_grad[0]:
             dx_total = dy.matmul(weight)
             if group.size == 1:
                 dx = dx_total
-            elif ctx.sp:
+            elif fctx.sp:
                 flat = dx_total.reshape(group.size, -1)
                 dx = torch.empty((dx_total.shape[0] // group.size,) + tuple(dx_total.shape[1:]),
                                  dtype=dx_total.dtype, device=dx_total.device)
@@ -96,7 +96,7 @@ class _ColumnFn(torch.autograd.Function):
                 dx = dx_total
                 work = group.all_reduce(dx, async_op=True)
         # dW overlaps with the input-grad collective (Shoeybi et al. 2019 note the same overlap).
-        _weight_grads(ctx.owner, weight, ctx.bias, dy, total)
+        _weight_grads(fctx.owner, weight, fctx.bias, dy, total)
         if work is not None:
             work.wait()
         return dx, None, None, None, None, None
@@ -106,7 +106,7 @@ class _RowFn(torch.autograd.Function):
     """y = AllReduce|ReduceScatter_seq(x W^T) + b; backward: dx = AllGather_seq?(dy) W."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, owner, group: Group, sequence_parallel: bool):
+    def forward(fctx, x, weight, bias, owner, group: Group, sequence_parallel: bool):
         partial = x.matmul(weight.t())
         if sequence_parallel:
             out = group.reduce_scatter(partial, dim=0)
@@ -115,19 +115,19 @@ class _RowFn(torch.autograd.Function):
             out = partial
         if bias is not None:
             out = out + bias
-        ctx.save_for_backward(x, weight)
-        ctx.owner, ctx.group, ctx.sp, ctx.bias = owner, group, sequence_parallel, bias
+        fctx.save_for_backward(x, weight)
+        fctx.owner, fctx.group, fctx.sp, fctx.bias = owner, group, sequence_parallel, bias
         return out
 
     @staticmethod
-    def backward(ctx, dy):
-        x, weight = ctx.saved_tensors
+    def backward(fctx, dy):
+        x, weight = fctx.saved_tensors
         dy = dy.contiguous()
-        dy_total = ctx.group.all_gather(dy, dim=0) if ctx.sp else dy
-        dx = dy_total.matmul(weight) if ctx.needs_input_grad[0] else None
+        dy_total = fctx.group.all_gather(dy, dim=0) if fctx.sp else dy
+        dx = dy_total.matmul(weight) if fctx.needs_input_grad[0] else None
         # The bias grad uses the local dy: under SP it is a sequence-shard partial sum, which
         # allreduce_sequence_parallel_grads completes over TP (the bias is marked so).
-        _weight_grads(ctx.owner, weight, ctx.bias, dy_total, x, bias_dy=dy)
+        _weight_grads(fctx.owner, weight, fctx.bias, dy_total, x, bias_dy=dy)
         return dx, None, None, None, None, None
 
 

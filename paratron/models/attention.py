@@ -19,10 +19,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from paratron.config import ModelConfig
+from paratron.config import ModelConfig, model_shape
+from paratron.layers.dropout import rng_fork
 
-from . import spec
-from .recompute import checkpointed, rng_fork
+from .recompute import checkpointed
 from .rope import apply_rope
 
 
@@ -70,9 +70,9 @@ class SelfAttention(nn.Module):
 
         super().__init__()
         tp = ctx.tp.size
-        spec.check_model(cfg, tp)
-        self.head_dim = spec.head_dim(cfg)
-        heads, groups = cfg.num_attention_heads, spec.query_groups(cfg)
+        model_shape.check_model(cfg, tp)
+        self.head_dim = model_shape.head_dim(cfg)
+        heads, groups = cfg.num_attention_heads, model_shape.query_groups(cfg)
         self.q_per_group = heads // groups
         self.local_groups = groups // tp
         self.attention_dropout = cfg.attention_dropout

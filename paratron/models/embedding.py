@@ -8,11 +8,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from paratron.config import ModelConfig
+from paratron.config import ModelConfig, model_shape
+from paratron.layers.dropout import dropout
 from paratron.parallel.params import mark
-
-from . import spec
-from .recompute import dropout
 
 WORD_EMBEDDINGS = "embedding.word_embeddings"
 POSITION_EMBEDDINGS = "embedding.position_embeddings"
@@ -45,7 +43,7 @@ class Embedding(nn.Module):
             params_dtype=params_dtype)
         if cfg.position_embedding_type == "learned":
             name = f"{POSITION_EMBEDDINGS}.weight"
-            full = full_init((spec.max_positions(cfg), cfg.hidden_size), seed, name, cfg.init_method_std)
+            full = full_init((model_shape.max_positions(cfg), cfg.hidden_size), seed, name, cfg.init_method_std)
             self.position_embeddings = nn.Parameter(full.to(device=ctx.device, dtype=params_dtype))
             mark(self.position_embeddings, name, sequence_parallel=self.sequence_parallel)
         else:

@@ -29,9 +29,7 @@ is excluded unless ``include_recompute`` asks for the hardware count.
 
 from __future__ import annotations
 
-from paratron.config import ModelConfig
-
-from . import spec
+from paratron.config import ModelConfig, model_shape
 
 
 def _mlp_flops(h: int, f: int, activation: str) -> float:
@@ -48,14 +46,14 @@ def forward_flops_per_token(cfg: ModelConfig, seq_length: int | None = None) -> 
     if cfg.vocab_size is None:
         raise ValueError("model.vocab_size must be set to count FLOPs (the output layer is 2 h V)")
     h, s = cfg.hidden_size, seq_length or cfg.seq_length
-    n, g, d = cfg.num_attention_heads, spec.query_groups(cfg), spec.head_dim(cfg)
+    n, g, d = cfg.num_attention_heads, model_shape.query_groups(cfg), model_shape.head_dim(cfg)
     attention = 2.0 * h * (n * d + 2 * g * d) + 2.0 * n * d * h + 4.0 * s * n * d
-    dense_mlp = _mlp_flops(h, spec.ffn_size(cfg), cfg.activation)
+    dense_mlp = _mlp_flops(h, model_shape.ffn_size(cfg), cfg.activation)
     total = 0.0
     for layer in range(cfg.num_layers):
         total += attention
-        if spec.is_moe_layer(cfg, layer):
-            expert = _mlp_flops(h, cfg.moe_ffn_hidden_size or spec.ffn_size(cfg), cfg.activation)
+        if model_shape.is_moe_layer(cfg, layer):
+            expert = _mlp_flops(h, cfg.moe_ffn_hidden_size or model_shape.ffn_size(cfg), cfg.activation)
             shared = (_mlp_flops(h, cfg.moe_shared_expert_ffn_hidden_size, cfg.activation)
                       if cfg.moe_shared_expert_ffn_hidden_size else 0.0)
             total += cfg.moe_top_k * expert + shared + 2.0 * h * cfg.num_experts
@@ -85,5 +83,5 @@ def flops_per_token(cfg: ModelConfig, seq_length: int | None = None, include_rec
         total += fwd - 2.0 * cfg.hidden_size * cfg.vocab_size
     elif include_recompute and cfg.recompute == "selective":
         s = seq_length or cfg.seq_length
-        total += cfg.num_layers * 4.0 * s * cfg.num_attention_heads * spec.head_dim(cfg)
+        total += cfg.num_layers * 4.0 * s * cfg.num_attention_heads * model_shape.head_dim(cfg)
     return total

@@ -17,9 +17,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from paratron.config import ConfigError, ModelConfig
+from paratron.config import ConfigError, ModelConfig, model_shape
 
-from . import spec
 from .embedding import WORD_EMBEDDINGS, Embedding
 from .blocks import BLOCKS
 from .layer import make_norm
@@ -52,7 +51,7 @@ class GPTChunk(nn.Module):
             embedding: that embedding's weight, shared instead of copied.
 
     Raises:
-        ConfigError: the model does not fit the TP size (see :func:`paratron.models.spec.check_model`),
+        ConfigError: the model does not fit the TP size (see :func:`paratron.models.model_shape.check_model`),
             or ``model.block`` is not registered; raised before any collective.
 
     The layers are built by the block registered as ``model.block`` (:mod:`paratron.models.blocks`).
@@ -62,7 +61,7 @@ class GPTChunk(nn.Module):
                  post_process: bool, sequence_parallel: bool = False, params_dtype: torch.dtype = torch.float32,
                  rng_tracker=None, embedding_weight: nn.Parameter | None = None):
         super().__init__()
-        spec.check_model(cfg, ctx.tp.size)
+        model_shape.check_model(cfg, ctx.tp.size)
         self.cfg, self.ctx = cfg, ctx
         self.layer_ids = range(layer_ids.start, layer_ids.stop) if isinstance(layer_ids, range) else layer_ids
         self.pre_process, self.post_process = pre_process, post_process
@@ -135,7 +134,7 @@ class GPTChunk(nn.Module):
             seq = x.shape[0] * (self.ctx.tp.size if self.sequence_parallel else 1)
         rope = None
         if self.cfg.position_embedding_type == "rope" and len(self.layers):
-            rope = rope_tables(seq, spec.head_dim(self.cfg), self.cfg.rope_theta, device=h.device)
+            rope = rope_tables(seq, model_shape.head_dim(self.cfg), self.cfg.rope_theta, device=h.device)
         for layer in self.layers.values():
             if self.recompute == "full" and self.training and torch.is_grad_enabled():
                 h = checkpointed(layer, h, rope, rng_tracker=self.rng_tracker)
@@ -215,7 +214,7 @@ def build_model_chunks(cfg: ModelConfig, ctx, *, seed: int, sequence_parallel: b
         ConfigError: the config does not fit the layout (before any collective).
         ValueError: ``stage_layers`` does not tile the layers.
     """
-    spec.check_model(cfg, ctx.tp.size)
+    model_shape.check_model(cfg, ctx.tp.size)
     pp = ctx.pp.size
     if stage_layers is None:
         stage_layers = default_stage_layers(cfg.num_layers, pp, virtual_pipeline)

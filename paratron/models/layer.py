@@ -12,12 +12,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from paratron.config import ModelConfig
+from paratron.config import ModelConfig, model_shape
+from paratron.layers.dropout import dropout
 
-from . import spec
 from .attention import SelfAttention
 from .mlp import MLP
-from .recompute import dropout
 
 
 def make_norm(cfg: ModelConfig, ctx, logical_name: str, sequence_parallel: bool, params_dtype: torch.dtype
@@ -54,7 +53,7 @@ class TransformerLayer(nn.Module):
                                        rng_tracker=rng_tracker, output_init=output_init)
         self.post_attention_norm = make_norm(cfg, ctx, f"{prefix}.post_attention_norm", sequence_parallel,
                                              params_dtype)
-        if spec.is_moe_layer(cfg, layer_number):
+        if model_shape.is_moe_layer(cfg, layer_number):
             from paratron.models.moe.layer import MoELayer
 
             self.mlp = MoELayer(cfg, ctx, layer_number=layer_number, seed=seed,

@@ -12,9 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from paratron.config import ModelConfig
-
-from . import spec
+from paratron.config import ModelConfig, model_shape
 
 
 class MLP(nn.Module):
@@ -22,7 +20,7 @@ class MLP(nn.Module):
 
     Parameters (under ``layers.{i}.mlp``): GELU: ``fc1.weight`` ``[f, h]``, ``fc2.weight`` ``[h, f]``;
     SwiGLU: ``gate.weight``, ``up.weight`` ``[f, h]``, ``fc2.weight`` ``[h, f]``; biases when
-    ``add_bias_linear``. ``f`` is :func:`paratron.models.spec.ffn_size`.
+    ``add_bias_linear``. ``f`` is :func:`paratron.models.model_shape.ffn_size`.
     """
 
     def __init__(self, cfg: ModelConfig, ctx, *, layer_number: int, seed: int, sequence_parallel: bool,
@@ -31,7 +29,7 @@ class MLP(nn.Module):
         from paratron.layers.init import normal_
 
         super().__init__()
-        ffn = spec.ffn_size(cfg)
+        ffn = model_shape.ffn_size(cfg)
         prefix = f"layers.{layer_number}.mlp"
         self.activation = cfg.activation
 

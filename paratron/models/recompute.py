@@ -17,7 +17,6 @@ a real graph over the real parameters.
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from typing import Callable
 
 import torch
@@ -52,32 +51,32 @@ class _Checkpoint(torch.autograd.Function):
     """forward(fn, tracker, *args) = fn(*args) without saved activations; backward recomputes."""
 
     @staticmethod
-    def forward(ctx, fn, tracker, *args):
-        ctx.fn, ctx.tracker = fn, tracker
-        ctx.rng_states = _get_states(tracker)
-        ctx.is_tensor = [torch.is_tensor(a) for a in args]
-        ctx.others = [None if t else a for a, t in zip(args, ctx.is_tensor)]
-        ctx.save_for_backward(*[a for a in args if torch.is_tensor(a)])
+    def forward(fctx, fn, tracker, *args):
+        fctx.fn, fctx.tracker = fn, tracker
+        fctx.rng_states = _get_states(tracker)
+        fctx.is_tensor = [torch.is_tensor(a) for a in args]
+        fctx.others = [None if t else a for a, t in zip(args, fctx.is_tensor)]
+        fctx.save_for_backward(*[a for a in args if torch.is_tensor(a)])
         with torch.no_grad():
             return fn(*args)
 
     @staticmethod
-    def backward(ctx, grad_out):
-        saved = iter(ctx.saved_tensors)
+    def backward(fctx, grad_out):
+        saved = iter(fctx.saved_tensors)
         inputs = []
-        for is_tensor, other in zip(ctx.is_tensor, ctx.others):
+        for is_tensor, other in zip(fctx.is_tensor, fctx.others):
             if is_tensor:
                 t = next(saved)
                 inputs.append(t.detach().requires_grad_(t.requires_grad))
             else:
                 inputs.append(other)
-        now = _get_states(ctx.tracker)
-        _set_states(ctx.tracker, ctx.rng_states)
+        now = _get_states(fctx.tracker)
+        _set_states(fctx.tracker, fctx.rng_states)
         try:
             with torch.enable_grad():
-                out = ctx.fn(*inputs)
+                out = fctx.fn(*inputs)
         finally:
-            _set_states(ctx.tracker, now)
+            _set_states(fctx.tracker, now)
         torch.autograd.backward(out, grad_out)
         grads = tuple(x.grad if torch.is_tensor(x) and x.requires_grad else None for x in inputs)
         return (None, None) + grads
@@ -98,21 +97,3 @@ def checkpointed(fn: Callable[..., torch.Tensor], *args, rng_tracker=None) -> to
     if not torch.is_grad_enabled() or not any(torch.is_tensor(a) and a.requires_grad for a in args):
         return fn(*args)
     return _Checkpoint.apply(fn, rng_tracker, *args)
-
-
-def rng_fork(rng_tracker, enabled: bool):
-    """The tracker's ``model-parallel`` stream when ``enabled`` (dropout on activations that
-    differ across tensor-parallel ranks), else the default generator."""
-    if enabled and rng_tracker is not None:
-        return rng_tracker.fork("model-parallel")
-    return nullcontext()
-
-
-def dropout(x: torch.Tensor, p: float, training: bool, rng_tracker=None, split_over_tp: bool = False
-            ) -> torch.Tensor:
-    """Dropout with probability ``p``; draws from the model-parallel stream when ``split_over_tp``
-    (the activation is split over tensor-parallel ranks, e.g. sequence-parallel hidden states)."""
-    if p == 0.0 or not training:
-        return x
-    with rng_fork(rng_tracker, split_over_tp):
-        return torch.nn.functional.dropout(x, p, True)

@@ -30,7 +30,7 @@ from .clip import clip_coefficient, owns_for_norm, sum_of_squares
 from .ddp import DistributedDataParallel
 from .distributed_optimizer import gather_params
 from .finalize import finalize_grads
-from .rules import adamw_step, sgd_step
+from .update_rules import adamw_step, sgd_step
 from .scaler import ConstantLossScaler, DynamicLossScaler
 from .state_chunks import chunk_views, rectangles
 

@@ -57,13 +57,29 @@ class ParallelContext:
 
     Build it with :meth:`build` (inside an initialised ``torch.distributed`` world) or
     :meth:`single` (one process, no ``torch.distributed``). Sizes: ``tp, cp, ep, pp, dp,
-    expert_tp, expert_dp``; ``dp = world / (tp*cp*pp)``.
+    expert_tp, expert_dp``; ``dp = world / (tp*cp*pp)``. Each group of the table in the module
+    docstring is a typed attribute (:data:`GROUP_KINDS` lists them); :meth:`group` looks one up
+    by name.
     """
 
     grid: RankGrid
     rank: int
     device: torch.device
-    groups: dict[str, Group]
+    tp: Group
+    cp: Group
+    dp: Group
+    pp: Group
+    mp: Group
+    tp_cp: Group
+    dp_cp: Group
+    tp_dp_cp: Group
+    world: Group
+    embedding: Group
+    position_embedding: Group
+    expert_tp: Group
+    ep: Group
+    expert_dp: Group
+    expert_tp_ep: Group
     ledger: CommLedger = field(default_factory=CommLedger)
 
     # ---- construction --------------------------------------------------------------------
@@ -109,7 +125,7 @@ class ParallelContext:
                 groups[kind] = Group(kind, [], -1, None, ledger, device)
             else:
                 groups[kind] = Group(kind, mine, mine.index(rank), made.get(tuple(mine)), ledger, device)
-        return cls(grid, rank, device, groups, ledger)
+        return cls(grid=grid, rank=rank, device=device, ledger=ledger, **groups)
 
     @classmethod
     def single(cls, device: torch.device | str = "cpu") -> "ParallelContext":
@@ -117,14 +133,18 @@ class ParallelContext:
         grid = build_grid(1)
         ledger, device = CommLedger(), torch.device(device)
         groups = {k: Group(k, [0], 0, None, ledger, device) for k in GROUP_KINDS}
-        return cls(grid, 0, device, groups, ledger)
+        return cls(grid=grid, rank=0, device=device, ledger=ledger, **groups)
 
     # ---- group access --------------------------------------------------------------------
-    def __getattr__(self, name: str) -> Group:
-        groups = self.__dict__.get("groups")
-        if groups is not None and name in groups:
-            return groups[name]
-        raise AttributeError(name)
+    def group(self, kind: str) -> Group:
+        """The group named ``kind`` (one of :data:`GROUP_KINDS`).
+
+        Raises:
+            KeyError: ``kind`` is not a group kind.
+        """
+        if kind not in GROUP_KINDS:
+            raise KeyError(f"{kind!r} is not a group kind; known: {', '.join(GROUP_KINDS)}")
+        return getattr(self, kind)
 
     @property
     def world_size(self) -> int:
@@ -132,11 +152,11 @@ class ParallelContext:
 
     @property
     def is_first_stage(self) -> bool:
-        return self.groups["pp"].rank == 0
+        return self.pp.rank == 0
 
     @property
     def is_last_stage(self) -> bool:
-        return self.groups["pp"].rank == self.groups["pp"].size - 1
+        return self.pp.rank == self.pp.size - 1
 
     def describe(self) -> str:
         g = self.grid

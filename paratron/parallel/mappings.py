@@ -66,80 +66,80 @@ def _all_reduce_copy(x: torch.Tensor, group: Group) -> torch.Tensor:
 
 class _CopyToRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(fctx, x, group):
+        fctx.group = group
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx, grad):
-        return _all_reduce_copy(grad, ctx.group), None
+    def backward(fctx, grad):
+        return _all_reduce_copy(grad, fctx.group), None
 
 
 class _ReduceFromRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(fctx, x, group):
         return _all_reduce_copy(x, group)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(fctx, grad):
         return grad, None
 
 
 class _ScatterLast(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(fctx, x, group):
+        fctx.group = group
         return _split_last(x, group)
 
     @staticmethod
-    def backward(ctx, grad):
-        return ctx.group.all_gather(grad, dim=grad.dim() - 1), None
+    def backward(fctx, grad):
+        return fctx.group.all_gather(grad, dim=grad.dim() - 1), None
 
 
 class _GatherLast(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(fctx, x, group):
+        fctx.group = group
         return group.all_gather(x, dim=x.dim() - 1)
 
     @staticmethod
-    def backward(ctx, grad):
-        return _split_last(grad, ctx.group), None
+    def backward(fctx, grad):
+        return _split_last(grad, fctx.group), None
 
 
 class _GatherSeq(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, grad_is_partial):
-        ctx.group, ctx.grad_is_partial = group, grad_is_partial
+    def forward(fctx, x, group, grad_is_partial):
+        fctx.group, fctx.grad_is_partial = group, grad_is_partial
         return group.all_gather(x, dim=0)
 
     @staticmethod
-    def backward(ctx, grad):
-        if ctx.grad_is_partial:
-            return ctx.group.reduce_scatter(grad, dim=0), None, None
-        return _split_first(grad, ctx.group), None, None
+    def backward(fctx, grad):
+        if fctx.grad_is_partial:
+            return fctx.group.reduce_scatter(grad, dim=0), None, None
+        return _split_first(grad, fctx.group), None, None
 
 
 class _ReduceScatterSeq(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(fctx, x, group):
+        fctx.group = group
         return group.reduce_scatter(x, dim=0)
 
     @staticmethod
-    def backward(ctx, grad):
-        return ctx.group.all_gather(grad, dim=0), None
+    def backward(fctx, grad):
+        return fctx.group.all_gather(grad, dim=0), None
 
 
 class _ScatterSeq(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(fctx, x, group):
+        fctx.group = group
         return _split_first(x, group)
 
     @staticmethod
-    def backward(ctx, grad):
-        return ctx.group.all_gather(grad, dim=0), None
+    def backward(fctx, grad):
+        return fctx.group.all_gather(grad, dim=0), None
 
 
 def copy_to_tp_region(x: torch.Tensor, group: Group) -> torch.Tensor:

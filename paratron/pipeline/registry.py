@@ -6,14 +6,16 @@ combination is unsupported. :func:`build_schedule` runs the check first, then th
 verifies that the lists use the declared placement, so an unsupported combination fails when the
 schedule is built and never as a hang.
 
-The registry is an explicit object (:class:`ScheduleRegistry`); :data:`SCHEDULES` is the default
-one, holding the built-ins, to which :func:`register_schedule` adds.
+:data:`SCHEDULES` (a :class:`paratron.registry.Registry`) holds the built-ins;
+:func:`register_schedule` adds to it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable
+
+from paratron.registry import Registry
 
 from . import schedules
 from .actions import Action, stages_of
@@ -40,40 +42,13 @@ class ScheduleSpec:
     check: Callable[[int, int, int], None] | None = None
 
 
-class ScheduleRegistry:
-    """Name -> :class:`ScheduleSpec`."""
-
-    def __init__(self) -> None:
-        self._specs: dict[str, ScheduleSpec] = {}
-
-    def register(self, name: str, fn: ScheduleFn, *, placement: Placement = loop_placement,
-                 check: Callable[[int, int, int], None] | None = None,
-                 replace: bool = False) -> ScheduleSpec:
-        """Add a schedule. Raises ``ValueError`` when ``name`` is taken (unless ``replace``)."""
-        if not name or not isinstance(name, str):
-            raise ValueError(f"schedule name {name!r} must be a non-empty string")
-        if name in self._specs and not replace:
-            raise ValueError(f"schedule {name!r} is already registered; pass replace=True to override it")
-        spec = ScheduleSpec(name, fn, placement, check)
-        self._specs[name] = spec
-        return spec
-
-    def unregister(self, name: str) -> None:
-        self._specs.pop(name, None)
-
-    def get(self, name: str) -> ScheduleSpec:
-        """Raises ``ValueError`` naming the known schedules when ``name`` is unknown."""
-        try:
-            return self._specs[name]
-        except KeyError:
-            raise ValueError(f"parallel.schedule={name!r} is not a registered schedule; known: "
-                             f"{', '.join(sorted(self._specs))}") from None
-
-    def names(self) -> list[str]:
-        return sorted(self._specs)
+def _make_spec(name: str, fn: ScheduleFn, *, placement: Placement = loop_placement,
+               check: Callable[[int, int, int], None] | None = None) -> ScheduleSpec:
+    return ScheduleSpec(name, fn, placement, check)
 
 
-SCHEDULES = ScheduleRegistry()
+SCHEDULES: Registry[ScheduleSpec] = Registry("schedule", "parallel.schedule", make=_make_spec)
+"""``SCHEDULES.register(name, fn, placement=, check=, replace=)`` adds a schedule."""
 SCHEDULES.register("gpipe", schedules.gpipe, check=schedules.check_gpipe)
 SCHEDULES.register("1f1b", schedules.one_f_one_b, check=schedules.check_1f1b)
 SCHEDULES.register("interleaved", schedules.interleaved, check=schedules.check_interleaved)
@@ -82,12 +57,17 @@ SCHEDULES.register("zbv", schedules.zbv, placement=v_placement, check=schedules.
 
 
 def register_schedule(name: str, fn: ScheduleFn, **kwargs) -> ScheduleSpec:
-    """Register ``fn`` under ``name`` in the default registry (see :meth:`ScheduleRegistry.register`)."""
+    """Register ``fn`` under ``name`` in :data:`SCHEDULES` (keywords ``placement``, ``check``,
+    ``replace``; see :class:`ScheduleSpec`)."""
     return SCHEDULES.register(name, fn, **kwargs)
 
 
 def get_schedule(name: str) -> ScheduleSpec:
-    """The spec registered under ``name``. Raises ``ValueError`` listing the known names."""
+    """The spec registered under ``name``.
+
+    Raises:
+        ConfigError: unknown name, with did-you-mean and the known names.
+    """
     return SCHEDULES.get(name)
 
 
@@ -103,7 +83,8 @@ def build_schedule(name: str, p: int, m: int, v: int = 1, *, check: bool = True)
     instead of hanging the runtime (about a millisecond for p=8, m=16).
 
     Raises:
-        ValueError: unknown name; an unsupported (p, m, v) (the schedule's rule is in the message);
+        ConfigError: unknown name.
+        ValueError: an unsupported (p, m, v) (the schedule's rule is in the message);
             lists whose count or stages differ from the schedule's placement; or
             :class:`~paratron.pipeline.validate.ScheduleError` from the validator.
     """

@@ -24,17 +24,17 @@ def _rows_like(t: torch.Tensor, n: int) -> torch.Tensor:
 
 class _AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group: Group, out_splits: list[int], in_splits: list[int]):
-        ctx.group, ctx.out_splits, ctx.in_splits = group, out_splits, in_splits
+    def forward(fctx, x, group: Group, out_splits: list[int], in_splits: list[int]):
+        fctx.group, fctx.out_splits, fctx.in_splits = group, out_splits, in_splits
         out = _rows_like(x, sum(out_splits))
         group.all_to_all(out, x.contiguous(), out_splits, in_splits)
         return out
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(fctx, grad):
         # The adjoint of an all-to-all is the all-to-all with the splits swapped.
-        back = _rows_like(grad, sum(ctx.in_splits))
-        ctx.group.all_to_all(back, grad.contiguous(), ctx.in_splits, ctx.out_splits)
+        back = _rows_like(grad, sum(fctx.in_splits))
+        fctx.group.all_to_all(back, grad.contiguous(), fctx.in_splits, fctx.out_splits)
         return back, None, None, None
 
 
@@ -57,14 +57,14 @@ def all_to_all(x: torch.Tensor, group: Group, out_splits: list[int], in_splits: 
 
 class _GatherRows(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group: Group, grad_is_partial: bool):
-        ctx.group, ctx.partial = group, grad_is_partial
+    def forward(fctx, x, group: Group, grad_is_partial: bool):
+        fctx.group, fctx.partial = group, grad_is_partial
         return group.all_gather(x.contiguous(), 0)
 
     @staticmethod
-    def backward(ctx, grad):
-        g = ctx.group
-        if ctx.partial:
+    def backward(fctx, grad):
+        g = fctx.group
+        if fctx.partial:
             return g.reduce_scatter(grad.contiguous(), 0), None, None
         n = grad.shape[0] // g.size
         return grad[g.rank * n:(g.rank + 1) * n].contiguous(), None, None
@@ -87,13 +87,13 @@ def gather_rows(x: torch.Tensor, group: Group, grad_is_partial: bool) -> torch.T
 
 class _ReduceScatterRows(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group: Group):
-        ctx.group = group
+    def forward(fctx, x, group: Group):
+        fctx.group = group
         return group.reduce_scatter(x.contiguous(), 0)
 
     @staticmethod
-    def backward(ctx, grad):
-        return ctx.group.all_gather(grad.contiguous(), 0), None
+    def backward(fctx, grad):
+        return fctx.group.all_gather(grad.contiguous(), 0), None
 
 
 def reduce_scatter_rows(x: torch.Tensor, group: Group) -> torch.Tensor:
@@ -109,14 +109,14 @@ def reduce_scatter_rows(x: torch.Tensor, group: Group) -> torch.Tensor:
 
 class _SplitRows(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group: Group):
-        ctx.group = group
+    def forward(fctx, x, group: Group):
+        fctx.group = group
         n = x.shape[0] // group.size
         return x[group.rank * n:(group.rank + 1) * n].contiguous()
 
     @staticmethod
-    def backward(ctx, grad):
-        return ctx.group.all_gather(grad.contiguous(), 0), None
+    def backward(fctx, grad):
+        return fctx.group.all_gather(grad.contiguous(), 0), None
 
 
 def split_rows(x: torch.Tensor, group: Group) -> torch.Tensor:

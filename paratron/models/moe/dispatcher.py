@@ -26,6 +26,8 @@ from typing import Callable
 
 import torch
 
+from paratron.registry import Registry
+
 from .collectives import all_to_all, gather_rows, reduce_scatter_rows
 
 
@@ -214,10 +216,10 @@ class AllGatherDispatcher(TokenDispatcher):
         return mine.view(mine.shape[0] // plan.k, plan.k, h)
 
 
-_DISPATCHERS: dict[str, Callable[..., TokenDispatcher]] = {
-    "alltoall": AllToAllDispatcher,
-    "allgather": AllGatherDispatcher,
-}
+DISPATCHERS: Registry[Callable[..., TokenDispatcher]] = Registry("token dispatcher",
+                                                                "model.moe_token_dispatcher")
+DISPATCHERS.register("alltoall", AllToAllDispatcher)
+DISPATCHERS.register("allgather", AllGatherDispatcher)
 
 
 def register_dispatcher(name: str, cls: Callable[..., TokenDispatcher]) -> None:
@@ -229,18 +231,13 @@ def register_dispatcher(name: str, cls: Callable[..., TokenDispatcher]) -> None:
     Raises:
         ValueError: ``name`` is already registered to another class.
     """
-    if name in _DISPATCHERS and _DISPATCHERS[name] is not cls:
-        raise ValueError(f"token dispatcher {name!r} is already registered")
-    _DISPATCHERS[name] = cls
+    DISPATCHERS.register(name, cls)
 
 
 def get_dispatcher(name: str) -> Callable[..., TokenDispatcher]:
     """The dispatcher class registered as ``name``.
 
     Raises:
-        ValueError: unknown name (the message lists the registered ones).
+        ConfigError: unknown name (with did-you-mean and the registered ones).
     """
-    if name not in _DISPATCHERS:
-        raise ValueError(f"model.moe_token_dispatcher={name!r} is not a registered token dispatcher; "
-                         f"choose one of {', '.join(sorted(_DISPATCHERS))}")
-    return _DISPATCHERS[name]
+    return DISPATCHERS.get(name)

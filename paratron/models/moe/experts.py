@@ -26,12 +26,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from paratron.config import ModelConfig
+from paratron.config import ModelConfig, model_shape
 from paratron.layers.init import InitMethod, draw_full, normal_, scaled_normal_
 from paratron.parallel.comm import Group
 from paratron.parallel.params import ShardSpec, mark
 
-from .. import spec
 from ..mlp import inner_activation
 from .collectives import all_to_all
 from .dispatcher import source_to_expert_major
@@ -39,8 +38,8 @@ from .dispatcher import source_to_expert_major
 
 def expert_ffn_size(cfg: ModelConfig) -> int:
     """Inner width of one expert: ``moe_ffn_hidden_size``, else the dense MLP width
-    (:func:`paratron.models.spec.ffn_size`)."""
-    return cfg.moe_ffn_hidden_size if cfg.moe_ffn_hidden_size is not None else spec.ffn_size(cfg)
+    (:func:`paratron.models.model_shape.ffn_size`)."""
+    return cfg.moe_ffn_hidden_size if cfg.moe_ffn_hidden_size is not None else model_shape.ffn_size(cfg)
 
 
 class _BiasOnce(torch.autograd.Function):
@@ -49,11 +48,11 @@ class _BiasOnce(torch.autograd.Function):
     because the backward of that sum hands every rank the same output grads."""
 
     @staticmethod
-    def forward(ctx, x, bias, first: bool):
+    def forward(fctx, x, bias, first: bool):
         return x + bias if first else x.clone()
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(fctx, grad):
         return grad, grad.sum(dim=0), None
 
 

@@ -47,15 +47,15 @@ class _AttachAuxLoss(torch.autograd.Function):
     """Identity on ``out``; in backward, hands ``scale`` as the grad of the scalar ``aux``."""
 
     @staticmethod
-    def forward(ctx, out, aux, scale: float):
-        ctx.scale = scale
-        ctx.aux_meta = (aux.shape, aux.dtype, aux.device)
+    def forward(fctx, out, aux, scale: float):
+        fctx.scale = scale
+        fctx.aux_meta = (aux.shape, aux.dtype, aux.device)
         return out
 
     @staticmethod
-    def backward(ctx, grad):
-        shape, dtype, device = ctx.aux_meta
-        return grad, torch.full(shape, ctx.scale, dtype=dtype, device=device), None
+    def backward(fctx, grad):
+        shape, dtype, device = fctx.aux_meta
+        return grad, torch.full(shape, fctx.scale, dtype=dtype, device=device), None
 
 
 class SharedExpert(nn.Module):

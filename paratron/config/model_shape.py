@@ -7,7 +7,8 @@ construction, the FLOPs formula, Hugging Face conversion), so that no two module
 
 from __future__ import annotations
 
-from paratron.config import ConfigError, ModelConfig
+from .errors import ConfigError
+from .sections import ModelConfig
 
 LLAMA_FFN_MULTIPLE_OF = 256
 """Llama rounds its SwiGLU width 8h/3 up to a multiple of this (Touvron et al. 2023, code release)."""
