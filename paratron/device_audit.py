@@ -16,13 +16,14 @@ therefore uses a stand-in accelerator: PyTorch's ``PrivateUse1`` device type, re
   :class:`paratron.parallel.comm.Group`);
 * every device-to-host synchronisation is counted in :attr:`DeviceAudit.syncs` (``.item()``,
   ``bool(t)``, ``.tolist()``, blocking copies to the host, and ops with data-dependent output
-  shapes such as ``nonzero``), with the op names in :attr:`DeviceAudit.sync_ops`.
+  shapes such as ``nonzero``), with the op and the paratron line of each in :attr:`DeviceAudit.sync_ops`.
 
 Only ``paratron.testing`` users (the tests) need this module.
 """
 
 from __future__ import annotations
 
+import traceback
 from contextlib import contextmanager
 
 import torch
@@ -94,6 +95,14 @@ def _wrap(t):
     return AuditTensor(t) if isinstance(t, torch.Tensor) and not isinstance(t, AuditTensor) else t
 
 
+def _caller() -> str:
+    """``file:line`` of the innermost paratron frame outside this module (where a sync came from)."""
+    for frame in reversed(traceback.extract_stack()):
+        if "paratron" in frame.filename and not frame.filename.endswith("device_audit.py"):
+            return f"{frame.filename.split('paratron/')[-1]}:{frame.lineno}"
+    return "?"
+
+
 def _device_kwarg(kwargs) -> str | None:
     d = kwargs.get("device")
     return None if d is None else torch.device(d).type
@@ -109,8 +118,9 @@ class _FunctionLayer(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
+        data = args[1] if func is torch.Tensor.new_tensor else (args[0] if args else None)
         if func in (torch.tensor, torch.as_tensor, torch.Tensor.new_tensor) and \
-                _device_kwarg(kwargs) == AUDIT_DEVICE_TYPE:
+                _device_kwarg(kwargs) == AUDIT_DEVICE_TYPE and not isinstance(data, torch.Tensor):
             kwargs["device"] = "cpu"
             return func(*args, **kwargs).to(audit_device())
         if func is torch.Tensor.tolist and isinstance(args[0], AuditTensor):
@@ -157,7 +167,7 @@ class DeviceAudit(TorchDispatchMode):
 
     def _sync(self, func) -> None:
         self.syncs += 1
-        self.sync_ops.append(str(func))
+        self.sync_ops.append(f"{func} at {_caller()}")
 
     def _check(self, func, acc: list, host: list) -> None:
         if func.namespace == "c10d":
@@ -194,7 +204,7 @@ class DeviceAudit(TorchDispatchMode):
                 not isinstance(args[0], AuditTensor) and not kwargs.get("non_blocking", False):
             self._sync(func)
         out = func(*tree_map(_unwrap, args), **tree_map(_unwrap, kwargs))
-        if func.namespace == "c10d":
+        if func.namespace == "c10d" or out is None:
             return out
         schema_args = func._schema.arguments
         if schema_args and schema_args[0].alias_info is not None and schema_args[0].alias_info.is_write:

@@ -5,6 +5,8 @@ ranks. Any op that mixes host and accelerator tensors, and any collective on a t
 ``ctx.device``, fails the step; device-to-host syncs are counted per step.
 """
 
+import math
+
 import pytest
 import torch
 
@@ -12,8 +14,11 @@ from paratron.device_audit import AuditTensor, DeviceAudit, DeviceMixError, audi
 from paratron.parallel.comm import Group
 from paratron.testing import RankFailure, run_ranks
 
+AUDIT_BACKEND = "cpu:gloo,auditgpu:gloo"  # gloo serves the stand-in device's (unwrapped) tensors
+FRESH = "forkserver"  # ranks forked from a fresh interpreter: autograd's device threads must start there
 
-def _config(precision: str, moe: bool):
+
+def _config(precision: str, moe: bool, tp: int = 2, pp: int = 2):
     from paratron.config import load_config
     from tests.conftest import ROOT
 
@@ -21,7 +26,7 @@ def _config(precision: str, moe: bool):
             "model.num_query_groups=2", "model.ffn_hidden_size=64", "model.seq_length=16",
             "model.vocab_size=96", "model.tie_embeddings=true", "model.hidden_dropout=0.1",
             "train.micro_batch_size=1", "train.global_batch_size=4", f"train.precision={precision}",
-            "parallel.tensor=2", "parallel.pipeline=2", "parallel.sequence_parallel=true",
+            f"parallel.tensor={tp}", f"parallel.pipeline={pp}", f"parallel.sequence_parallel={str(tp > 1).lower()}",
             "parallel.zero=1", "parallel.schedule=1f1b", "optimizer.clip_grad=1.0"]
     if moe:
         over += ["model.num_experts=4", "model.moe_top_k=2", "model.moe_layer_freq=2",
@@ -30,10 +35,10 @@ def _config(precision: str, moe: bool):
     return load_config(ROOT / "configs/llama-tiny.toml", over)
 
 
-def _microbatches(cfg, dp_rank: int, step: int) -> list[dict]:
+def _microbatches(cfg, ctx, step: int) -> list[dict]:
     """This DP rank's microbatches on the host, as the data loader hands them over."""
-    g = torch.Generator().manual_seed(1000 * step + dp_rank)
-    m = cfg.train.global_batch_size // (cfg.train.micro_batch_size * 2)
+    g = torch.Generator().manual_seed(1000 * step + ctx.dp.rank)
+    m = cfg.train.global_batch_size // (cfg.train.micro_batch_size * ctx.dp.size)
     shape = (cfg.train.micro_batch_size, cfg.model.seq_length)
     out = []
     for _ in range(m):
@@ -55,80 +60,114 @@ def _sanction_host_traffic(audit: DeviceAudit) -> None:
         setattr(Group, name, wrapped)
 
 
-def _rank_step(precision: str, moe: bool, steps: int):
+class _NullWriter:
+    def write(self, record):
+        pass
+
+
+class _NullCallbacks:
+    def on_step_end(self, state, record, timings):
+        pass
+
+
+def _rank_step(precision: str, moe: bool, steps: int, tp: int = 2, pp: int = 2):
+    from types import SimpleNamespace
+
     from paratron.parallel.context import ParallelContext
-    from paratron.training.runner import build_model_and_optimizer
-    from paratron.training.trainer import train_step
+    from paratron.training.runner import agree_to_stop, build_model_and_optimizer, train_step
+    from paratron.training.step_log import StepLog
+    from paratron.training.timers import PhaseTimer
 
     audit = DeviceAudit()
     _sanction_host_traffic(audit)
-    cfg = _config(precision, moe)
+    cfg = _config(precision, moe, tp, pp)
     with audit:
-        ctx = ParallelContext.build(tp=2, pp=2, ep=cfg.parallel.expert, device=audit_device())
+        ctx = ParallelContext.build(tp=tp, pp=pp, ep=cfg.parallel.expert, device=audit_device())
         torch.manual_seed(0)
         chunks, ddp, opt, sched = build_model_and_optimizer(cfg, ctx)
         assert all(isinstance(p, AuditTensor) for c in chunks for p in c.parameters())
-        per_step, losses = [], []
+        timer = PhaseTimer(ctx.device)
+        log = StepLog(cfg, ctx, _NullWriter(), timer, 1.0, float("nan"), lambda line: None)
+        per_step = []
         for step in range(steps):
             audit.syncs, audit.sync_ops = 0, []
-            out = train_step(cfg, ctx, chunks, opt, sched, _microbatches(cfg, ctx.dp.rank, step))
+            out, result, lr = train_step(cfg, ctx, chunks, opt, sched, _microbatches(cfg, ctx, step),
+                                         timer=timer)
+            agree_to_stop(ctx, False)
+            log.add(step + 1, 0, out, result, lr, 1.0)
             per_step.append((audit.syncs, list(audit.sync_ops)))
-            losses.append(out)
-        # The log interval's one read of the on-device scalars.
-        audit.syncs = 0
-        logged = [o.read() for o in losses]
-        log_syncs = audit.syncs
+        audit.syncs, audit.sync_ops = 0, []
+        state = SimpleNamespace(metrics=[])
+        logged = log.flush(state, _NullCallbacks())  # the log interval's read
+        log_syncs = list(audit.sync_ops)
     return {"per_step": per_step, "logged": logged, "log_syncs": log_syncs,
             "host_collectives": [c for c in audit.collectives if c[1] == "host"]}
 
 
-def test_one_step_tp2_pp2_dp2_zero1_moe_ep2_on_an_accelerator():
-    outs = run_ranks(_rank_step, 8, "bf16", True, 1, timeout=300)
+MOE_DISPATCH = "models/moe/dispatcher.py"  # its all-to-all splits must be host integers
+
+
+def test_tp2_pp2_dp2_zero1_moe_ep2_steps_on_an_accelerator():
+    """Two whole steps at TP=2 x PP=2 x DP=2, ZeRO-1, SP, a MoE layer at EP=2, bf16, with every
+    op and collective audited; the only host syncs of a step are the MoE dispatcher's (its
+    all-to-all splits), and the log reads all pending steps in one transfer."""
+    outs = run_ranks(_rank_step, 8, "bf16", True, 2, timeout=300, pg_backend=AUDIT_BACKEND, start_method=FRESH)
     for r, o in enumerate(outs):
-        loss = o["logged"][0]["loss"]
-        assert torch.isfinite(torch.tensor(loss)), (r, o["logged"])
-    # Every rank reports the same global loss and grad norm.
-    assert len({round(o["logged"][0]["loss"], 5) for o in outs}) == 1
-    assert len({round(o["logged"][0]["grad_norm"], 5) for o in outs}) == 1
+        assert [rec["iteration"] for rec in o["logged"]] == [1, 2]
+        assert all(math.isfinite(rec["loss"]) and math.isfinite(rec["grad_norm"]) for rec in o["logged"])
+        for syncs, ops in o["per_step"]:
+            assert all(MOE_DISPATCH in op for op in ops), f"rank {r}: a sync outside MoE dispatch: {ops}"
+        assert len(o["log_syncs"]) == 1, (r, o["log_syncs"])  # one transfer for the whole interval
+        # The stop flag is the one host collective of a step (gloo: the device never waits).
+        assert o["host_collectives"] == [("c10d.allreduce_.default", "host")] * 2, o["host_collectives"]
+    # Every rank reports the same global loss, aux loss and grad norm.
+    for key in ("loss", "aux_loss", "grad_norm"):
+        assert len({tuple(round(rec[key], 6) for rec in o["logged"]) for o in outs}) == 1, key
+    # Only the ranks holding the MoE layer (first stage: layer 0) sync, and they do.
+    stage0 = [o for o in outs if any(op for _, ops in o["per_step"] for op in ops)]
+    assert len(stage0) == 4
 
 
-def _rank_dense_syncs(precision: str):
-    return _rank_step(precision, False, 2)
+def _rank_fp16_syncs():
+    return _rank_step("fp16", False, 2, tp=1, pp=2)
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_host_syncs_per_step(precision):
-    """bf16: no device->host sync in a dense training step; fp16: one (the skip decision). The
-    logged scalars are read once per log interval, in one transfer."""
-    outs = run_ranks(_rank_dense_syncs, 8, precision, timeout=300)
-    allowed = 1 if precision == "fp16" else 0
+def test_fp16_step_syncs_once():
+    """fp16 (dense, PP=2 x DP=2): one device->host sync per step, the skip decision (which
+    brings the grad norm along); bf16 makes none (the MoE test above: the dense stage's ranks
+    sync zero times)."""
+    outs = run_ranks(_rank_fp16_syncs, 4, timeout=300, pg_backend=AUDIT_BACKEND, start_method=FRESH)
     for r, o in enumerate(outs):
         for syncs, ops in o["per_step"]:
-            assert syncs <= allowed, f"rank {r}: {syncs} syncs in one step: {ops}"
-        assert o["log_syncs"] <= len(o["per_step"]), (r, o["log_syncs"])
+            assert syncs == 1 and "optim/optimizer.py" in ops[0], f"rank {r}: {ops}"
+        assert len(o["log_syncs"]) == 1, (r, o["log_syncs"])
 
 
-def _rank_mixing(kind: str):
+def _rank_mixing():
+    import torch.distributed as dist
+
+    def outcome(fn):
+        try:
+            return fn()
+        except DeviceMixError as e:
+            return f"DeviceMixError: {e}"
+
     audit = DeviceAudit()
     with audit:
-        dev = audit_device()
-        x = torch.ones(4, device=dev)
-        if kind == "op":
-            return x + torch.ones(4)  # a [4] host tensor in a device op
-        if kind == "scalar":
-            return (x + torch.tensor(2.0)).sum().item()  # a 0-dim host tensor is a scalar: fine
-        import torch.distributed as dist
-
-        dist.all_reduce(torch.ones(2))  # a host tensor in a device collective
-        return None
+        x = torch.ones(4, device=audit_device())
+        return [outcome(lambda: x + torch.ones(4)),  # a [4] host tensor in a device op
+                outcome(lambda: (x + torch.tensor(2.0)).sum().item()),  # 0-dim host: a scalar, fine
+                outcome(lambda: dist.all_reduce(torch.ones(2))),  # a host tensor in a collective
+                outcome(lambda: dist.all_reduce(x)), audit.syncs]
 
 
 def test_audit_catches_mixing_and_host_collectives():
-    with pytest.raises(RankFailure, match="DeviceMixError"):
-        run_ranks(_rank_mixing, 1, "op", timeout=60)
-    with pytest.raises(RankFailure, match="DeviceMixError"):
-        run_ranks(_rank_mixing, 2, "collective", timeout=60)
-    assert run_ranks(_rank_mixing, 1, "scalar", timeout=60) == [12.0]
+    mixed, scalar, host_coll, device_coll, syncs = run_ranks(_rank_mixing, 1, timeout=60,
+                                                             pg_backend=AUDIT_BACKEND, start_method=FRESH)[0]
+    assert mixed.startswith("DeviceMixError") and "shapes [(4,)]" in mixed
+    assert scalar == 12.0 and syncs == 1  # the .item()
+    assert host_coll.startswith("DeviceMixError") and "host tensor" in host_coll
+    assert device_coll is None
 
 
 def test_group_rejects_tensor_off_its_device():

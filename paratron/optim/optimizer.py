@@ -30,14 +30,13 @@ from .clip import clip_coefficient, owns_for_norm, sum_of_squares
 from .ddp import DistributedDataParallel
 from .distributed_optimizer import gather_params
 from .finalize import finalize_grads
-from .update_rules import adamw_step, sgd_step
+from .update_rules import adamw_step, fused_adamw_step, sgd_step
 from .scaler import ConstantLossScaler, DynamicLossScaler
 from .state_chunks import chunk_views, rectangles
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-@dataclass
 class StepResult:
     """What one :meth:`Optimizer.step` did (the same on every rank).
 
@@ -46,12 +45,40 @@ class StepResult:
         grad_norm: global L2 norm of the (unscaled, unclipped) grads; inf/nan when skipped.
         loss_scale: the loss scale for the *next* step (1.0 without fp16).
         clip_coeff: the factor the grads were multiplied by (1.0 when not clipped).
+
+    Without fp16 the step reads nothing on the host: ``grad_norm`` and ``clip_coeff`` are held
+    as 0-dim device tensors and read (one transfer for both, cached) when first asked for; the
+    training loop reads :meth:`device_values` of many steps at once instead.
     """
 
-    skipped: bool
-    grad_norm: float
-    loss_scale: float
-    clip_coeff: float
+    def __init__(self, skipped: bool, grad_norm, loss_scale: float, clip_coeff) -> None:
+        self.skipped, self.loss_scale = skipped, loss_scale
+        self._values = [grad_norm, clip_coeff]
+
+    def device_values(self) -> list:
+        """``[grad_norm, clip_coeff]`` as held (floats, or device tensors not yet read)."""
+        return list(self._values)
+
+    def set_values(self, grad_norm: float, clip_coeff: float) -> None:
+        """Record values read elsewhere (e.g. many steps' values in one transfer)."""
+        self._values = [float(grad_norm), float(clip_coeff)]
+
+    def _read(self) -> list[float]:
+        if any(isinstance(v, torch.Tensor) for v in self._values):
+            self._values = torch.stack([torch.as_tensor(v).double() for v in self._values]).tolist()
+        return self._values
+
+    @property
+    def grad_norm(self) -> float:
+        return self._read()[0]
+
+    @property
+    def clip_coeff(self) -> float:
+        return self._read()[1]
+
+    def __repr__(self) -> str:
+        return (f"StepResult(skipped={self.skipped}, grad_norm={self._values[0]}, "
+                f"loss_scale={self.loss_scale}, clip_coeff={self._values[1]})")
 
 
 @dataclass
@@ -183,6 +210,26 @@ class Optimizer:
         self._grads = [s.grad for s in self.segments]
         self._mains = [s.main for s in self.segments]
         self._aliased = [buf.param_data.dtype == torch.float32 for buf in self.ddp.buffers]
+        self._fused = self._fused_groups(decay_runs) if self._use_fused() else None
+
+    def _use_fused(self) -> bool:
+        impl = self.cfg.adam_impl
+        if self.cfg.name != "adamw" or impl == "foreach":
+            return False
+        return impl == "fused" or self.ctx.device.type == "cuda"
+
+    def _fused_groups(self, decay_runs) -> list:
+        """``(mains, grads, exp_avgs, exp_avg_sqs, weight_decay)`` views of the decay and the
+        no-decay runs, for :func:`~paratron.optim.update_rules.fused_adamw_step`."""
+        plain_runs = self._runs(lambda p: getattr(p, "no_weight_decay", False))
+        self._step_t = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
+        out = []
+        for runs, wd in ((decay_runs, float(self.cfg.weight_decay)), (plain_runs, 0.0)):
+            segs = [(self.segments[i], a, b) for i, a, b in runs]
+            out.append(([s.main[a:b] for s, a, b in segs], [s.grad[a:b] for s, a, b in segs],
+                        [s.state["exp_avg"][a:b] for s, a, b in segs],
+                        [s.state["exp_avg_sq"][a:b] for s, a, b in segs], wd))
+        return out
 
     # ---- per step ----------------------------------------------------------------------------
     @property
@@ -214,30 +261,51 @@ class Optimizer:
         scale = self.scaler.scale
         if scale != 1.0:
             torch._foreach_mul_(self._grads, 1.0 / scale)
-        local = torch.zeros(2, dtype=torch.float64)
+        local = torch.zeros(2, dtype=torch.float64, device=self.ctx.device)
         local[0] = sum_of_squares(self._norm_views)
-        if self.scaler.dynamic:
-            sums = torch.stack([g.sum() for g in self._grads]) if self._grads else torch.zeros(1)
-            local[1] = 0.0 if bool(torch.isfinite(sums).all()) else 1.0
+        if self.scaler.dynamic and self._grads:
+            sums = torch.stack([g.sum() for g in self._grads])
+            local[1] = (~torch.isfinite(sums)).any()
         self.ctx.world.all_reduce(local)
-        found_inf = bool(local[1] > 0)
-        grad_norm = math.sqrt(local[0].item()) if local[0].item() >= 0 else float("nan")
+        if not self.scaler.dynamic:
+            return self._step_on_device(local[0])
+        sumsq, flag = local.tolist()  # the step's one device-to-host sync: the skip decision
+        found_inf = flag > 0
+        grad_norm = math.sqrt(sumsq) if sumsq >= 0 else float("nan")
         self.scaler.update(found_inf)
         if found_inf:
             return StepResult(True, grad_norm, self.scaler.scale, 1.0)
-
         coeff = clip_coefficient(grad_norm, float(self.cfg.clip_grad))
         if coeff < 1.0:
             torch._foreach_mul_(self._grads, coeff)
+        self._apply()
+        return StepResult(False, grad_norm, self.scaler.scale, coeff)
+
+    def _step_on_device(self, sumsq: torch.Tensor) -> "StepResult":
+        """fp32/bf16: nothing to decide on the host, so nothing is read: the norm and the clip
+        coefficient stay on the device (read later through the :class:`StepResult`)."""
+        norm = sumsq.sqrt()
+        max_norm = float(self.cfg.clip_grad)
+        coeff = torch.ones((), dtype=torch.float64, device=norm.device)
+        if max_norm > 0:
+            coeff = torch.where(torch.isfinite(norm), (max_norm / (norm + 1e-6)).clamp(max=1.0), coeff)
+            torch._foreach_mul_(self._grads, coeff.float())
+        self._apply()
+        return StepResult(False, norm, self.scaler.scale, coeff)
+
+    def _apply(self) -> None:
         self.step_count += 1
         self._update()
         self._publish()
-        return StepResult(False, grad_norm, self.scaler.scale, coeff)
 
     def _update(self) -> None:
         c = self.cfg
         st = [[s.state[n] for s in self.segments] for n in self.state_names]
-        if c.name == "adamw":
+        if self._fused is not None:
+            self._step_t.fill_(self.step_count)  # a host-to-device write, no sync
+            fused_adamw_step(self._fused, self._step_t, lr=self.lr, beta1=c.adam_beta1,
+                             beta2=c.adam_beta2, eps=c.adam_eps)
+        elif c.name == "adamw":
             adamw_step(self._mains, self._grads, st[0], st[1], self._decay_main, step=self.step_count,
                        lr=self.lr, beta1=c.adam_beta1, beta2=c.adam_beta2, eps=c.adam_eps,
                        weight_decay=c.weight_decay)

@@ -19,9 +19,10 @@ import torch.distributed as dist
 
 from paratron.config import Config, to_toml
 from paratron.training.callbacks import CallbackList, TrainState, load_callback
-from paratron.training.metrics import (MetricsWriter, format_log_line, peak_flops_per_device,
-                                       peak_memory_mb, plot_losses)
+from paratron.training.metrics import MetricsWriter, peak_flops_per_device, plot_losses
 from paratron.training.step import rank_actions, run_global_batch
+from paratron.training.step_log import StepLog
+from paratron.training.timers import PhaseTimer
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -122,63 +123,32 @@ def _train(cfg: Config, ctx, run_dir: Path) -> int:
     callbacks.on_train_start(state)
     seq = cfg.model.seq_length
     gbs = cfg.train.global_batch_size
-    skipped = 0
-    window_tokens, window_time = 0, 0.0
+    timer = PhaseTimer(ctx.device)
+    steplog = StepLog(cfg, ctx, writer, timer, flops_tok, peak, lambda line: _log(ctx, line))
     last_val = None
     stopped_early = False
     try:
         while state.iteration < cfg.train.train_iters:
             callbacks.on_step_start(state)
             t0 = time.perf_counter()
-            microbatches = data.train_microbatches(state.consumed_train_samples)
-            t_data = time.perf_counter() - t0
-            optimizer.zero_grad()
-            out = run_global_batch(cfg, ctx, chunks, microbatches, forward_only=False,
-                                   loss_scale=optimizer.loss_scale, actions=actions)
-            t1 = time.perf_counter()
-            lr = scheduler_lr(scheduler, optimizer)  # the rate this step uses
-            result = optimizer.step()
-            scheduler.step()
-            t2 = time.perf_counter()
+            with timer.phase("data"):
+                microbatches = data.train_microbatches(state.consumed_train_samples)
+            out, result, lr = train_step(cfg, ctx, chunks, optimizer, scheduler, microbatches,
+                                         actions=actions, timer=timer)
             state.iteration += 1
             state.consumed_train_samples += gbs
-            skipped += int(result.skipped)
-            step_time = t2 - t0
-            window_tokens += gbs * seq
-            window_time += step_time
-            record = {
-                "iteration": state.iteration,
-                "consumed_tokens": state.consumed_train_samples * seq,
-                "loss": out.loss,
-                "lr": lr,
-                "grad_norm": float(result.grad_norm),
-                "skipped_iterations": skipped,
-                "tokens_per_second": gbs * seq / step_time,
-                "step_time_s": step_time,
-            }
-            if cfg.train.precision == "fp16":
-                record["loss_scale"] = float(result.loss_scale)
-            if out.aux_loss is not None:
-                record["aux_loss"] = out.aux_loss
-            record.update(throughput(record["tokens_per_second"], flops_tok, ctx.world_size, peak))
-            record["peak_memory_mb"] = peak_memory_mb(ctx.device)
-            state.metrics.append(record)
-            timings = {"step": step_time, "data": t_data, "forward_backward": out.timings["forward_backward"],
-                       "optimizer": t2 - t1}
-            callbacks.on_step_end(state, record, timings)
-            if state.iteration % cfg.logging.log_interval == 0 or state.iteration == 1:
-                # The console shows the mean over the log interval; metrics.jsonl keeps each step.
-                shown = dict(record, tokens_per_second=window_tokens / window_time)
-                shown.update(throughput(shown["tokens_per_second"], flops_tok, ctx.world_size, peak))
-                _log(ctx, format_log_line(shown, cfg.train.train_iters))
-                window_tokens, window_time = 0, 0.0
-            writer.write(record)
-
+            steplog.add(state.iteration, state.consumed_train_samples * seq, out, result, lr,
+                        time.perf_counter() - t0)
+            evaluating = bool(cfg.train.eval_interval and state.iteration % cfg.train.eval_interval == 0)
+            saving = bool(cfg.checkpoint.interval and state.iteration % cfg.checkpoint.interval == 0)
+            if steplog.due(state.iteration) or evaluating or saving:
+                steplog.flush(state, callbacks)  # the log interval's one read of the step scalars
             if cfg.train.eval_interval and state.iteration % cfg.train.eval_interval == 0:
                 last_val = evaluate(cfg, ctx, chunks, data, state, writer, callbacks, actions)
             stop_now = agree_to_stop(ctx, stop.requested or state.should_stop)
-            if ckpt is not None and (stop_now or (cfg.checkpoint.interval and
-                                                  state.iteration % cfg.checkpoint.interval == 0)):
+            if stop_now:
+                steplog.flush(state, callbacks)
+            if ckpt is not None and (stop_now or saving):
                 save(ckpt, state, callbacks)
             if stop_now:
                 _log(ctx, f"stop requested: saved and exiting at iteration {state.iteration}")
@@ -211,6 +181,29 @@ def _train(cfg: Config, ctx, run_dir: Path) -> int:
     return 0
 
 
+def train_step(cfg: Config, ctx, chunks, optimizer, scheduler, microbatches: list[dict], *,
+               actions: list | None = None, timer: PhaseTimer | None = None):
+    """One optimizer step on one global batch: zero the grads, forward and backward of every
+    microbatch through the schedule, optimizer step, LR step. Reads nothing from the device but
+    fp16's skip decision (see :meth:`paratron.optim.optimizer.Optimizer.step`).
+
+    Returns:
+        ``(StepOutput, StepResult, lr)``: the loss stats and grad norm may still be on the
+        device; ``lr`` is the rate this step used.
+    """
+    timer = timer or PhaseTimer(ctx.device)
+    optimizer.zero_grad()
+    with timer.phase("forward_backward"):
+        out = run_global_batch(cfg, ctx, chunks, microbatches, forward_only=False,
+                               loss_scale=optimizer.loss_scale, actions=actions)
+    lr = scheduler_lr(scheduler, optimizer)
+    with timer.phase("optimizer"):
+        result = optimizer.step()
+    scheduler.step()
+    timer.end_step()
+    return out, result, lr
+
+
 def print_sample(cfg: Config, ctx) -> None:
     """Rank 0 reloads the checkpoint just saved on one process and continues the sample prompt."""
     ctx.world.barrier()  # every rank's shards are on disk
@@ -221,13 +214,6 @@ def print_sample(cfg: Config, ctx) -> None:
     text = generate_text(cfg.checkpoint.save, cfg.train.sample_prompt, cfg.train.sample_tokens,
                          temperature=0.8, top_k=40, seed=cfg.train.seed)
     _log(ctx, "sample from the saved checkpoint (temperature 0.8, top-k 40):\n" + text)
-
-
-def throughput(tokens_per_second: float, flops_per_token: float, world_size: int, peak: float) -> dict:
-    """TFLOP/s per device and MFU for a token rate of the whole job."""
-    flops = flops_per_token * tokens_per_second / world_size
-    mfu = flops / peak if peak and math.isfinite(peak) else float("nan")
-    return {"tflops_per_device": flops / 1e12, "mfu": mfu}
 
 
 def warn_if_saving_over(cfg: Config, ctx) -> None:
@@ -244,10 +230,11 @@ def warn_if_saving_over(cfg: Config, ctx) -> None:
 
 
 def agree_to_stop(ctx, local: bool) -> bool:
-    """Every rank stops at the same step if any rank was asked to (signals arrive unevenly)."""
+    """Every rank stops at the same step if any rank was asked to (signals arrive unevenly).
+    A host-side all-reduce (gloo; the CPU side of the process groups): the device never waits."""
     t = torch.tensor([1.0 if local else 0.0])
-    ctx.world.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item() > 0)
+    ctx.world.host_all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t[0] > 0)
 
 
 def save(ckpt, state: TrainState, callbacks) -> None:
