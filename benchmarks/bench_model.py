@@ -82,6 +82,10 @@ class RefModel(nn.Module):
                 name = name.replace(short, full)
             return name
 
+        tensors = dict(tensors)
+        for name in [n for n in tensors if n.endswith(".mlp.fc1.weight")]:  # paratron's fused [gate; up]
+            gate, up = tensors.pop(name).chunk(2)
+            tensors[name.replace(".fc1.", ".gate.")], tensors[name.replace(".fc1.", ".up.")] = gate, up
         with torch.no_grad():
             for name, p in self.named_parameters():
                 p.copy_(tensors[theirs(name)])

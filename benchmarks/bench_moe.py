@@ -53,6 +53,7 @@ def _config(ep: int, dispatcher: str, world: int) -> Config:
 def _step_times(ep: int, dispatcher: str, world: int, steps: int):
     """Runs on every rank: median step seconds and the ledger's bytes per step."""
     from paratron.models.moe.layer import set_aux_loss_scale
+    from paratron.optim import finalize_grads
     from paratron.training.runner import build_model_and_optimizer
 
     cfg = _config(ep, dispatcher, world)
@@ -74,6 +75,7 @@ def _step_times(ep: int, dispatcher: str, world: int, steps: int):
             optimizer.zero_grad()
             for tok, lab in micro:
                 (chunk(tok, labels=lab).sum() / (GBS * SEQ)).backward()
+            finalize_grads(chunks, ctx, optimizer.ddp)
             optimizer.step()
             dt, dc = time.perf_counter() - t0, time.process_time() - c0
             if record:

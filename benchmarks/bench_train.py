@@ -72,7 +72,7 @@ def step_overhead(rounds: int, steps: int) -> dict:
 
     def paratron_step():
         opt.zero_grad()
-        run_global_batch(cfg, ctx, chunks, mbs, forward_only=False)
+        run_global_batch(cfg, ctx, chunks, mbs, forward_only=False, ddp=ddp)
         opt.step()
 
     def ref_step():

@@ -24,6 +24,7 @@ timings compare runs that compute the same thing.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -93,7 +94,7 @@ def _rank(args):
     from deepspeed.utils import logger
 
     logger.setLevel("ERROR")
-    from paratron.optim import DistributedDataParallel, build_optimizer
+    from paratron.optim import DistributedDataParallel, build_optimizer, finalize_grads
     from paratron.parallel.context import ParallelContext
 
     rank = torch.distributed.get_rank()
@@ -144,22 +145,13 @@ def _rank(args):
             # The token mean over the global batch (all tokens valid): each microbatch's mean
             # divided by microbatches x DP ranks, then summed by DDP.
             loss = model(tokens[i * mb:(i + 1) * mb], labels[i * mb:(i + 1) * mb])
-            (loss / (m * dp)).backward()
+            with opt.ddp.last_backward() if i == m - 1 else contextlib.nullcontext():
+                (loss / (m * dp)).backward()
+        finalize_grads([model], ctx, opt.ddp)
         opt.step()
 
-    times = {"deepspeed": [], "paratron": [], "paratron_no_overlap": []}
-    for step in range(args.steps + 3):
-        for name in times:
-            torch.distributed.barrier()
-            t0 = time.perf_counter()
-            if name == "deepspeed":
-                ds_step(step)
-            else:
-                paratron_step(name, step)
-            t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-            if step >= 3:
-                times[name].append(t.item())
+    times = time_in_turn(["deepspeed", "paratron", "paratron_no_overlap"], args.steps,
+                         lambda name, step: ds_step(step) if name == "deepspeed" else paratron_step(name, step))
     ds_params = dict(engine.module.named_parameters())
     diffs = {}
     for name, (model, _) in runs.items():
@@ -169,18 +161,39 @@ def _rank(args):
     return {"times": times, "max_param_diff_vs_deepspeed": diffs, "params": n_params}
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def time_in_turn(names, steps: int, run_step) -> dict[str, list[float]]:
+    """Run ``run_step(name, step)`` for every name in turn, ``steps`` + 3 warm-up times; returns
+    the slower rank's seconds of each timed step, by name (every rank must call it)."""
+    times = {name: [] for name in names}
+    for step in range(steps + 3):
+        for name in names:
+            torch.distributed.barrier()
+            t0 = time.perf_counter()
+            run_step(name, step)
+            t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+            if step >= 3:
+                times[name].append(t.item())
+    return times
+
+
+def parse_args(description: str, layers: int = 2) -> argparse.Namespace:
+    """The tiny GPT's size, the batch and the bucket size from the command line."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--vocab", type=int, default=2048)
     ap.add_argument("--hidden", type=int, default=128)
-    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--layers", type=int, default=layers)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--micro-batch", type=int, default=4)
     ap.add_argument("--microbatches", type=int, default=2)
     ap.add_argument("--bucket-mb", type=float, default=1.0)
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def main():
+    args = parse_args(__doc__.split("\n")[0])
     torch.set_num_threads(1)
     out = run_ranks(_rank, 2, args, timeout=3600)[0]
     med = {k: statistics.median(v) * 1e3 for k, v in out["times"].items()}

@@ -66,6 +66,7 @@ LAYOUTS = {
     "pp4-dp2-zero": dict(tp=1, pp=4, v=1, zero=1),
     "dp8": dict(tp=1, pp=1, v=1, zero=0, mbs=1),
     "tp1-pp2-interleaved-zero": dict(tp=1, pp=2, v=2, zero=1, mbs=1),  # 2 microbatches per DP rank
+    "dp8-zero3": dict(tp=1, pp=1, v=1, zero=3, mbs=1),
 }
 ORIGINAL = dict(tp=2, pp=2, v=1, zero=1)
 GBS, MBS, SAVE_AT, AFTER = 8, 2, 2, 2  # global batch, microbatch, save after step 2, then 2 more
@@ -104,8 +105,7 @@ def train_steps(cfg, ctx, model, steps) -> list[float]:
     for step in steps:
         opt.zero_grad()
         out = run_global_batch(cfg, ctx, chunks, microbatches(step, ctx, cfg.train.micro_batch_size),
-                               forward_only=False,
-                               loss_scale=opt.loss_scale)
+                               forward_only=False, loss_scale=opt.loss_scale, ddp=opt.ddp)
         opt.step()
         sched.step()
         losses.append(out.loss)
@@ -116,8 +116,9 @@ def check_against_checkpoint(saved, model) -> int:
     """The params and every optimizer chunk equal the checkpoint's full tensors bitwise.
 
     ``saved``: ``(model tensors, optimizer tensors)`` read in full from the checkpoint."""
-    chunks, _, opt, _ = model
-    check_params(chunks, saved[0])
+    chunks, ddp, opt, _ = model
+    with ddp.full_params():  # ZeRO-3 keeps only shards between uses
+        check_params(chunks, saved[0])
     full = saved[1]
     n = 0
     for key, pieces in opt.sharded_state_dict().items():
@@ -145,23 +146,33 @@ def _train_save_and_resume_elsewhere(root):
     if ctx.rank == 0:
         layouts["single"] = None
     for name, lay in layouts.items():
-        if lay is None:
-            cfg_b, ctx_b = train_config(dict(tp=1, pp=1, v=1, zero=0)), ParallelContext.single()
-        else:
-            cfg_b, ctx_b = train_config(lay), ParallelContext.build(tp=lay["tp"], pp=lay["pp"])
-        model_b = build_model_and_optimizer(cfg_b, ctx_b)
-        chunks_b, _, opt_b, sched_b = model_b
-        extra = CheckpointManager(CheckpointConfig(load=root), ctx_b, cfg_b).load(chunks_b, opt_b, sched_b)
-        assert extra == {"iteration": SAVE_AT}
-        assert opt_b.step_count == SAVE_AT and sched_b.num_steps == SAVE_AT
-        checked = check_against_checkpoint(saved, model_b)
-        out[name] = (checked, train_steps(cfg_b, ctx_b, model_b, steps_after))
+        out[name] = load_and_continue(root, lay, saved, SAVE_AT, steps_after)
     return out
+
+
+def load_and_continue(root, lay: dict | None, saved, save_at: int, steps_after) -> tuple[int, list[float]]:
+    """Build layout ``lay`` (None: one process, no ZeRO), load the checkpoint at ``root`` (saved
+    at step ``save_at``), check it against ``saved`` bitwise and train ``steps_after``.
+
+    Returns: (number of optimizer chunks checked, the losses)."""
+    from paratron.training.runner import build_model_and_optimizer
+
+    if lay is None:
+        cfg_b, ctx_b = train_config(dict(tp=1, pp=1, v=1, zero=0)), ParallelContext.single()
+    else:
+        cfg_b, ctx_b = train_config(lay), ParallelContext.build(tp=lay["tp"], pp=lay["pp"])
+    model_b = build_model_and_optimizer(cfg_b, ctx_b)
+    chunks_b, _, opt_b, sched_b = model_b
+    extra = CheckpointManager(CheckpointConfig(load=root), ctx_b, cfg_b).load(chunks_b, opt_b, sched_b)
+    assert extra == {"iteration": save_at}
+    assert opt_b.step_count == save_at and sched_b.num_steps == save_at
+    checked = check_against_checkpoint(saved, model_b)
+    return checked, train_steps(cfg_b, ctx_b, model_b, steps_after)
 
 
 def test_training_state_reshards_and_continues(tmp_path):
     """Save at tp2·pp2·dp2 with ZeRO-1 after 2 steps; load at one process, tp4·dp2, pp4·dp2, dp8
-    (ZeRO off) and tp1·pp2 interleaved: weights and Adam state bitwise equal to the checkpoint's,
+    (ZeRO off and ZeRO-3) and tp1·pp2 interleaved: weights and Adam state bitwise equal to the checkpoint's,
     and the next two steps' losses equal the uninterrupted original-layout run's to 1e-5."""
     root = str(tmp_path / "ck")
     results = run_ranks(_train_save_and_resume_elsewhere, 8, root, timeout=600)

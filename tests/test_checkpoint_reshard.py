@@ -18,6 +18,9 @@ def tiny_config() -> Config:
     m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length = 4, 32, 4, 16
     m.vocab_size = 50  # padded to 128 * tp: the padding rows must never reach the checkpoint
     m.tie_embeddings = True
+    # SwiGLU with biases: the fused [gate; up] weight and bias have strided shards, whose blocks
+    # must reshard (weights and ZeRO-1 optimizer rectangles) like any contiguous slice.
+    m.activation, m.add_bias_linear = "swiglu", True
     return cfg
 
 

@@ -23,6 +23,49 @@ def test_overrides_are_typed_by_field():
     assert cfg.parallel.pipeline_layout == [1, 2, 1]
 
 
+def test_overrides_parse_as_toml_values():
+    """Issue 19: ``--set key=[1,2,3]``, ``key="text"`` and ``key=true`` read as TOML values; the
+    older forms (``1,2,3``, bare words) keep working."""
+    cfg = cfg_with("parallel.pipeline_layout=[2,0,3,3]", "data.data_path=[\"a\", \"0.5\", \"b\"]",
+                   "train.sample_prompt=\"KING: \"", "parallel.sequence_parallel=true",
+                   "data.json_key='content'")
+    assert cfg.parallel.pipeline_layout == [2, 0, 3, 3]
+    assert cfg.data.data_path == ["a", "0.5", "b"]
+    assert cfg.train.sample_prompt == "KING: " and cfg.parallel.sequence_parallel is True
+    assert cfg.data.json_key == "content"
+    assert cfg_with("parallel.pipeline_layout=[ 2, 0 ]").parallel.pipeline_layout == [2, 0]
+    assert cfg_with("data.data_path=[a, b]").data.data_path == ["a", "b"]  # bare words: not TOML
+    with pytest.raises(ConfigError, match="must be an integer"):
+        cfg_with("parallel.pipeline_layout=[1, \"x\"]")
+
+
+def test_zbv_implies_two_virtual_stages(tmp_path):
+    assert cfg_with("parallel.schedule=zbv").parallel.virtual_pipeline == 2
+    p = tmp_path / "z.toml"
+    p.write_text('[parallel]\nschedule = "zbv"\n')
+    assert load_config(p).parallel.virtual_pipeline == 2
+    # A value given explicitly stays, and validation refuses it with the rule.
+    assert cfg_with("parallel.schedule=zbv", "parallel.virtual_pipeline=1").parallel.virtual_pipeline == 1
+    validate(cfg_with("parallel.schedule=zbv", "parallel.pipeline=2", "model.num_layers=4"), 2)
+
+
+def test_warmup_longer_than_the_run_warns_once(capsys, monkeypatch):
+    from paratron.config.validators import config_warnings
+    from paratron.training.command import print_config_warnings
+
+    cfg = validate(cfg_with("train.train_iters=4", "optimizer.lr_warmup_iters=30"), 1)
+    (line,) = config_warnings(cfg)
+    assert "optimizer.lr_warmup_iters=30 > train.train_iters=4" in line
+    assert config_warnings(cfg_with("train.train_iters=40", "optimizer.lr_warmup_iters=30")) == []
+    monkeypatch.delenv("PARATRON_CONFIG_WARNED", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+    print_config_warnings(cfg, launching=True)  # the launcher prints, its ranks stay quiet
+    monkeypatch.setenv("RANK", "0")
+    print_config_warnings(cfg, launching=False)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("paratron: warning: optimizer.lr_warmup_iters=30")
+
+
 def test_public_override_keys_exist():
     keys = ["parallel.tensor=1", "parallel.pipeline=1", "parallel.virtual_pipeline=1",
             "parallel.expert=1", "parallel.context=1", "parallel.sequence_parallel=false",
@@ -80,10 +123,13 @@ def test_unknown_key_in_toml_names_file(tmp_path):
     (["model.num_layers=5", "parallel.pipeline=2"], 2,
      "model.num_layers=5 is not divisible by parallel.pipeline*virtual_pipeline = 2*1 = 2"),
     (["parallel.pipeline_layout=1,1"], 1, "has 2 entries; it needs parallel.pipeline*virtual_pipeline = 1"),
-    (["parallel.schedule=zbv", "parallel.pipeline=2"], 2, "set parallel.virtual_pipeline=2"),
+    (["parallel.schedule=zbv", "parallel.pipeline=2", "parallel.virtual_pipeline=3"], 2,
+     "parallel.virtual_pipeline=3 was given: leave it unset or set parallel.virtual_pipeline=2"),
+    (["parallel.schedule=1fb1"], 1, "parallel.schedule='1fb1' is not a registered schedule (did you mean '1f1b'?)"),
+    (["parallel.virtual_pipeline=2", "model.num_layers=4"], 1, "schedule '1f1b' runs one model chunk per rank"),
     (["model.num_experts=6", "parallel.expert=4"], 4, "model.num_experts=6 is not divisible by parallel.expert=4"),
     (["parallel.expert=2"], 2, "parallel.expert=2 needs model.num_experts > 0"),
-    (["parallel.zero=2"], 1, "parallel.zero=2 must be 0 (DDP) or 1 (ZeRO-1)"),
+    (["parallel.zero=4"], 1, "parallel.zero=4 must be 0 (DDP), 1 (optimizer state sharded)"),
     (["data.split=9,x"], 1, "data.split='9,x' must be comma-separated numbers"),
 ])
 def test_validation_errors_before_any_group(overrides, world, msg):

@@ -49,11 +49,25 @@ def test_ensure_dataset_errors(tmp_path):
         prepare.ensure_dataset(DataConfig(corpus="missing.jsonl", data_path=[str(tmp_path / "m")]), 0)
 
 
-def test_default_prefix_names_corpus_and_tokenizer():
+def test_cache_prefix_is_keyed_by_content_key_and_tokenizer(tmp_path):
     p = prepare.default_prefix(DataConfig(corpus="data/shakespeare.jsonl"))
-    assert p.parts[-3:] == ("data", "cache", "shakespeare_gpt2")
-    p = prepare.default_prefix(DataConfig(corpus="x/y.jsonl", tokenizer_type="ByteLevelBPE", tokenizer_vocab_size=512))
-    assert p.name == "y_bpe512"
+    assert p.parts[-3:-1] == ("data", "cache") and p.name.startswith("shakespeare_gpt2-")
+    a = _corpus(tmp_path)
+    b = tmp_path / "sub" / "c.jsonl"
+    b.parent.mkdir()
+    b.write_bytes(a.read_bytes())
+    cfg = DataConfig(corpus=str(a), cache_dir=str(tmp_path / "cache"))
+    key = prepare.default_prefix(cfg)
+    assert key.parent == tmp_path / "cache" and key.name.startswith("c_gpt2-")
+    assert prepare.default_prefix(DataConfig(corpus=str(b), cache_dir=str(tmp_path / "cache"))) == key
+    others = [DataConfig(corpus=str(a), cache_dir=str(tmp_path / "cache"), json_key="body"),
+              DataConfig(corpus=str(a), cache_dir=str(tmp_path / "cache"), tokenizer_type="ByteLevelBPE",
+                         tokenizer_vocab_size=512)]
+    b.write_bytes(a.read_bytes() + b'{"text": "one more"}\n')
+    others.append(DataConfig(corpus=str(b), cache_dir=str(tmp_path / "cache")))
+    names = {prepare.default_prefix(c).name for c in others}
+    assert len(names) == 3 and key.name not in names
+    assert any(n.startswith("c_bpe512-") for n in names)
 
 
 def _race(cfg, q):
@@ -73,9 +87,9 @@ def test_racing_processes_and_trained_tokenizer(tmp_path):
         p.join(timeout=60)
         assert p.exitcode == 0
     assert results[0] == results[1] == [(1.0, str(tmp_path / "r"))]
-    tok = tokenizer.build_tokenizer(cfg)
+    tok = prepare.build_tokenizer(cfg)
     assert tok.vocab_size <= 300
     ds = IndexedDataset(tmp_path / "r")
     assert ds.num_documents == 60 and ds[5].tolist() == tok.encode("story 5: " + "once upon a time " * 1) + [tok.eod]
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("r.")) == \
-        ["r.bin", "r.idx", "r.tokenizer.json"]  # no temporaries left behind
+        ["r.bin", "r.idx", "r.meta.json", "r.tokenizer.json"]  # no temporaries left behind

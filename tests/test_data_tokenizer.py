@@ -6,7 +6,7 @@ import pytest
 
 from paratron.config import DataConfig
 from paratron.data import tokenizer
-from paratron.data.tokenizer import build_tokenizer
+from paratron.data.prepare import build_tokenizer
 
 
 def test_gpt2_hello_world():

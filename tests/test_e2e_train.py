@@ -119,7 +119,7 @@ def test_sigterm_saves_and_exits_cleanly(tiny_data, tmp_path):
 
 
 @pytest.mark.parametrize("overrides,msg", [
-    (["data.data_path=/nonexistent/prefix"], "data.data_path: '/nonexistent/prefix.bin' does not exist"),
+    (["data.data_path=/nonexistent/prefix"], "data.data_path: /nonexistent/prefix.bin/.idx do not exist"),
     (["parallel.tensor=3"], "world size 2 is not divisible by parallel.tensor*parallel.context*parallel.pipeline"),
     (["parallel.pipeline=2", "parallel.schedule=interleaved", "parallel.virtual_pipeline=2",
       "train.global_batch_size=12", "train.micro_batch_size=4"],

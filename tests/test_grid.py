@@ -89,10 +89,10 @@ def test_every_rank_in_exactly_one_group():
 
 
 @pytest.mark.parametrize("kw,msg", [
-    (dict(tp=3), "world size 8 is not divisible by parallel.tensor*context*pipeline"),
+    (dict(tp=3), "world size 8 is not divisible by parallel.tensor*parallel.context*parallel.pipeline"),
     (dict(tp=0), "parallel.tensor=0 must be a positive integer"),
     (dict(order="tp-cp-dp-pp"), "must name each of"),
-    (dict(ep=3), "parallel.expert_tensor*expert*pipeline"),
+    (dict(ep=3), "parallel.expert_tensor*parallel.expert*parallel.pipeline"),
 ])
 def test_layout_errors(kw, msg):
     with pytest.raises(LayoutError, match=msg.replace("*", r"\*")):

@@ -13,6 +13,7 @@ from paratron.config import ModelConfig
 from paratron.models.gpt import build_model_chunks, default_stage_layers, model_order
 from paratron.parallel.context import ParallelContext
 from paratron.parallel.grads import allreduce_sequence_parallel_grads
+from paratron.parallel.params import gather_full
 from paratron.testing import run_ranks
 
 TOL = 1e-5
@@ -65,10 +66,7 @@ def _run(kind: str, tp: int, sp: bool):
     allreduce_sequence_parallel_grads(params, ctx)
     grads = {}
     for p in params:
-        g = p.grad
-        if p.tensor_parallel:
-            g = ctx.tp.all_gather(g.contiguous(), dim=p.partition_dim)
-        grads[p.logical_name] = g[tuple(slice(0, n) for n in p.shard.global_shape)].clone()
+        grads[p.logical_name] = gather_full(p.grad, p, ctx.tp).clone()
     return losses.detach(), grads
 
 

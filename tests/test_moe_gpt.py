@@ -56,7 +56,7 @@ def _train(cfg: Config, ctx) -> dict:
     from paratron.training.step import run_global_batch
 
     torch.manual_seed(0)
-    chunks, _, optimizer, _ = build_model_and_optimizer(cfg, ctx)
+    chunks, ddp, optimizer, _ = build_model_and_optimizer(cfg, ctx)
     dp, r, mbs = ctx.dp.size, ctx.dp.rank, cfg.train.micro_batch_size
     rows = GBS // dp
     before = _snapshot(chunks)
@@ -67,7 +67,7 @@ def _train(cfg: Config, ctx) -> dict:
         microbatches = [{"tokens": tokens[i:i + mbs], "labels": labels[i:i + mbs]} for i in range(0, rows, mbs)]
         optimizer.zero_grad()
         out = run_global_batch(cfg, ctx, chunks, microbatches, forward_only=False,
-                               loss_scale=optimizer.loss_scale)
+                               loss_scale=optimizer.loss_scale, ddp=ddp)
         optimizer.step()
         history.append((out.loss, out.aux_loss))
         if step == 0:
@@ -148,7 +148,7 @@ def test_aux_loss_grad_scale_in_training_step():
     tokens, labels = _batch(0)
     microbatches = [{"tokens": tokens[i:i + 1], "labels": labels[i:i + 1]} for i in range(GBS)]
     optimizer.zero_grad()
-    run_global_batch(cfg, ctx, chunks, microbatches, forward_only=False, loss_scale=1.0)
+    run_global_batch(cfg, ctx, chunks, microbatches, forward_only=False, loss_scale=1.0, ddp=ddp)
     got = {p.logical_name: p.main_grad.clone() for c in chunks for p in c.parameters()}
 
     ref_cfg = _config(aux=0.0)

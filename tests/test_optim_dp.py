@@ -9,6 +9,7 @@ Tolerance 1e-5 (fp32) unless stated.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -17,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from paratron.config import OptimizerConfig
-from paratron.optim import DistributedDataParallel, build_optimizer
+from paratron.optim import DistributedDataParallel, build_optimizer, finalize_grads, precision_dtype
 from paratron.parallel.context import ParallelContext
 from paratron.parallel.grads import accumulate_grad
 from paratron.parallel.params import ShardSpec, mark
@@ -67,8 +68,11 @@ class Toy(nn.Module):
         for n in ("fc1_b", "fc2_b", "norm_w", "norm_b"):
             mark(getattr(self, n), n, no_weight_decay=True)
 
+    def embed(self, tokens):
+        return F.embedding(tokens, self.emb)
+
     def forward(self, tokens, labels):
-        x = F.embedding(tokens, self.emb)
+        x = self.embed(tokens)
         h = F.gelu(_AccumLinearFn.apply(x, self.fc1_w, self.fc1_b))
         x = x + _AccumLinearFn.apply(h, self.fc2_w, self.fc2_b)
         x = F.layer_norm(x, (HID,), self.norm_w, self.norm_b)
@@ -119,14 +123,18 @@ def reference(steps: int, cfg: OptimizerConfig, batches=None):
     return {n: p.detach().clone() for n, p in model.named_parameters()}, norms
 
 
+def last_backward_if(ddp, last: bool):
+    """DDP's last-backward block around the last microbatch's backward, else nothing."""
+    return ddp.last_backward() if last else contextlib.nullcontext()
+
+
 def train_dp(ctx, cfg, *, steps, zero, overlap, microbatches=2, bucket_mb=0.0005,
              precision="fp32", batches=None, inject_loss=None, model_kw=None):
     """Train a Toy on this DP rank's rows; returns (params, step results, ddp, opt).
 
     ``inject_loss(step, model)`` may return a term added to the step's first microbatch loss.
     """
-    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[precision]
-    model = Toy(dtype=dtype, **(model_kw or {}))
+    model = Toy(dtype=precision_dtype(precision), **(model_kw or {}))
     ddp = DistributedDataParallel([model], ctx, bucket_size_mb=bucket_mb,
                                   overlap_grad_reduce=overlap, use_distributed_optimizer=zero)
     opt = build_optimizer([model], ctx, cfg, ddp, precision=precision)
@@ -139,11 +147,13 @@ def train_dp(ctx, cfg, *, steps, zero, overlap, microbatches=2, bucket_mb=0.0005
         tokens, labels = tokens[r * rows:(r + 1) * rows], labels[r * rows:(r + 1) * rows]
         opt.zero_grad()
         extra = inject_loss(step, model) if inject_loss is not None else None
-        for t, lab in zip(tokens.chunk(microbatches), labels.chunk(microbatches)):
+        for i, (t, lab) in enumerate(zip(tokens.chunk(microbatches), labels.chunk(microbatches))):
             loss = model(t, lab).sum() / denom
             if extra is not None:
                 loss, extra = loss + extra, None
-            opt.scale_loss(loss).backward()
+            with last_backward_if(ddp, i == microbatches - 1):
+                opt.scale_loss(loss).backward()
+        finalize_grads([model], ctx, ddp)
         results.append(opt.step())
     params = {n: p.detach().float().clone() for n, p in model.named_parameters()}
     return params, results, ddp, opt
@@ -228,9 +238,9 @@ def _rank_uneven(zero):
     opt.zero_grad()
     for tokens, labels in data[ctx.dp.rank]:
         (model(tokens, labels).sum() / denom).backward()
+    finalize_grads([model], ctx, ddp)
     grads = None
     if not zero:
-        ddp.finish_grad_sync()
         grads = {n: p.main_grad.clone() for n, p in model.named_parameters()}
     opt.step()
     update = {n: before[n] - p.detach() for n, p in model.named_parameters()}
@@ -272,8 +282,10 @@ def _rank_overlap(overlap):
         opt.zero_grad()
         with ctx.ledger.recording():
             for i, (t, lab) in enumerate(zip(tokens.chunk(4), labels.chunk(4))):
-                (model(t, lab).sum() / denom).backward()
+                with last_backward_if(ddp, i == 3):
+                    (model(t, lab).sum() / denom).backward()
                 seen.append((step, i, ddp.num_launched()))
+            finalize_grads([model], ctx, ddp)
             opt.step()
             calls = ctx.ledger.total("all_reduce", "dp_cp").calls
         seen.append((step, "calls", calls))
@@ -283,17 +295,90 @@ def _rank_overlap(overlap):
 @pytest.mark.parametrize("overlap", [True, False])
 def test_accumulation_reduces_once_and_overlaps(overlap):
     """4 microbatches per step: no bucket is reduced before the last microbatch; each bucket is
-    all-reduced exactly once per step; with overlap on, from step 2 every non-deferred bucket has
-    started during backward of the last microbatch; with overlap off none has."""
+    all-reduced exactly once per step; with overlap on, from the first step every non-deferred
+    bucket has started during backward of the last microbatch; with overlap off none has."""
     n_buckets, seen = run_ranks(_rank_overlap, 2, overlap, timeout=180)[0]
     assert n_buckets >= 3
     for step, i, v in seen:
         if i == "calls":
             assert v == n_buckets, f"step {step}: {v} all-reduces for {n_buckets} buckets"
-        elif i < 3 or step == 0 or not overlap:
+        elif i < 3 or not overlap:
             assert v == 0, f"step {step} microbatch {i}: {v} buckets launched early"
         else:
             assert v == n_buckets, f"step {step}: only {v}/{n_buckets} buckets overlapped"
+
+
+class Gated(Toy):
+    """Toy with two params whose use changes from step to step: ``late`` (a linear, grads through
+    ``accumulate_grad``) is used only from step 1 on, like a layer unfrozen after the first step;
+    ``some_b`` (an autograd bias) is used only in the microbatches listed in ``some``."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(7)
+        self.late_w = nn.Parameter(torch.randn(HID, HID, generator=g) * 0.3)
+        self.late_b = nn.Parameter(torch.zeros(HID))
+        self.some_b = nn.Parameter(torch.randn(HID, generator=g) * 0.1)
+        mark(self.late_w, "late_w")
+        for n in ("late_b", "some_b"):
+            mark(getattr(self, n), n, no_weight_decay=True)
+        self.use_late, self.use_some = False, False
+
+    def embed(self, tokens):
+        x = F.embedding(tokens, self.emb)
+        if self.use_late:
+            x = x + _AccumLinearFn.apply(x, self.late_w, self.late_b)
+        return x + self.some_b if self.use_some else x
+
+
+# (microbatches per DP rank, late used, microbatches that use some_b) per step
+GATED_STEPS = [(2, False, {0}), (4, True, {1, 3}), (1, True, set()), (2, True, {1})]
+
+
+def _rank_gated(overlap):
+    ctx = ParallelContext.build()
+    model = Gated()
+    ddp = DistributedDataParallel([model], ctx, bucket_size_mb=0.0001, overlap_grad_reduce=overlap)
+    opt = build_optimizer([model], ctx, opt_cfg(), ddp)
+    grads, launched = [], []
+    rows = GLOBAL_B // ctx.dp.size
+    for step, (m, late, some) in enumerate(GATED_STEPS):
+        tokens, labels = batch(step)
+        denom = (labels != IGNORE).sum()
+        mine = slice(ctx.dp.rank * rows, (ctx.dp.rank + 1) * rows)
+        opt.zero_grad()
+        model.use_late = late
+        for i, (t, lab) in enumerate(zip(tokens[mine].chunk(m), labels[mine].chunk(m))):
+            model.use_some = i in some
+            with last_backward_if(ddp, i == m - 1):
+                (model(t, lab).sum() / denom).backward()
+        launched.append(ddp.num_launched())
+        finalize_grads([model], ctx, ddp)
+        grads.append({n: p.main_grad.clone() for n, p in model.named_parameters()})
+        opt.step()
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return grads, params, launched, sum(len(b.buckets) for b in ddp.buffers)
+
+
+def test_params_used_unevenly_across_steps_overlap_bitwise():
+    """DP=2, a bucket per param or two: a linear unused in step 1 and used from step 2 on (a layer
+    unfrozen late), a bias used in a changing subset of microbatches, and 2, 4, 1, 2 microbatches
+    per step. With overlap on, buckets are reduced during the last backward from the first step;
+    the main grads of every step and the params after 4 AdamW steps are bitwise equal to overlap
+    off, on every rank."""
+    on = run_ranks(_rank_gated, 2, True, timeout=180)
+    off = run_ranks(_rank_gated, 2, False, timeout=180)
+    for r in range(2):
+        grads_on, params_on, launched, n_buckets = on[r]
+        grads_off, params_off, launched_off, _ = off[r]
+        assert n_buckets >= 8 and launched_off == [0] * len(GATED_STEPS)
+        assert all(0 < k <= n_buckets for k in launched), launched
+        for step, (a, b) in enumerate(zip(grads_on, grads_off)):
+            for n in a:
+                assert torch.equal(a[n], b[n]), f"rank {r} step {step}: main grad of {n} differs"
+        assert not grads_on[0]["late_w"].any() and grads_on[1]["late_w"].any()
+        for n in params_on:
+            assert torch.equal(params_on[n], params_off[n]), f"rank {r}: {n} differs"
 
 
 # ---- ledger -----------------------------------------------------------------------------------
@@ -307,6 +392,7 @@ def _rank_ledger(zero):
     opt.zero_grad()
     with ctx.ledger.recording():
         (model(tokens, labels).sum() / (labels != IGNORE).sum()).backward()
+        finalize_grads([model], ctx, ddp)
         opt.step()
         return ctx.ledger.summary(), ctx.dp_cp.size
 

@@ -12,12 +12,13 @@ import torch
 
 from paratron.config import ModelConfig
 from paratron.models.gpt import build_model_chunks
+from paratron.optim import finalize_grads
 from paratron.parallel.context import ParallelContext
 from paratron.parallel.params import unique_params
 from paratron.pipeline.actions import BW, F
 from paratron.pipeline.partition import stage_layers
 from paratron.pipeline.registry import SCHEDULES, build_schedule
-from paratron.pipeline.runtime import finalize_embedding_grads, run_pipeline
+from paratron.pipeline.runtime import run_pipeline
 from paratron.pipeline.schedules import check_1f1b, with_p2p
 from paratron.pipeline.simulator import simulate
 from paratron.pipeline.timeline import write_chrome_trace
@@ -115,7 +116,7 @@ def _sweep(p, combos):
         with ctx.ledger.recording():
             losses = _pipeline_step(ctx, chunks, schedule, m, v)
             sends = ctx.ledger.total("send", "pp").calls
-        finalize_embedding_grads(chunks, ctx)
+        finalize_grads(chunks, ctx)
         planned = sum(a.kind.startswith("SEND") for a in build_schedule(schedule, p, m, v)[ctx.pp.rank])
         assert sends == planned, (schedule, m, sends, planned)
         results.append((losses, _grads_by_name(chunks)))
@@ -177,7 +178,7 @@ def _train_two_steps(p, schedule, v, layout):
         for q in params:
             q.grad = None
         losses.append(_pipeline_step(ctx, chunks, schedule, 4, v, step=step))
-        finalize_embedding_grads(chunks, ctx)
+        finalize_grads(chunks, ctx)
         with torch.no_grad():
             for q in params:
                 q.sub_(0.5 * q.grad)
@@ -279,7 +280,7 @@ def test_single_rank_schedules_match(schedule, v):
     chunks = _build(ctx, schedule, v)
     assert len(chunks) == v
     losses = _pipeline_step(ctx, chunks, schedule, 4, v)
-    finalize_embedding_grads(chunks, ctx)
+    finalize_grads(chunks, ctx)
     _check([[(losses, _grads_by_name(chunks))]], [(schedule, 4, v)], ref_losses, ref_grads, 1)
 
 

@@ -202,9 +202,9 @@ def test_stage_layers_even_layout_and_v_placement():
     assert list(zbv) == [(0, 0), (1, 0), (1, 1), (0, 1)]  # model order
     assert stage_layers(6, 3, 1, [1, 4, 1], "1f1b") == {(0, 0): (0, 1), (1, 0): (1, 4), (2, 0): (5, 1)}
     assert chunk_stages(4, 2, "zbv", 1) == [1, 6] and chunk_stages(4, 2, "interleaved", 1) == [1, 5]
-    with pytest.raises(ValueError, match="not divisible by pipeline\\*virtual_pipeline = 4"):
+    with pytest.raises(ValueError, match="not divisible by parallel.pipeline\\*virtual_pipeline = 4\\*1 = 4"):
         stage_layers(6, 4, 1, None, "1f1b")
-    with pytest.raises(ValueError, match="needs one per virtual stage"):
+    with pytest.raises(ValueError, match="has 1 entries; it needs parallel.pipeline\\*virtual_pipeline = 2"):
         stage_layers(8, 2, 1, [8], "1f1b")
     with pytest.raises(ValueError, match="sum to model.num_layers=8"):
         stage_layers(8, 2, 1, [3, 4], "1f1b")

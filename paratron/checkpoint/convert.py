@@ -68,7 +68,7 @@ def _paratron_to_hf(args) -> str:
 def _export_tokenizer(cfg, out: Path) -> None:
     """Write the run's tokenizer (GPT-2 BPE, a tokenizer.json, or the BPE trained on the corpus)
     as ``tokenizer.json``, so that an export -> import round trip keeps the same token ids."""
-    from paratron.data.tokenizer import build_tokenizer
+    from paratron.data.prepare import build_tokenizer
 
     try:
         tok = build_tokenizer(cfg.data)

@@ -162,8 +162,9 @@ def _llama_tensors(cfg: ModelConfig, src: Tensors, where: str) -> Tensors:
             q, k, v = (_take(src, f"{h}.self_attn.{x}_proj.{kind}", where) for x in "qkv")
             out[f"{p}.attention.qkv.{kind}"] = fuse_qkv(q, k, v, heads, groups)
             out[f"{p}.attention.proj.{kind}"] = _take(src, f"{h}.self_attn.o_proj.{kind}", where)
-            for ours, theirs in (("gate", "gate_proj"), ("up", "up_proj"), ("fc2", "down_proj")):
-                out[f"{p}.mlp.{ours}.{kind}"] = _take(src, f"{h}.mlp.{theirs}.{kind}", where)
+            gate, up = (_take(src, f"{h}.mlp.{x}_proj.{kind}", where) for x in ("gate", "up"))
+            out[f"{p}.mlp.fc1.{kind}"] = torch.cat([gate, up])  # the fused [gate; up] of models.mlp
+            out[f"{p}.mlp.fc2.{kind}"] = _take(src, f"{h}.mlp.down_proj.{kind}", where)
     return out
 
 
@@ -289,8 +290,9 @@ def _llama_export(cfg: ModelConfig, t: Tensors) -> tuple[dict, Tensors]:
             out.update({f"{h}.self_attn.q_proj.{kind}": q, f"{h}.self_attn.k_proj.{kind}": k,
                         f"{h}.self_attn.v_proj.{kind}": v,
                         f"{h}.self_attn.o_proj.{kind}": t[f"{p}.attention.proj.{kind}"]})
-            for ours, theirs in (("gate", "gate_proj"), ("up", "up_proj"), ("fc2", "down_proj")):
-                out[f"{h}.mlp.{theirs}.{kind}"] = t[f"{p}.mlp.{ours}.{kind}"]
+            gate, up = t[f"{p}.mlp.fc1.{kind}"].chunk(2)
+            out.update({f"{h}.mlp.gate_proj.{kind}": gate, f"{h}.mlp.up_proj.{kind}": up,
+                        f"{h}.mlp.down_proj.{kind}": t[f"{p}.mlp.fc2.{kind}"]})
     return hf, out
 
 

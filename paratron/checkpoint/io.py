@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from .items import MODEL_PREFIX, CheckpointError, StateItems, full_items, model_items
+from .legacy import adapt_items, fuse_full
 from .planner import ChunkLoadPlanner, ChunkSavePlanner
 from .safety import (METADATA_FILE, SafeFileSystemReader, check_same_model, file_sha256,
                      read_metadata_safely, refuse_pickle_files)
@@ -107,7 +108,7 @@ def read_items(directory: str | os.PathLike, items: StateItems) -> None:
         CheckpointError: unsafe or malformed files, a missing key, a shape mismatch.
     """
     directory = Path(directory)
-    verify_directory(directory)
+    items = adapt_items(items, set(saved_tensors(directory)))  # verifies the directory too
     reader = SafeFileSystemReader(str(directory))
     try:
         with warnings.catch_warnings():
@@ -236,7 +237,7 @@ def load_tensors_full(directory: str | os.PathLike, prefix: str = "") -> dict[st
     out = {key[len(prefix):]: torch.empty(tuple(md.size), dtype=md.properties.dtype)
            for key, md in saved_tensors(directory).items() if key.startswith(prefix)}
     read_items(directory, full_items(out, prefix=prefix))
-    return out
+    return fuse_full(out)
 
 
 def load_model_full(directory: str | os.PathLike) -> tuple[Any, dict[str, torch.Tensor]]:

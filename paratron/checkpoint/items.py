@@ -56,8 +56,9 @@ StateItems = dict[str, list[SavedChunk]]
 """Checkpoint key -> this rank's chunks of that tensor."""
 
 
-def chunk_from_param(param: torch.Tensor) -> SavedChunk:
-    """The valid (unpadded) part of a marked parameter as a chunk of its logical tensor.
+def chunks_from_param(param: torch.Tensor) -> list[SavedChunk]:
+    """The valid (unpadded) part of a marked parameter as chunks of its logical tensor: one, or
+    one per block of a strided shard (:meth:`~paratron.parallel.params.ShardSpec.blocks`).
 
     Raises:
         CheckpointError: the parameter was never marked (no ``shard``/``logical_name``).
@@ -66,7 +67,10 @@ def chunk_from_param(param: torch.Tensor) -> SavedChunk:
     if spec is None or not hasattr(param, "logical_name"):
         raise CheckpointError("a parameter without paratron.parallel.params.mark attributes "
                               f"(shape {tuple(param.shape)}) cannot be checkpointed")
-    return SavedChunk(spec.valid(param.detach()), tuple(spec.offsets), tuple(spec.global_shape))
+    valid = spec.valid(param.detach())
+    return [SavedChunk(valid[first:first + block.local_shape[0]] if spec.stride > 1 else valid,
+                       tuple(block.offsets), tuple(block.global_shape))
+            for first, block in spec.blocks()]
 
 
 def iter_params(chunks: Iterable[torch.nn.Module] | torch.nn.Module) -> Iterable[torch.Tensor]:
@@ -98,12 +102,12 @@ def model_items(chunks, *, is_first_stage: bool = True, for_save: bool = True) -
     for p in iter_params(chunks):
         if for_save and getattr(p, "shared_embedding", False) and not is_first_stage:
             continue
-        c = chunk_from_param(p)
         key = MODEL_PREFIX + p.logical_name
         mine = out.setdefault(key, [])
-        if for_save and any(o.offsets == c.offsets for o in mine):
-            raise CheckpointError(f"{key}: two parameters on this rank hold the chunk at offsets {c.offsets}")
-        mine.append(c)
+        for c in chunks_from_param(p):
+            if for_save and any(o.offsets == c.offsets for o in mine):
+                raise CheckpointError(f"{key}: two parameters on this rank hold the chunk at offsets {c.offsets}")
+            mine.append(c)
     return out
 
 

@@ -23,10 +23,12 @@ restores the scalars, and the RNG per rank (see :mod:`paratron.checkpoint.rng`).
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import shutil
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Callable
 
@@ -142,6 +144,11 @@ class CheckpointManager:
             return
         root = Path(self.cfg.save)
         asynchronous = self.cfg.async_save if async_ is None else bool(async_)
+        with full_params(optimizer):
+            self._save_items(root, int(step), chunks, optimizer, scheduler, extra, asynchronous, t0)
+
+    def _save_items(self, root: Path, step: int, chunks, optimizer, scheduler, extra, asynchronous: bool,
+                    t0: float) -> None:
         first = self.ctx.is_first_stage
         items = model_items(chunks, is_first_stage=first, for_save=True)
         if optimizer is not None:
@@ -274,18 +281,19 @@ class CheckpointManager:
                 f"{directory} holds no optimizer state (it was saved without one), but "
                 "checkpoint.load_optimizer=true; set checkpoint.load_optimizer=false to start a fresh "
                 "optimizer from these weights")
-        items = model_items(chunks, for_save=False)
-        if want_optimizer:
-            items = merge(items, optimizer_items(optimizer))
         with torch.no_grad():
-            read_items(directory, items)
+            with full_params(optimizer, writeback=True):
+                items = model_items(chunks, for_save=False)
+                if want_optimizer:
+                    items = merge(items, optimizer_items(optimizer))
+                read_items(directory, items)
+                if not want_optimizer and optimizer is not None:
+                    copy_params_into_main(chunks, optimizer)
             if want_optimizer:
                 optimizer.load_scalar_state(decode(manifest["optimizer"]))
                 optimizer.reload_model_params()
                 if scheduler is not None and manifest.get("scheduler") is not None:
                     scheduler.load_state_dict(decode(manifest["scheduler"]))
-            elif optimizer is not None:
-                copy_params_into_main(chunks, optimizer)
         self._restore_rng(chunks, directory, manifest)
         return decode(manifest.get("extra") or {})
 
@@ -305,6 +313,13 @@ class CheckpointManager:
             rng.rederive(chunks, self.ctx, self.config.train.seed, int(manifest.get("step") or 0))
 
 
+def full_params(optimizer, writeback: bool = False):
+    """The optimizer's DDP :meth:`~paratron.optim.ddp.DistributedDataParallel.full_params`
+    context (ZeRO-3 gathers every param for the block; otherwise nothing happens)."""
+    ddp = getattr(optimizer, "ddp", None)
+    return ddp.full_params(writeback) if ddp is not None else nullcontext()
+
+
 def copy_params_into_main(chunks, optimizer) -> None:
     """Set the optimizer's fp32 main weights from the (just loaded) model params.
 
@@ -317,22 +332,28 @@ def copy_params_into_main(chunks, optimizer) -> None:
     for key, pieces in optimizer.sharded_state_dict().items():
         if not key.startswith(prefix):
             continue
-        p = params[key[len(prefix):]]
-        local2d, roff, coff = _param_2d(p)
+        blocks = _param_blocks_2d(params[key[len(prefix):]])
         for view, spec in pieces:
             (r, c), (nr, nc) = spec.offsets, spec.local_shape
+            # A rectangle lies inside one block (one, unless the shard is strided).
+            local2d, roff, coff = next(b for b in blocks if b[1] <= r < b[1] + b[0].shape[0]
+                                       and b[2] <= c < b[2] + b[0].shape[1])
             view.copy_(local2d[r - roff:r - roff + nr, c - coff:c - coff + nc])
 
 
-def _param_2d(p) -> tuple[torch.Tensor, int, int]:
-    """The valid part of ``p`` as a 2-D view, and its row/column offset in the full 2-D view."""
+def _param_blocks_2d(p) -> list[tuple[torch.Tensor, int, int]]:
+    """The valid part of ``p`` as 2-D views, one per contiguous block of its shard, each with
+    its row/column offset in the full 2-D view."""
     spec = p.shard
-    v = spec.valid(p.detach())
-    if v.dim() == 0:
-        return v.reshape(1, 1), 0, 0
-    if v.dim() == 1:
-        return v.reshape(1, -1), 0, spec.offsets[0]
-    mid = 1
-    for s in v.shape[1:-1]:
-        mid *= s
-    return v.reshape(-1, v.shape[-1]), spec.offsets[0] * mid, spec.offsets[-1]
+    valid = spec.valid(p.detach())
+    out = []
+    for first, block in spec.blocks():
+        v = valid[first:first + block.local_shape[0]] if spec.stride > 1 else valid
+        if v.dim() == 0:
+            out.append((v.reshape(1, 1), 0, 0))
+        elif v.dim() == 1:
+            out.append((v.reshape(1, -1), 0, block.offsets[0]))
+        else:
+            mid = math.prod(v.shape[1:-1])
+            out.append((v.reshape(-1, v.shape[-1]), block.offsets[0] * mid, block.offsets[-1]))
+    return out

@@ -52,6 +52,9 @@ MEGATRON_ALIASES: dict[str, str] = {
 MEGATRON_SWITCHES: dict[str, tuple[str, str]] = {
     "--sequence-parallel": ("parallel.sequence_parallel", "true"),
     "--use-distributed-optimizer": ("parallel.zero", "1"),
+    "--reset-position-ids": ("data.reset_position_ids", "true"),
+    "--reset-attention-mask": ("data.reset_attention_mask", "true"),
+    "--eod-mask-loss": ("data.eod_mask_loss", "true"),
     "--bf16": ("train.precision", "bf16"),
     "--fp16": ("train.precision", "fp16"),
     "--swiglu": ("model.activation", "swiglu"),

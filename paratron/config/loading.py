@@ -46,8 +46,8 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
         return value
     if origin is list:
         (item,) = args
-        if isinstance(value, str):
-            value = [v for v in value.replace(",", " ").split() if v]
+        if isinstance(value, str):  # "0,2,3,3" or "[a, b]" that TOML did not read (bare words)
+            value = [v for v in value.strip().strip("[]").replace(",", " ").split() if v]
         if not isinstance(value, list):
             raise ConfigError(f"{key}={value!r} must be a list")
         return [_coerce(key, v, item) for v in value]
@@ -103,14 +103,45 @@ def set_value(cfg: Config, dotted: str, value: Any) -> None:
     setattr(getattr(cfg, section), key, _coerce(dotted, value, types_[key]))
 
 
+def parse_override_value(raw: str) -> Any:
+    """The value of one ``--set key=VALUE``, read as TOML where it is a TOML array or string
+    (``[2,0,3,3]``, ``["a", "0.5", "b"]``, ``"text"``); anything else stays the raw string, which
+    the field's type converts (``4``, ``true``, ``none``, ``0,2,3,3``, ``interleaved``)."""
+    text = raw.strip()
+    if text[:1] in ("[", '"', "'"):
+        try:
+            return tomllib.loads(f"v = {text}")["v"]
+        except tomllib.TOMLDecodeError:
+            pass
+    return text
+
+
 def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
-    """Apply ``["section.key=value", ...]`` in order."""
+    """Apply ``["section.key=value", ...]`` in order (values as in :func:`parse_override_value`)."""
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like section.key=value")
         k, v = item.split("=", 1)
-        set_value(cfg, k.strip(), v.strip())
+        set_value(cfg, k.strip(), parse_override_value(v))
     return cfg
+
+
+def _override_keys(overrides: list[str]) -> set[str]:
+    return {item.split("=", 1)[0].strip() for item in overrides if "=" in item}
+
+
+def imply_schedule_defaults(cfg: Config, given: set[str]) -> None:
+    """A schedule that always runs a fixed number of chunks per rank (zbv: 2) sets
+    ``parallel.virtual_pipeline`` to it unless that field was given (``given``: the dotted keys
+    set by the file or the overrides); a different given value is refused by validation."""
+    if "parallel.virtual_pipeline" in given:
+        return
+    from paratron.pipeline.registry import SCHEDULES
+
+    if cfg.parallel.schedule in SCHEDULES:
+        fixed = SCHEDULES.get(cfg.parallel.schedule).virtual_stages
+        if fixed is not None:
+            cfg.parallel.virtual_pipeline = fixed
 
 
 def from_dict(data: dict[str, Any], source: str = "<dict>") -> Config:
@@ -145,7 +176,10 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{p}: invalid TOML: {e}") from None
     cfg = from_dict(data, str(path) if path else "<defaults>")
-    return apply_overrides(cfg, list(overrides))
+    apply_overrides(cfg, list(overrides))
+    given = {f"{section}.{key}" for section, values in data.items() for key in values} | _override_keys(overrides)
+    imply_schedule_defaults(cfg, given)
+    return cfg
 
 
 def to_toml(cfg: Config) -> str:

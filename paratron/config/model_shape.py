@@ -34,6 +34,11 @@ def ffn_size(cfg: ModelConfig) -> int:
     return 4 * cfg.hidden_size
 
 
+def expert_ffn_size(cfg: ModelConfig) -> int:
+    """Inner width of one expert: ``moe_ffn_hidden_size``, else the dense MLP width."""
+    return cfg.moe_ffn_hidden_size if cfg.moe_ffn_hidden_size is not None else ffn_size(cfg)
+
+
 def max_positions(cfg: ModelConfig) -> int:
     """Rows of the learned position table: ``max_position_embeddings`` or ``seq_length``."""
     return cfg.max_position_embeddings or cfg.seq_length
@@ -45,16 +50,28 @@ def is_moe_layer(cfg: ModelConfig, layer: int) -> bool:
 
 
 def check_model(cfg: ModelConfig, tp: int) -> None:
-    """Check the model config against tensor-parallel size ``tp``, before any collective.
+    """Check a model config before building the model: a vocab size is set (the model
+    constructors run this), and :func:`check_shape`.
 
     Raises:
-        ConfigError: naming the field, value and rule: a missing vocab size; hidden size not
-            divisible by heads; heads or KV groups not divisible by ``tp``; heads not divisible by
-            KV groups; odd RoPE head dim; MLP width not divisible by ``tp``.
+        ConfigError: a missing vocab size, or a rule of :func:`check_shape`.
     """
     if cfg.vocab_size is None or cfg.vocab_size < 1:
         raise ConfigError(f"model.vocab_size={cfg.vocab_size} must be set to a positive integer "
                           "before building the model (take it from the tokenizer)")
+    check_shape(cfg, tp)
+
+
+def check_shape(cfg: ModelConfig, tp: int) -> None:
+    """Check the model's sizes against tensor-parallel size ``tp``, before any collective (config
+    validation runs this before the vocab size is known).
+
+    Raises:
+        ConfigError: naming the field, value and rule: sizes not positive; hidden size not
+            divisible by heads; heads or KV groups not divisible by ``tp``; heads not divisible by
+            KV groups; odd RoPE head dim; MLP width not divisible by ``tp``; a sequence longer
+            than the learned position table.
+    """
     for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
         v = getattr(cfg, name)
         if v < (0 if name == "num_layers" else 1):
@@ -79,3 +96,42 @@ def check_model(cfg: ModelConfig, tp: int) -> None:
     if cfg.position_embedding_type == "learned" and cfg.seq_length > max_positions(cfg):
         raise ConfigError(f"model.seq_length={cfg.seq_length} exceeds "
                           f"model.max_position_embeddings={max_positions(cfg)}")
+
+
+def check_moe(cfg: ModelConfig, *, tp: int, ep: int, expert_tp: int) -> None:
+    """Check the MoE fields against the tensor-, expert- and expert-tensor-parallel sizes, before
+    any collective (a dense model, ``num_experts == 0``, passes unless ``ep > 1``).
+
+    Raises:
+        ConfigError: naming the field, value and rule: a negative expert count; expert parallelism
+            without experts; experts not divisible by ``ep``; ``moe_top_k`` outside
+            ``[1, num_experts]``; ``moe_layer_freq < 1``; a capacity factor <= 0; padding to
+            capacity without a capacity factor; an expert width not divisible by ``expert_tp``; a
+            shared-expert width not divisible by ``tp``.
+    """
+    E = cfg.num_experts
+    if E < 0:
+        raise ConfigError(f"model.num_experts={E} must be >= 0")
+    if E == 0:
+        if ep > 1:
+            raise ConfigError(f"parallel.expert={ep} needs model.num_experts > 0")
+        return
+    if E % ep:
+        raise ConfigError(f"model.num_experts={E} is not divisible by parallel.expert={ep}")
+    if not 1 <= cfg.moe_top_k <= E:
+        raise ConfigError(f"model.moe_top_k={cfg.moe_top_k} must be in [1, model.num_experts={E}]")
+    if cfg.moe_layer_freq < 1:
+        raise ConfigError(f"model.moe_layer_freq={cfg.moe_layer_freq} must be >= 1")
+    if cfg.moe_capacity_factor is not None and cfg.moe_capacity_factor <= 0:
+        raise ConfigError(f"model.moe_capacity_factor={cfg.moe_capacity_factor} must be > 0 (or unset: dropless)")
+    if cfg.moe_pad_to_capacity and cfg.moe_capacity_factor is None:
+        raise ConfigError("model.moe_pad_to_capacity=true needs model.moe_capacity_factor to be set")
+    width = expert_ffn_size(cfg)
+    if width % expert_tp:
+        field = "moe_ffn_hidden_size" if cfg.moe_ffn_hidden_size is not None else "ffn_hidden_size"
+        raise ConfigError(f"model.{field}={width} (the expert width) is not divisible by "
+                          f"parallel.expert_tensor={expert_tp}")
+    shared = cfg.moe_shared_expert_ffn_hidden_size
+    if shared is not None and shared % tp:
+        raise ConfigError(f"model.moe_shared_expert_ffn_hidden_size={shared} is not divisible by "
+                          f"parallel.tensor={tp}")

@@ -63,6 +63,10 @@ class ModelConfig:
     moe_token_dispatcher: str = "alltoall"
     """Token dispatcher registry name: alltoall or allgather."""
     moe_pad_to_capacity: bool = False
+    moe_aux_loss_type: Literal["micro_batch", "seq"] = "micro_batch"
+    """Load balance over the whole microbatch (Switch), or per sequence (DeepSeek-V2's
+    sequence-wise balance loss; each packed document is its own sequence), averaged over the
+    sequences of the global batch."""
     """With a capacity factor, pad every expert's rows to its capacity (static shapes)."""
 
 
@@ -75,14 +79,22 @@ class ParallelConfig:
     virtual_pipeline: int = 1
     """Virtual pipeline stages (model chunks) per rank."""
     context: int = 1
-    """Context-parallel size."""
+    """Context-parallel size C: each sequence is split over C ranks (see context_algorithm)."""
+    context_algorithm: Literal["ring", "all2all"] = "ring"
+    """ring: K/V blocks circulate over the CP ranks, load-balanced split into 2C chunks (Liu et al.
+    2023); all2all: DeepSpeed-Ulysses head/sequence all-to-all (Jacobs et al. 2023)."""
     expert: int = 1
     """Expert-parallel size."""
     expert_tensor: int = 1
     """Tensor-parallel size of expert layers."""
     sequence_parallel: bool = False
     zero: int = 0
-    """0: plain DDP; 1: ZeRO-1 distributed optimizer."""
+    """ZeRO stage over DP: 0 plain DDP; 1 optimizer state sharded; 2 also grads; 3 also params."""
+    zero3_reshard_after_forward: bool = True
+    """ZeRO-3: free a layer's gathered params after its forward (gather again for backward);
+    false keeps them gathered until the end of the step's backward (one all-gather per step)."""
+    zero3_prefetch: bool = True
+    """ZeRO-3: start the next layer's all-gather while the current layer computes."""
     schedule: str = "1f1b"
     """Pipeline schedule registry name: gpipe, 1f1b, interleaved, zb-h1, zbv, or a registered one."""
     pipeline_layout: Optional[list[int]] = None
@@ -95,6 +107,9 @@ class ParallelConfig:
     """Gradient bucket size in MiB."""
     timeout_s: float = 600.0
     """Collective timeout; a hang becomes an error after this long."""
+    hang_timeout_s: float = 300.0
+    """Seconds one collective or p2p op may stay pending before the hang watchdog dumps every
+    rank's recent ops to RUN_DIR/hang/ and ends the job; 0 turns the watchdog off."""
 
 
 @dataclass
@@ -163,6 +178,13 @@ class DataConfig:
     """Preprocessing worker processes."""
     cache_dir: Optional[str] = None
     """Where sample-index files go; None means next to the data."""
+    reset_position_ids: bool = False
+    """Positions restart after each end-of-document token (Megatron's --reset-position-ids)."""
+    reset_attention_mask: bool = False
+    """No attention across end-of-document tokens: block-diagonal causal attention over the packed
+    documents (Megatron's --reset-attention-mask)."""
+    eod_mask_loss: bool = False
+    """No loss where the input token is the end-of-document token (Megatron's --eod-mask-loss)."""
 
 
 @dataclass

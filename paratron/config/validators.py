@@ -2,10 +2,19 @@
 
 Each rule takes ``(cfg, world_size_or_None)`` and raises :class:`ConfigError` naming the field,
 its value and the rule, e.g. ``model.num_attention_heads=6 is not divisible by parallel.tensor=4``.
+
+A rule owned by another module is called, not written again here: the model shape and MoE rules
+(:mod:`.model_shape`, also run by the model constructors), the rank grid
+(:func:`paratron.parallel.grid.build_grid`), the pipeline split
+(:func:`paratron.pipeline.partition.stage_sizes`) and the schedule's own check
+(:func:`paratron.pipeline.registry.build_schedule`). Those imports sit inside the rules, so that
+importing the config loads neither numpy nor the pipeline package.
 """
 
 from __future__ import annotations
 
+from . import model_shape
+from .context_rules import check_context
 from .errors import ConfigError
 from .sections import Config
 
@@ -13,9 +22,7 @@ from .sections import Config
 # ------------------------------------------------------------------------------------------
 def _positive(cfg: Config, world: int | None) -> None:
     checks = [
-        ("model.num_layers", cfg.model.num_layers), ("model.hidden_size", cfg.model.hidden_size),
-        ("model.num_attention_heads", cfg.model.num_attention_heads),
-        ("model.seq_length", cfg.model.seq_length),
+        ("model.num_layers", cfg.model.num_layers),
         ("parallel.tensor", cfg.parallel.tensor), ("parallel.pipeline", cfg.parallel.pipeline),
         ("parallel.virtual_pipeline", cfg.parallel.virtual_pipeline),
         ("parallel.context", cfg.parallel.context), ("parallel.expert", cfg.parallel.expert),
@@ -33,6 +40,10 @@ def _positive(cfg: Config, world: int | None) -> None:
                     ("model.vocab_size", cfg.model.vocab_size)):
         if v is not None and v < 1:
             raise ConfigError(f"{name}={v} must be a positive integer (>= 1)")
+    for name, v in (("parallel.timeout_s", cfg.parallel.timeout_s),
+                    ("parallel.hang_timeout_s", cfg.parallel.hang_timeout_s)):
+        if not 0 <= v < float("inf"):
+            raise ConfigError(f"{name}={v} must be a finite number of seconds >= 0")
     if cfg.optimizer.lr < 0:
         raise ConfigError(f"optimizer.lr={cfg.optimizer.lr} must be >= 0")
     for name, v in (("model.hidden_dropout", cfg.model.hidden_dropout),
@@ -41,53 +52,32 @@ def _positive(cfg: Config, world: int | None) -> None:
             raise ConfigError(f"{name}={v} must be in [0, 1)")
 
 
-def _world_divisible(cfg: Config, world: int | None) -> None:
+def _grid(cfg: Config, world: int | None) -> None:
     if world is None:
         return
+    from paratron.parallel.grid import LayoutError, build_grid
+
     p = cfg.parallel
-    mp_ = p.tensor * p.context * p.pipeline
-    if world % mp_:
-        raise ConfigError(
-            f"world size {world} is not divisible by parallel.tensor*parallel.context*parallel.pipeline"
-            f" = {p.tensor}*{p.context}*{p.pipeline} = {mp_}")
-    ex = p.expert_tensor * p.expert * p.pipeline
-    if world % ex:
-        raise ConfigError(
-            f"world size {world} is not divisible by parallel.expert_tensor*parallel.expert*"
-            f"parallel.pipeline = {p.expert_tensor}*{p.expert}*{p.pipeline} = {ex}")
+    try:
+        build_grid(world, tp=p.tensor, cp=p.context, ep=p.expert, pp=p.pipeline, expert_tp=p.expert_tensor,
+                   order=p.order)
+    except LayoutError as e:
+        raise ConfigError(str(e)) from None
 
 
-def _heads(cfg: Config, world: int | None) -> None:
-    m, tp = cfg.model, cfg.parallel.tensor
-    if m.hidden_size % m.num_attention_heads:
-        raise ConfigError(f"model.hidden_size={m.hidden_size} is not divisible by "
-                          f"model.num_attention_heads={m.num_attention_heads}")
-    if m.num_attention_heads % tp:
-        raise ConfigError(f"model.num_attention_heads={m.num_attention_heads} is not divisible by "
-                          f"parallel.tensor={tp}")
-    g = m.num_query_groups
-    if g is not None:
-        if m.num_attention_heads % g:
-            raise ConfigError(f"model.num_attention_heads={m.num_attention_heads} is not divisible by "
-                              f"model.num_query_groups={g}")
-        if g % tp:
-            raise ConfigError(f"model.num_query_groups={g} is not divisible by parallel.tensor={tp}")
-    if m.position_embedding_type == "rope" and (m.hidden_size // m.num_attention_heads) % 2:
-        raise ConfigError(f"RoPE needs an even head dim; model.hidden_size/num_attention_heads = "
-                          f"{m.hidden_size // m.num_attention_heads}")
+def _model(cfg: Config, world: int | None) -> None:
+    model_shape.check_shape(cfg.model, cfg.parallel.tensor)
 
 
-def _ffn(cfg: Config, world: int | None) -> None:
-    m, tp = cfg.model, cfg.parallel.tensor
-    if m.ffn_hidden_size is not None and m.ffn_hidden_size % tp:
-        raise ConfigError(f"model.ffn_hidden_size={m.ffn_hidden_size} is not divisible by parallel.tensor={tp}")
+def _data_parallel_size(cfg: Config, world: int | None) -> int | None:
+    """``world / (tp * cp * pp)``, or None without a world size (or when it does not divide)."""
+    p = cfg.parallel
+    mp = p.tensor * p.context * p.pipeline
+    return world // mp if world is not None and world % mp == 0 else None
 
 
 def _batch(cfg: Config, world: int | None) -> None:
-    t, p = cfg.train, cfg.parallel
-    dp = None
-    if world is not None and world % (p.tensor * p.context * p.pipeline) == 0:
-        dp = world // (p.tensor * p.context * p.pipeline)
+    t, dp = cfg.train, _data_parallel_size(cfg, world)
     unit = t.micro_batch_size * (dp or 1)
     if t.global_batch_size % unit:
         where = f"train.micro_batch_size*dp = {t.micro_batch_size}*{dp}" if dp else \
@@ -100,71 +90,50 @@ def _sequence(cfg: Config, world: int | None) -> None:
     if p.sequence_parallel and s % p.tensor:
         raise ConfigError(f"model.seq_length={s} is not divisible by parallel.tensor={p.tensor}, "
                           "which sequence parallelism needs (parallel.sequence_parallel=true)")
-    if p.context > 1 and s % (2 * p.context):
-        raise ConfigError(f"model.seq_length={s} is not divisible by 2*parallel.context={2 * p.context}")
-    if m_pos := cfg.model.max_position_embeddings:
-        if cfg.model.position_embedding_type == "learned" and s > m_pos:
-            raise ConfigError(f"model.seq_length={s} exceeds model.max_position_embeddings={m_pos}")
 
 
 def _pipeline_layers(cfg: Config, world: int | None) -> None:
-    p, L = cfg.parallel, cfg.model.num_layers
-    stages = p.pipeline * p.virtual_pipeline
-    if p.pipeline_layout is not None:
-        if len(p.pipeline_layout) != stages:
-            raise ConfigError(f"parallel.pipeline_layout={p.pipeline_layout} has {len(p.pipeline_layout)} "
-                              f"entries; it needs parallel.pipeline*virtual_pipeline = {stages}")
-        if sum(p.pipeline_layout) != L or min(p.pipeline_layout) < 0:
-            raise ConfigError(f"parallel.pipeline_layout={p.pipeline_layout} must be non-negative and "
-                              f"sum to model.num_layers={L}")
-    elif L % stages:
-        raise ConfigError(f"model.num_layers={L} is not divisible by parallel.pipeline*virtual_pipeline"
-                          f" = {p.pipeline}*{p.virtual_pipeline} = {stages}; set parallel.pipeline_layout "
-                          "for an uneven split")
-    if p.virtual_pipeline > 1 and p.schedule not in ("interleaved", "zbv") and p.schedule in (
-            "gpipe", "1f1b", "zb-h1"):
-        raise ConfigError(f"parallel.virtual_pipeline={p.virtual_pipeline} needs an interleaved schedule; "
-                          f"parallel.schedule={p.schedule!r} runs one chunk per rank")
-    if p.schedule == "zbv" and p.virtual_pipeline != 2:
-        raise ConfigError(f"parallel.schedule='zbv' places two chunks per rank (V shape); "
-                          f"set parallel.virtual_pipeline=2, not {p.virtual_pipeline}")
+    from paratron.pipeline.partition import stage_sizes
+
+    p = cfg.parallel
+    try:
+        stage_sizes(cfg.model.num_layers, p.pipeline, p.virtual_pipeline, p.pipeline_layout)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _schedule(cfg: Config, world: int | None) -> None:
+    from paratron.pipeline.registry import build_schedule, get_schedule
+
+    p, t = cfg.parallel, cfg.train
+    spec = get_schedule(p.schedule)  # ConfigError with did-you-mean for an unknown name
+    if spec.virtual_stages is not None and p.virtual_pipeline != spec.virtual_stages:
+        raise ConfigError(f"parallel.schedule={p.schedule!r} always runs {spec.virtual_stages} chunks per rank, "
+                          f"but parallel.virtual_pipeline={p.virtual_pipeline} was given: leave it unset "
+                          f"or set parallel.virtual_pipeline={spec.virtual_stages}")
+    dp = _data_parallel_size(cfg, world)
+    if dp is None or t.global_batch_size % (t.micro_batch_size * dp):
+        return  # the microbatch count is not known yet
+    m = t.global_batch_size // (t.micro_batch_size * dp)
+    try:
+        build_schedule(p.schedule, p.pipeline, m, p.virtual_pipeline)
+    except ValueError as e:
+        raise ConfigError(
+            f"parallel.schedule={p.schedule!r} with parallel.pipeline={p.pipeline}, "
+            f"parallel.virtual_pipeline={p.virtual_pipeline} and {m} microbatches per step "
+            f"(train.global_batch_size / (train.micro_batch_size * dp) = {t.global_batch_size} / "
+            f"({t.micro_batch_size} * {dp})): {e}") from None
 
 
 def _experts(cfg: Config, world: int | None) -> None:
-    m, p = cfg.model, cfg.parallel
-    if m.num_experts < 0:
-        raise ConfigError(f"model.num_experts={m.num_experts} must be >= 0")
-    if m.num_experts == 0:
-        if p.expert > 1:
-            raise ConfigError(f"parallel.expert={p.expert} needs model.num_experts > 0")
-        return
-    if m.num_experts % p.expert:
-        raise ConfigError(f"model.num_experts={m.num_experts} is not divisible by parallel.expert={p.expert}")
-    if not 1 <= m.moe_top_k <= m.num_experts:
-        raise ConfigError(f"model.moe_top_k={m.moe_top_k} must be in [1, model.num_experts={m.num_experts}]")
-    if m.moe_layer_freq < 1:
-        raise ConfigError(f"model.moe_layer_freq={m.moe_layer_freq} must be >= 1")
-    if m.moe_capacity_factor is not None and m.moe_capacity_factor <= 0:
-        raise ConfigError(f"model.moe_capacity_factor={m.moe_capacity_factor} must be > 0 (or unset: dropless)")
-    if m.moe_pad_to_capacity and m.moe_capacity_factor is None:
-        raise ConfigError("model.moe_pad_to_capacity=true needs model.moe_capacity_factor to be set")
-    width = m.moe_ffn_hidden_size if m.moe_ffn_hidden_size is not None else m.ffn_hidden_size
-    if width is not None and width % p.expert_tensor:
-        field = "moe_ffn_hidden_size" if m.moe_ffn_hidden_size is not None else "ffn_hidden_size"
-        raise ConfigError(f"model.{field}={width} (the expert width) is not divisible by "
-                          f"parallel.expert_tensor={p.expert_tensor}")
-    shared = m.moe_shared_expert_ffn_hidden_size
-    if shared is not None and shared % p.tensor:
-        raise ConfigError(f"model.moe_shared_expert_ffn_hidden_size={shared} is not divisible by "
-                          f"parallel.tensor={p.tensor}")
+    p = cfg.parallel
+    model_shape.check_moe(cfg.model, tp=p.tensor, ep=p.expert, expert_tp=p.expert_tensor)
 
 
 def _zero(cfg: Config, world: int | None) -> None:
-    if cfg.parallel.zero not in (0, 1):
-        raise ConfigError(f"parallel.zero={cfg.parallel.zero} must be 0 (DDP) or 1 (ZeRO-1)")
-    if cfg.parallel.context > 1:
-        raise ConfigError(f"parallel.context={cfg.parallel.context}: context parallelism is not "
-                          "implemented yet; use 1")
+    if cfg.parallel.zero not in (0, 1, 2, 3):
+        raise ConfigError(f"parallel.zero={cfg.parallel.zero} must be 0 (DDP), 1 (optimizer state "
+                          "sharded), 2 (also grads) or 3 (also params)")
 
 
 def _split(cfg: Config, world: int | None) -> None:
@@ -177,23 +146,29 @@ def _split(cfg: Config, world: int | None) -> None:
         raise ConfigError(f"data.split={cfg.data.split!r} must be up to 3 non-negative numbers with a positive sum")
 
 
+def _lr_decay_iters(cfg: Config) -> tuple[str, int]:
+    o = cfg.optimizer
+    if o.lr_decay_iters is not None:
+        return "optimizer.lr_decay_iters", o.lr_decay_iters
+    return "train.train_iters", cfg.train.train_iters
+
+
 def _lr_schedule(cfg: Config, world: int | None) -> None:
     o = cfg.optimizer
-    decay = o.lr_decay_iters if o.lr_decay_iters is not None else cfg.train.train_iters
-    if not 0 <= o.lr_warmup_iters <= decay:
-        src = "optimizer.lr_decay_iters" if o.lr_decay_iters is not None else "train.train_iters"
-        raise ConfigError(f"optimizer.lr_warmup_iters={o.lr_warmup_iters} must be in [0, {src}={decay}]")
+    if o.lr_warmup_iters < 0:
+        raise ConfigError(f"optimizer.lr_warmup_iters={o.lr_warmup_iters} must be >= 0")
     if o.min_lr > o.lr:
         raise ConfigError(f"optimizer.min_lr={o.min_lr} must be <= optimizer.lr={o.lr}")
 
 
-VALIDATORS = [_positive, _lr_schedule, _world_divisible, _heads, _ffn, _batch, _sequence, _pipeline_layers,
-              _experts, _zero, _split]
+VALIDATORS = [_positive, _lr_schedule, _grid, _model, _batch, _sequence, _schedule, _pipeline_layers,
+              _experts, _zero, _split, check_context]
 """Every config rule, in order. Each takes ``(cfg, world_size_or_None)`` and raises ConfigError."""
 
 
 def validate(cfg: Config, world_size: int | None = None) -> Config:
-    """Run every validator; call before creating any process group.
+    """Run every validator; call before creating any process group (and after importing the
+    plugins of ``train.callbacks``, whose schedules, dispatchers and blocks are looked up here).
 
     Raises:
         ConfigError: the first rule broken, naming field, value and rule.
@@ -201,3 +176,14 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     for rule in VALIDATORS:
         rule(cfg, world_size)
     return cfg
+
+
+def config_warnings(cfg: Config) -> list[str]:
+    """Allowed but probably unintended settings, one line each (the launcher prints them once)."""
+    out = []
+    o = cfg.optimizer
+    src, decay = _lr_decay_iters(cfg)
+    if o.lr_warmup_iters > decay:
+        out.append(f"optimizer.lr_warmup_iters={o.lr_warmup_iters} > {src}={decay}: the warmup will not "
+                   f"finish; the lr stays below optimizer.lr={o.lr} for the whole run")
+    return out

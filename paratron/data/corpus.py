@@ -16,6 +16,9 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
+TEXT_SUFFIXES = (".txt", ".text", ".md")
+"""A directory given as input contributes its files with these suffixes (and JSONL_SUFFIXES);
+other files in it (an index, a README without suffix, hidden files) are not corpus text."""
 
 
 class BadInputError(ValueError):
@@ -47,7 +50,8 @@ class Parsed:
 
 
 def input_files(inputs: Sequence[str | os.PathLike]) -> list[Path]:
-    """Expand the ``--input`` arguments: files as given, directories to their files (sorted).
+    """Expand the ``--input`` arguments: files as given, directories to their JSONL and text files
+    (:data:`JSONL_SUFFIXES`, :data:`TEXT_SUFFIXES`; sorted, hidden ones skipped).
 
     Raises:
         FileNotFoundError: an input that does not exist (named).
@@ -56,7 +60,8 @@ def input_files(inputs: Sequence[str | os.PathLike]) -> list[Path]:
     for item in inputs:
         p = Path(item)
         if p.is_dir():
-            out.extend(sorted(f for f in p.rglob("*") if f.is_file()))
+            out.extend(sorted(f for f in p.rglob("*") if f.is_file() and not f.name.startswith(".")
+                              and f.suffix.lower() in JSONL_SUFFIXES + TEXT_SUFFIXES))
         elif p.is_file():
             out.append(p)
         else:
@@ -104,6 +109,12 @@ def _decode(raw: bytes, path: str, line: int) -> str:
         raise BadInputError(f"{path}:{line}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {col})") from None
 
 
+def _excerpt(text: str, limit: int = 80) -> str:
+    """The record as written, cut to ``limit`` characters, for error messages."""
+    text = text.strip()
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def parse_line(raw: bytes, path: str, line: int, keys: Sequence[str]) -> list[str]:
     """The texts under ``keys`` of one JSONL line.
 
@@ -121,7 +132,8 @@ def parse_line(raw: bytes, path: str, line: int, keys: Sequence[str]) -> list[st
     out = []
     for k in keys:
         if k not in obj:
-            raise BadInputError(f"{path}:{line}: missing key {k!r} (keys: {', '.join(map(repr, obj))})")
+            raise BadInputError(f"{path}:{line}: missing key {k!r} (keys: {', '.join(map(repr, obj))}) "
+                                f"in record {_excerpt(text)}")
         v = obj[k]
         if not isinstance(v, str):
             raise BadInputError(f"{path}:{line}: key {k!r} holds {type(v).__name__}, not a string")

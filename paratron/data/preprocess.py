@@ -24,7 +24,7 @@ from typing import Sequence
 
 import numpy as np
 
-from paratron.data import corpus, indexed
+from paratron.data import corpus, indexed, provenance
 from paratron.data import tokenizer as tokenizers_
 from paratron.data.workers import ordered_map
 
@@ -122,8 +122,9 @@ def preprocess(inputs: Sequence[str], output_prefix: str, tok: tokenizers_.Token
     finally:
         if bar is not None:
             bar.close()
-    for w in writers.values():
+    for k, w in writers.items():
         w.finalize()
+        provenance.write_record(outs[k], tok, json_keys=[k], source={"files": [str(f) for f in files]})
     result.seconds = time.perf_counter() - start
     return result
 

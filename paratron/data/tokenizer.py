@@ -3,8 +3,10 @@ BPE trained on a corpus.
 
 Every kind is wrapped in :class:`Tokenizer`, which the rest of paratron codes against:
 ``encode(text) -> list[int]``, ``encode_batch(texts)``, ``decode(ids) -> str``, ``vocab_size``
-(int, special tokens included) and ``eod`` (the end-of-document id appended after every document;
-``<|endoftext|>`` = 50256 for GPT-2). Encoding never adds special tokens of its own (no BOS), so the
+(the largest token id + 1, added and special tokens included, so ids with gaps still fit the
+embedding and the ``.bin`` dtype) and ``eod`` (the end-of-document id appended after every
+document; ``<|endoftext|>`` = 50256 for GPT-2). ``fingerprint`` identifies the tokenizer by its
+content, so a dataset can record which tokenizer built it. Encoding never adds special tokens of its own (no BOS), so the
 only special token in a preprocessed corpus is the EOD the preprocessor appends.
 
 Sources: byte-level BPE as in Radford et al. 2019 (GPT-2), section 2.2; the tokenizer types and
@@ -13,6 +15,7 @@ their flags follow Megatron-LM's ``tools/preprocess_data.py``.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 from typing import Iterable, Optional
@@ -36,13 +39,29 @@ class Tokenizer:
         hf: the underlying tokenizer.
         eod: end-of-document token id.
         name: a short tag for file names and logs (``gpt2``, ``hf-<stem>``, ``bpe<vocab>``).
+        kind: the Megatron-style type name (one of :data:`TOKENIZER_TYPES`).
+        source: the file it was loaded from, for messages (None when built in memory).
     """
 
-    def __init__(self, hf: HFTokenizer, eod: int, name: str):
+    def __init__(self, hf: HFTokenizer, eod: int, name: str, kind: str = "HuggingFaceTokenizer",
+                 source: str | None = None):
         self.hf = hf
         self.eod = int(eod)
         self.name = name
-        self.vocab_size = int(hf.get_vocab_size(with_added_tokens=True))
+        self.kind = kind
+        self.source = source
+        self.vocab_size = max_token_id(hf) + 1
+
+    @property
+    def fingerprint(self) -> str:
+        """16 hex digits of the sha256 of the tokenizer's serialised form (vocabulary, merges,
+        added tokens, pre-tokenizer): equal for the same tokenizer however it was loaded."""
+        return hashlib.sha256(self.hf.to_str().encode("utf-8")).hexdigest()[:16]
+
+    def describe(self) -> str:
+        """``ByteLevelBPE bpe512 (data/x.tokenizer.json), vocab 512, fingerprint 0123...``."""
+        where = f" ({self.source})" if self.source else ""
+        return f"{self.kind} {self.name}{where}, vocab {self.vocab_size}, fingerprint {self.fingerprint}"
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``; no special tokens are added."""
@@ -61,9 +80,19 @@ class Tokenizer:
         tmp = f"{os.fspath(path)}.tmp{os.getpid()}"
         self.hf.save(tmp)
         os.replace(tmp, path)
+        self.source = os.fspath(path)
 
     def __repr__(self) -> str:
         return f"Tokenizer({self.name}, vocab_size={self.vocab_size}, eod={self.eod})"
+
+
+def max_token_id(hf: HFTokenizer) -> int:
+    """The largest id of the vocabulary, added and special tokens included (-1 when empty).
+
+    A ``tokenizer.json`` may leave gaps in its ids (1,001 tokens whose largest id is 70,000), so the
+    token count is not a bound on the ids: the ``.bin`` dtype and the embedding size use this + 1.
+    """
+    return max(hf.get_vocab(with_added_tokens=True).values(), default=-1)
 
 
 def gpt2_bpe(vocab_file: str | os.PathLike | None = None,
@@ -85,7 +114,7 @@ def gpt2_bpe(vocab_file: str | os.PathLike | None = None,
         raise ValueError(f"vocab_file={vocab}: has no {EOD_TOKEN!r} token, which GPT2BPETokenizer "
                          "uses as end of document")
     hf.add_special_tokens([EOD_TOKEN])
-    return Tokenizer(hf, eod, "gpt2")
+    return Tokenizer(hf, eod, "gpt2", kind="GPT2BPETokenizer", source=str(vocab))
 
 
 def from_file(tokenizer_model: str | os.PathLike) -> Tokenizer:
@@ -104,10 +133,11 @@ def from_file(tokenizer_model: str | os.PathLike) -> Tokenizer:
     # PREFIX.tokenizer.json is what preprocessing trains; name it by size like a fresh one.
     trained = path.name.endswith(".tokenizer.json")
     name = f"bpe{hf.get_vocab_size(with_added_tokens=True)}" if trained else f"hf-{path.stem}"
+    kind = "ByteLevelBPE" if trained else "HuggingFaceTokenizer"
     for candidate in EOD_CANDIDATES:
         eod = hf.token_to_id(candidate)
         if eod is not None:
-            return Tokenizer(hf, eod, name)
+            return Tokenizer(hf, eod, name, kind=kind, source=str(path))
     raise ValueError(f"tokenizer_model={path}: no end-of-document token; looked for "
                      f"{', '.join(EOD_CANDIDATES)}")
 
@@ -126,7 +156,7 @@ def train_byte_level_bpe(texts: Iterable[str], vocab_size: int, length: Optional
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOD_TOKEN], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     hf.train_from_iterator(texts, trainer=trainer, length=length)
-    return Tokenizer(hf, hf.token_to_id(EOD_TOKEN), f"bpe{vocab_size}")
+    return Tokenizer(hf, hf.token_to_id(EOD_TOKEN), f"bpe{vocab_size}", kind="ByteLevelBPE")
 
 
 def trained_tokenizer_path(prefix: str | os.PathLike) -> Path:
@@ -152,25 +182,3 @@ def make_tokenizer(tokenizer_type: str, vocab_file=None, merge_file=None, tokeni
                              "that preprocessing trained")
         return from_file(tokenizer_model)
     raise ValueError(f"tokenizer_type={tokenizer_type!r} must be one of {', '.join(TOKENIZER_TYPES)}")
-
-
-def build_tokenizer(data_cfg) -> Tokenizer:
-    """The tokenizer of a run, from :class:`paratron.config.DataConfig`.
-
-    GPT2BPETokenizer uses ``vocab_file``/``merge_file`` (default: the bundled GPT-2 files);
-    HuggingFaceTokenizer loads ``tokenizer_model``. ByteLevelBPE loads ``tokenizer_model`` when set,
-    else the ``PREFIX.tokenizer.json`` saved next to the (first) dataset prefix; when that does not
-    exist yet and ``corpus`` is set it is trained on the corpus now and saved there (atomically,
-    so ranks that race produce the same file). Call :func:`paratron.data.prepare.ensure_dataset`
-    first to train it once.
-
-    Raises:
-        ValueError, FileNotFoundError: a bad type or missing file, naming the ``data.*`` field.
-    """
-    if data_cfg.tokenizer_type != "ByteLevelBPE" or data_cfg.tokenizer_model:
-        return make_tokenizer(data_cfg.tokenizer_type, data_cfg.vocab_file, data_cfg.merge_file,
-                              data_cfg.tokenizer_model)
-    from paratron.data import prepare  # prepare imports this module; keep the cycle lazy
-
-    return prepare.byte_level_bpe_for(data_cfg)
-

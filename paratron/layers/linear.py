@@ -153,10 +153,17 @@ class ColumnParallelLinear(nn.Module):
         init_method: see :mod:`paratron.layers.init` (default N(0, 0.02^2)).
         params_dtype: dtype of the parameters.
         skip_bias_add: return ``(output, bias)`` without adding the bias (for fused consumers).
+        stride: the output features are ``stride`` equal fused blocks (SwiGLU's ``[gate; up]``),
+            each split over TP as if it were its own column-parallel linear, so a rank's output
+            is its slice of block 0, then of block 1, ... (Megatron-LM's ``partition_stride``;
+            the weight's :class:`ShardSpec` is strided). Under SP the fused blocks share one
+            all-gather of the input.
+        block_names: with ``stride > 1``, the logical names whose ``(seed, <name>.weight)`` draw
+            each block's initial values (default: one draw of the whole weight).
 
     Shapes: weight ``[out/tp, in]``, bias ``[out/tp]``. ``forward(x)``: ``x`` is ``[s, b, in]``
     (``[s/tp, b, in]`` with SP); returns ``[s, b, out/tp]``, or ``[s, b, out]`` if
-    ``gather_output``.
+    ``gather_output`` (which needs ``stride == 1``).
 
     Attribute ``weight_grad_store`` (default None): see the module docstring.
 
@@ -168,26 +175,36 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, ctx, *, logical_name: str, seed: int,
                  bias: bool = True, gather_output: bool = False, sequence_parallel: bool = False,
                  init_method: InitMethod | None = None, params_dtype: torch.dtype = torch.float32,
-                 skip_bias_add: bool = False):
+                 skip_bias_add: bool = False, stride: int = 1, block_names: tuple[str, ...] | None = None):
         super().__init__()
         tp, r = ctx.tp.size, ctx.tp.rank
         self.in_features, self.out_features = int(in_features), int(out_features)
         self.out_per_rank = divide(self.out_features, tp, f"{logical_name}: out_features")
+        if stride < 1 or self.out_features % stride:
+            raise ValueError(f"{logical_name}: out_features={self.out_features} does not split into stride={stride} "
+                             "equal fused blocks")
+        block = self.out_features // stride
+        n = divide(block, tp, f"{logical_name}: out_features of one fused block")
+        if gather_output and stride > 1:
+            raise ValueError(f"{logical_name}: gather_output would interleave the fused blocks; use stride=1")
         self.group, self.logical_name = ctx.tp, logical_name
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
         self.skip_bias_add = skip_bias_add
         self.weight_grad_store = None
-        lo, hi = r * self.out_per_rank, (r + 1) * self.out_per_rank
-        full = draw_full(init_method, (self.out_features, self.in_features), seed,
-                         f"{logical_name}.weight")
-        self.weight = nn.Parameter(full[lo:hi].to(device=ctx.device, dtype=params_dtype).contiguous())
+        if block_names is not None:
+            full = torch.cat([draw_full(init_method, (block, self.in_features), seed, f"{name}.weight")
+                              for name in block_names])
+        else:
+            full = draw_full(init_method, (self.out_features, self.in_features), seed, f"{logical_name}.weight")
+        mine = torch.cat([full[k * block + r * n:k * block + (r + 1) * n] for k in range(stride)])
+        self.weight = nn.Parameter(mine.to(device=ctx.device, dtype=params_dtype).contiguous())
         mark(self.weight, f"{logical_name}.weight",
-             ShardSpec((self.out_features, self.in_features), (lo, 0), (self.out_per_rank, self.in_features)),
-             partition_dim=0)
+             ShardSpec((self.out_features, self.in_features), (r * n, 0), (self.out_per_rank, self.in_features),
+                       stride), partition_dim=0)
         if bias:
             self.bias = nn.Parameter(torch.zeros(self.out_per_rank, device=ctx.device, dtype=params_dtype))
             mark(self.bias, f"{logical_name}.bias",
-                 ShardSpec((self.out_features,), (lo,), (self.out_per_rank,)),
+                 ShardSpec((self.out_features,), (r * n,), (self.out_per_rank,), stride),
                  partition_dim=0, no_weight_decay=True)
         else:
             self.register_parameter("bias", None)

@@ -22,11 +22,12 @@ from torch import nn
 from paratron.config import ModelConfig, model_shape
 from paratron.layers.dropout import rng_fork
 
+from .context_parallel import context_attention
 from .recompute import checkpointed
 from .rope import apply_rope
 
 
-def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
+def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
                    rng_tracker=None) -> torch.Tensor:
     """Causal scaled dot-product attention through ``F.scaled_dot_product_attention``.
 
@@ -88,8 +89,11 @@ class SelfAttention(nn.Module):
             bias=cfg.add_bias_linear, input_is_parallel=True, sequence_parallel=sequence_parallel,
             init_method=output_init, params_dtype=params_dtype)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """``x`` ``[s, b, h]`` (or ``[s/tp, b, h]``); ``rope`` the (cos, sin) tables for the full s."""
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                layout=None) -> torch.Tensor:
+        """``x`` ``[s, b, h]`` (or ``[s/tp, b, h]``); ``rope`` the (cos, sin) tables for the full s;
+        ``layout`` the microbatch's :class:`~paratron.models.context_parallel.SeqLayout` (context
+        parallelism, packed documents) or None."""
         qkv = self.qkv(x)
         s, b = qkv.shape[:2]
         qkv = qkv.view(s, b, self.local_groups, self.q_per_group + 2, self.head_dim)
@@ -98,7 +102,10 @@ class SelfAttention(nn.Module):
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         p = self.attention_dropout if self.training else 0.0
-        if self.selective_recompute:
+        if layout is not None and layout.needs_custom_attention:
+            # Context parallelism / packed documents (no attention dropout there: config rule).
+            ctx_out = context_attention(q, k, v, layout, attention_core)
+        elif self.selective_recompute:
             ctx_out = checkpointed(attention_core, q, k, v, p, self.rng_tracker, rng_tracker=self.rng_tracker)
         else:
             ctx_out = attention_core(q, k, v, p, self.rng_tracker)

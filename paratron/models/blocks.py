@@ -3,7 +3,10 @@
 A block factory is called as ``factory(cfg, ctx, *, layer_number, seed, sequence_parallel,
 params_dtype, rng_tracker)`` and returns an ``nn.Module`` whose ``forward(x, rope)`` maps hidden
 ``[s, b, h]`` (``[s/tp, b, h]`` under sequence parallelism) to the same layout; ``rope`` is the
-``(cos, sin)`` pair of :func:`paratron.models.rope.rope_tables` or None. Its parameters must be
+``(cos, sin)`` pair of :func:`paratron.models.rope.rope_tables` or None. Under context parallelism
+or packed documents the block is called as ``forward(x, rope, layout)`` with the microbatch's
+:class:`~paratron.models.context_parallel.SeqLayout` (its attention must then go through
+:func:`~paratron.models.context_parallel.context_attention`). Its parameters must be
 marked (``paratron.parallel.params.mark``) with names under ``layers.{layer_number}.``.
 
 :data:`BLOCKS` (a :class:`paratron.registry.Registry`) holds ``"transformer"``

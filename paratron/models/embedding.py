@@ -49,8 +49,12 @@ class Embedding(nn.Module):
         else:
             self.register_parameter("position_embeddings", None)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """``input_ids`` ``[b, s]`` int64 -> ``[s, b, h]`` or ``[s/tp, b, h]``.
+
+        ``positions``: ``[s, b]`` or ``[s, 1]`` int64 positions of the tokens (global positions of a
+        context-parallel rank's tokens, or positions restarting at each packed document); None
+        means ``0 .. s - 1``.
 
         Raises:
             ValueError: a sequence longer than the position table (learned positions).
@@ -65,5 +69,8 @@ class Embedding(nn.Module):
             if self.sequence_parallel:
                 n = s // self.tp.size
                 lo = self.tp.rank * n
-            x = x + self.position_embeddings[lo:lo + n].unsqueeze(1)
+            if positions is None:
+                x = x + self.position_embeddings[lo:lo + n].unsqueeze(1)
+            else:
+                x = x + self.position_embeddings[positions[lo:lo + n]]
         return dropout(x, self.hidden_dropout, self.training, self.rng_tracker, self.sequence_parallel)

@@ -21,9 +21,10 @@ from paratron.config import ConfigError, ModelConfig, model_shape
 
 from .embedding import WORD_EMBEDDINGS, Embedding
 from .blocks import BLOCKS
-from .layer import make_norm
+from .layer_spec import make_norm
 from .recompute import checkpointed
-from .rope import rope_tables
+from .context_parallel import sequence_layout
+from .rope import rope_tables, rope_tables_at
 from .state import gather_full_state, load_full_state
 
 __all__ = ["GPTChunk", "build_model_chunks", "default_stage_layers", "model_order", "full_logits",
@@ -49,9 +50,11 @@ class GPTChunk(nn.Module):
             regions (may be None when dropout is 0 and TP is 1).
         embedding_weight: for a tied post-process chunk on the rank that also holds the
             embedding: that embedding's weight, shared instead of copied.
+        context_algorithm: ``parallel.context_algorithm`` (``"ring"`` or ``"all2all"``), used when
+            ``ctx.cp`` has more than one rank.
 
     Raises:
-        ConfigError: the model does not fit the TP size (see :func:`paratron.models.model_shape.check_model`),
+        ConfigError: the model does not fit the TP size (see :func:`paratron.config.model_shape.check_model`),
             or ``model.block`` is not registered; raised before any collective.
 
     The layers are built by the block registered as ``model.block`` (:mod:`paratron.models.blocks`).
@@ -59,10 +62,11 @@ class GPTChunk(nn.Module):
 
     def __init__(self, cfg: ModelConfig, ctx, *, seed: int, layer_ids: range, pre_process: bool,
                  post_process: bool, sequence_parallel: bool = False, params_dtype: torch.dtype = torch.float32,
-                 rng_tracker=None, embedding_weight: nn.Parameter | None = None):
+                 rng_tracker=None, embedding_weight: nn.Parameter | None = None, context_algorithm: str = "ring"):
         super().__init__()
         model_shape.check_model(cfg, ctx.tp.size)
         self.cfg, self.ctx = cfg, ctx
+        self.context_algorithm = context_algorithm
         self.layer_ids = range(layer_ids.start, layer_ids.stop) if isinstance(layer_ids, range) else layer_ids
         self.pre_process, self.post_process = pre_process, post_process
         self.sequence_parallel = sequence_parallel and ctx.tp.size > 1
@@ -119,32 +123,45 @@ class GPTChunk(nn.Module):
             return self.embedding.word_embeddings.weight
         return self._tied_weight[0]
 
-    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None, *,
+                position_ids: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         """Run this chunk.
+
+        Under context parallelism (``parallel.context = C``) ``s`` below is this rank's ``s / C``
+        tokens, in the order of :func:`paratron.models.context_parallel.chunk_ids`.
 
         Args:
             x: token ids ``[b, s]`` (int64) when ``pre_process``, else hidden ``[s, b, h]``
                 (``[s/tp, b, h]`` under sequence parallelism).
             labels: ``[b, s]`` target ids (``-100`` ignored), post-process chunks only.
+            position_ids: ``[b, s]`` positions restarting at each packed document
+                (``data.reset_position_ids``); None: global positions.
+            cu_seqlens: ``[b, D + 1]`` start of each packed document in the full sequence, then the
+                full length (``data.reset_attention_mask``); None: one document per sample.
         Returns:
             hidden ``[s, b, h]`` (``[s/tp, b, h]`` with SP) when not ``post_process``; else per-token
             losses ``[s, b]`` fp32 (0 at ignored labels) when ``labels`` is given; else the
             vocab-parallel logits ``[s, b, V_pad/tp]``.
         """
         if self.pre_process:
-            seq = x.shape[1]
-            h = self.embedding(x)
+            b, seq = x.shape
         else:
-            h = x
-            seq = x.shape[0] * (self.ctx.tp.size if self.sequence_parallel else 1)
+            seq, b = x.shape[0] * (self.ctx.tp.size if self.sequence_parallel else 1), x.shape[1]
+        layout, positions = sequence_layout(self.ctx, self.context_algorithm, b, seq, position_ids, cu_seqlens,
+                                            x.device)
+        h = self.embedding(x, positions) if self.pre_process else x
         rope = None
         if self.cfg.position_embedding_type == "rope" and len(self.layers):
-            rope = rope_tables(seq, model_shape.head_dim(self.cfg), self.cfg.rope_theta, device=h.device)
+            dim = model_shape.head_dim(self.cfg)
+            rope = (rope_tables(seq, dim, self.cfg.rope_theta, device=h.device) if positions is None
+                    else rope_tables_at(positions, dim, self.cfg.rope_theta))
+        # The layout reaches the blocks only when it matters, so plain blocks keep forward(x, rope).
+        args = (rope, layout) if layout.needs_custom_attention else (rope,)
         for layer in self.layers.values():
             if self.recompute == "full" and self.training and torch.is_grad_enabled():
-                h = checkpointed(layer, h, rope, rng_tracker=self.rng_tracker)
+                h = checkpointed(layer, h, *args, rng_tracker=self.rng_tracker)
             else:
-                h = layer(h, rope)
+                h = layer(h, *args)
         if not self.post_process:
             return h
         return self._head(h, labels)
@@ -200,11 +217,12 @@ def model_order(stage_layers: StageLayers, num_layers: int) -> list[tuple[int, i
 
 def build_model_chunks(cfg: ModelConfig, ctx, *, seed: int, sequence_parallel: bool = False,
                        params_dtype: torch.dtype = torch.float32, stage_layers: StageLayers | None = None,
-                       virtual_pipeline: int = 1, rng_tracker=None) -> list[GPTChunk]:
+                       virtual_pipeline: int = 1, rng_tracker=None, context_algorithm: str = "ring"
+                       ) -> list[GPTChunk]:
     """This rank's model chunks, in chunk order.
 
     Args:
-        cfg, seed, sequence_parallel, params_dtype: as in :class:`GPTChunk`.
+        cfg, seed, sequence_parallel, params_dtype, context_algorithm: as in :class:`GPTChunk`.
         ctx: the parallel context (its ``pp`` group gives this rank's stage).
         stage_layers: (pp_rank, chunk) -> (first layer, count), e.g. from
             ``paratron.pipeline.partition``; default :func:`default_stage_layers`. The first stage in
@@ -242,7 +260,7 @@ def build_model_chunks(cfg: ModelConfig, ctx, *, seed: int, sequence_parallel: b
         shared = first_embedding if (post and not pre and cfg.tie_embeddings) else None
         chunk = GPTChunk(cfg, ctx, seed=seed, layer_ids=range(first, first + count), pre_process=pre,
                          post_process=post, sequence_parallel=sequence_parallel, params_dtype=params_dtype,
-                         rng_tracker=rng_tracker, embedding_weight=shared)
+                         rng_tracker=rng_tracker, embedding_weight=shared, context_algorithm=context_algorithm)
         if pre:
             first_embedding = chunk.embedding.word_embeddings.weight
         chunks.append(chunk)

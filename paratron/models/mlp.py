@@ -2,8 +2,12 @@
 Improve Transformer"; Llama), split over tensor-parallel ranks as column -> activation -> row
 (Shoeybi et al. 2019, section 3, figure 3a).
 
-SwiGLU keeps its two input projections as separate column-parallel linears (``mlp.gate`` and
-``mlp.up``): a fused ``[gate; up]`` weight would not split into one contiguous slice per rank.
+SwiGLU's two input projections are one fused column-parallel weight ``fc1 = [gate; up]`` with a
+strided :class:`~paratron.parallel.params.ShardSpec` (stride 2, Megatron-LM's
+``partition_stride``): each TP rank holds its slice of ``gate`` and the same slice of ``up``, so
+the activation is local, and under sequence parallelism the input is all-gathered once for both.
+Checkpoints written with separate ``gate``/``up`` weights still load
+(:mod:`paratron.checkpoint.legacy`).
 """
 
 from __future__ import annotations
@@ -12,50 +16,61 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from paratron.config import ModelConfig, model_shape
+from paratron.config import ModelConfig
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` (Shazeer 2020, equation 6 with Swish_1)."""
+    return F.silu(gate) * up
+
+
+def gelu(x: torch.Tensor, activation: str) -> torch.Tensor:
+    """GELU, in GPT-2's tanh form for ``activation == "gelu_tanh"``."""
+    return F.gelu(x, approximate="tanh" if activation == "gelu_tanh" else "none")
+
+
+def activate(activation: str, fc1_out: torch.Tensor) -> torch.Tensor:
+    """The MLP's inner activation of ``fc1``'s output ``[..., f]`` (``[..., 2f]`` for SwiGLU: its
+    two halves are this rank's gate and up slices) -> ``[..., f]``."""
+    if activation == "swiglu":
+        return swiglu(*fc1_out.chunk(2, dim=-1))
+    return gelu(fc1_out, activation)
 
 
 class MLP(nn.Module):
     """Forward: ``[s, b, h]`` (``[s/tp, b, h]`` under sequence parallelism) -> same layout.
 
-    Parameters (under ``layers.{i}.mlp``): GELU: ``fc1.weight`` ``[f, h]``, ``fc2.weight`` ``[h, f]``;
-    SwiGLU: ``gate.weight``, ``up.weight`` ``[f, h]``, ``fc2.weight`` ``[h, f]``; biases when
-    ``add_bias_linear``. ``f`` is :func:`paratron.models.model_shape.ffn_size`.
+    Args:
+        cfg: ``hidden_size``, ``activation``, ``add_bias_linear``, ``init_method_std``.
+        ctx: the parallel context.
+        logical_name: the module's layout-free name, e.g. ``layers.3.mlp`` or
+            ``layers.3.mlp.shared_expert``.
+        ffn: the inner width ``f`` (:func:`paratron.config.model_shape.ffn_size` for the dense MLP).
+        seed, sequence_parallel, params_dtype: as for the parallel linears.
+        output_init: init of ``fc2`` (GPT-2's scaled init of residual-branch outputs).
+
+    Parameters (under ``logical_name``): ``fc1.weight`` ``[f, h]`` (GELU) or ``[2f, h]`` =
+    ``[gate; up]`` (SwiGLU), ``fc2.weight`` ``[h, f]``; biases when ``add_bias_linear``.
     """
 
-    def __init__(self, cfg: ModelConfig, ctx, *, layer_number: int, seed: int, sequence_parallel: bool,
-                 params_dtype: torch.dtype, output_init=None):
+    def __init__(self, cfg: ModelConfig, ctx, *, logical_name: str, ffn: int, seed: int,
+                 sequence_parallel: bool, params_dtype: torch.dtype, output_init=None):
         from paratron.layers import ColumnParallelLinear, RowParallelLinear
         from paratron.layers.init import normal_
 
         super().__init__()
-        ffn = model_shape.ffn_size(cfg)
-        prefix = f"layers.{layer_number}.mlp"
         self.activation = cfg.activation
-
-        def column(name: str) -> nn.Module:
-            return ColumnParallelLinear(cfg.hidden_size, ffn, ctx, logical_name=f"{prefix}.{name}", seed=seed,
-                                        bias=cfg.add_bias_linear, sequence_parallel=sequence_parallel,
-                                        init_method=normal_(cfg.init_method_std), params_dtype=params_dtype)
-
-        if cfg.activation == "swiglu":
-            self.gate, self.up = column("gate"), column("up")
-        else:
-            self.fc1 = column("fc1")
-        self.fc2 = RowParallelLinear(ffn, cfg.hidden_size, ctx, logical_name=f"{prefix}.fc2", seed=seed,
+        fused = 2 if cfg.activation == "swiglu" else 1
+        # The fused blocks draw their initial values as the separate gate/up weights did.
+        blocks = (f"{logical_name}.gate", f"{logical_name}.up") if fused > 1 else None
+        self.fc1 = ColumnParallelLinear(cfg.hidden_size, fused * ffn, ctx, logical_name=f"{logical_name}.fc1",
+                                        seed=seed, bias=cfg.add_bias_linear, sequence_parallel=sequence_parallel,
+                                        init_method=normal_(cfg.init_method_std), params_dtype=params_dtype,
+                                        stride=fused, block_names=blocks)
+        self.fc2 = RowParallelLinear(ffn, cfg.hidden_size, ctx, logical_name=f"{logical_name}.fc2", seed=seed,
                                      bias=cfg.add_bias_linear, input_is_parallel=True,
                                      sequence_parallel=sequence_parallel, init_method=output_init,
                                      params_dtype=params_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(inner_activation(self, x))
-
-
-def inner_activation(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The MLP's inner activation, shared by the dense MLP and the experts: SwiGLU
-    ``silu(gate(x)) * up(x)`` (Shazeer 2020) or GELU ``gelu(fc1(x))`` (tanh form for GPT-2), from the
-    module's ``activation`` and its ``gate``/``up`` or ``fc1`` projections."""
-    if mlp.activation == "swiglu":
-        return F.silu(mlp.gate(x)) * mlp.up(x)
-    approximate = "tanh" if mlp.activation == "gelu_tanh" else "none"
-    return F.gelu(mlp.fc1(x), approximate=approximate)
+        return self.fc2(activate(self.activation, self.fc1(x)))

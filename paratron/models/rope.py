@@ -25,15 +25,29 @@ def rope_tables(seq_len: int, dim: int, theta: float, device=None, offset: int =
     Raises:
         ValueError: ``dim`` is odd.
     """
+    pos = torch.arange(offset, offset + seq_len, dtype=torch.int64, device=device)
+    return rope_tables_at(pos[:, None], dim, theta)
+
+
+def rope_tables_at(positions: torch.Tensor, dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables for arbitrary positions: global positions of a context-parallel rank's
+    tokens, or positions that restart at each packed document.
+
+    Args:
+        positions: ``[s, b]`` (or ``[s, 1]``) int64 positions.
+    Returns:
+        ``(cos, sin)``, each fp32 ``[s, b, 1, d]``.
+    Raises:
+        ValueError: ``dim`` is odd.
+    """
     if dim % 2:
         raise ValueError(f"RoPE needs an even head dim, got {dim}")
     # Same arithmetic as the Hugging Face Llama port (fp32 arange, elementwise product), so the
     # tables agree bit for bit with it.
-    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float, device=device) / dim))
-    pos = torch.arange(offset, offset + seq_len, dtype=torch.int64, device=device).float()
-    freqs = pos[:, None] * inv_freq
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float, device=positions.device) / dim))
+    freqs = positions.float()[..., None] * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos()[:, None, None, :], emb.sin()[:, None, None, :]
+    return emb.cos()[:, :, None, :], emb.sin()[:, :, None, :]
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from paratron.parallel.params import unique_params
+from paratron.parallel.params import gather_full, unique_params
 
 
 def load_full_state(chunks, tensors: dict[str, torch.Tensor]) -> set[str]:
@@ -42,8 +42,5 @@ def gather_full_state(chunks, ctx) -> dict[str, torch.Tensor]:
     for p in unique_params(chunks):
         if getattr(p, "is_expert", False):
             raise NotImplementedError(f"{p.logical_name}: gathering expert parameters is not supported here")
-        data = p.detach()
-        if p.tensor_parallel:
-            data = ctx.tp.all_gather(data.contiguous(), dim=p.partition_dim)
-        out[p.logical_name] = data[tuple(slice(0, n) for n in p.shard.global_shape)].clone()
+        out[p.logical_name] = gather_full(p.detach(), p, ctx.tp).clone()
     return out

@@ -5,7 +5,8 @@ from .ddp import DistributedDataParallel
 from .finalize import finalize_grads
 from .lr import LRScheduler, build_lr_scheduler
 from .optimizer import Optimizer, StepResult, build_optimizer
+from .precision import precision_dtype
 from .scaler import ConstantLossScaler, DynamicLossScaler
 
 __all__ = ["DistributedDataParallel", "finalize_grads", "LRScheduler", "build_lr_scheduler",
-           "Optimizer", "StepResult", "build_optimizer", "ConstantLossScaler", "DynamicLossScaler"]
+           "Optimizer", "StepResult", "build_optimizer", "precision_dtype", "ConstantLossScaler", "DynamicLossScaler"]

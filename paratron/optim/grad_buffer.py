@@ -17,7 +17,13 @@ each rank the same slice of every bucket):
   may fall inside a param;
 * "deferred" params (those whose grads need a model-parallel all-reduce first: tied embeddings,
   sequence-parallel norms) go last, in buckets of their own, which are reduced only after that
-  all-reduce (see :mod:`paratron.optim.finalize`).
+  all-reduce (see :mod:`paratron.optim.finalize`);
+* ZeRO-3 passes a unit id per param (the module whose forward gathers it, see
+  :mod:`paratron.optim.param_gather`): a bucket never spans two units, so a unit is gathered as
+  whole buckets.
+
+With ZeRO-2/3 the buffer holds no full-size ``grad_data`` (``allocate_grads=False``): the grads
+of a bucket live in a transient staging tensor (:mod:`paratron.optim.zero`).
 """
 
 from __future__ import annotations
@@ -68,27 +74,35 @@ class GradBuffer:
         group: the DP group the grads are summed over (``ctx.dp_cp`` dense, ``ctx.expert_dp``
             expert).
         is_expert: expert params (reduced over the expert-DP group).
-        param_data: ``[numel]`` in the params' dtype; params' ``.data`` are views into it.
-        grad_data: ``[numel]`` in the grad dtype; params' ``main_grad`` are views into it.
+        param_data: ``[numel]`` in the params' dtype; params' ``.data`` are views into it
+            (ZeRO-3 replaces it with per-bucket shards, see :mod:`paratron.optim.param_gather`).
+        grad_data: ``[numel]`` in the grad dtype; params' ``main_grad`` are views into it; None
+            with ZeRO-2/3 (``allocate_grads=False``).
         buckets: in reduction order.
         index: ``param -> (start, end)`` flat offsets of the param inside the buffer.
+        shapes: ``id(param) -> shape`` (ZeRO-3 empties ``.data`` between uses).
     """
 
     group: Group
     is_expert: bool
-    param_data: torch.Tensor
-    grad_data: torch.Tensor
+    param_data: torch.Tensor | None
+    grad_data: torch.Tensor | None
     buckets: list[Bucket]
     index: dict[int, tuple[int, int]] = field(default_factory=dict)
     params: list[torch.nn.Parameter] = field(default_factory=list)
+    shapes: dict[int, torch.Size] = field(default_factory=dict)
+    dtype: torch.dtype = torch.float32
+    grad_dtype: torch.dtype = torch.float32
+    device: torch.device = torch.device("cpu")
 
     @property
     def numel(self) -> int:
-        return self.grad_data.numel()
+        return self.buckets[-1].end if self.buckets else 0
 
     @classmethod
     def build(cls, params: list[torch.nn.Parameter], deferred: list[bool], *, group: Group,
-              is_expert: bool, grad_dtype: torch.dtype, bucket_numel: int) -> "GradBuffer":
+              is_expert: bool, grad_dtype: torch.dtype, bucket_numel: int,
+              units: list[int] | None = None, allocate_grads: bool = True) -> "GradBuffer":
         """Lay out ``params`` (all of one dtype and device), move their data into the buffer and
         attach ``main_grad`` views.
 
@@ -98,6 +112,8 @@ class GradBuffer:
             group: DP group; every bucket is padded to a multiple of ``group.size``.
             bucket_numel: elements per bucket (a bucket closes at or past this size); <= 0 puts
                 every non-deferred param into one bucket.
+            units: one id per param (ZeRO-3): a bucket also closes where the id changes.
+            allocate_grads: allocate ``grad_data`` and attach ``main_grad`` views (DDP, ZeRO-1).
 
         Raises:
             ValueError: params of mixed dtypes or devices.
@@ -111,12 +127,15 @@ class GradBuffer:
                                  f"buffer's {dtype} on {device}")
         pad = max(group.size, 1)
         limit = bucket_numel if bucket_numel > 0 else float("inf")
-        ordered = [p for p, d in zip(params, deferred) if not d] + [p for p, d in zip(params, deferred) if d]
-        flags = [False] * (len(params) - sum(deferred)) + [True] * sum(deferred)
+        units = list(units) if units is not None else [0] * len(params)
+        order = ([j for j, d in enumerate(deferred) if not d] + [j for j, d in enumerate(deferred) if d])
+        ordered = [params[j] for j in order]
+        flags = [deferred[j] for j in order]
+        unit_of = [units[j] for j in order]
 
         buckets: list[Bucket] = []
         index: dict[int, tuple[int, int]] = {}
-        offset, start, members, kind = 0, 0, [], None
+        offset, start, members, kind, unit = 0, 0, [], None, None
 
         def close() -> None:
             nonlocal offset, start, members
@@ -126,10 +145,10 @@ class GradBuffer:
                 offset = start = end
                 members = []
 
-        for p, d in zip(ordered, flags):
-            if members and (d != kind or offset - start >= limit):
+        for p, d, u in zip(ordered, flags, unit_of):
+            if members and (d != kind or u != unit or offset - start >= limit):
                 close()
-            kind = d
+            kind, unit = d, u
             index[id(p)] = (offset, offset + p.numel())
             members.append(p)
             offset += p.numel()
@@ -137,12 +156,14 @@ class GradBuffer:
 
         total = offset
         param_data = torch.zeros(total, dtype=dtype, device=device)
-        grad_data = torch.zeros(total, dtype=grad_dtype, device=device)
+        grad_data = torch.zeros(total, dtype=grad_dtype, device=device) if allocate_grads else None
         for p in ordered:
             s, e = index[id(p)]
             view = param_data[s:e].view_as(p)
             with torch.no_grad():
                 view.copy_(p.data)
             p.data = view
-            p.main_grad = grad_data[s:e].view_as(p)
-        return cls(group, is_expert, param_data, grad_data, buckets, index, ordered)
+            if grad_data is not None:
+                p.main_grad = grad_data[s:e].view_as(p)
+        return cls(group, is_expert, param_data, grad_data, buckets, index, ordered,
+                   {id(p): p.shape for p in ordered}, dtype, grad_dtype, device)

@@ -10,6 +10,9 @@ Step ``n`` (0-based, the optimizer step about to run) gets
   linear to ``min`` over the last ``K`` steps;
 * after ``D``: ``min`` (``lr`` for constant).
 
+With ``W > D`` the warmup rule holds for every step below ``W``, so a run shorter than its warmup
+never decays.
+
 ``W = lr_warmup_iters``, ``D = lr_decay_iters`` (default ``train_iters``),
 ``K = lr_wsd_decay_iters`` (default 10% of ``D``).
 """
@@ -32,7 +35,7 @@ class LRScheduler:
         optimizer: anything with ``set_lr(lr)``; updated on construction and every :meth:`step`.
 
     Raises:
-        ValueError: unknown style, negative lr, min_lr > lr, warmup > decay iters.
+        ValueError: unknown style, negative lr, min_lr > lr, negative warmup.
     """
 
     def __init__(self, lr: float, min_lr: float, warmup_iters: int, decay_iters: int,
@@ -43,12 +46,13 @@ class LRScheduler:
             raise ValueError(f"optimizer.lr={lr} and optimizer.min_lr={min_lr} must be >= 0")
         if min_lr > lr:
             raise ValueError(f"optimizer.min_lr={min_lr} must be <= optimizer.lr={lr}")
-        if warmup_iters < 0 or warmup_iters > decay_iters:
-            raise ValueError(f"optimizer.lr_warmup_iters={warmup_iters} must be in "
-                             f"[0, lr_decay_iters={decay_iters}]")
+        if warmup_iters < 0:
+            raise ValueError(f"optimizer.lr_warmup_iters={warmup_iters} must be >= 0")
         if wsd_decay_iters is None:
             wsd_decay_iters = max(1, decay_iters // 10)
-        if style == "wsd" and not 0 < wsd_decay_iters <= decay_iters - warmup_iters:
+        # A warmup longer than the decay (a short smoke run of a long config) is allowed, as in
+        # Megatron-LM: the lr rises for the whole run and never decays.
+        if style == "wsd" and warmup_iters < decay_iters and not 0 < wsd_decay_iters <= decay_iters - warmup_iters:
             raise ValueError(f"optimizer.lr_wsd_decay_iters={wsd_decay_iters} must be in "
                              f"(0, lr_decay_iters - lr_warmup_iters = {decay_iters - warmup_iters}]")
         self.max_lr, self.min_lr = float(lr), float(min_lr)

@@ -7,15 +7,17 @@ the param attributes of :func:`paratron.parallel.params.mark`.
 
 State per owned range, all fp32: main weights (a view of the params themselves when they are
 fp32, else an fp32 copy: Micikevicius et al. 2018, section 3.1), and the AdamW moments or the SGD
-momentum. :meth:`Optimizer.step` runs, in order:
+momentum. The grads must be final before :meth:`Optimizer.step` (the training step calls
+:func:`~paratron.optim.finalize.finalize_grads` once: model-parallel all-reduces, then the DP
+reduction); ``step()`` only updates, in order:
 
-1. :func:`~paratron.optim.finalize.finalize_grads`: model-parallel grad all-reduces, then the DP
-   reduction completes (all-reduce, or reduce-scatter for ZeRO-1);
-2. unscale by the loss scale (fp16);
-3. one all-reduce over the world of ``[sum of owned squared grads, overflow flag]``: the global
-   grad norm (:mod:`paratron.optim.clip`) and a global overflow decision, so every rank skips
-   together and updates the loss scale identically;
-4. clip by the global norm, AdamW or SGD on the main weights, copy them into the params;
+1. unscale by the loss scale (fp16);
+2. one all-reduce over the world of ``[sum of owned squared grads, non-finite flag]``: the global
+   grad norm (:mod:`paratron.optim.clip`) and one global decision whether any rank holds an inf
+   or NaN grad, so every rank skips together (and updates the fp16 loss scale identically). A
+   rank without params (an empty pipeline stage) joins with zeros;
+3. on a non-finite step nothing changes (params, moments, step counter): the step is skipped;
+4. else clip by the global norm, AdamW or SGD on the main weights, copy them into the params;
 5. ZeRO-1: all-gather the updated params of every bucket over the DP group.
 """
 
@@ -29,56 +31,33 @@ import torch
 from .clip import clip_coefficient, owns_for_norm, sum_of_squares
 from .ddp import DistributedDataParallel
 from .distributed_optimizer import gather_params
-from .finalize import finalize_grads
+from .precision import precision_dtype
 from .update_rules import adamw_step, fused_adamw_step, sgd_step
 from .scaler import ConstantLossScaler, DynamicLossScaler
 from .state_chunks import chunk_views, rectangles
+from .zero import storage_bytes
 
-PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
-
+@dataclass
 class StepResult:
     """What one :meth:`Optimizer.step` did (the same on every rank).
 
     Attributes:
-        skipped: the step was skipped (fp16 overflow somewhere in the world); params unchanged.
+        skipped: the step was skipped (an inf or NaN grad on some rank: fp16 overflow or a
+            non-finite grad in any precision); params, moments and the step counter unchanged.
         grad_norm: global L2 norm of the (unscaled, unclipped) grads; inf/nan when skipped.
         loss_scale: the loss scale for the *next* step (1.0 without fp16).
         clip_coeff: the factor the grads were multiplied by (1.0 when not clipped).
-
-    Without fp16 the step reads nothing on the host: ``grad_norm`` and ``clip_coeff`` are held
-    as 0-dim device tensors and read (one transfer for both, cached) when first asked for; the
-    training loop reads :meth:`device_values` of many steps at once instead.
+        nonfinite: the grads were non-finite and loss scaling cannot be the cure: always with
+            fp32/bf16, and with fp16 only when the loss scale was already at its minimum (an
+            ordinary fp16 overflow is the scaler's business: skipped, scale backed off).
     """
 
-    def __init__(self, skipped: bool, grad_norm, loss_scale: float, clip_coeff) -> None:
-        self.skipped, self.loss_scale = skipped, loss_scale
-        self._values = [grad_norm, clip_coeff]
-
-    def device_values(self) -> list:
-        """``[grad_norm, clip_coeff]`` as held (floats, or device tensors not yet read)."""
-        return list(self._values)
-
-    def set_values(self, grad_norm: float, clip_coeff: float) -> None:
-        """Record values read elsewhere (e.g. many steps' values in one transfer)."""
-        self._values = [float(grad_norm), float(clip_coeff)]
-
-    def _read(self) -> list[float]:
-        if any(isinstance(v, torch.Tensor) for v in self._values):
-            self._values = torch.stack([torch.as_tensor(v).double() for v in self._values]).tolist()
-        return self._values
-
-    @property
-    def grad_norm(self) -> float:
-        return self._read()[0]
-
-    @property
-    def clip_coeff(self) -> float:
-        return self._read()[1]
-
-    def __repr__(self) -> str:
-        return (f"StepResult(skipped={self.skipped}, grad_norm={self._values[0]}, "
-                f"loss_scale={self.loss_scale}, clip_coeff={self._values[1]})")
+    skipped: bool
+    grad_norm: float
+    loss_scale: float
+    clip_coeff: float
+    nonfinite: bool = False
 
 
 @dataclass
@@ -91,6 +70,7 @@ class _Segment:
     grad: torch.Tensor
     main: torch.Tensor
     state: dict[str, torch.Tensor]
+    param: torch.Tensor  # the model's storage of the range (a view, or a ZeRO-3 shard)
 
 
 @dataclass
@@ -103,6 +83,7 @@ class _Piece:
     lo: int
     hi: int
     at: int
+    shape: tuple[int, ...]  # the param's local shape (its .data is empty between uses with ZeRO-3)
 
 
 class Optimizer:
@@ -124,8 +105,7 @@ class Optimizer:
     """
 
     def __init__(self, ddp: DistributedDataParallel, ctx, cfg, *, precision: str = "fp32") -> None:
-        if precision not in PRECISIONS:
-            raise ValueError(f"train.precision={precision!r} must be one of {sorted(PRECISIONS)}")
+        precision_dtype(precision)  # validates the name
         if cfg.name not in ("adamw", "sgd"):
             raise ValueError(f"optimizer.name={cfg.name!r} must be 'adamw' or 'sgd'")
         self.ddp, self.ctx, self.cfg, self.precision = ddp, ctx, cfg, precision
@@ -148,9 +128,10 @@ class Optimizer:
     def _build_state(self) -> None:
         for i, buf in enumerate(self.ddp.buffers):
             ranges = self.ddp.owned_ranges(i)
+            views = self.ddp.owned_params(i)
             total = sum(e - s for s, e, _ in ranges)
-            dev = buf.param_data.device
-            alias = buf.param_data.dtype == torch.float32
+            dev = buf.device
+            alias = buf.dtype == torch.float32
             main_flat = None if alias else torch.empty(total, dtype=torch.float32, device=dev)
             if main_flat is not None:
                 self._allocated["main_param"].append(main_flat)
@@ -158,21 +139,22 @@ class Optimizer:
             for n, t in flats.items():
                 self._allocated[n].append(t)
             off = 0
-            for s, e, grad in ranges:
+            for (s, e, grad), pview in zip(ranges, views):
                 n = e - s
                 if alias:
-                    main = buf.param_data[s:e]
+                    main = pview
                 else:
                     main = main_flat[off:off + n]
-                    main.copy_(buf.param_data[s:e])
-                seg = _Segment(i, s, e, grad, main, {k: v[off:off + n] for k, v in flats.items()})
+                    main.copy_(pview)
+                seg = _Segment(i, s, e, grad, main, {k: v[off:off + n] for k, v in flats.items()},
+                               pview)
                 seg_id = len(self.segments)
                 self.segments.append(seg)
                 for p in buf.params:
                     ps, pe = buf.index[id(p)]
                     a, b = max(ps, s), min(pe, e)
                     if a < b:
-                        self.pieces.append(_Piece(p, seg_id, a - ps, b - ps, a - s))
+                        self.pieces.append(_Piece(p, seg_id, a - ps, b - ps, a - s, tuple(buf.shapes[id(p)])))
                 off += n
 
     def _runs(self, want) -> list[tuple[int, int, int]]:
@@ -209,7 +191,7 @@ class Optimizer:
         self._decay_grad = [seg_of[s].grad[a:b] for s, a, b in decay_runs]
         self._grads = [s.grad for s in self.segments]
         self._mains = [s.main for s in self.segments]
-        self._aliased = [buf.param_data.dtype == torch.float32 for buf in self.ddp.buffers]
+        self._aliased = [buf.dtype == torch.float32 for buf in self.ddp.buffers]
         self._fused = self._fused_groups(decay_runs) if self._use_fused() else None
 
     def _use_fused(self) -> bool:
@@ -252,51 +234,57 @@ class Optimizer:
         self.ddp.zero_grad_buffer()
 
     def step(self) -> StepResult:
-        """Finalize grads, unscale, check overflow, clip, update, copy back (and all-gather).
+        """Unscale, decide globally whether the grads are finite, clip, update, copy back (and
+        all-gather); a non-finite step changes nothing but the fp16 loss scale.
 
         Returns:
             :class:`StepResult`, identical on every rank.
+
+        Raises:
+            RuntimeError: the grads of this step were not finalized (see
+                :func:`~paratron.optim.finalize.finalize_grads`).
         """
-        finalize_grads(self.ddp.chunks, self.ctx, self.ddp)
+        if not self.ddp.finalized:
+            raise RuntimeError("Optimizer.step(): the grads of this step are not final; call "
+                               "paratron.optim.finalize_grads(chunks, ctx, ddp) after the last "
+                               "backward (the training step does it once per step)")
         scale = self.scaler.scale
-        if scale != 1.0:
+        if scale != 1.0 and self._grads:
             torch._foreach_mul_(self._grads, 1.0 / scale)
         local = torch.zeros(2, dtype=torch.float64, device=self.ctx.device)
         local[0] = sum_of_squares(self._norm_views)
-        if self.scaler.dynamic and self._grads:
+        if self._grads:  # every local grad, owned for the norm or not: a replica may differ
             sums = torch.stack([g.sum() for g in self._grads])
             local[1] = (~torch.isfinite(sums)).any()
         self.ctx.world.all_reduce(local)
-        if not self.scaler.dynamic:
-            return self._step_on_device(local[0])
         sumsq, flag = local.tolist()  # the step's one device-to-host sync: the skip decision
-        found_inf = flag > 0
+        found_inf = flag > 0 or not math.isfinite(sumsq)
         grad_norm = math.sqrt(sumsq) if sumsq >= 0 else float("nan")
+        at_min = not self.scaler.dynamic or self.scaler.scale <= self.scaler.min_scale
         self.scaler.update(found_inf)
         if found_inf:
-            return StepResult(True, grad_norm, self.scaler.scale, 1.0)
+            return StepResult(True, grad_norm, self.scaler.scale, 1.0, nonfinite=at_min)
+
         coeff = clip_coefficient(grad_norm, float(self.cfg.clip_grad))
-        if coeff < 1.0:
+        if coeff < 1.0 and self._grads:
             torch._foreach_mul_(self._grads, coeff)
         self._apply()
         return StepResult(False, grad_norm, self.scaler.scale, coeff)
 
-    def _step_on_device(self, sumsq: torch.Tensor) -> "StepResult":
-        """fp32/bf16: nothing to decide on the host, so nothing is read: the norm and the clip
-        coefficient stay on the device (read later through the :class:`StepResult`)."""
-        norm = sumsq.sqrt()
-        max_norm = float(self.cfg.clip_grad)
-        coeff = torch.ones((), dtype=torch.float64, device=norm.device)
-        if max_norm > 0:
-            coeff = torch.where(torch.isfinite(norm), (max_norm / (norm + 1e-6)).clamp(max=1.0), coeff)
-            torch._foreach_mul_(self._grads, coeff.float())
-        self._apply()
-        return StepResult(False, norm, self.scaler.scale, coeff)
-
     def _apply(self) -> None:
         self.step_count += 1
-        self._update()
+        if self.segments:
+            self._update()
         self._publish()
+
+    def first_nonfinite_param(self) -> str | None:
+        """The logical name of the first param (in buffer order) whose local grad holds an inf
+        or NaN, or None: for the error message of a stopped run (one pass over the grads)."""
+        for pc in self.pieces:
+            g = self.segments[pc.segment].grad[pc.at:pc.at + pc.hi - pc.lo]
+            if not bool(torch.isfinite(g).all()):
+                return pc.param.logical_name
+        return None
 
     def _update(self) -> None:
         c = self.cfg
@@ -315,11 +303,12 @@ class Optimizer:
                      weight_decay=c.weight_decay)
 
     def _publish(self) -> None:
-        """Copy main weights into the params (cast) and, with ZeRO-1, all-gather them."""
+        """Copy main weights into the params (cast) and, with ZeRO-1/2, all-gather them (ZeRO-3
+        gathers each unit at its next use)."""
         for seg in self.segments:
             if not self._aliased[seg.buffer]:
-                self.ddp.buffers[seg.buffer].param_data[seg.start:seg.end].copy_(seg.main)
-        if self.ddp.use_distributed_optimizer:
+                seg.param.copy_(seg.main)
+        if self.ddp.zero in (1, 2):
             gather_params(self.ddp)
 
     def reload_model_params(self) -> None:
@@ -342,7 +331,7 @@ class Optimizer:
         out: dict[str, list] = {}
         for pc in self.pieces:
             p = pc.param
-            rects = rectangles(tuple(p.shape), p.shard, pc.lo, pc.hi, p.logical_name)
+            rects = rectangles(pc.shape, p.shard, pc.lo, pc.hi, p.logical_name)
             if not rects:
                 continue
             seg = self.segments[pc.segment]
@@ -371,14 +360,7 @@ class Optimizer:
 
     def state_bytes(self) -> int:
         """Bytes of the storages behind :meth:`allocated_state`."""
-        seen, total = set(), 0
-        for ts in self._allocated.values():
-            for t in ts:
-                s = t.untyped_storage()
-                if s.data_ptr() not in seen:
-                    seen.add(s.data_ptr())
-                    total += s.nbytes()
-        return total
+        return storage_bytes(t for ts in self._allocated.values() for t in ts)
 
 
 def build_optimizer(chunks, ctx, opt_cfg, ddp: DistributedDataParallel | None = None, *,
@@ -397,14 +379,12 @@ def build_optimizer(chunks, ctx, opt_cfg, ddp: DistributedDataParallel | None = 
         ValueError: bad precision or optimizer name; params whose dtype is not ``precision``'s
             (norms kept in fp32 are allowed); main grads that are not fp32.
     """
-    if precision not in PRECISIONS:
-        raise ValueError(f"train.precision={precision!r} must be one of {sorted(PRECISIONS)}")
+    want = precision_dtype(precision)
     if ddp is None:
         ddp = DistributedDataParallel(chunks, ctx)
     if ddp.grad_dtype != torch.float32:
         raise ValueError(f"DistributedDataParallel(grad_dtype={ddp.grad_dtype}): the optimizer needs "
                          "fp32 main grads (grad_dtype=torch.float32)")
-    want = PRECISIONS[precision]
     for p in ddp.params:
         if p.dtype not in (want, torch.float32):
             raise ValueError(f"{p.logical_name}: dtype {p.dtype} does not match "

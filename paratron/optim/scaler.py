@@ -22,7 +22,8 @@ class ConstantLossScaler:
         self.scale = float(scale)
 
     def update(self, found_inf: bool) -> None:
-        """Nothing changes; overflow is not checked for fp32/bf16."""
+        """Nothing changes (a non-finite fp32/bf16 step is skipped by the optimizer and judged
+        by the training loop's ``train.nonfinite`` policy, not by a scale)."""
 
     def state_dict(self) -> dict:
         return {"loss_scale": self.scale}

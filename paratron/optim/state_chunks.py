@@ -45,6 +45,8 @@ def rectangles(local_shape: tuple[int, ...], spec: ShardSpec, lo: int, hi: int,
         NotImplementedError: the shard is offset or padded in a middle dim (no rectangle form).
     """
     local_shape = tuple(int(s) for s in local_shape)
+    if spec.stride > 1:
+        return _strided_rectangles(local_shape, spec, lo, hi, name)
     g, off, valid = spec.global_shape, spec.offsets, spec.local_shape
     rows, cols = _view2d(local_shape)
     grows, gcols = _view2d(tuple(g))
@@ -84,6 +86,20 @@ def rectangles(local_shape: tuple[int, ...], spec: ShardSpec, lo: int, hi: int,
         a = ra * cols + ca
         b = (rb - 1) * cols + cb
         out.append((a, b, ShardSpec((grows, gcols), (roff + ra, coff + ca), (rb - ra, cb - ca))))
+    return out
+
+
+def _strided_rectangles(local_shape: tuple[int, ...], spec: ShardSpec, lo: int, hi: int,
+                        name: str) -> list[tuple[int, int, ShardSpec]]:
+    """:func:`rectangles` of each contiguous block of a strided shard, in local order."""
+    inner = prod(local_shape[1:])
+    out = []
+    for first, block in spec.blocks():
+        start, end = first * inner, (first + block.local_shape[0]) * inner
+        a, b = max(lo, start), min(hi, end)
+        if a < b:
+            part = rectangles(block.local_shape, block, a - start, b - start, name)
+            out += [(x + start, y + start, r) for x, y, r in part]
     return out
 
 

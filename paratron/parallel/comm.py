@@ -2,7 +2,9 @@
 
 Every collective paratron issues goes through a :class:`Group` method, so that one place can count
 calls and bytes per operation and per group (DESIGN.md principle 8). The ledger is off by default;
-when off, recording costs one attribute check.
+when off, recording costs one attribute check. When ``ledger.flight`` holds a
+:class:`~paratron.parallel.flight.FlightRecorder`, each call is also entered in that ring buffer
+with its start and end times (the hang watchdog reads it).
 
 Groups of size 1 short-circuit: their collectives return the input without calling
 ``torch.distributed``, so model code written for N ranks runs unchanged on one process.
@@ -16,6 +18,7 @@ the process group's CPU backend (gloo; see docs/ARCHITECTURE.md, "Devices and ba
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -41,6 +44,7 @@ class CommLedger:
     def __init__(self) -> None:
         self.enabled = False
         self.entries: dict[tuple[str, str], LedgerEntry] = defaultdict(LedgerEntry)
+        self.flight = None  # a FlightRecorder while the hang watchdog runs
 
     def record(self, op: str, group: str, nbytes: int) -> None:
         if self.enabled:
@@ -126,6 +130,19 @@ class Group:
     def global_rank(self, group_rank: int) -> int:
         return self.ranks[group_rank]
 
+    # ---- flight recorder hook (one attribute check when off) ---------------------------------
+    def _begin(self, op: str, t: torch.Tensor | None):
+        fr = self.ledger.flight
+        return None if fr is None else fr.begin(op, self.name, tuple(self.ranks), t)
+
+    def _end(self, entry, work=None):
+        if entry is not None:
+            if work is None:
+                entry.end = time.time()
+            else:
+                entry.work = work  # closed when seen completed (FlightRecorder.poll / close_all)
+        return work
+
     # ---- collectives (in place where torch is) -------------------------------------------
     def all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False):
         """Sum (or ``op``) ``t`` in place over the group. Returns a work handle if async."""
@@ -133,7 +150,8 @@ class Group:
         if self.size == 1:
             return None
         self.ledger.record("all_reduce", self.name, _nbytes(t))
-        return dist.all_reduce(t, op=op, group=self.pg, async_op=async_op)
+        e = self._begin("all_reduce", t)
+        return self._end(e, dist.all_reduce(t, op=op, group=self.pg, async_op=async_op))
 
     def all_gather(self, t: torch.Tensor, dim: int = 0) -> torch.Tensor:
         """Concatenate every rank's ``t`` along ``dim`` (same shape on every rank)."""
@@ -143,7 +161,8 @@ class Group:
         self.ledger.record("all_gather", self.name, _nbytes(t))
         moved = t.movedim(dim, 0).contiguous() if dim else t.contiguous()
         out = torch.empty((self.size * moved.shape[0],) + tuple(moved.shape[1:]), dtype=t.dtype, device=t.device)
-        dist.all_gather_single(out, moved, group=self.pg)
+        e = self._begin("all_gather", t)
+        self._end(e, dist.all_gather_single(out, moved, group=self.pg))
         return out.movedim(0, dim).contiguous() if dim else out
 
     def all_gather_into(self, out: torch.Tensor, t: torch.Tensor, async_op: bool = False):
@@ -154,7 +173,8 @@ class Group:
                 out.copy_(t)
             return None
         self.ledger.record("all_gather", self.name, _nbytes(t))
-        return dist.all_gather_single(out, t, group=self.pg, async_op=async_op)
+        e = self._begin("all_gather", t)
+        return self._end(e, dist.all_gather_single(out, t, group=self.pg, async_op=async_op))
 
     def reduce_scatter(self, t: torch.Tensor, dim: int = 0) -> torch.Tensor:
         """Sum ``t`` over the group and return this rank's 1/size slice along ``dim``."""
@@ -164,7 +184,8 @@ class Group:
         self.ledger.record("reduce_scatter", self.name, _nbytes(t))
         moved = t.movedim(dim, 0).contiguous() if dim else t.contiguous()
         out = torch.empty((moved.shape[0] // self.size,) + tuple(moved.shape[1:]), dtype=t.dtype, device=t.device)
-        dist.reduce_scatter_single(out, moved, group=self.pg)
+        e = self._begin("reduce_scatter", t)
+        self._end(e, dist.reduce_scatter_single(out, moved, group=self.pg))
         return out.movedim(0, dim).contiguous() if dim else out
 
     def reduce_scatter_into(self, out: torch.Tensor, t: torch.Tensor, op=dist.ReduceOp.SUM,
@@ -176,7 +197,8 @@ class Group:
                 out.copy_(t)
             return None
         self.ledger.record("reduce_scatter", self.name, _nbytes(t))
-        return dist.reduce_scatter_single(out, t, op=op, group=self.pg, async_op=async_op)
+        e = self._begin("reduce_scatter", t)
+        return self._end(e, dist.reduce_scatter_single(out, t, op=op, group=self.pg, async_op=async_op))
 
     def all_to_all(self, out: torch.Tensor, t: torch.Tensor, out_splits: list[int] | None = None,
                    in_splits: list[int] | None = None):
@@ -186,7 +208,8 @@ class Group:
             out.copy_(t)
             return out
         self.ledger.record("all_to_all", self.name, _nbytes(t))
-        dist.all_to_all_single(out, t, out_splits, in_splits, group=self.pg)
+        e = self._begin("all_to_all", t)
+        self._end(e, dist.all_to_all_single(out, t, out_splits, in_splits, group=self.pg))
         return out
 
     def broadcast(self, t: torch.Tensor, src_group_rank: int = 0):
@@ -195,7 +218,8 @@ class Group:
         if self.size == 1:
             return None
         self.ledger.record("broadcast", self.name, _nbytes(t))
-        return dist.broadcast(t, src=self.ranks[src_group_rank], group=self.pg)
+        e = self._begin("broadcast", t)
+        return self._end(e, dist.broadcast(t, src=self.ranks[src_group_rank], group=self.pg))
 
     def host_all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> None:
         """Sum (or ``op``) a small CPU tensor in place over the group, on the process group's
@@ -205,7 +229,8 @@ class Group:
         if self.size == 1:
             return
         self.ledger.record("host_all_reduce", self.name, _nbytes(t))
-        dist.all_reduce(t, op=op, group=self.pg)
+        e = self._begin("host_all_reduce", t)
+        self._end(e, dist.all_reduce(t, op=op, group=self.pg))
 
     def all_gather_object(self, obj) -> list:
         """Gather one picklable object per rank (setup-time metadata only, never on a hot path;
@@ -214,12 +239,14 @@ class Group:
             return [obj]
         self.ledger.record("all_gather_object", self.name, 0)
         out = [None] * self.size
-        dist.all_gather_object(out, obj, group=self.pg)
+        e = self._begin("all_gather_object", None)
+        self._end(e, dist.all_gather_object(out, obj, group=self.pg))
         return out
 
     def barrier(self) -> None:
         if self.size > 1:
-            dist.barrier(group=self.pg)
+            e = self._begin("barrier", None)
+            self._end(e, dist.barrier(group=self.pg))
 
     # ---- point to point (pipeline) -------------------------------------------------------
     def p2p_op(self, kind: str, t: torch.Tensor, peer_group_rank: int) -> "dist.P2POp":
@@ -230,4 +257,19 @@ class Group:
         self._check(kind, t)
         self.ledger.record(kind, self.name, _nbytes(t))
         fn = dist.isend if kind == "send" else dist.irecv
-        return dist.P2POp(fn, t, self.ranks[peer_group_rank], group=self.pg)
+        p2p = dist.P2POp(fn, t, self.ranks[peer_group_rank], group=self.pg)
+        p2p.flight_entry = self._begin(kind, t)
+        return p2p
+
+    @staticmethod
+    def batch_isend_irecv(ops: list) -> list:
+        """``dist.batch_isend_irecv(ops)`` for ops built by :meth:`p2p_op`; returns the works.
+
+        Each op's flight entry (if recording) is closed when its work is seen completed. A
+        backend that coalesces the batch into fewer works gives every entry the last one."""
+        works = dist.batch_isend_irecv(ops)
+        for i, p2p in enumerate(ops):
+            entry = getattr(p2p, "flight_entry", None)
+            if entry is not None and works:
+                entry.work = works[i] if len(works) == len(ops) else works[-1]
+        return works

@@ -6,7 +6,8 @@ layer then pushes a closure into its :class:`WeightGradStore` (Qi et al. 2023, s
 backward is split into B, the input grad, and W, the weight grad).
 
 :func:`accumulate_grad` adds into ``param.main_grad`` when DDP has attached one (an fp32 view into
-its grad buffer), else into ``param.grad``, then calls ``param.grad_ready_hook(param)`` if DDP set
+its grad buffer; with ZeRO-2/3 ``param.acquire_main_grad(param)`` returns one, staged on demand),
+else into ``param.grad``, then calls ``param.grad_ready_hook(param)`` if DDP set
 one, so that bucket reductions can start (overlap).
 """
 
@@ -25,6 +26,8 @@ def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
     Runs without autograd: a deferred W action executes outside the backward pass, where its
     inputs may still require grad."""
     main = getattr(param, "main_grad", None)
+    if main is None and hasattr(param, "acquire_main_grad"):
+        main = param.acquire_main_grad(param)
     if main is not None:
         main.add_(grad.view_as(main))
     elif param.grad is None:

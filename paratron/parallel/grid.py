@@ -116,14 +116,14 @@ def build_grid(
     axes = parse_order(order)
     if world % (tp * cp * pp):
         raise LayoutError(
-            f"world size {world} is not divisible by parallel.tensor*context*pipeline "
+            f"world size {world} is not divisible by parallel.tensor*parallel.context*parallel.pipeline "
             f"= {tp}*{cp}*{pp} = {tp * cp * pp}"
         )
     dp = world // (tp * cp * pp)
     if world % (expert_tp * ep * pp):
         raise LayoutError(
-            f"world size {world} is not divisible by parallel.expert_tensor*expert*pipeline "
-            f"= {expert_tp}*{ep}*{pp} = {expert_tp * ep * pp}"
+            f"world size {world} is not divisible by parallel.expert_tensor*parallel.expert*"
+            f"parallel.pipeline = {expert_tp}*{ep}*{pp} = {expert_tp * ep * pp}"
         )
     expert_dp = world // (expert_tp * ep * pp)
 

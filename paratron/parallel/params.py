@@ -32,24 +32,51 @@ class ShardSpec:
 
     Attributes:
         global_shape: shape of the full logical tensor (vocab unpadded).
-        offsets: where this rank's slice starts in the full tensor, per dim.
+        offsets: where this rank's slice starts in the full tensor, per dim (with ``stride > 1``,
+            dim 0's offset is inside each block).
         local_shape: shape of the valid part of the local tensor. It can be smaller than the local
             tensor when the local tensor carries padding (vocab padding rows at the end); the valid
             part is always the leading ``local[:local_shape[0], ...]`` block.
+        stride: a fused tensor made of ``stride`` equal blocks along dim 0 (SwiGLU's
+            ``[gate; up]``): this rank holds the same rows of every block, block after block, so
+            its slice is ``stride`` contiguous pieces (Megatron-LM's ``partition_stride``). Such a
+            shard carries no padding.
     """
 
     global_shape: tuple[int, ...]
     offsets: tuple[int, ...]
     local_shape: tuple[int, ...]
+    stride: int = 1
+
+    def __post_init__(self) -> None:
+        if self.stride > 1 and (self.global_shape[0] % self.stride or self.local_shape[0] % self.stride):
+            raise ValueError(f"a shard with stride {self.stride} needs dim 0 of the full shape "
+                             f"{self.global_shape} and of the local shape {self.local_shape} to divide by it")
 
     @classmethod
     def replicated(cls, shape) -> "ShardSpec":
         shape = tuple(int(s) for s in shape)
         return cls(shape, (0,) * len(shape), shape)
 
-    def slices(self) -> tuple[slice, ...]:
-        """Index of this slice inside the full tensor."""
-        return tuple(slice(o, o + n) for o, n in zip(self.offsets, self.local_shape))
+    def blocks(self) -> list[tuple[int, "ShardSpec"]]:
+        """The contiguous pieces of this slice: ``(first local row, piece's ShardSpec)`` each, in
+        local order; one piece (this spec) unless ``stride > 1``."""
+        if self.stride == 1:
+            return [(0, self)]
+        n, block = self.local_shape[0] // self.stride, self.global_shape[0] // self.stride
+        return [(k * n, ShardSpec(self.global_shape, (k * block + self.offsets[0],) + tuple(self.offsets[1:]),
+                                  (n,) + tuple(self.local_shape[1:])))
+                for k in range(self.stride)]
+
+    def slices(self) -> tuple:
+        """Index of this slice inside the full tensor: ``full[spec.slices()]`` reads it and
+        ``full[spec.slices()] = local`` writes it. Slices, except that a strided shard indexes
+        dim 0 with the tensor of its rows (so the result is a copy, not a view)."""
+        if self.stride == 1:
+            return tuple(slice(o, o + n) for o, n in zip(self.offsets, self.local_shape))
+        rest = tuple(slice(o, o + n) for o, n in zip(self.offsets[1:], self.local_shape[1:]))
+        rows = torch.cat([torch.arange(b.offsets[0], b.offsets[0] + b.local_shape[0]) for _, b in self.blocks()])
+        return (rows,) + rest
 
     def valid(self, local: torch.Tensor) -> torch.Tensor:
         """The local tensor without padding (a view)."""
@@ -102,6 +129,20 @@ def load_full_(param: torch.Tensor, full: torch.Tensor) -> None:
                          f"expected {tuple(spec.global_shape)}")
     with torch.no_grad():
         spec.valid(param).copy_(full[spec.slices()])
+
+
+def gather_full(local: torch.Tensor, param: torch.Tensor, group) -> torch.Tensor:
+    """The full logical tensor of ``local`` (``param``'s data or grad on this rank), gathered over
+    ``group`` (the TP group ``param`` is split over; every rank of it must call this), without
+    vocab padding. A strided shard's pieces are put back block by block.
+    """
+    spec: ShardSpec = param.shard
+    if getattr(param, "tensor_parallel", False):
+        local = group.all_gather(local.contiguous(), dim=param.partition_dim)
+        if spec.stride > 1:  # [r0: b0 b1 | r1: b0 b1] -> [b0: r0 r1 | b1: r0 r1]
+            shape = local.shape
+            local = local.reshape(group.size, spec.stride, -1, *shape[1:]).transpose(0, 1).reshape(shape)
+    return local[tuple(slice(0, n) for n in spec.global_shape)]
 
 
 def unique_params(chunks, trainable_only: bool = False) -> list[torch.nn.Parameter]:

@@ -107,6 +107,12 @@ def forward_only(actions: list[Action]) -> list[Action]:
     return [a for a in actions if a.kind not in BACKWARD_KINDS]
 
 
+def last_backward_actions(actions: list[Action]) -> dict[int, Action]:
+    """For each stage of one rank's list, its last ``B``, ``W`` or ``BW`` action: after it, that
+    stage's chunk receives no more grads in the step (a ``W`` always follows its ``B``)."""
+    return {a.stage: a for a in actions if a.kind in ("B", "W", "BW")}
+
+
 def stages_of(actions: list[Action]) -> list[int]:
     """The stages this rank's list touches, ascending: local chunk ``c`` is ``stages_of(...)[c]``."""
     return sorted({a.stage for a in actions})

@@ -12,26 +12,27 @@ from __future__ import annotations
 from .registry import get_schedule
 
 
-def stage_sizes(num_layers: int, num_stages: int, layout: list[int] | None = None) -> list[int]:
-    """Transformer layers per virtual stage, in model order.
+def stage_sizes(num_layers: int, p: int, v: int = 1, layout: list[int] | None = None) -> list[int]:
+    """Transformer layers per virtual stage (``p * v`` of them), in model order.
 
     Raises:
         ValueError: a layout of the wrong length, with negative entries or not summing to
-            ``num_layers``; or no layout and ``num_layers`` not divisible by ``num_stages``.
+            ``num_layers``; or no layout and ``num_layers`` not divisible by ``p * v``.
     """
+    stages = p * v
     if layout is not None:
         layout = [int(x) for x in layout]
-        if len(layout) != num_stages:
-            raise ValueError(f"parallel.pipeline_layout={layout} has {len(layout)} entries; it needs one per "
-                             f"virtual stage, pipeline*virtual_pipeline = {num_stages}")
-        if min(layout) < 0 or sum(layout) != num_layers:
+        if len(layout) != stages:
+            raise ValueError(f"parallel.pipeline_layout={layout} has {len(layout)} entries; it needs "
+                             f"parallel.pipeline*virtual_pipeline = {stages}")
+        if min(layout, default=0) < 0 or sum(layout) != num_layers:
             raise ValueError(f"parallel.pipeline_layout={layout} must be non-negative and sum to "
                              f"model.num_layers={num_layers}")
         return layout
-    if num_layers % num_stages:
-        raise ValueError(f"model.num_layers={num_layers} is not divisible by pipeline*virtual_pipeline = "
-                         f"{num_stages}; set parallel.pipeline_layout for an uneven split")
-    return [num_layers // num_stages] * num_stages
+    if num_layers % stages:
+        raise ValueError(f"model.num_layers={num_layers} is not divisible by parallel.pipeline*virtual_pipeline"
+                         f" = {p}*{v} = {stages}; set parallel.pipeline_layout for an uneven split")
+    return [num_layers // stages] * stages
 
 
 def stage_layers(num_layers: int, p: int, v: int = 1, layout: list[int] | None = None,
@@ -44,7 +45,7 @@ def stage_layers(num_layers: int, p: int, v: int = 1, layout: list[int] | None =
     Raises:
         ValueError: see :func:`stage_sizes`; an unknown schedule; a placement that does not fit v.
     """
-    sizes = stage_sizes(num_layers, p * v, layout)
+    sizes = stage_sizes(num_layers, p, v, layout)
     starts = [sum(sizes[:s]) for s in range(len(sizes))]
     table = get_schedule(schedule).placement(p, v)
     where = {s: (r, c) for r, stages in enumerate(table) for c, s in enumerate(stages)}

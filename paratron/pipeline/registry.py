@@ -34,17 +34,21 @@ class ScheduleSpec:
         fn: ``(p, m, v) -> list[list[Action]]``, one list per pipeline rank.
         placement: ``(p, v) -> stages per rank`` (:mod:`.placement`).
         check: ``(p, m, v) -> None``, raising ``ValueError`` with the rule for unsupported input.
+        virtual_stages: the chunks per rank the schedule always uses (zbv: 2), which
+            ``parallel.virtual_pipeline`` then defaults to; None when that field chooses.
     """
 
     name: str
     fn: ScheduleFn
     placement: Placement = loop_placement
     check: Callable[[int, int, int], None] | None = None
+    virtual_stages: int | None = None
 
 
 def _make_spec(name: str, fn: ScheduleFn, *, placement: Placement = loop_placement,
-               check: Callable[[int, int, int], None] | None = None) -> ScheduleSpec:
-    return ScheduleSpec(name, fn, placement, check)
+               check: Callable[[int, int, int], None] | None = None,
+               virtual_stages: int | None = None) -> ScheduleSpec:
+    return ScheduleSpec(name, fn, placement, check, virtual_stages)
 
 
 SCHEDULES: Registry[ScheduleSpec] = Registry("schedule", "parallel.schedule", make=_make_spec)
@@ -53,12 +57,12 @@ SCHEDULES.register("gpipe", schedules.gpipe, check=schedules.check_gpipe)
 SCHEDULES.register("1f1b", schedules.one_f_one_b, check=schedules.check_1f1b)
 SCHEDULES.register("interleaved", schedules.interleaved, check=schedules.check_interleaved)
 SCHEDULES.register("zb-h1", schedules.zb_h1, check=schedules.check_zb_h1)
-SCHEDULES.register("zbv", schedules.zbv, placement=v_placement, check=schedules.check_zbv)
+SCHEDULES.register("zbv", schedules.zbv, placement=v_placement, check=schedules.check_zbv, virtual_stages=2)
 
 
 def register_schedule(name: str, fn: ScheduleFn, **kwargs) -> ScheduleSpec:
     """Register ``fn`` under ``name`` in :data:`SCHEDULES` (keywords ``placement``, ``check``,
-    ``replace``; see :class:`ScheduleSpec`)."""
+    ``virtual_stages``, ``replace``; see :class:`ScheduleSpec`)."""
     return SCHEDULES.register(name, fn, **kwargs)
 
 

@@ -4,7 +4,7 @@ The runtime is the only part of the pipeline package that touches tensors. It ru
 list it is given (built by a registered schedule and checked by :mod:`.validate`), with these
 rules:
 
-* Each maximal run of send/recv actions is one batch of ``dist.batch_isend_irecv`` ops built by
+* Each maximal run of send/recv actions is one batch (``ctx.pp.batch_isend_irecv``) of ops built by
   ``ctx.pp.p2p_op`` (so the comm ledger counts them). The rank waits for the batch's receives when
   it reaches the batch and for its sends at the end of the schedule (sends never block, as the
   validator assumes). A batch's receives are posted one batch ahead, when the previous batch is
@@ -17,6 +17,11 @@ rules:
   ``forward_step`` returns a loss already divided by the global token count, and the runtime
   backpropagates it with grad 1.
 * Stages on the same rank pass activations and grads locally, without p2p.
+* Gradient finalisation is driven by the list: the last backward action (``B``, ``W`` or ``BW``)
+  of each stage is the last one that produces grads for that chunk in this step, so the runtime
+  runs it inside ``grad_sync.last_backward([chunk])`` when a ``grad_sync`` (the
+  :class:`~paratron.optim.ddp.DistributedDataParallel` of the chunks) is given. DDP then starts
+  each bucket's reduction as soon as it is complete, with no grad counting.
 """
 
 from __future__ import annotations
@@ -25,11 +30,10 @@ import time
 from typing import Any, Callable, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from ..parallel.grads import WeightGradStore, allreduce_embedding_grads
-from .actions import Action, batches, forward_only as strip_backward, stages_of
+from ..parallel.grads import WeightGradStore
+from .actions import Action, batches, forward_only as strip_backward, last_backward_actions, stages_of
 from .timeline import TraceEvent
 
 ForwardStep = Callable[[int, nn.Module, "torch.Tensor | None", Any], torch.Tensor]
@@ -50,7 +54,8 @@ def attach_weight_grad_stores(chunks: Sequence[nn.Module]) -> list[WeightGradSto
 
 def run_pipeline(actions: list[Action], chunks: Sequence[nn.Module], ctx, microbatches: Sequence[Any],
                  forward_step: ForwardStep, tensor_shape: Sequence[int], dtype: torch.dtype, *,
-                 forward_only: bool = False, timeline: list[TraceEvent] | None = None) -> list[torch.Tensor]:
+                 forward_only: bool = False, timeline: list[TraceEvent] | None = None,
+                 grad_sync=None) -> list[torch.Tensor]:
     """Run this rank's part of one pipelined step.
 
     Args:
@@ -70,6 +75,9 @@ def run_pipeline(actions: list[Action], chunks: Sequence[nn.Module], ctx, microb
         forward_only: evaluation: run the forwards without autograd, skip backward and grad sends.
         timeline: if given, one :class:`TraceEvent` per action is appended (seconds since the
             start of this call; p2p actions span their batch), for comparison with the plan.
+        grad_sync: an object with a ``last_backward(chunk_ids)`` context manager (DDP), told
+            which backward is the last of each local chunk; None: nobody is told (grads are then
+            reduced when the caller finalizes them).
 
     Returns:
         On the rank holding the last stage, the detached losses in microbatch order; else ``[]``.
@@ -88,6 +96,8 @@ def run_pipeline(actions: list[Action], chunks: Sequence[nn.Module], ctx, microb
                          f"{len(microbatches)} microbatches were given")
     run = _Run(ctx, chunks, stages, ctx.pp.size * len(chunks) - 1, microbatches, forward_step,
                tuple(tensor_shape), dtype, forward_only, timeline)
+    if grad_sync is not None and not forward_only:
+        run.grad_sync, run.last_backward = grad_sync, last_backward_actions(actions)
     run.execute(strip_backward(actions) if forward_only else actions)
     return [run.losses[mb] for mb in sorted(run.losses)]
 
@@ -113,6 +123,7 @@ class _Run:
         self.pending_sends: list[tuple[Any, torch.Tensor]] = []
         self.prefetched: dict[int, list[tuple[Action, torch.Tensor, Any]]] = {}  # step index -> posted recvs
         self.next_p2p: dict[int, int] = {}
+        self.grad_sync, self.last_backward = None, {}
         self.t0 = time.perf_counter()
 
     def execute(self, actions: list[Action]) -> None:
@@ -127,7 +138,7 @@ class _Run:
                 if step[0].is_p2p:
                     self.p2p(i, step, steps)
                 else:
-                    getattr(self, "do_" + step[0].kind)(step[0])
+                    self.compute(step[0])
                 if self.timeline is not None:
                     end = time.perf_counter() - self.t0
                     self.timeline.extend(TraceEvent(self.ctx.pp.rank, a.kind, a.microbatch, a.stage,
@@ -144,6 +155,14 @@ class _Run:
                                    "queued after the schedule; every B needs a W")
 
     # ---- compute ---------------------------------------------------------------------------
+    def compute(self, a: Action) -> None:
+        run = getattr(self, "do_" + a.kind)
+        if self.grad_sync is None or self.last_backward.get(a.stage) != a:
+            run(a)
+            return
+        with self.grad_sync.last_backward([self.local[a.stage]]):
+            run(a)
+
     def do_F(self, a: Action) -> None:
         key, s = (a.microbatch, a.stage), a.stage
         if s == 0:
@@ -209,7 +228,7 @@ class _Run:
                  if a.kind.startswith("RECV")]
         if not recvs:
             return []
-        works = dist.batch_isend_irecv([self.ctx.pp.p2p_op("recv", buf, a.peer) for a, buf in recvs])
+        works = self.ctx.pp.batch_isend_irecv([self.ctx.pp.p2p_op("recv", buf, a.peer) for a, buf in recvs])
         return [(a, buf, work) for (a, buf), work in zip(recvs, works)]
 
     def p2p(self, index: int, step: list[Action], steps: list[list[Action]]) -> None:
@@ -223,7 +242,7 @@ class _Run:
                 ops.append(self.ctx.pp.p2p_op("send", t, a.peer))
                 sends.append(t)
         if ops:
-            for work, t in zip(dist.batch_isend_irecv(ops), sends):
+            for work, t in zip(self.ctx.pp.batch_isend_irecv(ops), sends):
                 self.pending_sends.append((work, t))
         recvs = self.prefetched.pop(index)
         nxt = self.next_p2p.get(index)
@@ -236,16 +255,3 @@ class _Run:
             else:
                 self.out_grads[(a.microbatch, a.stage)] = buf
 
-
-def finalize_embedding_grads(chunks: Sequence[nn.Module], ctx) -> None:
-    """After the schedule, sum the grads of the tied embedding copies over ``ctx.embedding``
-    (parameters marked ``shared_embedding=True``; members only, a no-op elsewhere and at PP=1).
-    Every rank of the pipeline may call it; call it before the optimizer step (and before any
-    grad clipping), after the DP grad reduction or before it (sums commute)."""
-    seen, params = set(), []
-    for chunk in chunks:
-        for p in chunk.parameters():
-            if id(p) not in seen and p.requires_grad:
-                seen.add(id(p))
-                params.append(p)
-    allreduce_embedding_grads(params, ctx)

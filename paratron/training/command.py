@@ -15,6 +15,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from contextlib import contextmanager
+from pathlib import Path
 
 from paratron.config import ConfigError, Config, build_config, megatron_overrides, validate
 
@@ -23,6 +25,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="TOML config file (default: built-in defaults)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override one config key, e.g. --set parallel.tensor=2 (repeatable)")
+    p.add_argument("--data", default=None, metavar="PATH",
+                   help="train on this text: a .jsonl/.json/.txt file or a directory of them (tokenised on "
+                        "first use into the data cache), or an existing .bin/.idx prefix; replaces the "
+                        "config's data.corpus and data.data_path")
     p.add_argument("--run-dir", default=None,
                    help="where metrics.jsonl, tensorboard/ and loss.png go (default: runs/<config file stem>, "
                         "or runs/latest without --config)")
@@ -56,17 +62,34 @@ def world_size_for(args: argparse.Namespace) -> int:
 
 def load_and_validate(args: argparse.Namespace) -> Config:
     """Config from file + overrides, validated for this world size (no process group yet)."""
-    cfg = build_config(args.config, args.overrides)
-    validate(cfg, world_size_for(args))
-    from paratron.training.preflight import check_paths, check_schedule, import_plugins
+    from paratron.training.preflight import apply_data_argument, check_paths, import_plugins
 
-    check_paths(cfg)
-    try:
+    cfg = build_config(args.config, args.overrides)
+    apply_data_argument(cfg, getattr(args, "data", None), args.overrides)
+    try:  # first: the config may name schedules, dispatchers or blocks that plugins register
         import_plugins(cfg)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    check_schedule(cfg, world_size_for(args))
+    validate(cfg, world_size_for(args))
+    check_paths(cfg)
+    print_config_warnings(cfg, launching=bool(args.nproc_per_node) and "WORLD_SIZE" not in os.environ)
     return cfg
+
+
+def print_config_warnings(cfg: Config, launching: bool) -> None:
+    """Print :func:`~paratron.config.validators.config_warnings` once per run, one line each: in
+    the launcher, or else on rank 0 (a launcher marks its ranks so they stay quiet)."""
+    from paratron.config.validators import config_warnings
+
+    if launching:
+        os.environ[_WARNED] = "1"  # inherited by the ranks torchrun starts
+    elif os.environ.get(_WARNED) or os.environ.get("RANK", "0") != "0":
+        return
+    for line in config_warnings(cfg):
+        print(f"paratron: warning: {line}", file=sys.stderr)
+
+
+_WARNED = "PARATRON_CONFIG_WARNED"
 
 
 def torchrun_argv(args: argparse.Namespace, module_argv: list[str]) -> list[str]:
@@ -90,10 +113,13 @@ def torchrun_argv(args: argparse.Namespace, module_argv: list[str]) -> list[str]
     return cmd + rest
 
 
-def launch_or_run(args: argparse.Namespace, command: str, body) -> int:
-    """Validate, then either re-exec under torchrun or call ``body(cfg, args)`` in this process."""
+def launch_or_run(args: argparse.Namespace, command: str, body, prepare=None) -> int:
+    """Validate (and ``prepare(cfg, args)``, which may raise ConfigError), then either re-exec
+    under torchrun or call ``body(cfg, args)`` in this process."""
     try:
         cfg = load_and_validate(args)
+        if prepare is not None:
+            prepare(cfg, args)
     except ConfigError as e:
         hint = ""
         if "world size" in str(e) and "WORLD_SIZE" not in os.environ and not args.nproc_per_node:
@@ -101,63 +127,67 @@ def launch_or_run(args: argparse.Namespace, command: str, body) -> int:
         print(f"paratron {command}: config error: {e}{hint}", file=sys.stderr)
         return 2
     if args.nproc_per_node and "WORLD_SIZE" not in os.environ:
+        from paratron.training.launch import run_torchrun
+
         cmd = torchrun_argv(args, ["-m", "paratron", command] + args.argv)
-        return run_torchrun(cmd)
+        if command != "train":
+            return run_torchrun(cmd)
+        return launch_training(cmd, args, cfg)
     return body(cfg, args)
 
 
-def _children(pid: int) -> list[int]:
+def launch_training(cmd: list[str], args: argparse.Namespace, cfg: Config) -> int:
+    """Lock the run (on node 0), run torchrun, print one summary if it fails."""
+    from paratron.training.launch import run_torchrun
+
+    run_dir = Path(args.run_dir or default_run_dir(args.config))
+    with run_locks(run_dir, cfg, take=args.node_rank == 0) as refused:
+        return 2 if refused else run_torchrun(cmd, run_dir)
+
+
+@contextmanager
+def run_locks(run_dir: Path, cfg: Config, take: bool):
+    """Hold the locks of the run directory and ``checkpoint.save`` (:mod:`.runlock`) inside the
+    block; yields True (after printing why) when another live job holds one."""
+    from paratron.training.runlock import RunLocked, lock_run, stale_note
+
+    if not take:
+        yield False
+        return
     try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return [int(x) for x in f.read().split()]
-    except OSError:
-        return []
-
-
-def run_torchrun(cmd: list[str]) -> int:
-    """Run torchrun in its own session; SIGTERM/SIGINT to this process go to the ranks only.
-
-    The ranks then finish their step, save and exit 0, so torchrun's agent sees a clean finish.
-    (Signalled itself, the agent would stop the ranks after a grace period and exit non-zero.)
-    """
-    import signal
-    import subprocess
-
-    # torchrun gives each rank one thread by default; keep it so (OMP_NUM_THREADS=1).
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
-
-    def forward(signum, frame):
-        for child in _children(proc.pid):
-            try:
-                os.kill(child, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+        locks = lock_run(run_dir, cfg.checkpoint.save)
+    except RunLocked as e:
+        print(f"paratron train: refused: {e}", file=sys.stderr)
+        yield True
+        return
+    for line in stale_note(locks):
+        print(f"paratron train: {line}", file=sys.stderr)
     try:
-        while True:
-            try:
-                return proc.wait()
-            except KeyboardInterrupt:  # pragma: no cover - the handler above takes SIGINT
-                forward(signal.SIGINT, None)
+        yield False
     finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
+        for lk in locks:
+            lk.release()
 
 
 def default_run_dir(config_path: str | None) -> str:
     """``runs/<config file stem>`` (``runs/default`` for configs/default.toml), else ``runs/latest``."""
-    from pathlib import Path
-
     return f"runs/{Path(config_path).stem}" if config_path else "runs/latest"
 
 
 def run(args: argparse.Namespace) -> int:
     def body(cfg: Config, a: argparse.Namespace) -> int:
+        from paratron.training.rankproc import LOG_DIR_ENV, rank_session
         from paratron.training.runner import run_training
 
-        return run_training(cfg, run_dir=a.run_dir or default_run_dir(a.config))
+        run_dir = Path(a.run_dir or default_run_dir(a.config))
+        # Under the launcher, it holds the locks; under a bare torchrun (or alone), rank 0 does.
+        take = LOG_DIR_ENV not in os.environ and int(os.environ.get("RANK", "0")) == 0
+        with rank_session(), run_locks(run_dir, cfg, take) as refused:
+            return 2 if refused else run_training(cfg, run_dir=str(run_dir))
 
-    return launch_or_run(args, "train", body)
+    def prepare(cfg: Config, a: argparse.Namespace) -> None:
+        from paratron.training.preflight import prepare_training
+
+        prepare_training(cfg, a.run_dir or default_run_dir(a.config))
+
+    return launch_or_run(args, "train", body, prepare)

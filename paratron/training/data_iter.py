@@ -7,7 +7,8 @@ global batch holds the same samples whatever the data-parallel size.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
@@ -22,6 +23,10 @@ class TrainingData:
     train_sampler: object
     valid_sampler: object | None
     unigram_entropy: float | None
+    prepare: Callable[[dict], dict] = field(default=lambda mb: mb)
+    """Per microbatch: packed-document fields, then this CP rank's chunks (:func:`microbatch_preparer`)."""
+    default_prompt: str | None = None
+    """The start of a validation document: the sample prompt when train.sample_prompt is unset."""
 
     @property
     def num_microbatches(self) -> int:
@@ -32,10 +37,12 @@ class TrainingData:
         return self.valid_sampler is not None
 
     def train_microbatches(self, consumed: int) -> list[dict]:
-        return [collate([self.train_ds[int(i)] for i in ids]) for ids in self.train_sampler.step(consumed)]
+        return [self.prepare(collate([self.train_ds[int(i)] for i in ids]))
+                for ids in self.train_sampler.step(consumed)]
 
     def valid_microbatches(self, consumed: int) -> list[dict]:
-        return [collate([self.valid_ds[int(i)] for i in ids]) for ids in self.valid_sampler.step(consumed)]
+        return [self.prepare(collate([self.valid_ds[int(i)] for i in ids]))
+                for ids in self.valid_sampler.step(consumed)]
 
     @classmethod
     def build(cls, cfg, ctx) -> "TrainingData":
@@ -43,16 +50,14 @@ class TrainingData:
         first; the others wait at a barrier and then reuse them."""
         from paratron.data.gpt_dataset import build_datasets
         from paratron.data.sampler import PretrainingSampler
-        from paratron.data.prepare import ensure_dataset
-        from paratron.data.tokenizer import build_tokenizer
+        from paratron.data.prepare import prepare_run_data, validation_prompt
 
         t = cfg.train
         n_evals = (t.train_iters // t.eval_interval + 1) if t.eval_interval else 1
         num_samples = (t.train_iters * t.global_batch_size, n_evals * t.eval_iters * t.global_batch_size, 0)
 
         def make():
-            prefixes = ensure_dataset(cfg.data, t.seed)
-            tok = build_tokenizer(cfg.data)
+            prefixes, tok = prepare_run_data(cfg.data, progress=ctx.rank == 0)
             train, valid, _ = build_datasets(prefixes, cfg.model.seq_length, t.seed, split=cfg.data.split,
                                              num_samples=num_samples, cache_dir=cfg.data.cache_dir)
             return prefixes, tok, train, valid
@@ -62,6 +67,8 @@ class TrainingData:
         ctx.world.barrier()
         if ctx.rank != 0:
             prefixes, tok, train, valid = make()
+        if cfg.data.corpus and not cfg.data.data_path:
+            cfg.data.data_path = [prefixes[0][1]]  # saved configs name the tokenised corpus itself
         entropy = unigram_entropy(prefixes) if ctx.rank == 0 else None
 
         def sampler(ds):
@@ -70,7 +77,28 @@ class TrainingData:
             return PretrainingSampler(len(ds), t.global_batch_size, t.micro_batch_size,
                                       ctx.dp.rank, ctx.dp.size, seed=t.seed)
 
-        return cls(tok, train, valid, sampler(train), sampler(valid), entropy)
+        prompt = validation_prompt(prefixes, cfg.data.split, tok)  # every rank: they agree on sampling
+        return cls(tok, train, valid, sampler(train), sampler(valid), entropy, microbatch_preparer(cfg, ctx, tok.eod),
+                   prompt)
+
+
+def microbatch_preparer(cfg, ctx, eod: int) -> Callable[[dict], dict]:
+    """The function applied to every collated microbatch ``{"tokens", "labels"}`` ``[b, s]``: the
+    packed-document fields of ``data.reset_position_ids`` / ``reset_attention_mask`` /
+    ``eod_mask_loss`` (:func:`paratron.data.packing.pack_microbatch`), then this CP rank's chunks
+    (:func:`paratron.models.context_parallel.shard_microbatch`; the data loader hands each CP rank
+    only its tokens)."""
+    from paratron.data.packing import pack_microbatch
+    from paratron.models.context_parallel import shard_microbatch
+
+    d, p = cfg.data, cfg.parallel
+
+    def prepare(mb: dict) -> dict:
+        mb = pack_microbatch(mb, eod, reset_position_ids=d.reset_position_ids,
+                             reset_attention_mask=d.reset_attention_mask, eod_mask_loss=d.eod_mask_loss)
+        return shard_microbatch(mb, ctx.cp.rank, ctx.cp.size, p.context_algorithm)
+
+    return prepare
 
 
 def unigram_entropy(prefixes: list[tuple[float, str]]) -> float | None:

@@ -79,7 +79,7 @@ def load_single_process_model(checkpoint_dir: str):
 def generate_text(checkpoint_dir: str, prompt: str, max_new_tokens: int = 64, temperature: float = 0.8,
                   top_k: int = 40, seed: int = 0) -> str:
     """Load a checkpoint and continue ``prompt``; returns prompt + continuation as text."""
-    from paratron.data.tokenizer import build_tokenizer
+    from paratron.data.prepare import build_tokenizer
 
     cfg, chunk = load_single_process_model(checkpoint_dir)
     tok = build_tokenizer(cfg.data)

@@ -1,46 +1,176 @@
-"""Checks of the file system that must pass before any process group exists."""
+"""Checks and preparation that must pass before any process group exists.
+
+Everything here runs on one process (the launcher, or each rank under a plain ``torchrun``) and
+raises :class:`ConfigError` naming the field, file and rule, so a bad input is one clean line
+instead of a traceback from every rank. Paths and data-path weights are read with the data
+package's own parser and lookup (:mod:`paratron.data.prepare`, :mod:`paratron.data.paths`), so the
+checks and the run agree on what a path means.
+"""
 
 from __future__ import annotations
 
+import math
+import os
 from pathlib import Path
 
 from paratron.config import Config, ConfigError
 
 
-def data_prefixes(paths: list[str]) -> list[tuple[float, str]]:
-    """Parse Megatron's ``[w1, p1, w2, p2]`` or ``[p1, p2]`` into (weight, prefix) pairs."""
-    if not paths:
-        return []
+def data_prefixes(cfg: Config) -> list[tuple[float, str]]:
+    """``data.data_path`` as ``(weight, located prefix)`` pairs (Megatron's weights allowed).
+
+    Raises:
+        ConfigError: the rule :func:`paratron.data.prepare.parse_data_path` states.
+    """
+    from paratron.data import paths, prepare
+
     try:
-        float(paths[0])
-        weighted = True
-    except ValueError:
-        weighted = False
-    if not weighted:
-        return [(1.0, p) for p in paths]
-    if len(paths) % 2:
-        raise ConfigError(f"data.data_path={paths} mixes weights and prefixes; give pairs 'w1 p1 w2 p2'")
-    return [(float(paths[i]), paths[i + 1]) for i in range(0, len(paths), 2)]
+        pairs = prepare.parse_data_path(cfg.data.data_path)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return [(w, os.fspath(paths.locate(p))) for w, p in pairs]
+
+
+def _missing(value: str) -> bool:
+    from paratron.data import paths
+
+    return not paths.locate(value).exists()
 
 
 def check_paths(cfg: Config) -> None:
     """Raise :class:`ConfigError` naming the field and path when an input file is missing."""
+    from paratron.data import indexed
+
     d = cfg.data
-    if d.corpus is not None and not Path(d.corpus).is_file():
-        raise ConfigError(f"data.corpus={d.corpus!r}: no such file")
-    for _, prefix in data_prefixes(d.data_path):
-        if d.corpus is not None:
-            continue  # created from the corpus on first use
-        for ext in (".bin", ".idx"):
-            if not Path(prefix + ext).is_file():
-                raise ConfigError(f"data.data_path: {prefix + ext!r} does not exist "
-                                  "(run `paratron preprocess` or set data.corpus)")
+    if d.corpus is not None and _missing(d.corpus):
+        raise ConfigError(f"data.corpus={d.corpus!r}: no such file or directory")
+    for _, prefix in data_prefixes(cfg):
+        if d.corpus is None and not indexed.exists(prefix):
+            raise ConfigError(f"data.data_path: {prefix}.bin/.idx do not exist "
+                              "(run `paratron preprocess`, or train with --data FILE.jsonl)")
     for name in ("vocab_file", "merge_file", "tokenizer_model"):
         v = getattr(d, name)
-        if v is not None and not Path(v).is_file():
+        if v is not None and _missing(v):
             raise ConfigError(f"data.{name}={v!r}: no such file")
     if cfg.checkpoint.load is not None and not Path(cfg.checkpoint.load).exists():
         raise ConfigError(f"checkpoint.load={cfg.checkpoint.load!r}: no such directory")
+
+
+def apply_data_argument(cfg: Config, data: str | None, overrides: list[str]) -> None:
+    """Let the command line's data replace the config file's.
+
+    ``--data PATH`` names a corpus (tokenised on first use) or an existing ``.bin/.idx`` prefix;
+    either replaces ``data.corpus`` and ``data.data_path``. ``--data-path`` (or ``--set
+    data.data_path=...``) without a ``data.corpus`` override drops the config file's corpus.
+    """
+    from paratron.data.prepare import split_data_argument
+
+    if data:
+        kind, value = split_data_argument(data)
+        cfg.data.corpus = value if kind == "corpus" else None
+        cfg.data.data_path = [] if kind == "corpus" else [value]
+        return
+    keys = {o.split("=", 1)[0].strip() for o in overrides}
+    if "data.data_path" in keys and "data.corpus" not in keys:
+        cfg.data.corpus = None
+
+
+def apply_run_dir_defaults(cfg: Config, run_dir: str | os.PathLike) -> None:
+    """The run directory owns its outputs: checkpoints go to ``RUN_DIR/checkpoints`` unless
+    ``checkpoint.save`` is set."""
+    if cfg.checkpoint.save is None:
+        cfg.checkpoint.save = os.fspath(Path(run_dir) / "checkpoints")
+
+
+def prepare_data(cfg: Config, progress: bool = True):
+    """Tokenise the corpus into the cache if needed (once, here, with a progress bar), check the
+    tokenizer against the data's record, and validate every ``.bin/.idx`` header and size.
+
+    Returns:
+        The run's tokenizer.
+
+    Raises:
+        ConfigError: bad input (``FILE:LINE: reason``), a tokenizer mismatch (both named), a missing
+            file, a malformed or truncated dataset (the file named).
+    """
+    from paratron.data import corpus, prepare
+
+    try:
+        pairs, tok = prepare.prepare_run_data(cfg.data, progress=progress)
+        for _, prefix in pairs:
+            check_dataset_files(prefix)
+    except (corpus.BadInputError, ValueError, FileNotFoundError) as e:
+        raise ConfigError(str(e)) from None
+    return tok
+
+
+def check_dataset_files(prefix: str) -> None:
+    """Open ``PREFIX.idx`` (header, version, dtype, counts) and require ``PREFIX.bin`` to hold
+    exactly the bytes the index describes.
+
+    Raises:
+        ValueError: naming the file and both sizes.
+    """
+    from paratron.data.indexed import IndexedDataset
+
+    ds = IndexedDataset(prefix)
+    want = int(ds.sequence_lengths.sum(dtype="int64")) * ds.dtype.itemsize
+    have = os.path.getsize(f"{prefix}.bin")
+    if have != want:
+        raise ValueError(f"{prefix}.bin: {have:,} bytes, but {prefix}.idx describes {want:,} "
+                         f"({'truncated' if have < want else 'trailing bytes'}); rebuild the dataset")
+
+
+BYTES_PER_PARAM = {"adamw": 12, "sgd": 8}
+"""Optimizer state saved per parameter: fp32 main weight + two Adam moments, or + momentum."""
+
+
+def estimated_checkpoint_bytes(cfg: Config, vocab_size: int | None) -> int:
+    """About the bytes of one checkpoint: every parameter in the training precision plus the
+    optimizer's fp32 state (the small JSON files are not counted).
+
+    The count follows the model shape (:mod:`paratron.config.model_shape`): attention with GQA, a GELU or
+    SwiGLU MLP (or the experts), norms, the embedding (and an untied output layer).
+    """
+    from paratron.config import model_shape as spec
+
+    m = cfg.model
+    h, d = m.hidden_size, m.hidden_size // m.num_attention_heads
+    attention = h * d * (2 * m.num_attention_heads + 2 * spec.query_groups(m))
+    matrices = 3 if m.activation == "swiglu" else 2
+    dense = matrices * h * spec.ffn_size(m)
+    expert = matrices * h * spec.expert_ffn_size(m) * m.num_experts
+    shared = matrices * h * (m.moe_shared_expert_ffn_hidden_size or 0)
+    layers = sum(attention + 2 * h + (expert + shared + h * m.num_experts if spec.is_moe_layer(m, i) else dense)
+                 for i in range(m.num_layers))
+    vocab = m.vocab_size or vocab_size or 50257
+    embedding = vocab * h * (1 if m.tie_embeddings else 2)
+    if m.position_embedding_type == "learned":
+        embedding += spec.max_positions(m) * h
+    params = layers + embedding + h
+    width = 2 if cfg.train.precision in ("bf16", "fp16") else 4
+    return params * (width + BYTES_PER_PARAM.get(cfg.optimizer.name, 12))
+
+
+def check_checkpoint_dir(cfg: Config, vocab_size: int | None = None) -> None:
+    """``checkpoint.save`` must be writable and hold one more checkpoint (10% margin); stale
+    temporaries of dead writers there are removed first.
+
+    Raises:
+        ConfigError: naming the directory, and for space the bytes needed and free.
+    """
+    from paratron.checkpoint import storage
+    from paratron.checkpoint.items import CheckpointError
+
+    save = cfg.checkpoint.save
+    if not save:
+        return
+    try:
+        storage.check_writable(save)
+        storage.remove_stale_temporaries(save)
+        storage.check_space(save, math.ceil(1.1 * estimated_checkpoint_bytes(cfg, vocab_size)))
+    except CheckpointError as e:
+        raise ConfigError(f"checkpoint.save: {e}") from None
 
 
 def import_plugins(cfg: Config) -> None:
@@ -52,19 +182,14 @@ def import_plugins(cfg: Config) -> None:
         import_callback_module(spec)
 
 
-def check_schedule(cfg: Config, world_size: int) -> None:
-    """Build the pipeline schedule once, so an unsupported (schedule, p, m, v) fails here, with its
-    rule, before any process group exists (instead of at the first step, or as a hang)."""
-    from paratron.pipeline.registry import build_schedule
+def prepare_training(cfg: Config, run_dir: str | os.PathLike) -> None:
+    """What ``paratron train`` does after validating and before any rank starts: default the
+    outputs into the run directory, tokenise and check the data (not under a plain ``torchrun``,
+    where global rank 0 does it after launch), and check the checkpoint directory.
 
-    p, t = cfg.parallel, cfg.train
-    dp = world_size // (p.tensor * p.context * p.pipeline)
-    m = t.global_batch_size // (t.micro_batch_size * dp)
-    try:
-        build_schedule(p.schedule, p.pipeline, m, p.virtual_pipeline)
-    except ValueError as e:
-        raise ConfigError(
-            f"parallel.schedule={p.schedule!r} with parallel.pipeline={p.pipeline}, "
-            f"parallel.virtual_pipeline={p.virtual_pipeline} and {m} microbatches per step "
-            f"(train.global_batch_size / (train.micro_batch_size * dp) = {t.global_batch_size} / "
-            f"({t.micro_batch_size} * {dp})): {e}") from None
+    Raises:
+        ConfigError: as :func:`prepare_data` and :func:`check_checkpoint_dir`.
+    """
+    apply_run_dir_defaults(cfg, run_dir)
+    tok = None if "WORLD_SIZE" in os.environ else prepare_data(cfg)
+    check_checkpoint_dir(cfg, tok.vocab_size if tok is not None else None)

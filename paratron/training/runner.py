@@ -24,8 +24,6 @@ from paratron.training.step import rank_actions, run_global_batch
 from paratron.training.step_log import StepLog
 from paratron.training.timers import PhaseTimer
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
 
 class StopFlag:
     """Set by SIGTERM/SIGINT; the loop stops after the current step."""
@@ -95,7 +93,8 @@ def _train(cfg: Config, ctx, run_dir: Path) -> int:
         (run_dir / "config.toml").write_text(to_toml(cfg))
     writer = MetricsWriter(run_dir, is_logger, cfg.logging.tensorboard)
     state = TrainState(cfg, ctx, chunks, optimizer, scheduler, run_dir)
-    callbacks = CallbackList([load_callback(s, state) for s in cfg.train.callbacks])
+    callbacks = CallbackList(builtin_callbacks(cfg, ctx, state) +
+                             [load_callback(s, state) for s in cfg.train.callbacks])
     ckpt = build_checkpoint_manager(cfg, ctx)
 
     warn_if_saving_over(cfg, ctx)
@@ -134,7 +133,7 @@ def _train(cfg: Config, ctx, run_dir: Path) -> int:
             with timer.phase("data"):
                 microbatches = data.train_microbatches(state.consumed_train_samples)
             out, result, lr = train_step(cfg, ctx, chunks, optimizer, scheduler, microbatches,
-                                         actions=actions, timer=timer)
+                                         actions=actions, timer=timer, ddp=ddp)
             state.iteration += 1
             state.consumed_train_samples += gbs
             steplog.add(state.iteration, state.consumed_train_samples * seq, out, result, lr,
@@ -176,26 +175,27 @@ def _train(cfg: Config, ctx, run_dir: Path) -> int:
             _log(ctx, f"final validation loss {last_val:.4f} vs unigram entropy "
                       f"{data.unigram_entropy:.4f} nats/token: {verdict}")
         _log(ctx, f"metrics: {run_dir / 'metrics.jsonl'} | plot: {run_dir / 'loss.png'}")
-    if cfg.train.sample_prompt and cfg.checkpoint.save and not stopped_early:
-        print_sample(cfg, ctx)
+    prompt = cfg.train.sample_prompt or data.default_prompt
+    if prompt and cfg.train.sample_tokens > 0 and cfg.checkpoint.save and not stopped_early:
+        print_sample(cfg, ctx, prompt)
     return 0
 
 
 def train_step(cfg: Config, ctx, chunks, optimizer, scheduler, microbatches: list[dict], *,
-               actions: list | None = None, timer: PhaseTimer | None = None):
+               actions: list | None = None, timer: PhaseTimer | None = None, ddp=None):
     """One optimizer step on one global batch: zero the grads, forward and backward of every
-    microbatch through the schedule, optimizer step, LR step. Reads nothing from the device but
-    fp16's skip decision (see :meth:`paratron.optim.optimizer.Optimizer.step`).
+    microbatch through the schedule (grads finalized there, with ``ddp``), optimizer step, LR
+    step. One device-to-host read: the optimizer's skip decision (it brings the grad norm).
 
     Returns:
-        ``(StepOutput, StepResult, lr)``: the loss stats and grad norm may still be on the
-        device; ``lr`` is the rate this step used.
+        ``(StepOutput, StepResult, lr)``: the loss stats stay on the device until the log reads
+        them; ``lr`` is the rate this step used.
     """
     timer = timer or PhaseTimer(ctx.device)
     optimizer.zero_grad()
     with timer.phase("forward_backward"):
         out = run_global_batch(cfg, ctx, chunks, microbatches, forward_only=False,
-                               loss_scale=optimizer.loss_scale, actions=actions)
+                               loss_scale=optimizer.loss_scale, actions=actions, ddp=ddp)
     lr = scheduler_lr(scheduler, optimizer)
     with timer.phase("optimizer"):
         result = optimizer.step()
@@ -204,14 +204,24 @@ def train_step(cfg: Config, ctx, chunks, optimizer, scheduler, microbatches: lis
     return out, result, lr
 
 
-def print_sample(cfg: Config, ctx) -> None:
-    """Rank 0 reloads the checkpoint just saved on one process and continues the sample prompt."""
+def builtin_callbacks(cfg: Config, ctx, state: TrainState) -> list:
+    """The hang watchdog (first, so it sees every step of the other callbacks), when on."""
+    if cfg.parallel.hang_timeout_s > 0 and ctx.world_size > 1:
+        from paratron.training.watchdog import HangWatchdog
+
+        return [HangWatchdog(state, cfg.parallel.hang_timeout_s)]
+    return []
+
+
+def print_sample(cfg: Config, ctx, prompt: str) -> None:
+    """Rank 0 reloads the checkpoint just saved on one process and continues ``prompt``
+    (``train.sample_prompt``, else the start of a validation document)."""
     ctx.world.barrier()  # every rank's shards are on disk
     if ctx.rank != 0:
         return
     from paratron.training.generate import generate_text
 
-    text = generate_text(cfg.checkpoint.save, cfg.train.sample_prompt, cfg.train.sample_tokens,
+    text = generate_text(cfg.checkpoint.save, prompt, cfg.train.sample_tokens,
                          temperature=0.8, top_k=40, seed=cfg.train.seed)
     _log(ctx, "sample from the saved checkpoint (temperature 0.8, top-k 40):\n" + text)
 
@@ -275,18 +285,20 @@ def evaluate(cfg, ctx, chunks, data, state: TrainState, writer, callbacks, actio
 def build_model_and_optimizer(cfg: Config, ctx):
     """Model chunks of this rank, wrapped for data parallelism, with optimizer and LR schedule."""
     from paratron.models.gpt import build_model_chunks
-    from paratron.optim import DistributedDataParallel, build_lr_scheduler, build_optimizer
+    from paratron.optim import DistributedDataParallel, build_lr_scheduler, build_optimizer, precision_dtype
     from paratron.pipeline.partition import stage_layers
 
     p = cfg.parallel
     layout = stage_layers(cfg.model.num_layers, p.pipeline, p.virtual_pipeline, p.pipeline_layout, p.schedule)
     chunks = build_model_chunks(cfg.model, ctx, seed=cfg.train.seed, sequence_parallel=p.sequence_parallel,
-                                params_dtype=DTYPES[cfg.train.precision], stage_layers=layout)
+                                params_dtype=precision_dtype(cfg.train.precision), stage_layers=layout,
+                                context_algorithm=p.context_algorithm)
     for c in chunks:
         c.to(ctx.device)
     ddp = DistributedDataParallel(chunks, ctx, grad_dtype=torch.float32, bucket_size_mb=p.bucket_size_mb,
                                   overlap_grad_reduce=p.overlap_grad_reduce,
-                                  use_distributed_optimizer=p.zero == 1)
+                                  zero=p.zero, zero3_reshard_after_forward=p.zero3_reshard_after_forward,
+                                  zero3_prefetch=p.zero3_prefetch)
     optimizer = build_optimizer(chunks, ctx, cfg.optimizer, ddp, precision=cfg.train.precision)
     scheduler = build_lr_scheduler(cfg.optimizer, cfg.train.train_iters, optimizer)
     return chunks, ddp, optimizer, scheduler

@@ -67,11 +67,12 @@ class StepOutput:
 
 
 def count_global_tokens(microbatches: list[dict], ctx) -> torch.Tensor:
-    """Valid labels over this rank's microbatches, summed over the DP group: fp64 ``[1]`` on
-    ``ctx.device`` (counted where the labels are, then copied: no host sync)."""
+    """Valid labels over this rank's microbatches, summed over DP x CP (each CP rank holds its own
+    tokens of the same sequences): fp64 ``[1]`` on ``ctx.device`` (counted where the labels are,
+    then copied: no host sync)."""
     local = torch.stack([(mb["labels"] != IGNORE_INDEX).sum() for mb in microbatches]).sum()
     t = local.to(device=ctx.device, dtype=torch.float64).reshape(1)
-    ctx.dp.all_reduce(t)
+    ctx.dp_cp.all_reduce(t)
     return t
 
 
@@ -84,17 +85,24 @@ def rank_actions(cfg, ctx, num_microbatches: int) -> list:
 
 
 def run_global_batch(cfg, ctx, chunks, microbatches: list[dict], *, forward_only: bool,
-                     loss_scale: float = 1.0, actions: list | None = None) -> StepOutput:
+                     loss_scale: float = 1.0, actions: list | None = None, ddp=None) -> StepOutput:
     """Run forward (and backward unless ``forward_only``) of every microbatch of one global batch.
+
+    With backward, the grads are final on return (:func:`paratron.optim.finalize_grads`, once):
+    the schedule tells ``ddp`` which backward is the last of each chunk, so its buckets are
+    reduced while the rest of the schedule runs.
 
     Args:
         microbatches: this DP rank's microbatches, each ``{"tokens": [b, s], "labels": [b, s]}``.
         loss_scale: multiplies the loss fed to backward (fp16 dynamic loss scaling).
         actions: this rank's schedule (:func:`rank_actions`); built here when None.
+        ddp: the chunks' :class:`~paratron.optim.ddp.DistributedDataParallel` (None: plain
+            ``.grad`` params).
 
     Returns:
         :class:`StepOutput` with the global-batch loss, known on every rank.
     """
+    from paratron.optim import finalize_grads, precision_dtype
     from paratron.pipeline.runtime import run_pipeline
 
     t0 = time.perf_counter()
@@ -105,9 +113,11 @@ def run_global_batch(cfg, ctx, chunks, microbatches: list[dict], *, forward_only
 
     def forward_step(chunk_id, chunk, input_tensor, mb):
         x = mb["tokens"].to(ctx.device) if chunk.pre_process else input_tensor
+        # Packed documents (data.reset_position_ids / reset_attention_mask): every chunk needs them.
+        packed = {k: mb[k].to(ctx.device) for k in ("position_ids", "cu_seqlens") if k in mb}
         if not chunk.post_process:
-            return chunk(x)
-        losses = chunk(x, labels=mb["labels"].to(ctx.device))  # [s, b] fp32, 0 where ignored
+            return chunk(x, **packed)
+        losses = chunk(x, labels=mb["labels"].to(ctx.device), **packed)  # [s, b] fp32, 0 where ignored
         loss = losses.sum() / denom
         lm_losses.append(loss.detach())
         return loss * loss_scale if loss_scale != 1.0 else loss
@@ -117,20 +127,28 @@ def run_global_batch(cfg, ctx, chunks, microbatches: list[dict], *, forward_only
     if cfg.model.num_experts > 0:
         from paratron.models.moe.layer import set_aux_loss_scale
 
-        # MoE aux-loss grads: coeff x the mean over every microbatch of the global batch, scaled
-        # like the LM loss (see paratron.models.moe.layer).
-        set_aux_loss_scale(chunks, loss_scale / (m * ctx.dp.size))
+        # MoE aux-loss grads: coeff x the mean over every microbatch (or, for the sequence-level
+        # loss, every sequence) of the global batch, scaled like the LM loss (see
+        # paratron.models.moe.layer).
+        if cfg.model.moe_aux_loss_type == "seq":
+            from paratron.models.moe.seq_aux import count_global_sequences
+
+            set_aux_loss_scale(chunks, loss_scale / count_global_sequences(microbatches, ctx))
+        else:
+            set_aux_loss_scale(chunks, loss_scale / (m * ctx.dp.size))
     if actions is None:
         actions = rank_actions(cfg, ctx, m)
     mb_size, seq = microbatches[0]["tokens"].shape
     s_local = seq // ctx.tp.size if p.sequence_parallel else seq
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.train.precision]
     run_pipeline(actions, chunks, ctx, microbatches, forward_step,
-                 tensor_shape=(s_local, mb_size, cfg.model.hidden_size), dtype=dtype,
-                 forward_only=forward_only)
+                 tensor_shape=(s_local, mb_size, cfg.model.hidden_size),
+                 dtype=precision_dtype(cfg.train.precision), forward_only=forward_only, grad_sync=ddp)
+    if not forward_only:
+        finalize_grads(chunks, ctx, ddp)
     t1 = time.perf_counter()
 
-    # The loss lives on the last stage of each pipeline; sum over pp (others add 0) and dp.
+    # The loss lives on the last stage of each pipeline; sum over pp (others add 0), dp and cp
+    # (each CP rank holds its tokens' share; the aux values are the same on every CP rank).
     stats = torch.zeros(3, dtype=torch.float64, device=ctx.device)
     if lm_losses:
         stats[0] = torch.stack(lm_losses).double().sum()
@@ -138,8 +156,8 @@ def run_global_batch(cfg, ctx, chunks, microbatches: list[dict], *, forward_only
     if aux is not None:
         stats[1] = aux
     ctx.pp.all_reduce(stats)
-    ctx.dp.all_reduce(stats)
-    stats[1] /= ctx.dp.size
+    ctx.dp_cp.all_reduce(stats)
+    stats[1] /= ctx.dp_cp.size
     stats[2] = global_tokens[0]
     has_aux = aux is not None or cfg.model.num_experts > 0
     return StepOutput(stats, has_aux, {"forward_backward": t1 - t0})

@@ -63,18 +63,12 @@ class TokenDispatcher(ABC):
     """Base class. Args: ``ctx`` (parallel context), ``num_experts``, ``capacity`` (slots per
     expert, None: dropless), ``pad_to_capacity`` (fill every expert's rows to ``capacity``, so
     shapes are static; dropped pairs must already be marked -1). The capacity counts the whole
-    microbatch, so under sequence parallelism each TP rank pads its own rows to it.
-
-    Raises:
-        ValueError: ``num_experts`` not divisible by the EP size; padding without a capacity.
+    microbatch, so under sequence parallelism each TP rank pads its own rows to it. The
+    arguments obey :func:`paratron.config.model_shape.check_moe` (the MoE layer runs it).
     """
 
     def __init__(self, ctx, num_experts: int, *, capacity: int | None = None, pad_to_capacity: bool = False):
         ep = ctx.ep.size
-        if num_experts % ep:
-            raise ValueError(f"model.num_experts={num_experts} is not divisible by parallel.expert={ep}")
-        if pad_to_capacity and capacity is None:
-            raise ValueError("model.moe_pad_to_capacity=true needs model.moe_capacity_factor to be set")
         self.ctx, self.group = ctx, ctx.ep
         self.num_experts, self.num_local = num_experts, num_experts // ep
         self.first_expert = self.group.rank * self.num_local

@@ -31,15 +31,9 @@ from paratron.layers.init import InitMethod, draw_full, normal_, scaled_normal_
 from paratron.parallel.comm import Group
 from paratron.parallel.params import ShardSpec, mark
 
-from ..mlp import inner_activation
+from ..mlp import gelu, swiglu
 from .collectives import all_to_all
 from .dispatcher import source_to_expert_major
-
-
-def expert_ffn_size(cfg: ModelConfig) -> int:
-    """Inner width of one expert: ``moe_ffn_hidden_size``, else the dense MLP width
-    (:func:`paratron.models.model_shape.ffn_size`)."""
-    return cfg.moe_ffn_hidden_size if cfg.moe_ffn_hidden_size is not None else model_shape.ffn_size(cfg)
 
 
 class _BiasOnce(torch.autograd.Function):
@@ -107,10 +101,7 @@ class ExpertMLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig, ctx, *, logical_name: str, seed: int, params_dtype: torch.dtype):
         super().__init__()
-        h, f = cfg.hidden_size, expert_ffn_size(cfg)
-        if f % ctx.expert_tp.size:
-            raise ValueError(f"the expert width (model.moe_ffn_hidden_size or the MLP width) {f} is not "
-                             f"divisible by parallel.expert_tensor={ctx.expert_tp.size}")
+        h, f = cfg.hidden_size, model_shape.expert_ffn_size(cfg)
         self.activation = cfg.activation
         kw = dict(seed=seed, bias=cfg.add_bias_linear, params_dtype=params_dtype)
         inner = normal_(cfg.init_method_std)
@@ -124,7 +115,9 @@ class ExpertMLP(nn.Module):
         self.fc2 = _Proj(f, h, ctx, logical_name=f"{logical_name}.fc2", init=outer, split="in", **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(inner_activation(self, x))
+        if self.activation == "swiglu":
+            return self.fc2(swiglu(self.gate(x), self.up(x)))
+        return self.fc2(gelu(self.fc1(x), self.activation))
 
 
 class LocalExperts(nn.Module):

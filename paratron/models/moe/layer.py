@@ -35,8 +35,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from paratron.config import ModelConfig
+from paratron.config import ModelConfig, model_shape
+from paratron.layers.init import scaled_normal_
 
+from ..mlp import MLP
 from .collectives import gather_rows, split_rows
 from .dispatcher import get_dispatcher
 from .experts import LocalExperts
@@ -56,46 +58,6 @@ class _AttachAuxLoss(torch.autograd.Function):
     def backward(fctx, grad):
         shape, dtype, device = fctx.aux_meta
         return grad, torch.full(shape, fctx.scale, dtype=dtype, device=device), None
-
-
-class SharedExpert(nn.Module):
-    """A dense MLP run on every token, added to the routed experts' output (DeepSpeed-MoE's
-    residual expert, Rajbhandari et al. 2022, section 4.1), split over TP like the dense MLP.
-
-    Parameters: ``layers.{i}.mlp.shared_expert.{fc1|gate|up|fc2}.{weight|bias}``.
-    ``forward``: ``[s, b, h]`` (``[s/tp, b, h]`` under SP) -> same layout.
-    """
-
-    def __init__(self, cfg: ModelConfig, ctx, *, prefix: str, ffn: int, seed: int, sequence_parallel: bool,
-                 params_dtype: torch.dtype):
-        from paratron.layers import ColumnParallelLinear, RowParallelLinear
-        from paratron.layers.init import normal_, scaled_normal_
-
-        super().__init__()
-        self.activation = cfg.activation
-        kw = dict(seed=seed, bias=cfg.add_bias_linear, sequence_parallel=sequence_parallel,
-                  params_dtype=params_dtype)
-
-        def column(name: str) -> nn.Module:
-            return ColumnParallelLinear(cfg.hidden_size, ffn, ctx, logical_name=f"{prefix}.{name}",
-                                        init_method=normal_(cfg.init_method_std), **kw)
-
-        if cfg.activation == "swiglu":
-            self.gate, self.up = column("gate"), column("up")
-        else:
-            self.fc1 = column("fc1")
-        self.fc2 = RowParallelLinear(ffn, cfg.hidden_size, ctx, logical_name=f"{prefix}.fc2",
-                                     input_is_parallel=True,
-                                     init_method=scaled_normal_(cfg.init_method_std, max(cfg.num_layers, 1)),
-                                     **kw)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.activation == "swiglu":
-            inner = torch.nn.functional.silu(self.gate(x)) * self.up(x)
-        else:
-            approximate = "tanh" if self.activation == "gelu_tanh" else "none"
-            inner = torch.nn.functional.gelu(self.fc1(x), approximate=approximate)
-        return self.fc2(inner)
 
 
 class MoELayer(nn.Module):
@@ -122,11 +84,10 @@ class MoELayer(nn.Module):
         aux_loss_scale: multiplies the aux/z-loss grads (see the module docstring); default 1.0.
 
     Raises:
-        ValueError: ``model.num_experts`` not positive or not divisible by ``parallel.expert``;
-            an expert width not divisible by ``parallel.expert_tensor``; an unknown
-            ``model.moe_token_dispatcher``; ``moe_pad_to_capacity`` without a capacity factor;
-            in ``forward``, without sequence parallelism, ``s * b`` not divisible by
-            ``parallel.tensor``.
+        ValueError: ``model.num_experts`` not positive; in ``forward``, without sequence
+            parallelism, ``s * b`` not divisible by ``parallel.tensor``.
+        ConfigError: a rule of :func:`paratron.config.model_shape.check_moe`; an unknown
+            ``model.moe_token_dispatcher``.
     """
 
     def __init__(self, cfg: ModelConfig, ctx, *, layer_number: int, seed: int, sequence_parallel: bool,
@@ -135,8 +96,7 @@ class MoELayer(nn.Module):
         E, ep = cfg.num_experts, ctx.ep.size
         if E < 1:
             raise ValueError(f"model.num_experts={E} must be >= 1 for an MoE layer")
-        if E % ep:
-            raise ValueError(f"model.num_experts={E} is not divisible by parallel.expert={ep}")
+        model_shape.check_moe(cfg, tp=ctx.tp.size, ep=ep, expert_tp=ctx.expert_tp.size)
         self.cfg, self.ctx = cfg, ctx
         self.sequence_parallel = bool(sequence_parallel) and ctx.tp.size > 1
         prefix = f"layers.{layer_number}.mlp"
@@ -146,15 +106,15 @@ class MoELayer(nn.Module):
         self.experts = LocalExperts(cfg, ctx, prefix=prefix, seed=seed, first_expert=ctx.ep.rank * num_local,
                                     num_local=num_local, params_dtype=params_dtype)
         self.pad_to_capacity = bool(cfg.moe_pad_to_capacity)
-        if self.pad_to_capacity and cfg.moe_capacity_factor is None:
-            raise ValueError("model.moe_pad_to_capacity=true needs model.moe_capacity_factor to be set")
         self.dispatcher_cls = get_dispatcher(cfg.moe_token_dispatcher)
         self.shared_expert = None
         if cfg.moe_shared_expert_ffn_hidden_size:
-            self.shared_expert = SharedExpert(cfg, ctx, prefix=f"{prefix}.shared_expert",
-                                              ffn=cfg.moe_shared_expert_ffn_hidden_size, seed=seed,
-                                              sequence_parallel=self.sequence_parallel,
-                                              params_dtype=params_dtype)
+            # DeepSpeed-MoE's residual expert (Rajbhandari et al. 2022, section 4.1): a dense MLP
+            # run on every token, split over TP like the dense MLP.
+            self.shared_expert = MLP(cfg, ctx, logical_name=f"{prefix}.shared_expert",
+                                     ffn=cfg.moe_shared_expert_ffn_hidden_size, seed=seed,
+                                     sequence_parallel=self.sequence_parallel, params_dtype=params_dtype,
+                                     output_init=scaled_normal_(cfg.init_method_std, max(cfg.num_layers, 1)))
         self.aux_loss_scale = 1.0
         self.last_aux_loss: torch.Tensor | None = None
         self.last_z_loss: torch.Tensor | None = None
@@ -163,11 +123,38 @@ class MoELayer(nn.Module):
         return self.dispatcher_cls(self.ctx, self.cfg.num_experts, capacity=capacity,
                                    pad_to_capacity=self.pad_to_capacity)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    takes_layout = True
+    """The transformer layer hands :meth:`forward` the microbatch's sequence layout."""
+
+    def _stats_group(self):
+        """The ranks that hold the other tokens of this microbatch: TP (under SP) x CP."""
+        cp = self.ctx.cp.size > 1
+        if self.sequence_parallel:
+            return self.ctx.tp_cp if cp else self.ctx.tp
+        return self.ctx.cp if cp else None
+
+    def _segments(self, s: int, b: int, layout) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(sequence id of each row [s*b], sequence lengths) for the sequence-level aux loss."""
+        if self.cfg.moe_aux_loss_type != "seq":
+            return None
+        tp, device = self.ctx.tp, self.router.weight.device
+        if layout is None:  # one rank holds whole sequences (up to SP): each sample is a sequence
+            full = s * (tp.size if self.sequence_parallel else 1)
+            ids = torch.arange(b, device=device).repeat(s)
+            return ids, torch.full((b,), full, device=device)
+        ids, lengths = layout.segment_ids(device)  # [s_cp, b]
+        if self.sequence_parallel:
+            ids = ids[tp.rank * s:(tp.rank + 1) * s]
+        return ids.reshape(-1), lengths
+
+    def forward(self, x: torch.Tensor, layout=None) -> torch.Tensor:
+        """``x`` ``[s, b, h]`` (``[s/tp, b, h]`` under SP); ``layout`` the microbatch's
+        :class:`~paratron.models.context_parallel.SeqLayout` (context parallelism, packed
+        documents) or None."""
         cfg, tp = self.cfg, self.ctx.tp
         s, b, h = x.shape
         tokens = x.reshape(s * b, h)
-        routing = self.router(tokens, tp if self.sequence_parallel else None)
+        routing = self.router(tokens, self._stats_group(), self._segments(s, b, layout))
         indices = routing.indices
         capacity = None
         if cfg.moe_capacity_factor is not None:

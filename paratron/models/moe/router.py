@@ -31,6 +31,8 @@ from paratron.layers.init import normal_, draw_full
 from paratron.parallel.comm import Group
 from paratron.parallel.params import mark
 
+from .seq_aux import sequence_balance_loss
+
 
 @dataclass
 class Routing:
@@ -103,7 +105,8 @@ class TopKRouter(nn.Module):
         self.weight = nn.Parameter(full.to(device=ctx.device, dtype=params_dtype))
         mark(self.weight, f"{logical_name}.weight", sequence_parallel=sequence_parallel)
 
-    def forward(self, tokens: torch.Tensor, stats_group: Group | None = None) -> Routing:
+    def forward(self, tokens: torch.Tensor, stats_group: Group | None = None,
+                segments: tuple[torch.Tensor, torch.Tensor] | None = None) -> Routing:
         """Route ``tokens`` [T, h].
 
         Args:
@@ -112,6 +115,9 @@ class TopKRouter(nn.Module):
                 counts and probability sums are all-gathered over it (one collective of
                 ``2E + 1`` floats), so the aux loss and capacity positions are those of the whole
                 microbatch whatever the layout.
+            segments: ``(segment_ids [T], lengths [n])`` for the sequence-level aux loss
+                (``model.moe_aux_loss_type = "seq"``, :mod:`.seq_aux`): ``aux_loss`` is then this
+                rank's share of the *sum* over the microbatch's sequences, ``aux_value`` their mean.
         """
         logits = F.linear(tokens.float(), self.weight.float())  # [T, E]
         if self.score == "softmax":
@@ -142,10 +148,14 @@ class TopKRouter(nn.Module):
         # uses its own prob sums (the differentiable part) against the microbatch counts.
         scale = E / (n_tokens * n_tokens * self.k)
         aux_loss = scale * (counts_all * prob_sum).sum()
+        aux_value = (scale * (counts_all * prob_all).sum()).detach()
+        if segments is not None:
+            aux_loss, aux_sum = sequence_balance_loss(balance_probs, indices, *segments, stats_group)
+            aux_value = aux_sum / segments[1].numel()
         z_loss = lse_sq / n_tokens
         return Routing(
             probs=probs, indices=indices, aux_loss=aux_loss, z_loss=z_loss,
-            aux_value=(scale * (counts_all * prob_all).sum()).detach(),
+            aux_value=aux_value,
             z_value=(lse_all / n_tokens).detach(),
             counts_before=every[:r, :E].sum(dim=0), num_tokens=n_tokens)
 

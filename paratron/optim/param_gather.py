@@ -1,0 +1,304 @@
+"""ZeRO-3 parameter sharding: gather a unit's params just before use, free them after
+(Rajbhandari et al. 2020, section 5.3, P_p; the unit-wise gather with prefetch follows the same
+paper's section 7.2.2 and PyTorch FSDP, Zhao et al. 2023, section 3.3).
+
+A *unit* is a module whose forward needs a set of params: for a GPT chunk, the embedding, each
+transformer layer, and the head (final norm plus output weight, gathered from the final norm's
+forward until the end of the chunk's forward). In any other model each module of a direct
+``ModuleList``/``ModuleDict`` child is a unit and the remaining params form one unit that spans
+the chunk's whole forward. DDP lays out the
+buckets so that a bucket never spans two units (:mod:`paratron.optim.grad_buffer`), and
+:class:`ParamShards` keeps, per bucket, only this rank's ``[bucket.numel / N_d]`` shard of the
+params (in the params' dtype: bf16 gathers bf16 while the optimizer's fp32 main weights stay
+sharded). Between uses a param's ``.data`` is an empty tensor.
+
+Hooks on each unit:
+
+* forward pre-hook: gather the unit (waiting for its prefetch), then start the all-gather of the
+  next unit of the chunk (so it overlaps this unit's compute); hook the unit's input, whose grad
+  completes when the unit's backward is done, to free the unit again;
+* forward post-hook: hook the unit's output, whose grad arrives just before the unit's backward,
+  to free the later units (their backward is complete), gather the unit again and prefetch the
+  previous one, so at most two units are gathered at any time; free the unit when
+  ``reshard_after_forward`` (with it false, gathered units stay until :meth:`ParamShards.release_all`
+  at the end of the step's backward: one all-gather per unit and step, kept across the
+  microbatches of a pipeline schedule).
+
+Weight grads of paratron's linears need only activations (``dW = dy^T x``), so the deferred W
+actions of zero-bubble schedules run with the unit freed. A forward run again inside backward
+(activation recompute) keeps its params: they are needed by the backward that follows.
+All-gathers are issued in the same order on every rank of a DP group (same schedule, same model).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from paratron.parallel.params import unique_params
+
+
+@dataclass
+class Unit:
+    """Params gathered together: ``start``'s forward gathers them, ``end``'s forward ends their
+    use; ``buckets`` are ``(buffer, bucket)`` index pairs (filled by :class:`ParamShards`)."""
+
+    start: nn.Module
+    end: nn.Module
+    params: list[nn.Parameter]
+    buckets: list[tuple[int, int]] = field(default_factory=list)
+    held: bool = False
+    chunk: int = 0
+    pos: int = 0
+    backward_next: "Unit | None" = None
+
+
+def _generic_units(chunk: nn.Module) -> list[Unit]:
+    """Each module of the chunk's direct ModuleList/ModuleDict children is a unit; the chunk's
+    other params form one unit gathered for the chunk's whole forward (as FSDP wraps blocks and
+    leaves the rest to the root)."""
+    blocks = []
+    for child in chunk.children():
+        if isinstance(child, nn.ModuleList):
+            blocks += list(child)
+        elif isinstance(child, nn.ModuleDict):
+            blocks += list(child.values())
+    units = [Unit(b, b, unique_params(b, trainable_only=True)) for b in blocks]
+    covered = {id(p) for u in units for p in u.params}
+    rest = [p for p in unique_params(chunk, trainable_only=True) if id(p) not in covered]
+    units = [u for u in units if u.params]
+    return ([Unit(chunk, chunk, rest)] if rest else []) + units
+
+
+def units_of(chunk: nn.Module) -> list[Unit]:
+    """The units of one model chunk in forward order (see module docstring)."""
+    layers = getattr(chunk, "layers", None)
+    if not (isinstance(layers, nn.ModuleDict) and hasattr(chunk, "output_weight")):
+        return _generic_units(chunk)
+    units = []
+    emb = getattr(chunk, "embedding", None)
+    if emb is not None:
+        units.append(Unit(emb, emb, unique_params(emb, trainable_only=True)))
+    for layer in layers.values():
+        units.append(Unit(layer, layer, unique_params(layer, trainable_only=True)))
+    norm = getattr(chunk, "final_norm", None)
+    if norm is not None:
+        head = unique_params(norm, trainable_only=True) + [chunk.output_weight()]
+        units.append(Unit(norm, chunk, list({id(p): p for p in head}.values())))
+    covered = {id(p) for u in units for p in u.params}
+    rest = [p for p in unique_params(chunk, trainable_only=True) if id(p) not in covered]
+    if rest:
+        raise ValueError(f"ZeRO-3: params {[p.logical_name for p in rest]} belong to no unit of the chunk")
+    return units
+
+
+def unit_ids(chunks, params) -> dict[int, int]:
+    """``id(param) -> unit number`` (over all chunks): the first unit, in forward order, that
+    needs the param (a tied weight belongs to the embedding's unit)."""
+    out: dict[int, int] = {}
+    n = 0
+    for chunk in chunks:
+        for u in units_of(chunk):
+            for p in u.params:
+                out.setdefault(id(p), n)
+            n += 1
+    return out
+
+
+def _first_grad_tensor(obj):
+    if torch.is_tensor(obj):
+        return obj if obj.requires_grad else None
+    if isinstance(obj, (tuple, list)):
+        for o in obj:
+            t = _first_grad_tensor(o)
+            if t is not None:
+                return t
+    return None
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+class ParamShards:
+    """Sharded param storage of every bucket, the gathered copies, and the unit hooks.
+
+    Args:
+        buffers: DDP's buffers (built with unit boundaries); their ``param_data`` is released.
+        chunks: the model chunks.
+        reshard_after_forward: free a unit after its forward (``parallel.zero3_reshard_after_forward``).
+        prefetch: start the next unit's all-gather early.
+
+    Attributes:
+        shards: ``shards[i][k]`` is ``[buckets[k].numel / N_d]`` in the params' dtype.
+        gathered_bytes, peak_gathered_bytes: bytes of full params alive now / at most since
+            :meth:`reset_peak` (for the memory tests).
+    """
+
+    def __init__(self, buffers, chunks, *, reshard_after_forward: bool = True, prefetch: bool = True) -> None:
+        self.buffers, self.reshard, self.prefetch = buffers, bool(reshard_after_forward), bool(prefetch)
+        self.shards = []
+        for buf in buffers:
+            g = buf.group
+            self.shards.append([buf.param_data[slice(*b.shard_range(max(g.rank, 0), g.size))].clone()
+                                for b in buf.buckets])
+        where = {id(p): (i, b.index) for i, buf in enumerate(buffers) for b in buf.buckets for p in b.params}
+        self._full: list[list[torch.Tensor | None]] = [[None] * len(buf.buckets) for buf in buffers]
+        self._pending: list[list[object]] = [[None] * len(buf.buckets) for buf in buffers]
+        self._holders: list[list[set[int]]] = [[set() for _ in buf.buckets] for buf in buffers]
+        self.chunk_units: list[list[Unit]] = []
+        self._hooks = []
+        for c, chunk in enumerate(chunks):
+            units = units_of(chunk)
+            # Backward runs in the reverse order of the forwards' *ends*: a unit spanning the
+            # chunk's forward (the generic rest) ends last, so its backward starts first.
+            by_end = sorted(units, key=lambda u: (u.end is chunk, units.index(u)))
+            for pos, u in enumerate(units):
+                u.chunk, u.pos = c, pos
+                u.backward_next = None
+                j = by_end.index(u)
+                if j > 0:
+                    u.backward_next = by_end[j - 1]
+                u.buckets = sorted({where[id(p)] for p in u.params})
+                self._hooks.append(u.start.register_forward_pre_hook(self._pre_forward_hook(u)))
+                self._hooks.append(u.end.register_forward_hook(self._post_forward_hook(u)))
+            self.chunk_units.append(units)
+        self.gathered_bytes = self.peak_gathered_bytes = 0
+        for buf in buffers:
+            for p in buf.params:
+                p.data = torch.empty(0, dtype=buf.dtype, device=buf.device)
+            buf.param_data = None  # the full flat copy is gone: only shards remain
+
+    # ---- buckets ----------------------------------------------------------------------------
+    def _launch(self, i: int, k: int) -> None:
+        if self._full[i][k] is not None:
+            return
+        buf = self.buffers[i]
+        b = buf.buckets[k]
+        full = torch.empty(b.numel, dtype=buf.dtype, device=buf.device)
+        self._full[i][k] = full
+        self._pending[i][k] = buf.group.all_gather_into(full, self.shards[i][k], async_op=True)
+        self.gathered_bytes += full.numel() * full.element_size()
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
+
+    def _materialize(self, i: int, k: int) -> None:
+        self._launch(i, k)
+        handle, self._pending[i][k] = self._pending[i][k], None
+        if handle is None:
+            return
+        handle.wait()
+        buf = self.buffers[i]
+        b, full = buf.buckets[k], self._full[i][k]
+        for p in b.params:
+            s, e = buf.index[id(p)]
+            p.data = full[s - b.start:e - b.start].view(buf.shapes[id(p)])
+
+    def _free(self, i: int, k: int) -> None:
+        full = self._full[i][k]
+        if full is None:
+            return
+        if self._pending[i][k] is not None:
+            self._pending[i][k].wait()
+            self._pending[i][k] = None
+        buf = self.buffers[i]
+        for p in buf.buckets[k].params:
+            p.data = torch.empty(0, dtype=buf.dtype, device=buf.device)
+        self._full[i][k] = None
+        self.gathered_bytes -= full.numel() * full.element_size()
+
+    # ---- units ------------------------------------------------------------------------------
+    def hold(self, u: Unit) -> None:
+        """Gather ``u`` (wait for it) and keep it until :meth:`release`."""
+        for i, k in u.buckets:
+            self._holders[i][k].add(id(u))
+            self._materialize(i, k)
+        u.held = True
+
+    def release(self, u: Unit) -> None:
+        """Free ``u``'s buckets that no other held unit needs."""
+        if not u.held:
+            return
+        u.held = False
+        for i, k in u.buckets:
+            self._holders[i][k].discard(id(u))
+            if not self._holders[i][k]:
+                self._free(i, k)
+
+    def release_all(self) -> None:
+        """Free every gathered unit (end of the step's backward; before the optimizer step)."""
+        for units in self.chunk_units:
+            for u in units:
+                self.release(u)
+        for i, row in enumerate(self._full):
+            for k in range(len(row)):
+                self._free(i, k)  # prefetched but never used
+
+    def _prefetch(self, chunk: int, pos: int) -> None:
+        units = self.chunk_units[chunk]
+        if self.prefetch and 0 <= pos < len(units):
+            for i, k in units[pos].buckets:
+                self._launch(i, k)
+
+    def reset_peak(self) -> None:
+        self.peak_gathered_bytes = self.gathered_bytes
+
+    # ---- hooks ------------------------------------------------------------------------------
+    def _pre_forward_hook(self, u: Unit):
+        def hook(module, args):
+            self.hold(u)
+            if not _in_backward():
+                self._prefetch(u.chunk, u.pos + 1)
+            x = _first_grad_tensor(args)
+            if x is not None and torch.is_grad_enabled() and self.reshard:
+                x.register_hook(lambda g: self.release(u))
+        return hook
+
+    def _post_forward_hook(self, u: Unit):
+        def hook(module, args, out):
+            y = _first_grad_tensor(out)
+            if y is not None and torch.is_grad_enabled():
+                y.register_hook(lambda g: self._pre_backward(u))
+            if self.reshard and not _in_backward():
+                self.release(u)
+        return hook
+
+    def _pre_backward(self, u: Unit) -> None:
+        if self.reshard:
+            # The grad of u's output is complete, so the backward of every later unit of the
+            # chunk is done: free them before gathering u-1 (their input hooks run after this).
+            for later in self.chunk_units[u.chunk][u.pos + 1:]:
+                self.release(later)
+        self.hold(u)
+        if self.prefetch and u.backward_next is not None:
+            for i, k in u.backward_next.buckets:
+                self._launch(i, k)
+
+    @contextmanager
+    def gathered(self, writeback: bool = False):
+        """Every param gathered inside the block (checkpoints, evaluation helpers); with
+        ``writeback`` the (possibly changed) full params are copied back into the shards."""
+        for i, buf in enumerate(self.buffers):
+            for b in buf.buckets:
+                self._materialize(i, b.index)
+        try:
+            yield
+        finally:
+            for i, buf in enumerate(self.buffers):
+                g = buf.group
+                for b in buf.buckets:
+                    if writeback:
+                        s, e = b.shard_range(max(g.rank, 0), g.size)
+                        self.shards[i][b.index].copy_(self._full[i][b.index][s - b.start:e - b.start])
+                    if not self._holders[i][b.index]:
+                        self._free(i, b.index)
+
+    def param_tensors(self) -> list[torch.Tensor]:
+        """Param storage alive now: shards and gathered buckets."""
+        return [t for row in self.shards for t in row] + [t for row in self._full for t in row if t is not None]
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()

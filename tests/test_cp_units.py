@@ -1,0 +1,134 @@
+"""Context parallelism: config errors before launch, the load balance of the ring's split, the
+ring's communication against the analytic count, and the activation memory per rank."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from paratron.config import Config, ConfigError, ModelConfig, validate
+from paratron.models.context_parallel import attention_flops_per_rank
+from paratron.models.gpt import build_model_chunks
+from paratron.parallel.context import ParallelContext
+from paratron.testing import run_ranks
+
+
+def _cfg(**kw) -> Config:
+    cfg = Config()
+    cfg.model.seq_length, cfg.model.num_attention_heads, cfg.model.hidden_size = 64, 4, 64
+    for key, value in kw.items():
+        section, name = key.split("__")
+        setattr(getattr(cfg, section), name, value)
+    return cfg
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(parallel__context=4, model__seq_length=36), ["model.seq_length=36", "2*parallel.context=8", "2C chunks"]),
+    (dict(parallel__context=8, parallel__context_algorithm="all2all", model__seq_length=36),
+     ["model.seq_length=36", "parallel.context=8"]),
+    (dict(parallel__context=2, parallel__tensor=4, parallel__context_algorithm="all2all"),
+     ["model.num_query_groups=4", "parallel.context*parallel.tensor = 2*4"]),
+    (dict(parallel__context=2, parallel__tensor=4, parallel__sequence_parallel=True, model__seq_length=12),
+     ["tokens per CP rank", "parallel.tensor=4"]),
+    (dict(parallel__context=2, model__attention_dropout=0.1), ["model.attention_dropout=0.1", "parallel.context"]),
+    (dict(data__reset_attention_mask=True, model__attention_dropout=0.1), ["data.reset_attention_mask"]),
+    (dict(parallel__context=2, parallel__context_algorithm="ulysses"), ["parallel.context_algorithm='ulysses'"]),
+])
+def test_config_errors_name_fields_and_rule(kw, words):
+    with pytest.raises(ConfigError) as e:
+        validate(_cfg(**kw))
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
+
+
+def test_cp_layouts_validate_and_info_shows_cp_groups():
+    validate(_cfg(parallel__context=4), 8)
+    validate(_cfg(parallel__context=2, parallel__context_algorithm="all2all", parallel__tensor=2), 8)
+    from paratron.training.info import _describe_grid
+
+    grid = _describe_grid(_cfg(parallel__context=2, parallel__tensor=2), 8)
+    assert grid["groups"]["cp"] == [[0, 2], [1, 3], [4, 6], [5, 7]] and grid["dp"] == 2
+
+
+def test_balanced_split_evens_attention_flops():
+    """C=4, counted by block as the ring runs them: the balanced split is within 1% across ranks
+    (here exactly even); the naive contiguous split gives the last rank 7x the first's work."""
+    for s in (64, 4096):
+        balanced = attention_flops_per_rank(s, 4, "ring", heads=4, head_dim=16)
+        assert max(balanced) / min(balanced) - 1 <= 0.01, balanced
+        naive = attention_flops_per_rank(s, 4, "naive", heads=4, head_dim=16)
+        assert max(naive) / min(naive) > 6, naive
+        assert sum(naive) == sum(balanced)  # the same causal work, only placed differently
+    docs = torch.tensor([[0, 10, 40, 64]])  # with packed documents the count is still by block
+    assert sum(attention_flops_per_rank(64, 2, "ring", cu_seqlens=docs)) < sum(attention_flops_per_rank(64, 2, "ring"))
+
+
+# ---- ledger and memory (4 ranks) ---------------------------------------------------------------
+
+def _model_cfg(seq: int) -> ModelConfig:
+    return ModelConfig(num_layers=2, hidden_size=16, num_attention_heads=4, num_query_groups=2, vocab_size=32,
+                       seq_length=seq, position_embedding_type="rope", make_vocab_size_divisible_by=8)
+
+
+def _ring_bytes(C: int):
+    """cp p2p bytes per layer, forward and backward, of a 2-layer model at s=32, b=2 (fp32)."""
+    ctx = ParallelContext.build(cp=C)
+    (model,) = build_model_chunks(_model_cfg(32), ctx, seed=1)
+    s_local = 32 // C
+    tokens = torch.randint(0, 32, (2, s_local), generator=torch.Generator().manual_seed(ctx.rank))
+    with ctx.ledger.recording():
+        losses = model(tokens, tokens)
+        fwd = ctx.ledger.total("send", "cp").bytes
+    with ctx.ledger.recording():
+        losses.sum().backward()
+        bwd = ctx.ledger.total("send", "cp").bytes
+    return fwd / 2, bwd / 2
+
+
+def _saved_attention_bytes(model, tokens) -> int:
+    """Bytes of the activations the attention of layer 0 keeps for backward (unique storages,
+    parameters excluded)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in params:
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    attention = model.layers["0"].attention
+    original = attention.forward
+
+    def recorded(*args, **kw):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            return original(*args, **kw)
+
+    attention.forward = recorded
+    model(tokens)
+    return sum(seen.values())
+
+
+def _memory(C: int, seq: int) -> int:
+    ctx = ParallelContext.build(cp=C) if C > 1 else ParallelContext.single()
+    (model,) = build_model_chunks(_model_cfg(seq), ctx, seed=1)
+    tokens = torch.randint(0, 32, (1, seq // C))
+    return _saved_attention_bytes(model, tokens)
+
+
+def _world4():
+    return {"bytes": {C: _ring_bytes(C) for C in (2, 4)}, "memory": _memory(4, 4096)}
+
+
+def test_ring_ledger_and_memory_world4():
+    """Ledger: per layer the ring sends 2(C-1) K/V blocks forward and 2(C-1) K/V + 2C dK/dV blocks
+    backward (ratio 1.00 to that count), C=2 (on 2 of the 4 ranks' groups) and C=4.
+    Memory: at s=4096 the attention's saved activations per rank at C=4 are <= 0.3x those at C=1."""
+    results = run_ranks(_world4, 4, timeout=300)
+    at_c1 = _memory(1, 4096)
+    for res in results:
+        for C, (fwd, bwd) in res["bytes"].items():
+            block = (32 // C) * 2 * 2 * 4 * 4  # [s/C, b, local kv heads, d] fp32
+            assert fwd / (2 * (C - 1) * block) == pytest.approx(1.0), (C, fwd)
+            assert bwd / ((2 * (C - 1) + 2 * C) * block) == pytest.approx(1.0), (C, bwd)
+        assert res["memory"] <= 0.3 * at_c1, (res["memory"], at_c1)
