@@ -58,6 +58,8 @@ class StepResult:
     loss_scale: float
     clip_coeff: float
     nonfinite: bool = False
+    read_along: list[float] | None = None
+    """The values of ``step(read_along=...)``, brought to the host in the step's one read."""
 
 
 @dataclass
@@ -233,9 +235,14 @@ class Optimizer:
         """Zero the main grads (DDP's buffers) and start a new step."""
         self.ddp.zero_grad_buffer()
 
-    def step(self) -> StepResult:
+    def step(self, read_along: torch.Tensor | None = None) -> StepResult:
         """Unscale, decide globally whether the grads are finite, clip, update, copy back (and
         all-gather); a non-finite step changes nothing but the fp16 loss scale.
+
+        The skip decision is the step's one device-to-host read (``[sum of squares, non-finite
+        flag]`` after their all-reduce). ``read_along``: other device scalars (e.g. the training
+        step's loss stats) to bring to the host in the same transfer, returned in
+        :attr:`StepResult.read_along`.
 
         Returns:
             :class:`StepResult`, identical on every rank.
@@ -257,19 +264,22 @@ class Optimizer:
             sums = torch.stack([g.sum() for g in self._grads])
             local[1] = (~torch.isfinite(sums)).any()
         self.ctx.world.all_reduce(local)
-        sumsq, flag = local.tolist()  # the step's one device-to-host sync: the skip decision
+        if read_along is not None:
+            local = torch.cat([local, read_along.detach().to(local.dtype).reshape(-1)])
+        sumsq, flag, *along = local.tolist()  # the step's one device-to-host sync
+        along = along if read_along is not None else None
         found_inf = flag > 0 or not math.isfinite(sumsq)
         grad_norm = math.sqrt(sumsq) if sumsq >= 0 else float("nan")
         at_min = not self.scaler.dynamic or self.scaler.scale <= self.scaler.min_scale
         self.scaler.update(found_inf)
         if found_inf:
-            return StepResult(True, grad_norm, self.scaler.scale, 1.0, nonfinite=at_min)
+            return StepResult(True, grad_norm, self.scaler.scale, 1.0, nonfinite=at_min, read_along=along)
 
         coeff = clip_coefficient(grad_norm, float(self.cfg.clip_grad))
         if coeff < 1.0 and self._grads:
             torch._foreach_mul_(self._grads, coeff)
         self._apply()
-        return StepResult(False, grad_norm, self.scaler.scale, coeff)
+        return StepResult(False, grad_norm, self.scaler.scale, coeff, read_along=along)
 
     def _apply(self) -> None:
         self.step_count += 1

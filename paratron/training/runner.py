@@ -120,7 +120,6 @@ def _train(cfg: Config, ctx, run_dir: Path) -> int:
     stop = StopFlag()
     stop.install()
     callbacks.on_train_start(state)
-    seq = cfg.model.seq_length
     gbs = cfg.train.global_batch_size
     timer = PhaseTimer(ctx.device)
     steplog = StepLog(cfg, ctx, writer, timer, flops_tok, peak, lambda line: _log(ctx, line))
@@ -136,17 +135,11 @@ def _train(cfg: Config, ctx, run_dir: Path) -> int:
                                          actions=actions, timer=timer, ddp=ddp)
             state.iteration += 1
             state.consumed_train_samples += gbs
-            steplog.add(state.iteration, state.consumed_train_samples * seq, out, result, lr,
-                        time.perf_counter() - t0)
-            evaluating = bool(cfg.train.eval_interval and state.iteration % cfg.train.eval_interval == 0)
+            steplog.record(state, callbacks, out, result, lr, time.perf_counter() - t0)
             saving = bool(cfg.checkpoint.interval and state.iteration % cfg.checkpoint.interval == 0)
-            if steplog.due(state.iteration) or evaluating or saving:
-                steplog.flush(state, callbacks)  # the log interval's one read of the step scalars
             if cfg.train.eval_interval and state.iteration % cfg.train.eval_interval == 0:
                 last_val = evaluate(cfg, ctx, chunks, data, state, writer, callbacks, actions)
             stop_now = agree_to_stop(ctx, stop.requested or state.should_stop)
-            if stop_now:
-                steplog.flush(state, callbacks)
             if ckpt is not None and (stop_now or saving):
                 save(ckpt, state, callbacks)
             if stop_now:
@@ -185,11 +178,11 @@ def train_step(cfg: Config, ctx, chunks, optimizer, scheduler, microbatches: lis
                actions: list | None = None, timer: PhaseTimer | None = None, ddp=None):
     """One optimizer step on one global batch: zero the grads, forward and backward of every
     microbatch through the schedule (grads finalized there, with ``ddp``), optimizer step, LR
-    step. One device-to-host read: the optimizer's skip decision (it brings the grad norm).
+    step. One device-to-host read in all: the optimizer's skip decision, which brings the grad
+    norm and this step's loss stats along.
 
     Returns:
-        ``(StepOutput, StepResult, lr)``: the loss stats stay on the device until the log reads
-        them; ``lr`` is the rate this step used.
+        ``(StepOutput, StepResult, lr)`` with host values; ``lr`` is the rate this step used.
     """
     timer = timer or PhaseTimer(ctx.device)
     optimizer.zero_grad()
@@ -198,7 +191,8 @@ def train_step(cfg: Config, ctx, chunks, optimizer, scheduler, microbatches: lis
                                loss_scale=optimizer.loss_scale, actions=actions, ddp=ddp)
     lr = scheduler_lr(scheduler, optimizer)
     with timer.phase("optimizer"):
-        result = optimizer.step()
+        result = optimizer.step(read_along=out.stats)  # the loss stats ride on its one read
+    out.values_from(result.read_along)
     scheduler.step()
     timer.end_step()
     return out, result, lr

@@ -1,9 +1,11 @@
 """Per-phase step timings that do not make the host wait for the device.
 
-On a GPU each phase is bracketed by two CUDA events recorded on the current stream; the elapsed
-times are read only when asked (:meth:`PhaseTimer.read`, once per log interval), when the events
-have long completed, so timing adds no host-device synchronisation to the step. On the CPU the
-work is synchronous anyway and ``time.perf_counter`` measures it.
+Each phase is timed twice: on the host (``time.perf_counter``: what the training loop spent,
+known at once, given to the callbacks each step) and, on a GPU, by two CUDA events recorded on
+the current stream (what the device spent). The events are read only when asked
+(:meth:`PhaseTimer.read`, once per log interval), when they have long completed, so timing adds
+no host-device synchronisation to the step. On the CPU the work is synchronous and the host
+times are the device times.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import torch
 
 
 class PhaseTimer:
-    """Seconds per named phase, per step, kept until :meth:`read`.
+    """Seconds per named phase, per step.
 
     Args:
         device: the training device; CUDA events when its type is ``cuda``.
@@ -23,41 +25,44 @@ class PhaseTimer:
 
     def __init__(self, device: torch.device) -> None:
         self.uses_events = torch.device(device).type == "cuda"
-        self._current: dict[str, list] = {}
-        self._steps: list[dict[str, list]] = []
+        self._host: dict[str, float] = {}
+        self._events: dict[str, list] = {}
+        self._steps: list[dict] = []
+        self.last_host: dict[str, float] = {}
+        """Host seconds per phase of the last closed step."""
 
     @contextmanager
     def phase(self, name: str):
         """Time the ``with`` block as ``name`` in the current step (repeats add up)."""
+        pair = None
         if self.uses_events:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            try:
-                yield
-            finally:
-                end.record()
-                self._current.setdefault(name, []).append((start, end))
-        else:
-            t0 = time.perf_counter()
-            try:
-                yield
-            finally:
-                self._current.setdefault(name, []).append(time.perf_counter() - t0)
+            pair = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            pair[0].record()
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._host[name] = self._host.get(name, 0.0) + time.perf_counter() - t0
+            if pair is not None:
+                pair[1].record()
+                self._events.setdefault(name, []).append(pair)
 
     def end_step(self) -> None:
         """Close the current step's phases (the next :meth:`phase` starts a new step)."""
-        self._steps.append(self._current)
-        self._current = {}
+        self.last_host = self._host
+        self._steps.append(self._events if self.uses_events else dict(self._host))
+        self._host, self._events = {}, {}
 
     def read(self) -> list[dict[str, float]]:
-        """Seconds per phase of every step closed since the last read, oldest first (waits for
-        the last event on a GPU), then forgets them."""
+        """Device seconds per phase of every step closed since the last read, oldest first
+        (waits for the last event on a GPU; the host times on the CPU), then forgets them."""
         out = []
         for step in self._steps:
             if self.uses_events:
-                out.append({n: sum(s.elapsed_time(e) for s, e in ev) / 1e3
-                            for n, ev in step.items() if not ev[-1][1].synchronize()})
+                for pairs in step.values():
+                    pairs[-1][1].synchronize()
+                out.append({n: sum(s.elapsed_time(e) for s, e in pairs) / 1e3 for n, pairs in step.items()})
             else:
-                out.append({n: float(sum(v)) for n, v in step.items()})
+                out.append(step)
         self._steps = []
         return out
