@@ -1,5 +1,5 @@
-"""Checkpoint save/load throughput against a raw numpy write of the same bytes, and the training
-stall of an async save against a sync save.
+"""Checkpoint save/load throughput against a raw numpy write of the same bytes, the training
+stall of an async save against a sync save, and the cost of the per-file checksums.
 
     .venv/bin/python benchmarks/bench_checkpoint.py [--mb 200] [--repeats 3] [--dir /tmp]
 
@@ -16,6 +16,10 @@ Save = ``CheckpointManager.save`` (DCP files with fsync, manifest, rename, ``lat
 bytes (all on one rank; a quarter on each of 4 ranks, in the replicated case every 4th tensor)
 with ``ndarray.tofile`` + fsync, and reads them back with ``np.fromfile``. Reads hit the page
 cache on both sides. GB/s = state bytes / seconds; median of ``--repeats`` runs, slowest rank.
+
+Checksums (:mod:`paratron.checkpoint.integrity`): the same 1-rank save and load with the CRC-32
+of every file computed and verified, against the same code with checksumming switched off,
+alternating in one loop; and zlib's CRC-32 speed over the state bytes in memory.
 """
 
 from __future__ import annotations
@@ -149,6 +153,31 @@ def stall(workdir: Path, mb: float, repeats: int) -> dict:
     return {k: statistics.median(v) for k, v in out.items()}
 
 
+def checksum_cost(workdir: Path, mb: float, repeats: int) -> dict:
+    """Median 1-rank save and load seconds with and without the checksums, alternating."""
+    import zlib
+
+    from paratron.checkpoint import integrity
+
+    ctx = ParallelContext.single()
+    m = state_module(mb, 1, 0)
+    real = (integrity.checksum_files, integrity.verify_files, integrity.check_manifest)
+    off = (lambda d, names: {n: ["0" * 8, 0] for n in names}, lambda *a: None, lambda *a: None)
+    out: dict[str, list] = {"save_on": [], "save_off": [], "load_on": [], "load_off": [], "crc": []}
+    for i in range(repeats):
+        for mode, funcs in (("on", real), ("off", off)):
+            integrity.checksum_files, integrity.verify_files, integrity.check_manifest = funcs
+            r = measure(ctx, m, workdir, f"crc-{mode}-{i}", 1)
+            out[f"save_{mode}"].append(r["save"])
+            out[f"load_{mode}"].append(r["load"])
+        integrity.checksum_files, integrity.verify_files, integrity.check_manifest = real
+        t0 = time.perf_counter()
+        for p in m.parameters():
+            zlib.crc32(p.detach().numpy().data)
+        out["crc"].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in out.items()}
+
+
 def main(args) -> None:
     torch.set_num_threads(1)
     workdir = Path(tempfile.mkdtemp(prefix="bench-ckpt-", dir=args.dir))
@@ -177,6 +206,13 @@ def main(args) -> None:
         print(f"async stall / sync stall: **{s['async'] / s['sync']:.2f}**; a compute step takes "
               f"{s['step_idle'] * 1e3:.1f} ms idle, {s['step_during'] * 1e3:.1f} ms while the async write runs "
               f"({s['step_during'] / s['step_idle']:.2f}x)")
+        c = checksum_cost(workdir, args.mb, args.repeats)
+        print()
+        print("| 1 rank | with checksums (s) | without (s) | ratio |")
+        print("|---|---|---|---|")
+        for op in ("save", "load"):
+            print(f"| {op} | {c[op + '_on']:.3f} | {c[op + '_off']:.3f} | **{c[op + '_on'] / c[op + '_off']:.2f}** |")
+        print(f"zlib CRC-32 over the state in memory: {total / c['crc']:.2f} GB/s")
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 

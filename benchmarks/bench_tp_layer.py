@@ -1,4 +1,7 @@
-"""fp32 forward+backward of one transformer layer at TP=2: paratron against megatron-core.
+"""fp32 forward+backward of one transformer layer at TP=2: paratron against megatron-core
+(``--compare megatron``, the default), or paratron's SwiGLU MLP with the fused ``[gate; up]``
+column-parallel weight against the same MLP with two separate gate and up linears
+(``--compare gate-up``, sequence parallelism on: counts the all-gathers too).
 
 Both layers are the same pre-norm block (LayerNorm, fused QKV column-parallel linear, causal
 SDPA on the local heads, row-parallel output projection, LayerNorm, column fc1, GELU, row fc2),
@@ -12,7 +15,8 @@ megatron-core allocates SP buffers with ``torch.cuda.current_device()``; on a CP
 script points that at ``"cpu"`` (benchmark only) so that the SP path can run too.
 
 Usage: .venv/bin/python benchmarks/bench_tp_layer.py [--seq 256 --batch 4 --hidden 512 --iters 20]
-Needs: pip install megatron-core --no-deps (torch stays pinned).
+       .venv/bin/python benchmarks/bench_tp_layer.py --compare gate-up
+Needs (``--compare megatron`` only): pip install megatron-core --no-deps (torch stays pinned).
 """
 
 from __future__ import annotations
@@ -152,6 +156,63 @@ def _bench_rank(args_dict):
     return out
 
 
+class _SeparateGateUp(nn.Module):
+    """The SwiGLU MLP as paratron built it before the fusion: gate and up as two column-parallel
+    linears (each all-gathers the sequence-parallel input), then the row-parallel fc2."""
+
+    def __init__(self, ctx, h, ffn):
+        super().__init__()
+        col = lambda n: ColumnParallelLinear(h, ffn, ctx, logical_name=n, seed=1, sequence_parallel=True)  # noqa: E731
+        self.gate, self.up = col("gate"), col("up")
+        self.fc2 = RowParallelLinear(ffn, h, ctx, logical_name="fc2", seed=1, sequence_parallel=True)
+
+    def forward(self, x):
+        return self.fc2(nn.functional.silu(self.gate(x)) * self.up(x))
+
+
+def _gate_up_rank(args_dict):
+    from paratron.config import ModelConfig
+    from paratron.models.mlp import MLP
+
+    args = argparse.Namespace(**args_dict)
+    ctx = ParallelContext.build(tp=args.tp)
+    cfg = ModelConfig(hidden_size=args.hidden, activation="swiglu", add_bias_linear=True, vocab_size=8)
+    models = {"separate": _SeparateGateUp(ctx, args.hidden, args.ffn),
+              "fused": MLP(cfg, ctx, logical_name="mlp", ffn=args.ffn, seed=1, sequence_parallel=True,
+                           params_dtype=torch.float32)}
+    x = torch.randn(args.seq // args.tp, args.batch, args.hidden)
+    out = {"gathers": {}, "times": {k: [] for k in models}}
+
+    def step(name):
+        xi = x.clone().requires_grad_(True)
+        models[name](xi).sum().backward()
+        allreduce_sequence_parallel_grads(models[name].parameters(), ctx)
+        models[name].zero_grad(set_to_none=True)
+
+    for name in models:
+        with ctx.ledger.recording():
+            step(name)
+            out["gathers"][name] = ctx.ledger.total("all_gather", "tp").calls
+    for i in range(args.warmup + args.iters):
+        for name in (("separate", "fused") if i % 2 == 0 else ("fused", "separate")):
+            ctx.tp.barrier()
+            t0 = time.perf_counter()
+            step(name)
+            if i >= args.warmup:
+                out["times"][name].append(time.perf_counter() - t0)
+    return out
+
+
+def _report_gate_up(args, res) -> None:
+    print(f"SwiGLU MLP fwd+bwd, fp32, TP={args.tp} with SP, s={args.seq} b={args.batch} h={args.hidden} "
+          f"ffn={args.ffn}, {args.iters} iters, per rank, slower rank:")
+    for name in ("separate", "fused"):
+        med = max(statistics.median(r["times"][name]) for r in res)
+        print(f"  {name:8s} gate/up: all-gathers per step {res[0]['gathers'][name]}, median {med * 1e3:8.2f} ms")
+    paired = statistics.median([f / s for r in res for f, s in zip(r["times"]["fused"], r["times"]["separate"])])
+    print(f"  fused / separate: median of per-iteration ratios (both ranks) {paired:.3f}")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seq", type=int, default=256)
@@ -164,8 +225,12 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--sp", choices=("both", "off", "on"), default="both",
                    help="sequence parallelism modes to run (megatron-core needs TP > 1 for SP)")
+    p.add_argument("--compare", choices=("megatron", "gate-up"), default="megatron")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
+    if args.compare == "gate-up":
+        _report_gate_up(args, run_ranks(_gate_up_rank, args.tp, vars(args), timeout=1800))
+        return 0
     res = run_ranks(_bench_rank, args.tp, vars(args), timeout=1800)
     print(f"one transformer layer fwd+bwd, fp32, TP={args.tp}, s={args.seq} b={args.batch} "
           f"h={args.hidden} ffn={args.ffn}, {args.iters} iters, per rank, slower rank (ms):")

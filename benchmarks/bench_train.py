@@ -51,7 +51,8 @@ def step_overhead(rounds: int, steps: int) -> dict:
     from paratron.models.gpt import gather_full_state
     from paratron.config.model_shape import ffn_size, query_groups
     from paratron.parallel.context import ParallelContext
-    from paratron.training.runner import build_model_and_optimizer, train_step
+    from paratron.training.runner import build_model_and_optimizer
+    from paratron.training.trainer import train_batch
 
     cfg = load_config(ROOT / "configs/default.toml", ["parallel.tensor=1", "parallel.pipeline=1",
                                                        "parallel.sequence_parallel=false", "model.vocab_size=8192",
@@ -70,7 +71,7 @@ def step_overhead(rounds: int, steps: int) -> dict:
            for _ in range(m)]
 
     def paratron_step():  # the training loop's whole step (zero grads, schedule, finalize, update, LR)
-        train_step(cfg, ctx, chunks, opt, sched, mbs, ddp=ddp)
+        train_batch(cfg, ctx, chunks, ddp, opt, sched, mbs)
 
     def ref_step():
         ref_opt.zero_grad()

@@ -74,7 +74,7 @@ def _fsdp_bytes(model, opt) -> int:
 
 
 def _rank(args):
-    from paratron.optim import DistributedDataParallel, build_optimizer
+    from paratron.optim import DistributedDataParallel, build_optimizer, finalize_grads
     from paratron.optim.zero import storage_bytes
     from paratron.parallel.context import ParallelContext
 
@@ -102,6 +102,7 @@ def _rank(args):
             # paratron sums grads over DP, FSDP2 averages them: the same global token mean.
             (loss / (m * dp) if kind == "paratron" else loss / m).backward()
         if kind == "paratron":
+            finalize_grads([model], ctx, opt.ddp)
             opt.step()
         else:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad)

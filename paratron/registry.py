@@ -1,6 +1,6 @@
 """One registry type for everything the config selects by name: pipeline schedules
 (``parallel.schedule``), MoE token dispatchers (``model.moe_token_dispatcher``) and transformer
-blocks (``model.block``). Plugins add entries at import time (DESIGN.md principle 7).
+blocks (``model.block``). Plugins add entries at import time (docs/DESIGN.md principle 7).
 
 Registries are the one deliberate kind of module-level mutable state: each default registry is
 a module constant that plugins extend.

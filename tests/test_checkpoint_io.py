@@ -104,17 +104,28 @@ class _Payload:
         return (os.system, (f"touch {self.marker}",))
 
 
+def _reseal(directory, keep_sha256=False):
+    """Rewrite a checkpoint's manifest to match its (tampered) files: hash, checksums, own crc,
+    so that only the loaders' refusal to unpickle stands between the files and a load."""
+    import json
+
+    from paratron.checkpoint import integrity
+    from paratron.checkpoint.safety import file_sha256
+
+    man = json.loads((directory / MANIFEST).read_text())
+    if not keep_sha256:
+        man["metadata_sha256"] = file_sha256(directory / METADATA_FILE)
+    man["checksums"] = integrity.checksum_files(directory, man["checksums"])
+    (directory / MANIFEST).write_bytes(integrity.seal_manifest(man))
+
+
 def test_crafted_metadata_pickle_is_refused_without_running(tmp_path):
     save_model_full(tmp_path / "ck", Config(), _tensors())
     marker = tmp_path / "pwned"
     md = tmp_path / "ck" / METADATA_FILE
     md.write_bytes(pickle.dumps(_Payload(marker)))
-    # Even with the manifest's hash updated to match, the payload is refused before it runs.
-    import json
-    from paratron.checkpoint.safety import file_sha256
-    man = json.loads((tmp_path / "ck" / MANIFEST).read_text())
-    man["metadata_sha256"] = file_sha256(md)
-    (tmp_path / "ck" / MANIFEST).write_text(json.dumps(man))
+    # Even with the manifest's hash and checksums updated to match, the payload is refused before it runs.
+    _reseal(tmp_path / "ck")
     with pytest.raises(CheckpointError, match="posix.system|os.system"):
         load_model_full(tmp_path / "ck")
     assert not marker.exists()
@@ -124,6 +135,9 @@ def test_swapped_metadata_is_refused_by_hash(tmp_path):
     save_model_full(tmp_path / "a", Config(), _tensors())
     save_model_full(tmp_path / "b", Config(), {"w": torch.zeros(3)})
     shutil.copy(tmp_path / "b" / METADATA_FILE, tmp_path / "a" / METADATA_FILE)
+    with pytest.raises(CheckpointError, match=r"\.metadata: (truncated|checksum mismatch)"):
+        load_model_full(tmp_path / "a")
+    _reseal(tmp_path / "a", keep_sha256=True)  # checksums made to match: the sha256 still refuses it
     with pytest.raises(CheckpointError, match="sha256"):
         load_model_full(tmp_path / "a")
 
@@ -142,9 +156,8 @@ def test_crafted_tensor_payload_is_refused(tmp_path):
     """A tensor record replaced by a pickle naming os.system, with the metadata and the manifest
     rewritten to match it, is refused by the weights-only tensor reader without running."""
     import dataclasses
-    import json
 
-    from paratron.checkpoint.safety import file_sha256, read_metadata_safely
+    from paratron.checkpoint.safety import read_metadata_safely
 
     save_model_full(tmp_path / "ck", Config(), {"w": torch.zeros(3)})
     marker = tmp_path / "pwned"
@@ -155,9 +168,7 @@ def test_crafted_tensor_payload_is_refused(tmp_path):
     md.storage_data = {k: dataclasses.replace(v, offset=0, length=data.stat().st_size)
                        for k, v in md.storage_data.items()}
     md_path.write_bytes(pickle.dumps(md))
-    man = json.loads((tmp_path / "ck" / MANIFEST).read_text())
-    man["metadata_sha256"] = file_sha256(md_path)
-    (tmp_path / "ck" / MANIFEST).write_text(json.dumps(man))
+    _reseal(tmp_path / "ck")
     with pytest.raises(CheckpointError, match="reading the tensors failed.*[Ww]eights only"):
         load_model_full(tmp_path / "ck")
     assert not marker.exists()

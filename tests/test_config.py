@@ -24,7 +24,7 @@ def test_overrides_are_typed_by_field():
 
 
 def test_overrides_parse_as_toml_values():
-    """Issue 19: ``--set key=[1,2,3]``, ``key="text"`` and ``key=true`` read as TOML values; the
+    """``--set key=[1,2,3]``, ``key="text"`` and ``key=true`` read as TOML values; the
     older forms (``1,2,3``, bare words) keep working."""
     cfg = cfg_with("parallel.pipeline_layout=[2,0,3,3]", "data.data_path=[\"a\", \"0.5\", \"b\"]",
                    "train.sample_prompt=\"KING: \"", "parallel.sequence_parallel=true",

@@ -3,7 +3,7 @@ GPT-2-style MoE (learned positions, 4 experts top-2, dropless) trained for 3 Ada
 the real stack (model chunks, DDP / ZeRO-1, the pipeline runtime, the training step, the data
 loader's CP split), for both ``parallel.context_algorithm`` values.
 
-Layouts: CP=2 and CP=4 alone; CP=2 with TP=2 + SP, with PP=2 (1F1B and interleaved), with DP=2 +
+Layouts: CP=2 (also with activation recompute) and CP=4 alone; CP=2 with TP=2 + SP, with PP=2 (1F1B and interleaved), with DP=2 +
 ZeRO-1, and with the MoE at EP=2. The losses, grad norms and params after 3 steps match one process
 (SDPA attention, whole sequences) to 1e-5 relative (fp32; Adam eps 1e-5, see ``_config``).
 """
@@ -21,7 +21,7 @@ GBS, SEQ, VOCAB, STEPS = 4, 16, 32, 3
 
 
 def _config(*, cp=1, algorithm="ring", tp=1, sp=False, pp=1, schedule="1f1b", v=1, zero=0, moe=False, ep=1,
-            world=1) -> Config:
+            recompute="none", world=1) -> Config:
     cfg = Config()
     m, p, t, o = cfg.model, cfg.parallel, cfg.train, cfg.optimizer
     m.num_layers, m.vocab_size, m.seq_length, m.make_vocab_size_divisible_by = 4, VOCAB, SEQ, 8
@@ -32,6 +32,7 @@ def _config(*, cp=1, algorithm="ring", tp=1, sp=False, pp=1, schedule="1f1b", v=
         m.hidden_size, m.num_attention_heads, m.num_query_groups = 32, 8, 4
         m.normalization, m.position_embedding_type, m.activation = "rmsnorm", "rope", "swiglu"
         m.add_bias_linear, m.tie_embeddings = False, False
+    m.recompute = recompute
     p.context, p.context_algorithm, p.tensor, p.sequence_parallel = cp, algorithm, tp, sp
     p.pipeline, p.schedule, p.virtual_pipeline, p.zero, p.expert = pp, schedule, v, zero, ep
     p.bucket_size_mb = 0.001
@@ -111,7 +112,8 @@ def _check(results, layouts):
 
 
 BOTH = ("ring", "all2all")
-WORLD2 = [dict(cp=2, algorithm=a) for a in BOTH]
+WORLD2 = [dict(cp=2, algorithm=a) for a in BOTH] + [
+    dict(cp=2, algorithm="ring", recompute="full"), dict(cp=2, algorithm="all2all", recompute="selective")]
 WORLD4 = [dict(cp=4, algorithm=a) for a in BOTH] + [
     kw | dict(cp=2, algorithm=a) for a in BOTH for kw in (
         dict(tp=2, sp=True),
@@ -123,7 +125,8 @@ WORLD4 = [dict(cp=4, algorithm=a) for a in BOTH] + [
 
 
 def test_cp2_alone():
-    """CP=2 (ring and all2all) on 2 ranks: 3 AdamW steps match one process to 1e-5."""
+    """CP=2 (ring and all2all, also under full / selective recompute) on 2 ranks: 3 AdamW steps
+    match one process to 1e-5."""
     _check(run_ranks(_rank, 2, WORLD2, 2, timeout=300), WORLD2)
 
 

@@ -12,14 +12,11 @@ from paratron.models.gpt import build_model_chunks
 from paratron.parallel.context import ParallelContext
 from paratron.testing import run_ranks
 
+from helpers import config_with
+
 
 def _cfg(**kw) -> Config:
-    cfg = Config()
-    cfg.model.seq_length, cfg.model.num_attention_heads, cfg.model.hidden_size = 64, 4, 64
-    for key, value in kw.items():
-        section, name = key.split("__")
-        setattr(getattr(cfg, section), name, value)
-    return cfg
+    return config_with(**{"model__seq_length": 64, "model__num_attention_heads": 4, "model__hidden_size": 64, **kw})
 
 
 @pytest.mark.parametrize("kw, words", [
@@ -132,3 +129,26 @@ def test_ring_ledger_and_memory_world4():
             assert fwd / (2 * (C - 1) * block) == pytest.approx(1.0), (C, fwd)
             assert bwd / ((2 * (C - 1) + 2 * C) * block) == pytest.approx(1.0), (C, bwd)
         assert res["memory"] <= 0.3 * at_c1, (res["memory"], at_c1)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_fused_block_kernels_match_the_math(causal):
+    """The CPU flash kernels (forward with log-sum-exp, backward from the final out/lse) give the
+    plain fp32 formulas of :mod:`paratron.models.context_parallel.kernels`, GQA included, to 1e-5."""
+    from paratron.models.context_parallel import kernels as K
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(12, 2, 4, 8, generator=g)
+    k, v = torch.randn(12, 2, 2, 8, generator=g), torch.randn(12, 2, 2, 8, generator=g)
+    out, lse = K.block_forward(q, k, v, causal, 0.3)
+    ref_out, ref_lse = K.block_forward_math(q, k, v, causal, 0.3)
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-6)
+    dout = torch.randn(12, 2, 4, 8, generator=g)
+    # As a block of a longer row: a final out/lse that also saw other keys.
+    final_lse = torch.logaddexp(lse, torch.randn(12, 2, 4, generator=g))
+    final_out = out * torch.exp(lse - final_lse).unsqueeze(-1)
+    got = K.block_backward(q, k, v, final_out, final_lse, dout, causal, 0.3)
+    want = K.block_backward_math(q, k, v, final_lse, dout, (dout * final_out).sum(-1), causal, 0.3)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

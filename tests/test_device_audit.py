@@ -60,23 +60,14 @@ def _sanction_host_traffic(audit: DeviceAudit) -> None:
         setattr(Group, name, wrapped)
 
 
-class _NullWriter:
-    def write(self, record):
-        pass
-
-
-class _NullCallbacks:
-    def on_step_end(self, state, record, timings):
-        pass
-
-
 def _rank_step(precision: str, moe: bool, steps: int, tp: int = 2, pp: int = 2):
     from types import SimpleNamespace
 
     from paratron.parallel.context import ParallelContext
-    from paratron.training.runner import agree_to_stop, build_model_and_optimizer, train_step
+    from paratron.training.setup import build_model_and_optimizer
     from paratron.training.step_log import StepLog
     from paratron.training.timers import PhaseTimer
+    from paratron.training.trainer import agree_to_stop, train_batch
 
     audit = DeviceAudit()
     _sanction_host_traffic(audit)
@@ -87,20 +78,21 @@ def _rank_step(precision: str, moe: bool, steps: int, tp: int = 2, pp: int = 2):
         chunks, ddp, opt, sched = build_model_and_optimizer(cfg, ctx)
         assert all(isinstance(p, AuditTensor) for c in chunks for p in c.parameters())
         timer = PhaseTimer(ctx.device)
-        log = StepLog(cfg, ctx, _NullWriter(), timer, 1.0, float("nan"), lambda line: None)
-        state = SimpleNamespace(metrics=[], iteration=0, consumed_train_samples=0)
-        per_step, log_syncs = [], []
+        log = StepLog(cfg, ctx, float("nan"), "test", timer=timer)
+        state = SimpleNamespace(iteration=0, consumed_train_samples=0)
+        per_step, log_syncs, records = [], [], []
         for step in range(steps):
             audit.syncs, audit.sync_ops = 0, []
-            out, result, lr = train_step(cfg, ctx, chunks, opt, sched, _microbatches(cfg, ctx, step),
-                                         timer=timer, ddp=ddp)
+            out, result, lr = train_batch(cfg, ctx, chunks, ddp, opt, sched, _microbatches(cfg, ctx, step),
+                                          timer=timer)
             agree_to_stop(ctx, False)
             per_step.append((audit.syncs, list(audit.sync_ops)))
             audit.syncs, audit.sync_ops = 0, []
             state.iteration += 1
-            log.record(state, _NullCallbacks(), out, result, lr, 1.0)  # record and console line
+            records.append(log.record(state, out, result, lr, 1.0))  # the record and console line
+            log.console(records[-1])
             log_syncs += audit.sync_ops
-    return {"per_step": per_step, "logged": state.metrics, "log_syncs": log_syncs,
+    return {"per_step": per_step, "logged": records, "log_syncs": log_syncs,
             "host_collectives": [c for c in audit.collectives if c[1] == "host"]}
 
 

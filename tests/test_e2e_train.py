@@ -56,9 +56,11 @@ LAYOUTS = {
     "pp2_1f1b": (["parallel.pipeline=2", "parallel.schedule=1f1b"], 2),
     "pp2_interleaved": (["parallel.pipeline=2", "parallel.schedule=interleaved", "parallel.virtual_pipeline=2"], 2),
     "dp2_zero1": (["parallel.zero=1"], 2),
+    "tp2_dp2_sp_zero3": (["parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.zero=3"], 4),
     "tp2_pp2": (["parallel.tensor=2", "parallel.pipeline=2"], 4),
     "tp2_dp2_sp": (["parallel.tensor=2", "parallel.sequence_parallel=true"], 4),
     "pp2_zbv": (["parallel.pipeline=2", "parallel.schedule=zbv", "parallel.virtual_pipeline=2"], 2),
+    "cp2_ring": (["parallel.context=2"], 2),
 }
 
 

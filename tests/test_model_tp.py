@@ -16,6 +16,8 @@ from paratron.parallel.grads import allreduce_sequence_parallel_grads
 from paratron.parallel.params import gather_full
 from paratron.testing import run_ranks
 
+from helpers import perturb_1d_params_
+
 TOL = 1e-5
 SEQ, BATCH, VOCAB = 8, 2, 61
 
@@ -40,23 +42,11 @@ def _batch():
     return ids, labels
 
 
-def _perturb_(chunks, seed=11):
-    """Norm weights start at 1 and biases at 0 on every layout; perturb them (by name, so every
-    layout gets the same values) so that their grads and the bias paths are exercised."""
-    for chunk in chunks:
-        for p in chunk.parameters():
-            if p.dim() == 1:
-                g = torch.Generator().manual_seed(seed + sum(map(ord, p.logical_name)))
-                full = 0.1 * torch.randn(p.shard.global_shape, generator=g)
-                with torch.no_grad():
-                    p.add_(full[p.shard.slices()])
-
-
 def _run(kind: str, tp: int, sp: bool):
     cfg = _cfg(kind)
     ctx = ParallelContext.single() if tp == 1 else ParallelContext.build(tp=tp)
     chunks = build_model_chunks(cfg, ctx, seed=5, sequence_parallel=sp)
-    _perturb_(chunks)
+    perturb_1d_params_(chunks)
     (model,) = chunks
     ids, labels = _batch()
     losses = model(ids, labels)

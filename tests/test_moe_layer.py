@@ -20,6 +20,8 @@ from paratron.parallel.grads import allreduce_sequence_parallel_grads
 from paratron.parallel.params import load_full_
 from paratron.testing import run_ranks
 
+from helpers import config_with
+
 SEED = 1234
 S, B, H = 8, 2, 16  # sequence, per-microbatch batch, hidden
 TOL = dict(rtol=1e-5, atol=1e-6)
@@ -370,15 +372,10 @@ def test_flops_count_active_experts_only():
 
 def test_config_rules_checked_before_any_group():
     """MoE config rules fail in ``validate`` (before process groups), naming field and rule."""
-    from paratron.config import Config, ConfigError, validate
+    from paratron.config import ConfigError, validate
 
     def cfg(**kw):
-        c = Config()
-        c.model.num_experts = 4
-        for k, v in kw.items():
-            section, key = k.split("__")
-            setattr(getattr(c, section), key, v)
-        return c
+        return config_with(model__num_experts=4, **kw)
 
     with pytest.raises(ConfigError, match="moe_pad_to_capacity"):
         validate(cfg(model__moe_pad_to_capacity=True))

@@ -78,3 +78,39 @@ def test_seq_aux_loss_is_layout_and_microbatch_free():
             assert abs(value - ref_value) <= 1e-5 * abs(ref_value), f"packed={packed} {where}: {value} vs {ref_value}"
             torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-6,
                                        msg=lambda m: f"packed={packed} {where}: router grad: {m}")
+
+
+def _step_router_grad(mbs: int, cp: int = 1):
+    """Router grad of one training step (``run_global_batch``: LM loss + seq aux loss)."""
+    from paratron.config import Config, validate
+    from paratron.training.data_iter import microbatch_preparer
+    from paratron.training.runner import build_model_and_optimizer
+    from paratron.training.step import run_global_batch
+
+    cfg = Config()
+    cfg.model, cfg.data.reset_attention_mask = _cfg(), True
+    cfg.parallel.context = cp
+    cfg.train.micro_batch_size, cfg.train.global_batch_size = mbs, GBS
+    cfg = validate(cfg, cp)
+    ctx = ParallelContext.build(cp=cp) if cp > 1 else ParallelContext.single()
+    chunks, ddp, opt, _ = build_model_and_optimizer(cfg, ctx)
+    prepare = microbatch_preparer(cfg, ctx, EOD)
+    full = _batch(packed=True)  # only its tokens and labels: the preparer finds the documents
+    micro = [prepare({"tokens": full["tokens"][i:i + mbs], "labels": full["labels"][i:i + mbs]})
+             for i in range(0, GBS, mbs)]
+    opt.zero_grad()
+    run_global_batch(cfg, ctx, chunks, micro, forward_only=False, ddp=ddp)
+    (layer,) = moe_layers(chunks[0])
+    return layer.router.weight.main_grad.clone()  # final: summed over DP x CP by the step
+
+
+def _step_rank():
+    return _step_router_grad(3, cp=2)
+
+
+def test_training_step_scales_seq_aux_by_global_sequences():
+    """Through the training step (packed documents found by the data loader): micro-batch sizes 1
+    and 3, and CP=2, give the same router grads to 1e-5."""
+    ref = _step_router_grad(1)
+    torch.testing.assert_close(_step_router_grad(3), ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(run_ranks(_step_rank, 2, timeout=120)[0], ref, rtol=1e-5, atol=1e-6)

@@ -73,7 +73,7 @@ def test_lr_bad_input_names_the_field():
 
 
 def test_lr_warmup_longer_than_the_run_keeps_rising():
-    """Issue 19: a smoke run shorter than the config's warmup is allowed (as in Megatron-LM):
+    """A smoke run shorter than the config's warmup is allowed (as in Megatron-LM):
     the lr rises linearly for the whole run and never reaches the peak or decays."""
     s = build_lr_scheduler(OptimizerConfig(lr=3.0, min_lr=0.0, lr_warmup_iters=30), 4)
     lrs = [s.lr_at(n) for n in range(4)]

@@ -25,15 +25,16 @@ from paratron.pipeline.timeline import write_chrome_trace
 from paratron.pipeline.validate import validate
 from paratron.testing import run_ranks
 
+from helpers import gpt2_config, perturb_1d_params_
+
 TOL = 1e-5
 SEQ, GLOBAL_BATCH, VOCAB, HIDDEN, LAYERS = 8, 8, 37, 16, 8
 SEED = 3
 
 
 def _cfg(num_layers=LAYERS) -> ModelConfig:
-    return ModelConfig(num_layers=num_layers, hidden_size=HIDDEN, num_attention_heads=2, vocab_size=VOCAB,
-                       seq_length=SEQ, normalization="layernorm", position_embedding_type="learned",
-                       activation="gelu", add_bias_linear=True, tie_embeddings=True)
+    return gpt2_config(num_layers=num_layers, hidden_size=HIDDEN, num_attention_heads=2, vocab_size=VOCAB,
+                       seq_length=SEQ)
 
 
 def _global_batch(step=0):
@@ -42,17 +43,6 @@ def _global_batch(step=0):
     labels = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=g)
     labels[0, :3] = -100
     return ids, labels
-
-
-def _perturb_(chunks):
-    """Norm weights start at 1 and biases at 0; perturb them by name so that all layouts agree and
-    their grads are exercised."""
-    for chunk in chunks:
-        for p in chunk.parameters():
-            if p.dim() == 1:
-                g = torch.Generator().manual_seed(11 + sum(map(ord, p.logical_name)))
-                with torch.no_grad():
-                    p.add_(0.1 * torch.randn(p.shard.global_shape, generator=g)[p.shard.slices()])
 
 
 def _forward_step(total_tokens):
@@ -67,7 +57,7 @@ def _reference(num_layers=LAYERS, steps=1, lr=0.0):
     """One process, whole global batch: per-microbatch-agnostic per-token losses, grads by name."""
     ctx = ParallelContext.single()
     (model,) = build_model_chunks(_cfg(num_layers), ctx, seed=SEED)
-    _perturb_([model])
+    perturb_1d_params_([model])
     history = []
     for step in range(steps):
         ids, labels = _global_batch(step)
@@ -95,7 +85,7 @@ def _pipeline_step(ctx, chunks, schedule, m, v, step=0, forward_only=False, time
 def _build(ctx, schedule, v, layout=None, num_layers=LAYERS):
     layers = stage_layers(num_layers, ctx.pp.size, v, layout, schedule)
     chunks = build_model_chunks(_cfg(num_layers), ctx, seed=SEED, stage_layers=layers)
-    _perturb_(chunks)
+    perturb_1d_params_(chunks)
     return chunks
 
 

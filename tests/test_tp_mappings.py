@@ -1,5 +1,5 @@
 """The f/g collectives, the sequence-divisibility error, layout-independent init and the RNG
-tracker (issue 3), on real gloo ranks."""
+tracker, on real gloo ranks."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""Tensor and sequence parallelism match one process (issue 3).
+"""Tensor and sequence parallelism match one process.
 
 A two-layer MLP and a pre-norm self-attention + MLP block built from the parallel layers run at
 TP=2 and TP=4, with and without sequence parallelism; outputs, input grads and the gathered

@@ -1,4 +1,4 @@
-"""Vocab-parallel embedding, output layer and cross-entropy (issue 3).
+"""Vocab-parallel embedding, output layer and cross-entropy.
 
 * Cross-entropy on vocab-split logits against ``torch.nn.functional.cross_entropy`` on the full
   logits in fp64, with ``ignore_index`` and label smoothing 0.1, at logit scales 1 and 1000:

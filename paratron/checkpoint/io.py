@@ -5,7 +5,8 @@ directory written by :func:`save_model_full`)::
 
     .metadata            DCP metadata (pickled by torch; read only through safety.read_metadata_safely)
     __<rank>_0.distcp    tensor payloads, one file per writing rank (read with weights_only=True)
-    paratron.json        manifest: format, version, config, step, what is inside, .metadata's sha256
+    paratron.json        manifest: format, version, config, step, what is inside, .metadata's sha256,
+                         the CRC-32 and size of every other file, and its own CRC-32 (see integrity)
     config.toml          the config again, for people
     rank_<r>.json        per-rank state (RNG, layout coordinates), CheckpointManager only
 
@@ -27,6 +28,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from . import integrity, storage
 from .items import MODEL_PREFIX, CheckpointError, StateItems, full_items, model_items
 from .legacy import adapt_items, fuse_full
 from .planner import ChunkLoadPlanner, ChunkSavePlanner
@@ -40,12 +42,12 @@ LATEST = "latest"
 
 
 # ---- plain files ---------------------------------------------------------------------------
-def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+def write_text_atomic(path: str | os.PathLike, text: str | bytes) -> None:
     """Write ``text`` to ``path`` through a temp file, fsync and ``os.replace`` (all or nothing)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
+    with open(tmp, "wb") as f:
+        f.write(text.encode() if isinstance(text, str) else text)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -76,9 +78,16 @@ def read_json(path: str | os.PathLike) -> Any:
 
 # ---- tensors through DCP -------------------------------------------------------------------
 def write_items(directory: str | os.PathLike, items: StateItems, *, process_group=None,
-                single_process: bool = False) -> None:
+                single_process: bool = False, needed: int | None = None,
+                space_dir: str | os.PathLike | None = None) -> None:
     """Save ``items`` into ``directory`` with DCP (collective over ``process_group`` unless
-    ``single_process``). Chunks already on the CPU are written straight from their storage."""
+    ``single_process``). Chunks already on the CPU are written straight from their storage.
+
+    Raises:
+        storage.OutOfSpaceError: the disk filled up (naming ``space_dir``, default ``directory``,
+            ``needed`` bytes and the bytes free).
+        CheckpointError: any other failure, with the first failing rank.
+    """
     writer = FileSystemWriter(str(directory), single_file_per_rank=True, sync_files=True, overwrite=True)
     with warnings.catch_warnings():
         # DCP warns that it assumes a single process when asked for no_dist; that is the intent.
@@ -87,14 +96,26 @@ def write_items(directory: str | os.PathLike, items: StateItems, *, process_grou
             dcp.save({}, storage_writer=writer, planner=ChunkSavePlanner(items),
                      process_group=process_group, no_dist=single_process)
         except CheckpointException as e:
-            raise _unwrap(e, f"{directory}: saving failed") from None
+            raise _unwrap(e, f"{directory}: saving failed", (space_dir or directory, needed)) from None
+        except OSError as e:  # a single-process save raises the OS error itself
+            if storage.is_no_space(e):
+                where = space_dir or directory
+                raise storage.OutOfSpaceError(storage.no_space_message(
+                    where, needed or 0, storage.free_bytes(where))) from None
+            raise
 
 
-def _unwrap(e: CheckpointException, what: str) -> CheckpointError:
-    """DCP wraps every rank's exception; surface the first one (ours as is)."""
+def _unwrap(e: CheckpointException, what: str, space: tuple | None = None) -> CheckpointError:
+    """DCP wraps every rank's exception; surface the first one (ours as is; a full disk as
+    :class:`storage.OutOfSpaceError` when ``space = (directory, bytes needed)``)."""
     for rank, (exc, _) in sorted(e.failures.items()):
         if isinstance(exc, CheckpointError):
             return exc
+        if space is not None and storage.is_no_space(exc):
+            directory, needed = space
+            return storage.OutOfSpaceError(storage.no_space_message(directory, needed or 0,
+                                                                    storage.free_bytes(directory))
+                                           + f" (rank {rank}: {exc})")
         return CheckpointError(f"{what} on rank {rank}: {type(exc).__name__}: {exc}")
     return CheckpointError(f"{what}: {e}")
 
@@ -108,8 +129,10 @@ def read_items(directory: str | os.PathLike, items: StateItems) -> None:
         CheckpointError: unsafe or malformed files, a missing key, a shape mismatch.
     """
     directory = Path(directory)
-    items = adapt_items(items, set(saved_tensors(directory)))  # verifies the directory too
-    reader = SafeFileSystemReader(str(directory))
+    manifest = verify_directory(directory)
+    items = adapt_items(items, set(saved_tensors(directory, verified=True)))
+    reader = SafeFileSystemReader(str(directory), checksums=manifest.get(integrity.CHECKSUMS),
+                                  rank=integrity.reading_rank())
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
@@ -118,29 +141,42 @@ def read_items(directory: str | os.PathLike, items: StateItems) -> None:
         raise _unwrap(e, f"{directory}: reading the tensors failed") from None
 
 
-def saved_tensors(directory: str | os.PathLike) -> dict[str, TensorStorageMetadata]:
-    """Key -> DCP tensor metadata (full shape, dtype, saved chunks) of a verified checkpoint."""
-    verify_directory(directory)
+def saved_tensors(directory: str | os.PathLike, *, verified: bool = False) -> dict[str, TensorStorageMetadata]:
+    """Key -> DCP tensor metadata (full shape, dtype, saved chunks) of a checkpoint, verified
+    first unless the caller just did (``verified``)."""
+    if not verified:
+        verify_directory(directory)
     md = read_metadata_safely(Path(directory) / METADATA_FILE)
     return {k: v for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
 
 
 # ---- the manifest --------------------------------------------------------------------------
-def write_manifest(directory: str | os.PathLike, cfg, **fields: Any) -> dict:
-    """Write ``paratron.json`` (and ``config.toml``) after the tensors: it records the sha256 of
-    ``.metadata``, so a directory whose metadata was swapped afterwards is refused.
+def write_manifest(directory: str | os.PathLike, cfg, checksums: dict | None = None, **fields: Any) -> dict:
+    """Write ``config.toml``, then ``paratron.json`` last: it records the sha256 of ``.metadata``
+    (a directory whose metadata was swapped afterwards is refused) and the CRC-32 and size of
+    every file (:mod:`paratron.checkpoint.integrity`).
 
     Args:
         cfg: the run's :class:`paratron.config.Config`.
+        checksums: ``{name: [crc32, size]}`` other ranks computed for their own files; every other
+            file of the directory is checksummed here.
         fields: more plain-JSON entries (step, extra, ...).
     """
     from paratron.config import to_toml
 
     directory = Path(directory)
-    manifest = {"format": FORMAT, "version": VERSION, "config": cfg.to_dict(),
-                "metadata_sha256": file_sha256(directory / METADATA_FILE), **fields}
-    write_json_atomic(directory / MANIFEST, manifest)
     write_text_atomic(directory / "config.toml", to_toml(cfg))
+    known = dict(checksums or {})
+    rest = sorted(p.name for p in directory.iterdir() if p.is_file() and p.name != MANIFEST and p.name not in known)
+    known.update(integrity.checksum_files(directory, rest))
+    manifest = {"format": FORMAT, "version": VERSION, "config": cfg.to_dict(),
+                "metadata_sha256": file_sha256(directory / METADATA_FILE), **fields,
+                integrity.CHECKSUMS: known}
+    try:
+        raw = integrity.seal_manifest(manifest)
+    except TypeError as e:
+        raise CheckpointError(f"{directory / MANIFEST}: checkpoint metadata must be plain JSON values: {e}") from None
+    write_text_atomic(directory / MANIFEST, raw)
     return manifest
 
 
@@ -158,12 +194,19 @@ def verify_directory(directory: str | os.PathLike) -> dict:
     if not (directory / MANIFEST).is_file():
         raise CheckpointError(f"{directory} has no {MANIFEST}: not a paratron checkpoint, or a save that "
                               "never finished")
-    manifest = read_json(directory / MANIFEST)
+    rank = integrity.reading_rank()
+    manifest, raw = _read_manifest(directory / MANIFEST, rank)
+    integrity.check_manifest(directory / MANIFEST, raw, manifest, rank)
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"{directory / MANIFEST}: format is not {FORMAT!r}")
     if manifest.get("version") != VERSION:
         raise CheckpointError(f"{directory / MANIFEST}: version {manifest.get('version')!r}; this paratron "
                               f"reads version {VERSION}")
+    sums = manifest.get(integrity.CHECKSUMS)
+    if sums is not None:  # the small files every load reads; payloads are checked as they are read
+        mine = f"rank_{rank:05d}.json"
+        small = [n for n in (METADATA_FILE, "config.toml", mine) if n in sums or (directory / n).is_file()]
+        integrity.verify_files(directory, sums, small, rank)
     md_path = directory / METADATA_FILE
     if not md_path.is_file():
         raise CheckpointError(f"{directory} has no {METADATA_FILE}")
@@ -171,6 +214,18 @@ def verify_directory(directory: str | os.PathLike) -> dict:
         raise CheckpointError(f"{md_path} is not the metadata this checkpoint was written with "
                               f"(sha256 differs from {MANIFEST}); refusing to read it")
     return manifest
+
+
+def _read_manifest(path: Path, rank: int) -> tuple[Any, bytes]:
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise CheckpointError(f"cannot read {path}: {e}") from None
+    try:
+        return json.loads(raw), raw
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path} is not valid JSON ({e}; read by rank {rank}); the checkpoint's "
+                              "manifest is corrupt") from None
 
 
 def resolve(path: str | os.PathLike, step: int | None = None) -> Path:

@@ -4,7 +4,7 @@ A :class:`SavedChunk` is a view of real storage on this rank plus where it sits 
 tensor. One key (``model/<logical_name>``, ``optimizer/exp_avg/<logical_name>``, ...) can have
 several chunks on one rank: a ZeRO-1 slice of a flattened parameter is up to three rectangles of
 the tensor's 2-D view. Saving writes each chunk with the global shape; loading fills each chunk
-from whatever saved chunks overlap it, so any layout loads any other (DESIGN.md principle 5).
+from whatever saved chunks overlap it, so any layout loads any other (docs/DESIGN.md principle 5).
 """
 
 from __future__ import annotations

@@ -6,14 +6,19 @@ A save of step N (on every rank):
    optimizer's scalar state (step count, loss scaler), the LR scheduler's state, ``extra``
    (consumed train/valid samples, ...); with an async save also copy the tensors to CPU buffers;
 2. write the tensors with DCP into ``ROOT/tmp.step_N.<pid of rank 0>/`` (replicated chunks once,
-   spread over the ranks that hold them), and each rank's ``rank_<r>.json``;
-3. rank 0 writes ``paratron.json`` (the manifest, holding the sha256 of ``.metadata``), renames the
+   spread over the ranks that hold them), and each rank's ``rank_<r>.json``; each rank checksums
+   the files it wrote (:mod:`~paratron.checkpoint.integrity`);
+3. rank 0 writes ``paratron.json`` (the manifest, holding the sha256 of ``.metadata`` and every
+   file's checksum), renames the
    directory to ``ROOT/step_N/``, then rewrites ``ROOT/latest`` (temp file + ``os.replace``), and
    deletes all but the last ``checkpoint.keep_last`` checkpoints (in a thread of its own, joined
    by the next save, load or :meth:`CheckpointManager.wait`).
 
 A crash at any point before the rename leaves a ``tmp.*`` directory that nothing loads (it has no
-manifest) and ``latest`` naming the previous, complete checkpoint. Steps 2-3 run in a background
+manifest) and ``latest`` naming the previous, complete checkpoint; the next manager removes it
+(:func:`~paratron.checkpoint.storage.remove_stale_temporaries`). A save first checks that the disk
+has room for the whole checkpoint, and a failed save removes its temporary directory, so a full
+disk costs the save, never the previous checkpoint or a manual clean-up. Steps 2-3 run in a background
 thread with ``async_`` (``checkpoint.async_save``); :meth:`CheckpointManager.wait` joins it.
 
 Loading reshards every tensor to this rank's layout (see :mod:`paratron.checkpoint.planner`), then
@@ -35,13 +40,14 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from . import rng
+from . import integrity, rng, storage
 from .async_save import BackgroundWriter, Staging
 from .io import (LATEST, MANIFEST, read_items, read_json, resolve, verify_directory, write_items,
                  write_json_atomic, write_manifest, write_text_atomic)
 from .items import (CheckpointError, StateItems, iter_params, merge, model_items, optimizer_items,
                     shared_embedding_names)
 from .plainjson import decode, encode
+from .finite import refuse_nonfinite
 from .safety import check_same_model
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -94,6 +100,8 @@ class CheckpointManager:
         self._writer = BackgroundWriter()
         self._pruner = BackgroundWriter()  # deletes old checkpoints off the training path
         self._group = self._checkpoint_group(ctx)
+        if self.saving and ctx.rank == 0:
+            storage.remove_stale_temporaries(ckpt_cfg.save)
 
     @staticmethod
     def _checkpoint_group(ctx):
@@ -112,6 +120,13 @@ class CheckpointManager:
     def saving(self) -> bool:
         """Whether ``checkpoint.save`` names a directory (else :meth:`save` does nothing)."""
         return bool(self.cfg.save)
+
+    def should_save(self, step: int, *, final: bool) -> bool:
+        """The save rule of the training loop: after every ``checkpoint.interval``-th step, and
+        after the ``final`` one (the last step, or a stop request); never without
+        ``checkpoint.save``."""
+        interval = int(self.cfg.interval or 0)
+        return self.saving and (final or bool(interval and step % interval == 0))
 
     def directory_for(self, step: int) -> Path | None:
         """Where the checkpoint of ``step`` ends up (``ROOT/step_<step>``); None when not saving."""
@@ -136,7 +151,9 @@ class CheckpointManager:
 
         Raises:
             CheckpointError: ``extra`` not plain; a previous async save failed (raised here, before
-                the new save starts); a sharding inconsistency.
+                the new save starts); a sharding inconsistency; an inf or NaN in the model or
+                optimizer state of any rank (nothing is written: a poisoned state never
+                becomes ``latest``).
         """
         t0 = time.perf_counter()
         self.wait()
@@ -155,6 +172,7 @@ class CheckpointManager:
             # The last stage's tied-embedding copy is saved by the first stage (same values).
             skip = set() if first else shared_embedding_names(chunks)
             items = merge(items, optimizer_items(optimizer, skip_names=skip))
+        refuse_nonfinite(items, step, self._group)
         rank_state = {"rank": self.ctx.rank, "layout": rng.layout_signature(self.ctx, self.config),
                       "coordinates": rng.rank_coordinates(self.ctx), "rng": encode(rng.capture(chunks))}
         fields = {
@@ -165,11 +183,12 @@ class CheckpointManager:
             "scheduler": encode(scheduler.state_dict()) if scheduler is not None else None,
             "extra": encode(dict(extra or {}), "extra"),
         }
+        needed = self._check_space(root, items)
         if asynchronous:
             items = self._staging.stage(items)
 
         def job() -> None:
-            self._write_and_commit(root, int(step), items, rank_state, fields)
+            self._write_and_commit(root, int(step), items, rank_state, fields, needed)
             self.last_write_s = time.perf_counter() - t0
 
         if asynchronous:
@@ -194,26 +213,68 @@ class CheckpointManager:
         self._writer.wait()
         self._pruner.wait()
 
+    def _check_space(self, root: Path, items: StateItems) -> int:
+        """Bytes of the whole checkpoint's tensors (each key's full tensor once, whichever ranks
+        hold it); refuse the save on every rank, before writing, when the disk has less free.
+
+        Raises:
+            storage.OutOfSpaceError: naming the directory, the bytes needed and free.
+        """
+        g = self._group
+        local = {k: math.prod(c[0].global_shape) * c[0].tensor.element_size() for k, c in items.items() if c}
+        merged: dict[str, int] = {}
+        for part in g.all_gather_object(local):
+            merged.update(part)
+        needed = sum(merged.values())
+        short = torch.tensor([1.0 if storage.free_bytes(root) < needed else 0.0])
+        g.all_reduce(short, op=dist.ReduceOp.MAX)  # every rank refuses together, none enters DCP
+        if short.item() > 0:
+            raise storage.OutOfSpaceError(storage.no_space_message(root, needed, storage.free_bytes(root)))
+        return needed
+
     def _write_and_commit(self, root: Path, step: int, items: StateItems, rank_state: dict,
-                          fields: dict) -> None:
+                          fields: dict, needed: int | None = None) -> None:
         g = self._group
         pid = torch.tensor([os.getpid()], dtype=torch.int64)
         g.broadcast(pid)  # every rank writes into rank 0's temporary directory
         tmp = root / f"tmp.step_{step}.{int(pid.item())}"
-        tmp.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(tmp / f"rank_{self.ctx.rank:05d}.json", rank_state)
-        # DCP's save ends with a collective after every rank's writes, so once it returns on rank 0
-        # every rank's files (its rank_<r>.json included) are complete.
-        write_items(tmp, items, process_group=g.pg, single_process=g.size == 1)
-        self._phase("tensors_written", tmp)
+        try:
+            sums = self._write_files(tmp, items, rank_state, needed)
+        except BaseException:
+            if self.ctx.rank == 0:  # a failed save leaves nothing behind to clean up by hand
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
         if self.ctx.rank == 0:
-            write_manifest(tmp, self.config, world_size=self.ctx.world_size, saved_at=time.time(),
-                           **fields)
+            try:
+                write_manifest(tmp, self.config, checksums=sums, world_size=self.ctx.world_size,
+                               saved_at=time.time(), **fields)
+            except OSError as e:
+                shutil.rmtree(tmp, ignore_errors=True)
+                if storage.is_no_space(e):
+                    raise storage.OutOfSpaceError(storage.no_space_message(root, needed or 0,
+                                                                           storage.free_bytes(root))) from None
+                raise
             final = self._commit(root, tmp, step)
             # Deleting old checkpoints does not hold up the ranks; the next save or wait() joins it.
             self._pruner.start(lambda: self._prune(root, final), name="paratron-checkpoint-prune")
         g.barrier()
         self._phase("committed", root / f"step_{step}")
+
+    def _write_files(self, tmp: Path, items: StateItems, rank_state: dict, needed: int | None) -> dict:
+        """Every rank writes its files into ``tmp`` and checksums them; returns all ranks'
+        ``{name: [crc32, size]}`` (on every rank)."""
+        g = self._group
+        tmp.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(tmp / f"rank_{self.ctx.rank:05d}.json", rank_state)
+        # DCP's save ends with a collective after every rank's writes, so once it returns on rank 0
+        # every rank's files (its rank_<r>.json included) are complete.
+        write_items(tmp, items, process_group=g.pg, single_process=g.size == 1, needed=needed,
+                    space_dir=tmp.parent)
+        self._phase("tensors_written", tmp)
+        sums: dict[str, list] = {}
+        for part in g.all_gather_object(integrity.checksum_files(tmp, integrity.own_files(tmp, self.ctx.rank))):
+            sums.update(part)
+        return sums
 
     def _phase(self, name: str, path: Path) -> None:
         if self.on_phase is not None:

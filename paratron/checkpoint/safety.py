@@ -124,10 +124,32 @@ def refuse_pickle_files(directory: str | os.PathLike) -> None:
 
 
 class SafeFileSystemReader(FileSystemReader):
-    """DCP's file reader with the metadata read replaced by :func:`read_metadata_safely`.
+    """DCP's file reader with the metadata read replaced by :func:`read_metadata_safely`, and
+    every payload file verified against its save-time checksum before it is read.
 
     Tensor payloads are still read by DCP with ``torch.load(weights_only=True)``.
+
+    Args:
+        path: the checkpoint directory.
+        checksums: the manifest's ``{name: [crc32, size]}`` (None: a checkpoint written before
+            checksums existed; nothing verified).
+        rank: the reading rank, named in errors.
     """
+
+    def __init__(self, path: str | os.PathLike, checksums: dict | None = None, rank: int = 0) -> None:
+        super().__init__(path)
+        self._checksums = checksums
+        self._rank = rank
+        self._verified: set[str] = set()
+
+    def read_data(self, plan, planner):
+        if self._checksums is not None:
+            from .integrity import verify_files
+
+            files = {self.storage_data[item.storage_index].relative_path for item in plan.items}
+            verify_files(self.path, self._checksums, sorted(files - self._verified), self._rank)
+            self._verified |= files
+        return super().read_data(plan, planner)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")

@@ -1,4 +1,4 @@
-"""Config rules of context parallelism and packed documents (issue 15), run by
+"""Config rules of context parallelism and packed documents, run by
 :func:`paratron.config.validators.validate` before any process group exists.
 
 Each rule raises :class:`ConfigError` naming the fields, their values and the rule.

@@ -130,6 +130,11 @@ class TrainConfig:
     sample_prompt: Optional[str] = None
     """When set, rank 0 prints a text sample from the final checkpoint, continuing this prompt."""
     sample_tokens: int = 64
+    nonfinite: Literal["skip", "stop"] = "skip"
+    """A step whose loss or grads hold an inf or NaN (decided globally) changes nothing; "skip"
+    goes on with the next batch, "stop" ends the run with an error naming the step."""
+    max_consecutive_skips: int = 5
+    """Under ``nonfinite = "skip"``, stop after this many non-finite steps in a row."""
 
 
 @dataclass
@@ -206,6 +211,7 @@ class LoggingConfig:
     log_interval: int = 10
     tensorboard: bool = True
     progress: bool = True
+    """Show a progress bar while the corpus is tokenised on first use."""
 
 
 @dataclass

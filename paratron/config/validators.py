@@ -13,6 +13,9 @@ importing the config loads neither numpy nor the pipeline package.
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 from . import model_shape
 from .context_rules import check_context
 from .errors import ConfigError
@@ -50,6 +53,25 @@ def _positive(cfg: Config, world: int | None) -> None:
                     ("model.attention_dropout", cfg.model.attention_dropout)):
         if not 0.0 <= v < 1.0:
             raise ConfigError(f"{name}={v} must be in [0, 1)")
+
+
+def _finite(cfg: Config, world: int | None) -> None:
+    """Every float field of every section is a finite number (``optimizer.lr = nan`` or ``inf``
+    would poison the first step)."""
+    for section in dataclasses.fields(cfg):
+        sub = getattr(cfg, section.name)
+        if not dataclasses.is_dataclass(sub):
+            continue
+        for f in dataclasses.fields(sub):
+            v = getattr(sub, f.name)
+            if isinstance(v, float) and not math.isfinite(v):
+                raise ConfigError(f"{section.name}.{f.name}={v} must be a finite number")
+
+
+def _nonfinite_policy(cfg: Config, world: int | None) -> None:
+    t = cfg.train  # train.nonfinite itself is checked against its Literal type when loading
+    if t.max_consecutive_skips < 1:
+        raise ConfigError(f"train.max_consecutive_skips={t.max_consecutive_skips} must be >= 1")
 
 
 def _grid(cfg: Config, world: int | None) -> None:
@@ -161,7 +183,7 @@ def _lr_schedule(cfg: Config, world: int | None) -> None:
         raise ConfigError(f"optimizer.min_lr={o.min_lr} must be <= optimizer.lr={o.lr}")
 
 
-VALIDATORS = [_positive, _lr_schedule, _grid, _model, _batch, _sequence, _schedule, _pipeline_layers,
+VALIDATORS = [_finite, _positive, _nonfinite_policy, _lr_schedule, _grid, _model, _batch, _sequence, _schedule, _pipeline_layers,
               _experts, _zero, _split, check_context]
 """Every config rule, in order. Each takes ``(cfg, world_size_or_None)`` and raises ConfigError."""
 

@@ -1,4 +1,4 @@
-"""Layout-independent initialisation (DESIGN.md principle 1).
+"""Layout-independent initialisation (docs/DESIGN.md principle 1).
 
 Each parameter's *full* logical tensor is drawn from a ``torch.Generator`` seeded by a stable
 hash of ``(seed, logical_name)``; every rank then keeps its own slice. So TP=4 starts from

@@ -1,4 +1,4 @@
-"""Transformer blocks by name: ``model.block=NAME`` selects the layer class (DESIGN.md principle 7).
+"""Transformer blocks by name: ``model.block=NAME`` selects the layer class (docs/DESIGN.md principle 7).
 
 A block factory is called as ``factory(cfg, ctx, *, layer_number, seed, sequence_parallel,
 params_dtype, rng_tracker)`` and returns an ``nn.Module`` whose ``forward(x, rope)`` maps hidden

@@ -1,4 +1,4 @@
-"""Full logical tensors in and out of model chunks of any TP/PP layout (DESIGN.md principle 5):
+"""Full logical tensors in and out of model chunks of any TP/PP layout (docs/DESIGN.md principle 5):
 each parameter carries its ``logical_name`` and ``shard`` (``paratron.parallel.params``), so
 loading is slicing and saving is gathering over TP.
 """

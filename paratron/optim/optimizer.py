@@ -24,7 +24,7 @@ reduction); ``step()`` only updates, in order:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -240,9 +240,10 @@ class Optimizer:
         all-gather); a non-finite step changes nothing but the fp16 loss scale.
 
         The skip decision is the step's one device-to-host read (``[sum of squares, non-finite
-        flag]`` after their all-reduce). ``read_along``: other device scalars (e.g. the training
-        step's loss stats) to bring to the host in the same transfer, returned in
-        :attr:`StepResult.read_along`.
+        flag]`` after their all-reduce). ``read_along``: other device scalars, the same on every
+        rank (e.g. the training step's global loss stats), brought to the host in the same
+        transfer and returned in :attr:`StepResult.read_along`; a non-finite one skips the step
+        like a non-finite grad.
 
         Returns:
             :class:`StepResult`, identical on every rank.
@@ -264,16 +265,17 @@ class Optimizer:
             sums = torch.stack([g.sum() for g in self._grads])
             local[1] = (~torch.isfinite(sums)).any()
         self.ctx.world.all_reduce(local)
-        if read_along is not None:
-            local = torch.cat([local, read_along.detach().to(local.dtype).reshape(-1)])
+        if read_along is not None:  # a non-finite value there (the loss) skips the step too
+            along_t = read_along.detach().to(local.dtype).reshape(-1)
+            local[1] = torch.maximum(local[1], (~torch.isfinite(along_t)).any().to(local.dtype))
+            local = torch.cat([local, along_t])
         sumsq, flag, *along = local.tolist()  # the step's one device-to-host sync
         along = along if read_along is not None else None
         found_inf = flag > 0 or not math.isfinite(sumsq)
         grad_norm = math.sqrt(sumsq) if sumsq >= 0 else float("nan")
-        at_min = not self.scaler.dynamic or self.scaler.scale <= self.scaler.min_scale
-        self.scaler.update(found_inf)
         if found_inf:
-            return StepResult(True, grad_norm, self.scaler.scale, 1.0, nonfinite=at_min, read_along=along)
+            return replace(self.skip_step(grad_norm), read_along=along)
+        self.scaler.update(False)
 
         coeff = clip_coefficient(grad_norm, float(self.cfg.clip_grad))
         if coeff < 1.0 and self._grads:
@@ -286,6 +288,15 @@ class Optimizer:
         if self.segments:
             self._update()
         self._publish()
+
+    def skip_step(self, grad_norm: float = float("nan")) -> StepResult:
+        """Skip this step on this rank: nothing changes but the fp16 loss scale, which backs off
+        as after an overflow. Call it on every rank with the same decision (e.g. a non-finite
+        loss, which the training step already knows on every rank), or let :meth:`step` call it.
+        """
+        at_min = not self.scaler.dynamic or self.scaler.scale <= self.scaler.min_scale
+        self.scaler.update(True)
+        return StepResult(True, grad_norm, self.scaler.scale, 1.0, nonfinite=at_min)
 
     def first_nonfinite_param(self) -> str | None:
         """The logical name of the first param (in buffer order) whose local grad holds an inf

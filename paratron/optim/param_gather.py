@@ -148,6 +148,7 @@ class ParamShards:
         where = {id(p): (i, b.index) for i, buf in enumerate(buffers) for b in buf.buckets for p in b.params}
         self._full: list[list[torch.Tensor | None]] = [[None] * len(buf.buckets) for buf in buffers]
         self._pending: list[list[object]] = [[None] * len(buf.buckets) for buf in buffers]
+        self._viewed = [[False] * len(buf.buckets) for buf in buffers]  # params point into _full
         self._holders: list[list[set[int]]] = [[set() for _ in buf.buckets] for buf in buffers]
         self.chunk_units: list[list[Unit]] = []
         self._hooks = []
@@ -186,10 +187,12 @@ class ParamShards:
 
     def _materialize(self, i: int, k: int) -> None:
         self._launch(i, k)
-        handle, self._pending[i][k] = self._pending[i][k], None
-        if handle is None:
+        if self._viewed[i][k]:
             return
-        handle.wait()
+        handle, self._pending[i][k] = self._pending[i][k], None
+        if handle is not None:  # None: a group of one copied at once
+            handle.wait()
+        self._viewed[i][k] = True
         buf = self.buffers[i]
         b, full = buf.buckets[k], self._full[i][k]
         for p in b.params:
@@ -207,6 +210,7 @@ class ParamShards:
         for p in buf.buckets[k].params:
             p.data = torch.empty(0, dtype=buf.dtype, device=buf.device)
         self._full[i][k] = None
+        self._viewed[i][k] = False
         self.gathered_bytes -= full.numel() * full.element_size()
 
     # ---- units ------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Process-group handles and the communication ledger.
 
 Every collective paratron issues goes through a :class:`Group` method, so that one place can count
-calls and bytes per operation and per group (DESIGN.md principle 8). The ledger is off by default;
+calls and bytes per operation and per group (docs/DESIGN.md principle 8). The ledger is off by default;
 when off, recording costs one attribute check. When ``ledger.flight`` holds a
 :class:`~paratron.parallel.flight.FlightRecorder`, each call is also entered in that ring buffer
 with its start and end times (the hang watchdog reads it).
@@ -126,9 +126,6 @@ class Group:
     @property
     def is_member(self) -> bool:
         return self.rank >= 0
-
-    def global_rank(self, group_rank: int) -> int:
-        return self.ranks[group_rank]
 
     # ---- flight recorder hook (one attribute check when off) ---------------------------------
     def _begin(self, op: str, t: torch.Tensor | None):

@@ -1,7 +1,7 @@
 """The parallel context: one object holding every process group, rank and size of a layout.
 
 There is no module-level state: layers, optimizers and schedules receive a
-:class:`ParallelContext` and ask it for groups (DESIGN.md principle 2). Tests can build a
+:class:`ParallelContext` and ask it for groups (docs/DESIGN.md principle 2). Tests can build a
 single-process context (:meth:`ParallelContext.single`) next to a distributed one.
 
 Attributes of a context (each a :class:`~paratron.parallel.comm.Group`):

@@ -6,7 +6,7 @@ A :class:`RNGStatesTracker` owns named RNG states. The default stream (PyTorch's
 CUDA generators) is seeded identically on every TP rank of a pipeline stage; inside
 ``with tracker.fork("model-parallel"):`` the global generators temporarily run a stream seeded
 per TP rank, and its advanced state is kept for the next fork. There is no global tracker: the
-model owns one (DESIGN.md principle 2).
+model owns one (docs/DESIGN.md principle 2).
 """
 
 from __future__ import annotations
@@ -70,10 +70,6 @@ class RNGStatesTracker:
         self._states: dict[str, dict[str, torch.Tensor]] = {}
         self._seeds: dict[str, int] = {}
         self.add(MODEL_PARALLEL_RNG, self.base_seed + MODEL_PARALLEL_SEED_OFFSET + self.tp_rank)
-
-    @property
-    def default_seed(self) -> int:
-        return self.base_seed
 
     def seed_default_stream(self) -> None:
         """Seed PyTorch's global CPU/CUDA generators with the default stream's seed (identical on

@@ -1,4 +1,4 @@
-"""Pipeline actions: the vocabulary of schedules (DESIGN.md principle 3).
+"""Pipeline actions: the vocabulary of schedules (docs/DESIGN.md principle 3).
 
 A schedule is one list of :class:`Action` per pipeline rank. The runtime executes the lists, the
 simulator costs them and the timeline draws them; nothing else describes a schedule.

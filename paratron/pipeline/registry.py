@@ -1,4 +1,4 @@
-"""Schedules by name: ``parallel.schedule=NAME`` selects one (DESIGN.md principle 7).
+"""Schedules by name: ``parallel.schedule=NAME`` selects one (docs/DESIGN.md principle 7).
 
 A schedule is a function ``(p, m, v) -> list[list[Action]]`` with a placement (which stages each
 rank holds) and an optional ``check(p, m, v)`` that raises ``ValueError`` with the rule when a

@@ -1,4 +1,4 @@
-"""Training-loop callbacks: the extension point for research systems (DESIGN.md principle 7).
+"""Training-loop callbacks: the extension point for research systems (docs/DESIGN.md principle 7).
 
 A plugin subclasses :class:`Callback` and overrides any hook. The config lists plugins in
 ``train.callbacks`` as ``"package.module:ClassName"`` or ``"path/to/file.py:ClassName"``; each is

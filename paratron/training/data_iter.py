@@ -57,7 +57,7 @@ class TrainingData:
         num_samples = (t.train_iters * t.global_batch_size, n_evals * t.eval_iters * t.global_batch_size, 0)
 
         def make():
-            prefixes, tok = prepare_run_data(cfg.data, progress=ctx.rank == 0)
+            prefixes, tok = prepare_run_data(cfg.data, progress=ctx.rank == 0 and cfg.logging.progress)
             train, valid, _ = build_datasets(prefixes, cfg.model.seq_length, t.seed, split=cfg.data.split,
                                              num_samples=num_samples, cache_dir=cfg.data.cache_dir)
             return prefixes, tok, train, valid

@@ -161,9 +161,3 @@ def peak_memory_mb(device: torch.device) -> float:
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
-
-def throughput(tokens_per_second: float, flops_per_token: float, world_size: int, peak: float) -> dict:
-    """TFLOP/s per device and MFU for a token rate of the whole job."""
-    flops = flops_per_token * tokens_per_second / world_size
-    mfu = flops / peak if peak and math.isfinite(peak) else float("nan")
-    return {"tflops_per_device": flops / 1e12, "mfu": mfu}

@@ -125,29 +125,36 @@ BYTES_PER_PARAM = {"adamw": 12, "sgd": 8}
 """Optimizer state saved per parameter: fp32 main weight + two Adam moments, or + momentum."""
 
 
-def estimated_checkpoint_bytes(cfg: Config, vocab_size: int | None) -> int:
-    """About the bytes of one checkpoint: every parameter in the training precision plus the
-    optimizer's fp32 state (the small JSON files are not counted).
+def _mlp_params(h: int, f: int, matrices: int, bias: bool) -> int:
+    return matrices * h * f + (bias and (matrices - 1) * f + h)
 
-    The count follows the model shape (:mod:`paratron.config.model_shape`): attention with GQA, a GELU or
-    SwiGLU MLP (or the experts), norms, the embedding (and an untied output layer).
+
+def estimated_checkpoint_bytes(cfg: Config, vocab_size: int | None) -> int:
+    """About the bytes of one checkpoint's tensors: every parameter in the training precision
+    plus the optimizer's fp32 state (DCP's per-tensor records and the JSON files add a little).
+
+    The count follows the model shape (:mod:`paratron.config.model_shape`): attention with GQA, a
+    GELU or SwiGLU MLP (or the experts and the router), norms, biases, the embedding (and an
+    untied output layer, a learned position table).
     """
     from paratron.config import model_shape as spec
 
     m = cfg.model
-    h, d = m.hidden_size, m.hidden_size // m.num_attention_heads
-    attention = h * d * (2 * m.num_attention_heads + 2 * spec.query_groups(m))
+    h, d, bias = m.hidden_size, spec.head_dim(m), m.add_bias_linear
+    q, kv = m.num_attention_heads * d, 2 * spec.query_groups(m) * d
+    norm = h * (2 if m.normalization == "layernorm" else 1)
+    attention = h * (q + kv) + q * h + (bias and q + kv + h)
     matrices = 3 if m.activation == "swiglu" else 2
-    dense = matrices * h * spec.ffn_size(m)
-    expert = matrices * h * spec.expert_ffn_size(m) * m.num_experts
-    shared = matrices * h * (m.moe_shared_expert_ffn_hidden_size or 0)
-    layers = sum(attention + 2 * h + (expert + shared + h * m.num_experts if spec.is_moe_layer(m, i) else dense)
-                 for i in range(m.num_layers))
+    dense = _mlp_params(h, spec.ffn_size(m), matrices, bias)
+    moe = (m.num_experts * (_mlp_params(h, spec.expert_ffn_size(m), matrices, bias) + h)
+           + (_mlp_params(h, m.moe_shared_expert_ffn_hidden_size, matrices, bias)
+              if m.moe_shared_expert_ffn_hidden_size else 0))
+    layers = sum(2 * norm + attention + (moe if spec.is_moe_layer(m, i) else dense) for i in range(m.num_layers))
     vocab = m.vocab_size or vocab_size or 50257
     embedding = vocab * h * (1 if m.tie_embeddings else 2)
     if m.position_embedding_type == "learned":
         embedding += spec.max_positions(m) * h
-    params = layers + embedding + h
+    params = layers + embedding + norm
     width = 2 if cfg.train.precision in ("bf16", "fp16") else 4
     return params * (width + BYTES_PER_PARAM.get(cfg.optimizer.name, 12))
 
@@ -191,5 +198,5 @@ def prepare_training(cfg: Config, run_dir: str | os.PathLike) -> None:
         ConfigError: as :func:`prepare_data` and :func:`check_checkpoint_dir`.
     """
     apply_run_dir_defaults(cfg, run_dir)
-    tok = None if "WORLD_SIZE" in os.environ else prepare_data(cfg)
+    tok = None if "WORLD_SIZE" in os.environ else prepare_data(cfg, progress=cfg.logging.progress)
     check_checkpoint_dir(cfg, tok.vocab_size if tok is not None else None)

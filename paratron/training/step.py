@@ -125,17 +125,7 @@ def run_global_batch(cfg, ctx, chunks, microbatches: list[dict], *, forward_only
     p = cfg.parallel
     m = len(microbatches)
     if cfg.model.num_experts > 0:
-        from paratron.models.moe.layer import set_aux_loss_scale
-
-        # MoE aux-loss grads: coeff x the mean over every microbatch (or, for the sequence-level
-        # loss, every sequence) of the global batch, scaled like the LM loss (see
-        # paratron.models.moe.layer).
-        if cfg.model.moe_aux_loss_type == "seq":
-            from paratron.models.moe.seq_aux import count_global_sequences
-
-            set_aux_loss_scale(chunks, loss_scale / count_global_sequences(microbatches, ctx))
-        else:
-            set_aux_loss_scale(chunks, loss_scale / (m * ctx.dp.size))
+        _scale_aux_losses(cfg, ctx, chunks, microbatches, loss_scale)
     if actions is None:
         actions = rank_actions(cfg, ctx, m)
     mb_size, seq = microbatches[0]["tokens"].shape
@@ -147,8 +137,34 @@ def run_global_batch(cfg, ctx, chunks, microbatches: list[dict], *, forward_only
         finalize_grads(chunks, ctx, ddp)
     t1 = time.perf_counter()
 
-    # The loss lives on the last stage of each pipeline; sum over pp (others add 0), dp and cp
-    # (each CP rank holds its tokens' share; the aux values are the same on every CP rank).
+    stats = _global_stats(ctx, chunks, lm_losses, global_tokens)
+    has_aux = cfg.model.num_experts > 0 or any(getattr(mod, "last_aux_loss", None) is not None
+                                               for c in chunks for mod in c.modules())
+    return StepOutput(stats, has_aux, {"forward_backward": t1 - t0})
+
+
+def _scale_aux_losses(cfg, ctx, chunks, microbatches: list[dict], loss_scale: float) -> None:
+    """MoE aux-loss grads: coeff x the mean over every microbatch (or, for the sequence-level
+    loss, every sequence) of the global batch, scaled like the LM loss (see
+    :mod:`paratron.models.moe.layer`)."""
+    from paratron.models.moe.layer import set_aux_loss_scale
+
+    if cfg.model.moe_aux_loss_type == "seq":
+        from paratron.models.moe.seq_aux import count_global_sequences
+
+        set_aux_loss_scale(chunks, loss_scale / count_global_sequences(microbatches, ctx))
+    else:
+        set_aux_loss_scale(chunks, loss_scale / (len(microbatches) * ctx.dp.size))
+
+
+def _global_stats(ctx, chunks, lm_losses: list[torch.Tensor], global_tokens: torch.Tensor) -> torch.Tensor:
+    """``[LM loss, MoE aux loss, valid tokens]`` of the global batch, fp64 on ``ctx.device`` (no
+    host read), the same on every rank.
+
+    The loss lives on the last stage of each pipeline; it is summed over pp (others add 0), dp
+    and cp (each CP rank holds its tokens' share; the aux values, summed over MoE layers and
+    stages for the last microbatch, are the same on every CP rank and averaged over DP x CP).
+    """
     stats = torch.zeros(3, dtype=torch.float64, device=ctx.device)
     if lm_losses:
         stats[0] = torch.stack(lm_losses).double().sum()
@@ -159,8 +175,7 @@ def run_global_batch(cfg, ctx, chunks, microbatches: list[dict], *, forward_only
     ctx.dp_cp.all_reduce(stats)
     stats[1] /= ctx.dp_cp.size
     stats[2] = global_tokens[0]
-    has_aux = aux is not None or cfg.model.num_experts > 0
-    return StepOutput(stats, has_aux, {"forward_backward": t1 - t0})
+    return stats
 
 
 def _aux_loss(chunks) -> torch.Tensor | None:

@@ -11,6 +11,12 @@ backward uses the final ``out`` and ``lse`` of each query row (FlashAttention's 
 
 Layouts: ``q`` ``[sq, b, n_q, d]``, ``k``/``v`` ``[sk, b, n_kv, d]`` (grouped-query: query head
 ``j * (n_q / n_kv) + r`` reads key head ``j``), ``out`` ``[sq, b, n_q, d]``, ``lse`` ``[sq, b, n_q]``.
+
+Two implementations of the same formulas: on CPU, PyTorch's fused flash kernel
+(``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward, which return and take the
+log-sum-exp; its backward given the *final* ``out``/``lse`` gives exactly one block's share, the
+trick ring flash-attention implementations use), and elsewhere a plain fp32 matmul version
+(``*_math``), which is also the reference the tests hold the fused one to.
 """
 
 from __future__ import annotations
@@ -32,9 +38,54 @@ def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> tor
     return s
 
 
+def _fused(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu"
+
+
+def _bnsd(t: torch.Tensor) -> torch.Tensor:
+    return t.permute(1, 2, 0, 3)
+
+
 def block_forward(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [sq, b, n_q, d], lse [sq, b, n_q])``, both fp32, of softmax attention of ``q`` over
     ``k``/``v`` (``causal``: row ``i`` sees keys ``0..i``; needs ``sq == sk``)."""
+    if not _fused(q):
+        return block_forward_math(q, k, v, causal, scale)
+    # fp32 inside whatever the input dtype: partial outputs are merged, so they are not rounded.
+    n_q = q.shape[2]
+    kx, vx = (_expand(t, n_q) for t in (k, v))
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        _bnsd(q.float()), _bnsd(kx), _bnsd(vx), 0.0, causal, scale=scale)
+    return out.permute(2, 0, 1, 3).float(), lse.permute(2, 0, 1).float()
+
+
+def block_backward(q, k, v, out, lse, dout, causal: bool, scale: float
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Grads ``(dq [sq, b, n_q, d], dk, dv [sk, b, n_kv, d])`` in fp32 of one block.
+
+    Args:
+        out: the *final* ``[sq, b, n_q, d]`` output of the query rows (over every key block).
+        lse: their final ``[sq, b, n_q]`` log-sum-exp.
+        dout: ``[sq, b, n_q, d]`` grad of the final output.
+    """
+    if not _fused(q):
+        delta = (dout.float() * out.float()).sum(-1)
+        return block_backward_math(q, k, v, lse, dout, delta, causal, scale)
+    n_q, n_kv = q.shape[2], k.shape[2]
+    kx, vx = (_expand(t, n_q) for t in (k, v))
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        _bnsd(dout.float()), _bnsd(q.float()), _bnsd(kx), _bnsd(vx), _bnsd(out.float()),
+        lse.permute(1, 2, 0).contiguous(), 0.0, causal, scale=scale)
+    dq, dk, dv = (t.permute(2, 0, 1, 3).float() for t in (dq, dk, dv))
+    if n_q != n_kv:
+        sk, b, _, d = dk.shape
+        dk = dk.reshape(sk, b, n_kv, n_q // n_kv, d).sum(3)
+        dv = dv.reshape(sk, b, n_kv, n_q // n_kv, d).sum(3)
+    return dq, dk, dv
+
+
+def block_forward_math(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`block_forward` in plain fp32 matmuls."""
     s = _scores(q, k, causal, scale)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse.unsqueeze(-1))
@@ -42,15 +93,10 @@ def block_forward(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, to
     return out, lse.permute(2, 0, 1)
 
 
-def block_backward(q, k, v, lse, dout, delta, causal: bool, scale: float
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Grads ``(dq [sq, b, n_q, d], dk, dv [sk, b, n_kv, d])`` in fp32 of one block.
-
-    Args:
-        lse: the *final* ``[sq, b, n_q]`` log-sum-exp of the query rows (over every key block).
-        dout: ``[sq, b, n_q, d]`` grad of the final output.
-        delta: ``[sq, b, n_q]`` ``rowsum(dout * out)`` of the final output.
-    """
+def block_backward_math(q, k, v, lse, dout, delta, causal: bool, scale: float
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`block_backward` in plain fp32 matmuls; ``delta`` ``[sq, b, n_q]`` is
+    ``rowsum(dout * out)`` of the final output."""
     n_q, n_kv = q.shape[2], k.shape[2]
     s = _scores(q, k, causal, scale)
     p = torch.exp(s - lse.permute(1, 2, 0).unsqueeze(-1))

@@ -81,8 +81,6 @@ class RingAttention(torch.autograd.Function):
     def backward(fctx, dout):
         q, k, v, out, lse = fctx.saved_tensors
         layout, scale, group = fctx.layout, fctx.scale, fctx.layout.cp
-        dout = dout.float()
-        delta = (dout * out).sum(-1)
         dq = torch.zeros_like(out)
         cur = [k.contiguous(), v.contiguous()]
         grads = [torch.zeros(k.shape, dtype=torch.float32, device=k.device) for _ in range(2)]
@@ -92,8 +90,8 @@ class RingAttention(torch.autograd.Function):
             kv_reqs = _exchange(group, [] if last else cur, nxt)
             src = (group.rank - t) % group.size
             for qr, kr, b, causal in _pieces(layout, src):
-                gq, gk, gv = block_backward(q[qr, b], cur[0][kr, b], cur[1][kr, b], lse[qr, b],
-                                            dout[qr, b], delta[qr, b], causal, scale)
+                gq, gk, gv = block_backward(q[qr, b], cur[0][kr, b], cur[1][kr, b], out[qr, b], lse[qr, b],
+                                            dout[qr, b], causal, scale)
                 dq[qr, b] += gq
                 grads[0][kr, b] += gk
                 grads[1][kr, b] += gv

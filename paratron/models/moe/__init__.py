@@ -1,4 +1,4 @@
-"""Mixture of experts and expert parallelism (issue 8).
+"""Mixture of experts and expert parallelism.
 
 Modules: :mod:`.router` (top-k routing, aux and z losses, capacity), :mod:`.dispatcher` (token
 dispatchers and their registry), :mod:`.experts` (the experts of one rank), :mod:`.collectives`

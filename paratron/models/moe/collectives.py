@@ -2,7 +2,7 @@
 
 Each function is a forward collective paired with the collective that is its exact adjoint, so
 gradients stay correct across ranks. Every call goes through a :class:`~paratron.parallel.comm.Group`
-method, so the comm ledger counts calls and bytes (DESIGN.md principle 8).
+method, so the comm ledger counts calls and bytes (docs/DESIGN.md principle 8).
 
 Tokens are rows: tensors here are ``[n, h]`` (or ``[n, ...]``), split and gathered along dim 0.
 

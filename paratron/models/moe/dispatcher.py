@@ -14,7 +14,7 @@ Experts are split over the EP group: group rank ``j`` holds global experts
 its experts still produce (zero) grads.
 
 Dispatchers are chosen by name through :func:`register_dispatcher` / :func:`get_dispatcher`
-(``model.moe_token_dispatcher``), a registry that research code can extend (DESIGN.md
+(``model.moe_token_dispatcher``), a registry that research code can extend (docs/DESIGN.md
 principle 7).
 """
 
