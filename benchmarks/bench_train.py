@@ -31,7 +31,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 def cli_tokens_per_second(extra: list[str], nproc: int, iters: int) -> float:
     with tempfile.TemporaryDirectory() as d:
-        cmd = [str(ROOT / ".venv/bin/paratron"), "train", "--config", str(ROOT / "configs/default.toml"),
+        # This interpreter, run from the repository root: the checkout being measured, venv or not.
+        cmd = [sys.executable, "-m", "paratron", "train", "--config", str(ROOT / "configs/default.toml"),
                "--run-dir", d, "--set", f"train.train_iters={iters}", "--set", "train.eval_interval=0",
                "--set", "checkpoint.save=none", "--set", "train.sample_prompt=none",
                "--set", "optimizer.lr_warmup_iters=1", "--set", "logging.tensorboard=false"]

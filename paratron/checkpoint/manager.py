@@ -183,7 +183,7 @@ class CheckpointManager:
             "scheduler": encode(scheduler.state_dict()) if scheduler is not None else None,
             "extra": encode(dict(extra or {}), "extra"),
         }
-        needed = self._check_space(root, items)
+        needed = storage.refuse_unless_room(self._group, root, items)
         if asynchronous:
             items = self._staging.stage(items)
 
@@ -212,25 +212,6 @@ class CheckpointManager:
         """
         self._writer.wait()
         self._pruner.wait()
-
-    def _check_space(self, root: Path, items: StateItems) -> int:
-        """Bytes of the whole checkpoint's tensors (each key's full tensor once, whichever ranks
-        hold it); refuse the save on every rank, before writing, when the disk has less free.
-
-        Raises:
-            storage.OutOfSpaceError: naming the directory, the bytes needed and free.
-        """
-        g = self._group
-        local = {k: math.prod(c[0].global_shape) * c[0].tensor.element_size() for k, c in items.items() if c}
-        merged: dict[str, int] = {}
-        for part in g.all_gather_object(local):
-            merged.update(part)
-        needed = sum(merged.values())
-        short = torch.tensor([1.0 if storage.free_bytes(root) < needed else 0.0])
-        g.all_reduce(short, op=dist.ReduceOp.MAX)  # every rank refuses together, none enters DCP
-        if short.item() > 0:
-            raise storage.OutOfSpaceError(storage.no_space_message(root, needed, storage.free_bytes(root)))
-        return needed
 
     def _write_and_commit(self, root: Path, step: int, items: StateItems, rank_state: dict,
                           fields: dict, needed: int | None = None) -> None:
