@@ -197,3 +197,17 @@ def test_save_on_a_full_disk_says_so_and_the_next_run_resumes(tiny_corpus, tmp_p
 
     tensors = sum(md.size.numel() * md.properties.dtype.itemsize for md in saved_tensors(root / "step_4").values())
     assert estimated_checkpoint_bytes(from_dict(manifest["config"], "x"), None) == tensors
+
+
+def test_blockwise_crc_equals_zlib_crc_of_the_whole_file(tmp_path, monkeypatch):
+    import zlib
+
+    from paratron.checkpoint import integrity
+
+    monkeypatch.setattr(integrity, "BLOCK", 1000)  # many blocks, a short last one
+    g = torch.Generator().manual_seed(3)
+    for n in (0, 1, 999, 1000, 1001, 12_345):
+        data = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g).numpy().tobytes()
+        (tmp_path / "f").write_bytes(data)
+        assert integrity.file_crc32(tmp_path / "f", threads=3) == (f"{zlib.crc32(data):08x}", n)
+    assert integrity.crc32_combine(zlib.crc32(b"abc"), zlib.crc32(b"defg"), 4) == zlib.crc32(b"abcdefg")

@@ -62,19 +62,21 @@ class Probe(Callback):
 
 def _train(overrides: list[str], run_dir: str, stop_at: int = 0):
     """One rank of a run; returns the token batches it fed to training and to validation."""
+    import paratron.training.evaluator as evaluator
     import paratron.training.runner as runner
+    import paratron.training.trainer as trainer
     from paratron.config import load_config
 
     if stop_at:
         os.environ[STOP_AT] = str(stop_at)
     seen = {"train": [], "valid": []}
-    real = runner.run_global_batch
+    real = trainer.run_global_batch
 
     def spy(cfg, ctx, chunks, microbatches, *, forward_only, **kw):
         seen["valid" if forward_only else "train"].append(torch.cat([mb["tokens"] for mb in microbatches]))
         return real(cfg, ctx, chunks, microbatches, forward_only=forward_only, **kw)
 
-    runner.run_global_batch = spy  # this forked rank only
+    trainer.run_global_batch = evaluator.run_global_batch = spy  # this forked rank only
     code = runner.run_training(load_config(None, overrides), run_dir)
     return code, seen
 

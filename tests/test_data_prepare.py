@@ -49,7 +49,7 @@ def test_ensure_dataset_errors(tmp_path):
         prepare.ensure_dataset(DataConfig(corpus="missing.jsonl", data_path=[str(tmp_path / "m")]), 0)
 
 
-def test_cache_prefix_is_keyed_by_content_key_and_tokenizer(tmp_path):
+def test_cache_prefix_is_keyed_by_content_key_and_tokenizer(tmp_path, monkeypatch):
     p = prepare.default_prefix(DataConfig(corpus="data/shakespeare.jsonl"))
     assert p.parts[-3:-1] == ("data", "cache") and p.name.startswith("shakespeare_gpt2-")
     a = _corpus(tmp_path)
@@ -68,6 +68,17 @@ def test_cache_prefix_is_keyed_by_content_key_and_tokenizer(tmp_path):
     names = {prepare.default_prefix(c).name for c in others}
     assert len(names) == 3 and key.name not in names
     assert any(n.startswith("c_bpe512-") for n in names)
+    # Digests are remembered per (path, size, mtime): the next key reads no corpus byte.
+    memo = tmp_path / "cache" / ".digests"
+    assert len(list(memo.glob("*.digest"))) == 5  # a, b before and after, gpt2 vocab and merges
+    real_open = open
+
+    def no_corpus_reads(f, *args, **kwargs):
+        assert not str(f).endswith(".jsonl"), f"read {f}"
+        return real_open(f, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", no_corpus_reads)
+    assert prepare.default_prefix(cfg) == key
 
 
 def _race(cfg, q):

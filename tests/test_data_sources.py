@@ -1,10 +1,9 @@
 """Where a run's tokens come from: vocab sizes from the largest id, the tokenizer record beside a
 dataset and the refusal of another tokenizer, ``paratron train --data``, and the pre-launch checks
-reading data paths exactly as the data package does."""
+reading data paths exactly as the data package does. (No import cycle: tests/test_imports.py.)"""
 
 from __future__ import annotations
 
-import ast
 import json
 from pathlib import Path
 
@@ -151,37 +150,3 @@ def test_truncated_bin_is_refused_naming_the_file(tmp_path):
     (tmp_path / "notes_gpt2.bin").write_bytes(data + b"\0\0")
     with pytest.raises(ConfigError, match="trailing bytes"):
         preflight.prepare_data(cfg, progress=False)
-
-
-def _imports(module: str, path: Path, modules: set[str]) -> set[str]:
-    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    out = set()
-    for node in ast.walk(ast.parse(path.read_text())):  # function-level imports count too
-        if isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parts = package.split(".")[:len(package.split(".")) - node.level + 1]
-                base = ".".join(parts + ([base] if base else []))
-            out |= {f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names}
-        elif isinstance(node, ast.Import):
-            out |= {a.name for a in node.names}
-    return (out & modules) - {module}
-
-
-def test_no_import_cycle_between_paratron_modules():
-    files = {".".join(f.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): f
-             for f in (ROOT / "paratron").rglob("*.py")}
-    graph = {m: _imports(m, f, set(files)) for m, f in files.items()}
-    state: dict[str, int] = {}
-
-    def visit(m: str, trail: list[str]) -> None:
-        state[m] = 1
-        for n in sorted(graph[m]):
-            assert state.get(n) != 1, "import cycle: " + " -> ".join(trail[trail.index(n):] + [m, n])
-            if n not in state:
-                visit(n, trail + [m])
-        state[m] = 2
-
-    for m in sorted(graph):
-        if m not in state:
-            visit(m, [])

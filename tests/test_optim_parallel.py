@@ -27,14 +27,14 @@ STEPS = 3
 IGNORE = -100
 
 
-def _cfg() -> ModelConfig:
-    return gpt2_config(num_layers=LAYERS, hidden_size=HID, num_attention_heads=4, vocab_size=VOCAB,
+def _cfg(num_layers: int = LAYERS) -> ModelConfig:
+    return gpt2_config(num_layers=num_layers, hidden_size=HID, num_attention_heads=4, vocab_size=VOCAB,
                        seq_length=SEQ, make_vocab_size_divisible_by=4)
 
 
 def _opt(clip: float, **kw) -> OptimizerConfig:
     return OptimizerConfig(name="adamw", lr=1e-2, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95,
-                           adam_eps=1e-8, clip_grad=clip, **kw)
+                           adam_eps=1e-6, clip_grad=clip, **kw)
 
 
 def _batch(step: int):
@@ -45,10 +45,10 @@ def _batch(step: int):
     return ids, labels
 
 
-def reference(clip: float, batches):
+def reference(clip: float, batches, num_layers: int = LAYERS):
     """One process, plain torch: full params by logical name, grad norm per step."""
     ctx = ParallelContext.single()
-    (model,) = build_model_chunks(_cfg(), ctx, seed=SEED)
+    (model,) = build_model_chunks(_cfg(num_layers), ctx, seed=SEED)
     perturb_1d_params_([model])
     params = list(model.parameters())
     cfg = _opt(clip)
@@ -66,7 +66,8 @@ def reference(clip: float, batches):
 
 
 def train(ctx, *, zero, clip, schedule="1f1b", v=1, m=2, sp=False, precision="fp32", batches=None,
-          inject=None, opt_kw=None, snapshots=None, set_scale=None, reshard=True, probe=None):
+          inject=None, opt_kw=None, snapshots=None, set_scale=None, reshard=True, probe=None,
+          layout=None, num_layers=LAYERS, poison=None, states=None):
     """Train the GPT for len(batches) steps on this rank's part of the layout.
 
     ``inject(step, chunk)`` may return a term added to the loss of microbatch 0 on the last stage.
@@ -74,10 +75,15 @@ def train(ctx, *, zero, clip, schedule="1f1b", v=1, m=2, sp=False, precision="fp
     ``snapshots`` is a list, the full params after every step are appended to it.
     ``set_scale`` maps a step to a loss scale forced before it. ``reshard`` is ZeRO-3's
     ``zero3_reshard_after_forward``; ``probe(chunks, ddp, opt)`` is called after the last step.
+    ``layout``: transformer layers per stage (``parallel.pipeline_layout``) of a ``num_layers``
+    model. ``poison(step)`` may return a value written into this rank's first owned grad element
+    after the grads are final (an inf or NaN on one rank). When ``states`` is a list, this rank's
+    params and optimizer state (step count, main weights and moments) after every step are
+    appended to it.
     """
     dtype = precision_dtype(precision)
-    layers = stage_layers(LAYERS, ctx.pp.size, v, None, schedule)
-    chunks = build_model_chunks(_cfg(), ctx, seed=SEED, stage_layers=layers, params_dtype=dtype,
+    layers = stage_layers(num_layers, ctx.pp.size, v, layout, schedule)
+    chunks = build_model_chunks(_cfg(num_layers), ctx, seed=SEED, stage_layers=layers, params_dtype=dtype,
                                 sequence_parallel=sp)
     perturb_1d_params_(chunks)
     ddp = DistributedDataParallel(chunks, ctx, bucket_size_mb=0.002, overlap_grad_reduce=True,
@@ -111,8 +117,13 @@ def train(ctx, *, zero, clip, schedule="1f1b", v=1, m=2, sp=False, precision="fp
         seq = SEQ // ctx.tp.size if sp else SEQ
         run_pipeline(actions, chunks, ctx, micro, forward_step, (seq, mbs, HID), dtype, grad_sync=ddp)
         finalize_grads(chunks, ctx, ddp)
+        value = poison(step) if poison is not None else None
+        if value is not None:
+            ddp.owned_ranges(0)[0][2][0] = value
         res = opt.step()
         out.append((res.grad_norm, res.clip_coeff, res.skipped, res.loss_scale))
+        if states is not None:
+            states.append(_rank_state(chunks, opt))
         if snapshots is not None:
             with ddp.full_params():
                 snapshots.append({k: t.float() for k, t in gather_full_state(chunks, ctx).items()})
@@ -123,6 +134,15 @@ def train(ctx, *, zero, clip, schedule="1f1b", v=1, m=2, sp=False, precision="fp
     return full, out
 
 
+def _rank_state(chunks, opt) -> dict:
+    """This rank's params and optimizer state, cloned (for bitwise comparisons)."""
+    out = {"step_count": opt.step_count}
+    out.update({f"param/{p.logical_name}": p.detach().clone() for c in chunks for p in c.parameters()})
+    for key, views in opt.sharded_state_dict().items():
+        out[key] = [t.clone() for t, _ in views]
+    return out
+
+
 # ---- AdamW + clipping parity over layouts -----------------------------------------------------
 
 def _rank_layouts(layouts):
@@ -131,7 +151,8 @@ def _rank_layouts(layouts):
         ctx = ParallelContext.build(tp=lay["tp"], pp=lay["pp"])
         full, steps = train(ctx, zero=lay["zero"], clip=lay["clip"], schedule=lay.get("schedule", "1f1b"),
                             v=lay.get("v", 1), m=lay.get("m", 2), sp=lay.get("sp", False),
-                            reshard=lay.get("reshard", True), batches=[_batch(s) for s in range(STEPS)])
+                            reshard=lay.get("reshard", True), batches=[_batch(s) for s in range(STEPS)],
+                            layout=lay.get("layout"), num_layers=lay.get("layers", LAYERS))
         coords = (ctx.tp.rank, ctx.pp.rank, ctx.dp.rank)
         res.append((coords, full, steps))
     return res
@@ -161,9 +182,10 @@ def _check_layouts(outs, layouts):
     refs = {}
     for i, lay in enumerate(layouts):
         where = f"{lay}"
-        if lay["clip"] not in refs:
-            refs[lay["clip"]] = reference(lay["clip"], [_batch(s) for s in range(STEPS)])
-        ref, ref_norms = refs[lay["clip"]]
+        key = (lay["clip"], lay.get("layers", LAYERS))
+        if key not in refs:
+            refs[key] = reference(lay["clip"], [_batch(s) for s in range(STEPS)], num_layers=key[1])
+        ref, ref_norms = refs[key]
         merged: dict[str, torch.Tensor] = {}
         steps0 = outs[0][i][2]
         for rank_out in outs:
@@ -195,6 +217,74 @@ def test_layouts_world4():
 def test_layouts_world8():
     """TP=2 x PP=2 x DP=2, TP=2 x DP=4 and PP=2 x DP=4, each with ZeRO-1 on and off."""
     _check_layouts(run_ranks(_rank_layouts, 8, WORLD8, timeout=400), WORLD8)
+
+
+# ---- empty pipeline stages --------------------------------------------------------------------
+
+EMPTY_STAGES = [  # PP=4, 8 layers: a stage holding no param at all trains and joins every collective
+    _L(1, 4, 0, 0.05, layout=[2, 0, 3, 3], layers=8),
+    _L(1, 4, 1, 0.05, layout=[0, 2, 3, 3], layers=8),
+]
+
+
+def test_empty_pipeline_stages_match_one_process():
+    """PP=4 with pipeline_layout [2, 0, 3, 3] (an empty middle stage: no param on its rank) and
+    [0, 2, 3, 3] (a first stage with only the embedding), ZeRO 0 and 1, clipping active: 3
+    AdamW steps match one process to 1e-5; norms and clip coefficients match."""
+    _check_layouts(run_ranks(_rank_layouts, 4, EMPTY_STAGES, timeout=300), EMPTY_STAGES)
+
+
+@pytest.mark.slow
+def test_empty_pipeline_stage_under_zero2_and_zero3():
+    """The empty middle stage of [2, 0, 3, 3] under ZeRO-2 (no grad buffer at all) and ZeRO-3
+    (no param buffer either) matches one process to 1e-5."""
+    layouts = [_L(1, 4, z, 0.05, layout=[2, 0, 3, 3], layers=8) for z in (2, 3)]
+    _check_layouts(run_ranks(_rank_layouts, 4, layouts, timeout=300), layouts)
+
+
+# ---- non-finite grads on one rank -----------------------------------------------------------------
+
+NONFINITE_LAYOUTS = {1: [_L(1, 1, 0)],  # world -> layouts: DP=1; DP=2 ZeRO 0-3, TP=2, PP=2
+                     2: [_L(1, 1, 0), _L(1, 1, 1), _L(1, 1, 2), _L(1, 1, 3), _L(2, 1, 0), _L(1, 2, 0)]}
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(
+        (torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else
+         all(torch.equal(x, y) for x, y in zip(a[k], b[k])) if isinstance(a[k], list) else a[k] == b[k])
+        for k in a)
+
+
+def _rank_nonfinite(layouts, precision):
+    out = []
+    for lay in layouts:
+        ctx = ParallelContext.build(tp=lay["tp"], pp=lay["pp"])
+        for value in (float("inf"), float("nan")):
+            states = []
+            bad = ctx.world_size - 1  # the last rank: DP rank 1, TP rank 1 or the last stage
+
+            def poison(step, value=value):
+                return value if step == 1 and ctx.rank == bad else None
+
+            _, steps = train(ctx, zero=lay["zero"], clip=0.05, precision=precision, poison=poison,
+                             batches=[_batch(s) for s in range(4)], states=states)
+            out.append((f"{lay} {precision} {value}", [s[2] for s in steps],
+                        _same(states[0], states[1]), _same(states[1], states[2])))
+    return out
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("world", [1, 2])
+def test_nonfinite_grad_on_one_rank_skips_the_step_everywhere(world, precision):
+    """An inf, then (another run) a NaN, written into the last rank's final grads at step 2 of 4,
+    at DP=1, DP=2 with ZeRO 0, 1, 2 and 3, TP=2 and PP=2, in fp32 and bf16: step 2 is skipped on every
+    rank, with params, main weights, moments and step count after it bitwise equal to after step
+    1 on every rank; step 3 updates again."""
+    for rank_out in run_ranks(_rank_nonfinite, world, NONFINITE_LAYOUTS[world], precision, timeout=300):
+        for where, skipped, unchanged, stepped_on in rank_out:
+            assert skipped == [False, True, False, False], where
+            assert unchanged, f"{where}: the skipped step changed the state"
+            assert not stepped_on, f"{where}: step 3 did not update"
 
 
 # ---- tied embedding under ZeRO-1 x PP ------------------------------------------------------------

@@ -47,6 +47,7 @@ from .io import (LATEST, MANIFEST, read_items, read_json, resolve, verify_direct
 from .items import (CheckpointError, StateItems, iter_params, merge, model_items, optimizer_items,
                     shared_embedding_names)
 from .plainjson import decode, encode
+from .finite import refuse_nonfinite
 from .safety import check_same_model
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -120,6 +121,13 @@ class CheckpointManager:
         """Whether ``checkpoint.save`` names a directory (else :meth:`save` does nothing)."""
         return bool(self.cfg.save)
 
+    def should_save(self, step: int, *, final: bool) -> bool:
+        """The save rule of the training loop: after every ``checkpoint.interval``-th step, and
+        after the ``final`` one (the last step, or a stop request); never without
+        ``checkpoint.save``."""
+        interval = int(self.cfg.interval or 0)
+        return self.saving and (final or bool(interval and step % interval == 0))
+
     def directory_for(self, step: int) -> Path | None:
         """Where the checkpoint of ``step`` ends up (``ROOT/step_<step>``); None when not saving."""
         return Path(self.cfg.save) / f"step_{int(step)}" if self.saving else None
@@ -143,7 +151,9 @@ class CheckpointManager:
 
         Raises:
             CheckpointError: ``extra`` not plain; a previous async save failed (raised here, before
-                the new save starts); a sharding inconsistency.
+                the new save starts); a sharding inconsistency; an inf or NaN in the model or
+                optimizer state of any rank (nothing is written: a poisoned state never
+                becomes ``latest``).
         """
         t0 = time.perf_counter()
         self.wait()
@@ -162,6 +172,7 @@ class CheckpointManager:
             # The last stage's tied-embedding copy is saved by the first stage (same values).
             skip = set() if first else shared_embedding_names(chunks)
             items = merge(items, optimizer_items(optimizer, skip_names=skip))
+        refuse_nonfinite(items, step, self._group)
         rank_state = {"rank": self.ctx.rank, "layout": rng.layout_signature(self.ctx, self.config),
                       "coordinates": rng.rank_coordinates(self.ctx), "rng": encode(rng.capture(chunks))}
         fields = {
@@ -172,7 +183,7 @@ class CheckpointManager:
             "scheduler": encode(scheduler.state_dict()) if scheduler is not None else None,
             "extra": encode(dict(extra or {}), "extra"),
         }
-        needed = self._check_space(root, items)
+        needed = storage.refuse_unless_room(self._group, root, items)
         if asynchronous:
             items = self._staging.stage(items)
 
@@ -201,25 +212,6 @@ class CheckpointManager:
         """
         self._writer.wait()
         self._pruner.wait()
-
-    def _check_space(self, root: Path, items: StateItems) -> int:
-        """Bytes of the whole checkpoint's tensors (each key's full tensor once, whichever ranks
-        hold it); refuse the save on every rank, before writing, when the disk has less free.
-
-        Raises:
-            storage.OutOfSpaceError: naming the directory, the bytes needed and free.
-        """
-        g = self._group
-        local = {k: math.prod(c[0].global_shape) * c[0].tensor.element_size() for k, c in items.items() if c}
-        merged: dict[str, int] = {}
-        for part in g.all_gather_object(local):
-            merged.update(part)
-        needed = sum(merged.values())
-        short = torch.tensor([1.0 if storage.free_bytes(root) < needed else 0.0])
-        g.all_reduce(short, op=dist.ReduceOp.MAX)  # every rank refuses together, none enters DCP
-        if short.item() > 0:
-            raise storage.OutOfSpaceError(storage.no_space_message(root, needed, storage.free_bytes(root)))
-        return needed
 
     def _write_and_commit(self, root: Path, step: int, items: StateItems, rank_state: dict,
                           fields: dict, needed: int | None = None) -> None:

@@ -14,6 +14,7 @@ launcher's lock).
 from __future__ import annotations
 
 import errno
+import math
 import os
 import re
 import shutil
@@ -57,6 +58,29 @@ def check_space(directory: str | os.PathLike, needed: int) -> None:
     free = free_bytes(directory)
     if free < needed:
         raise OutOfSpaceError(no_space_message(directory, needed, free))
+
+
+def refuse_unless_room(group, root: str | os.PathLike, items) -> int:
+    """Bytes of a whole checkpoint's tensors (each key's full tensor once, whichever ranks hold
+    it, gathered over the checkpoint ``group``); refuse the save on every rank together, before
+    anything is written, when the disk has less free.
+
+    Raises:
+        OutOfSpaceError: naming the directory, the bytes needed and free.
+    """
+    import torch
+    import torch.distributed as dist
+
+    local = {k: math.prod(c[0].global_shape) * c[0].tensor.element_size() for k, c in items.items() if c}
+    merged: dict[str, int] = {}
+    for part in group.all_gather_object(local):
+        merged.update(part)
+    needed = sum(merged.values())
+    short = torch.tensor([1.0 if free_bytes(root) < needed else 0.0])
+    group.all_reduce(short, op=dist.ReduceOp.MAX)  # no rank enters DCP's collectives alone
+    if short.item() > 0:
+        raise OutOfSpaceError(no_space_message(root, needed, free_bytes(root)))
+    return needed
 
 
 def check_writable(directory: str | os.PathLike) -> None:

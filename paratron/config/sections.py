@@ -42,6 +42,8 @@ class ModelConfig:
     init_method_std: float = 0.02
     recompute: Literal["none", "full", "selective"] = "none"
     """Activation recompute (Korthikanti et al. 2022): whole layer, or the attention core only."""
+    compile: bool = False
+    """``torch.compile`` each transformer layer (opt-in; the first steps pay for compilation)."""
     block: str = "transformer"
     """Name of the transformer block in the block registry."""
     # Mixture of experts (num_experts = 0 means dense).
@@ -128,6 +130,11 @@ class TrainConfig:
     sample_prompt: Optional[str] = None
     """When set, rank 0 prints a text sample from the final checkpoint, continuing this prompt."""
     sample_tokens: int = 64
+    nonfinite: Literal["skip", "stop"] = "skip"
+    """A step whose loss or grads hold an inf or NaN (decided globally) changes nothing; "skip"
+    goes on with the next batch, "stop" ends the run with an error naming the step."""
+    max_consecutive_skips: int = 5
+    """Under ``nonfinite = "skip"``, stop after this many non-finite steps in a row."""
 
 
 @dataclass
@@ -152,6 +159,9 @@ class OptimizerConfig:
     min_loss_scale: float = 1.0
     loss_scale_window: int = 1000
     hysteresis: int = 2
+    adam_impl: Literal["auto", "fused", "foreach"] = "auto"
+    """AdamW kernels on the flat fp32 buffers: ``fused`` (``torch._fused_adamw_``, one kernel per
+    group of views), ``foreach`` (``torch._foreach_*``); ``auto`` is fused on CUDA, foreach on CPU."""
 
 
 @dataclass

@@ -13,6 +13,9 @@ importing the config loads neither numpy nor the pipeline package.
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 from . import model_shape
 from .context_rules import check_context
 from .errors import ConfigError
@@ -50,6 +53,25 @@ def _positive(cfg: Config, world: int | None) -> None:
                     ("model.attention_dropout", cfg.model.attention_dropout)):
         if not 0.0 <= v < 1.0:
             raise ConfigError(f"{name}={v} must be in [0, 1)")
+
+
+def _finite(cfg: Config, world: int | None) -> None:
+    """Every float field of every section is a finite number (``optimizer.lr = nan`` or ``inf``
+    would poison the first step)."""
+    for section in dataclasses.fields(cfg):
+        sub = getattr(cfg, section.name)
+        if not dataclasses.is_dataclass(sub):
+            continue
+        for f in dataclasses.fields(sub):
+            v = getattr(sub, f.name)
+            if isinstance(v, float) and not math.isfinite(v):
+                raise ConfigError(f"{section.name}.{f.name}={v} must be a finite number")
+
+
+def _nonfinite_policy(cfg: Config, world: int | None) -> None:
+    t = cfg.train  # train.nonfinite itself is checked against its Literal type when loading
+    if t.max_consecutive_skips < 1:
+        raise ConfigError(f"train.max_consecutive_skips={t.max_consecutive_skips} must be >= 1")
 
 
 def _grid(cfg: Config, world: int | None) -> None:
@@ -102,7 +124,15 @@ def _pipeline_layers(cfg: Config, world: int | None) -> None:
         raise ConfigError(str(e)) from None
 
 
-def _schedule(cfg: Config, world: int | None) -> None:
+def check_schedule(cfg: Config, world: int | None, *, build: bool = True) -> None:
+    """The pipeline schedule rule: the name is registered, the schedule's fixed chunk count (zbv: 2)
+    matches ``parallel.virtual_pipeline``, and (with a world size) the schedule accepts this
+    (p, microbatches, v), checked by building and validating its action lists (``build=True``), or
+    only by the schedule's own ``check`` (``build=False``: fast, for a search over layouts).
+
+    Raises:
+        ConfigError: naming the fields, the microbatch count and the schedule's rule.
+    """
     from paratron.pipeline.registry import build_schedule, get_schedule
 
     p, t = cfg.parallel, cfg.train
@@ -116,13 +146,20 @@ def _schedule(cfg: Config, world: int | None) -> None:
         return  # the microbatch count is not known yet
     m = t.global_batch_size // (t.micro_batch_size * dp)
     try:
-        build_schedule(p.schedule, p.pipeline, m, p.virtual_pipeline)
+        if build:
+            build_schedule(p.schedule, p.pipeline, m, p.virtual_pipeline)
+        elif spec.check is not None:
+            spec.check(p.pipeline, m, p.virtual_pipeline)
     except ValueError as e:
         raise ConfigError(
             f"parallel.schedule={p.schedule!r} with parallel.pipeline={p.pipeline}, "
             f"parallel.virtual_pipeline={p.virtual_pipeline} and {m} microbatches per step "
             f"(train.global_batch_size / (train.micro_batch_size * dp) = {t.global_batch_size} / "
             f"({t.micro_batch_size} * {dp})): {e}") from None
+
+
+def _schedule(cfg: Config, world: int | None) -> None:
+    check_schedule(cfg, world, build=True)
 
 
 def _experts(cfg: Config, world: int | None) -> None:
@@ -161,7 +198,7 @@ def _lr_schedule(cfg: Config, world: int | None) -> None:
         raise ConfigError(f"optimizer.min_lr={o.min_lr} must be <= optimizer.lr={o.lr}")
 
 
-VALIDATORS = [_positive, _lr_schedule, _grid, _model, _batch, _sequence, _schedule, _pipeline_layers,
+VALIDATORS = [_finite, _positive, _nonfinite_policy, _lr_schedule, _grid, _model, _batch, _sequence, _schedule, _pipeline_layers,
               _experts, _zero, _split, check_context]
 """Every config rule, in order. Each takes ``(cfg, world_size_or_None)`` and raises ConfigError."""
 

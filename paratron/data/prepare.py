@@ -72,26 +72,43 @@ def tokenizer_tag(data_cfg) -> str:
     return f"bpe{data_cfg.tokenizer_vocab_size}"
 
 
-def _hash_files(h, files) -> None:
-    for f in files:
-        h.update(f"{f.stat().st_size}\0".encode())
-        with open(f, "rb") as fh:
-            for block in iter(lambda: fh.read(1 << 20), b""):
-                h.update(block)
+def file_digest(path: Path, memo: Path | None = None) -> str:
+    """32 hex digits of blake2b over the file's bytes. With ``memo`` (a directory) the digest is
+    remembered under the file's absolute path, size and modification time, so the ranks of a run
+    and later runs do not read a large corpus again (as ``make`` and ``rsync``, a rewrite that keeps
+    size and mtime is not noticed)."""
+    st = path.stat()
+    stamp = f"{path.resolve()}\0{st.st_size}\0{st.st_mtime_ns}".encode()
+    entry = memo / f"{hashlib.blake2b(stamp, digest_size=10).hexdigest()}.digest" if memo else None
+    if entry is not None and entry.is_file():
+        return entry.read_text().strip()
+    h = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    digest = h.hexdigest()
+    if entry is not None:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        tmp = entry.with_name(f"{entry.name}.tmp{os.getpid()}")
+        tmp.write_text(digest + "\n")
+        os.replace(tmp, entry)
+    return digest
 
 
 def cache_key(data_cfg) -> str:
     """16 hex digits naming a corpus's tokenised form: the corpus files' bytes (in order), the JSON
     key, and the tokenizer (its files' bytes, or the vocab size of one trained on the corpus).
+    File digests are remembered in ``<cache>/.digests`` (:func:`file_digest`).
 
     Raises:
         FileNotFoundError: the corpus or a tokenizer file is missing (the field named).
     """
     source = paths.resolve_input(data_cfg.corpus, "data.corpus")
+    memo = cache_root(data_cfg) / ".digests"
     h = hashlib.blake2b(digest_size=8)
-    _hash_files(h, corpus.input_files([source]))
-    h.update(f"\0key={data_cfg.json_key}\0tok={data_cfg.tokenizer_type}\0".encode())
-    _hash_files(h, _tokenizer_files(data_cfg))
+    for f in corpus.input_files([source]) + _tokenizer_files(data_cfg):
+        h.update(f"{f.stat().st_size}:{file_digest(f, memo)}\0".encode())
+    h.update(f"key={data_cfg.json_key}\0tok={data_cfg.tokenizer_type}\0".encode())
     if data_cfg.tokenizer_type == "ByteLevelBPE" and not data_cfg.tokenizer_model:
         h.update(f"trained{data_cfg.tokenizer_vocab_size}".encode())
     return h.hexdigest()
@@ -100,9 +117,13 @@ def cache_key(data_cfg) -> str:
 def _tokenizer_files(data_cfg) -> list[Path]:
     """The files that define the configured tokenizer (none for a BPE still to be trained)."""
     d = data_cfg
+
+    def given_or_bundled(value, field: str, bundled: str) -> Path:
+        return paths.resolve_input(value, f"data.{field}") if value else paths.bundled(bundled)
+
     if d.tokenizer_type == "GPT2BPETokenizer":
-        return [paths.resolve_input(d.vocab_file, "data.vocab_file") if d.vocab_file else paths.bundled("gpt2-bpe/vocab.json"),
-                paths.resolve_input(d.merge_file, "data.merge_file") if d.merge_file else paths.bundled("gpt2-bpe/merges.txt")]
+        return [given_or_bundled(d.vocab_file, "vocab_file", "gpt2-bpe/vocab.json"),
+                given_or_bundled(d.merge_file, "merge_file", "gpt2-bpe/merges.txt")]
     return [paths.resolve_input(d.tokenizer_model, "data.tokenizer_model")] if d.tokenizer_model else []
 
 

@@ -4,8 +4,8 @@ BPE trained on a corpus.
 Every kind is wrapped in :class:`Tokenizer`, which the rest of paratron codes against:
 ``encode(text) -> list[int]``, ``encode_batch(texts)``, ``decode(ids) -> str``, ``vocab_size``
 (the largest token id + 1, added and special tokens included, so ids with gaps still fit the
-embedding and the ``.bin`` dtype) and ``eod`` (the end-of-document id appended after every
-document; ``<|endoftext|>`` = 50256 for GPT-2). ``fingerprint`` identifies the tokenizer by its
+embedding and the ``.bin`` dtype) and ``eod`` (the end-of-document id appended after
+every document; ``<|endoftext|>`` = 50256 for GPT-2). ``fingerprint`` identifies the tokenizer by its
 content, so a dataset can record which tokenizer built it. Encoding never adds special tokens of its own (no BOS), so the
 only special token in a preprocessed corpus is the EOD the preprocessor appends.
 

@@ -21,30 +21,19 @@ from typing import Callable
 
 import torch
 
-
-def _capture_default() -> dict[str, torch.Tensor]:
-    state = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def _restore_default(state: dict[str, torch.Tensor]) -> None:
-    torch.set_rng_state(state["cpu"])
-    if "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"])
+from paratron.parallel.random import capture_default_states, restore_default_states
 
 
 def _get_states(tracker):
     # With a tracker, its get_states() holds the default generators too (under "default").
-    return tracker.get_states() if tracker is not None else {"default": _capture_default()}
+    return tracker.get_states() if tracker is not None else {"default": capture_default_states()}
 
 
 def _set_states(tracker, states) -> None:
     if tracker is not None:
         tracker.set_states(states)
     else:
-        _restore_default(states["default"])
+        restore_default_states(states["default"])
 
 
 class _Checkpoint(torch.autograd.Function):

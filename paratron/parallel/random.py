@@ -24,14 +24,16 @@ PIPELINE_SEED_STRIDE = 100
 """Stages of a pipeline draw different dropout masks: seed + 100 * pp_rank (as Megatron-LM)."""
 
 
-def _capture() -> dict[str, torch.Tensor]:
+def capture_default_states() -> dict[str, torch.Tensor]:
+    """The states of PyTorch's global generators (CPU, and CUDA when present)."""
     state = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
-def _restore(state: dict[str, torch.Tensor]) -> None:
+def restore_default_states(state: dict[str, torch.Tensor]) -> None:
+    """Set PyTorch's global generators to ``state`` (from :func:`capture_default_states`)."""
     torch.set_rng_state(state["cpu"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
@@ -39,12 +41,12 @@ def _restore(state: dict[str, torch.Tensor]) -> None:
 
 def _seeded(seed: int) -> dict[str, torch.Tensor]:
     """The generator states that ``manual_seed(seed)`` produces, without disturbing the current ones."""
-    saved = _capture()
+    saved = capture_default_states()
     try:
         torch.manual_seed(seed)  # seeds CPU and every CUDA device
-        return _capture()
+        return capture_default_states()
     finally:
-        _restore(saved)
+        restore_default_states(saved)
 
 
 class RNGStatesTracker:
@@ -91,13 +93,13 @@ class RNGStatesTracker:
         """Run the block on stream ``name``; the default stream resumes unchanged afterwards."""
         if name not in self._states:
             raise ValueError(f"unknown RNG stream {name!r}; known: {self.names()}")
-        outer = _capture()
-        _restore(self._states[name])
+        outer = capture_default_states()
+        restore_default_states(self._states[name])
         try:
             yield
         finally:
-            self._states[name] = _capture()
-            _restore(outer)
+            self._states[name] = capture_default_states()
+            restore_default_states(outer)
 
     def get_states(self, include_default: bool = True) -> dict[str, dict[str, torch.Tensor]]:
         """A copy of every stream's state (``{"cpu": ByteTensor, "cuda": ByteTensor?}`` each);
@@ -105,7 +107,7 @@ class RNGStatesTracker:
         checkpoints and to replay dropout masks in activation recomputation."""
         out = {k: {d: t.clone() for d, t in v.items()} for k, v in self._states.items()}
         if include_default:
-            out["default"] = _capture()
+            out["default"] = capture_default_states()
         return out
 
     def set_states(self, states: dict[str, dict[str, torch.Tensor]]) -> None:
@@ -119,6 +121,6 @@ class RNGStatesTracker:
             raise ValueError(f"unknown RNG streams {unknown}; known: {self.names()}")
         for name, st in states.items():
             if name == "default":
-                _restore(st)
+                restore_default_states(st)
             else:
                 self._states[name] = {d: t.clone() for d, t in st.items()}

@@ -159,9 +159,9 @@ def estimated_checkpoint_bytes(cfg: Config, vocab_size: int | None) -> int:
     return params * (width + BYTES_PER_PARAM.get(cfg.optimizer.name, 12))
 
 
-def check_checkpoint_dir(cfg: Config, vocab_size: int | None = None) -> None:
-    """``checkpoint.save`` must be writable and hold one more checkpoint (10% margin); stale
-    temporaries of dead writers there are removed first.
+def check_checkpoint_dir(cfg: Config, vocab_size: int | None = None, room: bool = True) -> None:
+    """``checkpoint.save`` must be writable and (with ``room``) hold one more checkpoint (10%
+    margin); stale temporaries of dead writers there are removed first.
 
     Raises:
         ConfigError: naming the directory, and for space the bytes needed and free.
@@ -175,7 +175,8 @@ def check_checkpoint_dir(cfg: Config, vocab_size: int | None = None) -> None:
     try:
         storage.check_writable(save)
         storage.remove_stale_temporaries(save)
-        storage.check_space(save, math.ceil(1.1 * estimated_checkpoint_bytes(cfg, vocab_size)))
+        if room:
+            storage.check_space(save, math.ceil(1.1 * estimated_checkpoint_bytes(cfg, vocab_size)))
     except CheckpointError as e:
         raise ConfigError(f"checkpoint.save: {e}") from None
 
@@ -191,12 +192,15 @@ def import_plugins(cfg: Config) -> None:
 
 def prepare_training(cfg: Config, run_dir: str | os.PathLike) -> None:
     """What ``paratron train`` does after validating and before any rank starts: default the
-    outputs into the run directory, tokenise and check the data (not under a plain ``torchrun``,
-    where global rank 0 does it after launch), and check the checkpoint directory.
+    outputs into the run directory, tokenise and check the data, and check the checkpoint
+    directory. Inside a rank (a plain ``torchrun``, or the ranks the launcher started) only the
+    checks every rank answers alike run: global rank 0 prepares the data after launch, and each
+    save checks its exact size (:func:`paratron.checkpoint.storage.refuse_unless_room`).
 
     Raises:
         ConfigError: as :func:`prepare_data` and :func:`check_checkpoint_dir`.
     """
     apply_run_dir_defaults(cfg, run_dir)
-    tok = None if "WORLD_SIZE" in os.environ else prepare_data(cfg, progress=cfg.logging.progress)
-    check_checkpoint_dir(cfg, tok.vocab_size if tok is not None else None)
+    launching = "WORLD_SIZE" not in os.environ
+    tok = prepare_data(cfg, progress=cfg.logging.progress) if launching else None
+    check_checkpoint_dir(cfg, tok.vocab_size if tok is not None else None, room=launching)

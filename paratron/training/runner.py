@@ -1,51 +1,23 @@
-"""``run_training``: the training loop of ``paratron train``, on every rank.
+"""``run_training``: ``paratron train`` on every rank, and the builders the loop uses.
 
-Flow: parallel context → data → model chunks → DDP + optimizer + LR schedule → resume →
-loop over global batches (microbatches through the configured pipeline schedule) → evaluate
-every ``train.eval_interval`` → save every ``checkpoint.interval`` and at the end.
-SIGTERM/SIGINT finish the current step, save, and exit cleanly (every rank agrees on the step).
+Flow: parallel context → :class:`~paratron.training.trainer.Trainer` (data → model chunks →
+DDP + optimizer + LR schedule → checkpoints, evaluator, logging) → ``Trainer.train()`` (resume,
+then the loop). A run stopped by the non-finite policy exits with code 1 after one line naming
+the step; the last checkpoint is left as it was.
 """
 
 from __future__ import annotations
 
-import math
 import os
-import signal
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from paratron.config import Config, to_toml
-from paratron.training.callbacks import CallbackList, TrainState, load_callback
-from paratron.training.metrics import (MetricsWriter, format_log_line, peak_flops_per_device,
-                                       peak_memory_mb, plot_losses)
-from paratron.training.step import rank_actions, run_global_batch
-
-
-class StopFlag:
-    """Set by SIGTERM/SIGINT; the loop stops after the current step."""
-
-    def __init__(self) -> None:
-        self.requested = False
-        self._previous = {}
-
-    def install(self) -> None:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            self._previous[sig] = signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame) -> None:
-        self.requested = True
-
-    def restore(self) -> None:
-        for sig, h in self._previous.items():
-            signal.signal(sig, h)
-
-
-def _log(ctx, *msg) -> None:
-    if ctx.rank == 0:
-        print("[paratron]", *msg, flush=True)
+from paratron.config import Config
+from paratron.training.setup import build_model_and_optimizer  # noqa: F401  (public here too)
+from paratron.training.step_log import log
+from paratron.training.trainer import NonFiniteStop, Trainer
 
 
 def build_context(cfg: Config):
@@ -57,285 +29,18 @@ def build_context(cfg: Config):
                                  expert_tp=p.expert_tensor, order=p.order)
 
 
-def seed_everything(seed: int, ctx) -> None:
-    """Same default stream on every rank of a stage (TP replicas must draw identical dropout
-    masks outside TP regions); the TP-region stream lives in the model's RNG tracker."""
-    torch.manual_seed(seed + 100 * ctx.pp.rank)
-    if torch.cuda.is_available():
-        torch.cuda.manual_seed(seed + 100 * ctx.pp.rank)
-
-
 def run_training(cfg: Config, run_dir: str | None = None) -> int:
-    """Train as configured; returns a process exit code. Call on every rank (under torchrun)."""
+    """Train as configured; returns a process exit code (0, or 1 after a non-finite stop).
+    Call on every rank (under torchrun)."""
     run_dir = Path(run_dir or os.environ.get("PARATRON_RUN_DIR") or "runs/latest")
     if cfg.train.deterministic:
         torch.use_deterministic_algorithms(True)
     ctx = build_context(cfg)
     try:
-        return _train(cfg, ctx, run_dir)
+        return Trainer(cfg, ctx, run_dir).train()
+    except NonFiniteStop as exc:
+        log(ctx, f"error: {exc}")
+        return 1
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def _train(cfg: Config, ctx, run_dir: Path) -> int:
-    from paratron.training.data_iter import TrainingData
-
-    seed_everything(cfg.train.seed, ctx)
-    data = TrainingData.build(cfg, ctx)
-    if cfg.model.vocab_size is None:
-        cfg.model.vocab_size = data.tokenizer.vocab_size
-    chunks, ddp, optimizer, scheduler = build_model_and_optimizer(cfg, ctx)
-    is_logger = ctx.rank == 0
-    if is_logger:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.toml").write_text(to_toml(cfg))
-    writer = MetricsWriter(run_dir, is_logger, cfg.logging.tensorboard)
-    state = TrainState(cfg, ctx, chunks, optimizer, scheduler, run_dir)
-    callbacks = CallbackList(builtin_callbacks(cfg, ctx, state) +
-                             [load_callback(s, state) for s in cfg.train.callbacks])
-    ckpt = build_checkpoint_manager(cfg, ctx)
-
-    warn_if_saving_over(cfg, ctx)
-    if ckpt is not None and cfg.checkpoint.load:
-        extra = ckpt.load(chunks, optimizer, scheduler)
-        if extra:
-            state.iteration = int(extra.get("iteration", 0))
-            state.consumed_train_samples = int(extra.get("consumed_train_samples", 0))
-            state.consumed_valid_samples = int(extra.get("consumed_valid_samples", 0))
-            _log(ctx, f"resumed from {cfg.checkpoint.load} at iteration {state.iteration}")
-
-    from paratron.models.flops import flops_per_token
-
-    flops_tok = flops_per_token(cfg.model)
-    peak, peak_src = peak_flops_per_device(cfg.train.peak_flops_per_device, ctx.device)
-    _log(ctx, f"layout: {ctx.describe()} | schedule {cfg.parallel.schedule} | "
-              f"microbatches/step {data.num_microbatches} | params {count_params(chunks, ctx):,}")
-    _log(ctx, f"peak FLOP/s per device for MFU: {peak / 1e12:.3f} TFLOP/s ({peak_src})")
-    if data.unigram_entropy is not None:
-        _log(ctx, f"unigram entropy of the training tokens: {data.unigram_entropy:.4f} nats/token")
-
-    actions = rank_actions(cfg, ctx, data.num_microbatches)  # the same list every step
-    stop = StopFlag()
-    stop.install()
-    callbacks.on_train_start(state)
-    seq = cfg.model.seq_length
-    gbs = cfg.train.global_batch_size
-    skipped = 0
-    window_tokens, window_time = 0, 0.0
-    last_val = None
-    stopped_early = False
-    try:
-        while state.iteration < cfg.train.train_iters:
-            callbacks.on_step_start(state)
-            t0 = time.perf_counter()
-            microbatches = data.train_microbatches(state.consumed_train_samples)
-            t_data = time.perf_counter() - t0
-            optimizer.zero_grad()
-            out = run_global_batch(cfg, ctx, chunks, microbatches, forward_only=False,
-                                   loss_scale=optimizer.loss_scale, actions=actions, ddp=ddp)
-            t1 = time.perf_counter()
-            lr = scheduler_lr(scheduler, optimizer)  # the rate this step uses
-            result = optimizer.step()
-            scheduler.step()
-            t2 = time.perf_counter()
-            state.iteration += 1
-            state.consumed_train_samples += gbs
-            skipped += int(result.skipped)
-            step_time = t2 - t0
-            window_tokens += gbs * seq
-            window_time += step_time
-            record = {
-                "iteration": state.iteration,
-                "consumed_tokens": state.consumed_train_samples * seq,
-                "loss": out.loss,
-                "lr": lr,
-                "grad_norm": float(result.grad_norm),
-                "skipped_iterations": skipped,
-                "tokens_per_second": gbs * seq / step_time,
-                "step_time_s": step_time,
-            }
-            if cfg.train.precision == "fp16":
-                record["loss_scale"] = float(result.loss_scale)
-            if out.aux_loss is not None:
-                record["aux_loss"] = out.aux_loss
-            record.update(throughput(record["tokens_per_second"], flops_tok, ctx.world_size, peak))
-            record["peak_memory_mb"] = peak_memory_mb(ctx.device)
-            state.metrics.append(record)
-            timings = {"step": step_time, "data": t_data, "forward_backward": out.timings["forward_backward"],
-                       "optimizer": t2 - t1}
-            callbacks.on_step_end(state, record, timings)
-            if state.iteration % cfg.logging.log_interval == 0 or state.iteration == 1:
-                # The console shows the mean over the log interval; metrics.jsonl keeps each step.
-                shown = dict(record, tokens_per_second=window_tokens / window_time)
-                shown.update(throughput(shown["tokens_per_second"], flops_tok, ctx.world_size, peak))
-                _log(ctx, format_log_line(shown, cfg.train.train_iters))
-                window_tokens, window_time = 0, 0.0
-            writer.write(record)
-
-            if cfg.train.eval_interval and state.iteration % cfg.train.eval_interval == 0:
-                last_val = evaluate(cfg, ctx, chunks, data, state, writer, callbacks, actions)
-            stop_now = agree_to_stop(ctx, stop.requested or state.should_stop)
-            if ckpt is not None and (stop_now or (cfg.checkpoint.interval and
-                                                  state.iteration % cfg.checkpoint.interval == 0)):
-                save(ckpt, state, callbacks)
-            if stop_now:
-                _log(ctx, f"stop requested: saved and exiting at iteration {state.iteration}")
-                stopped_early = True
-                break
-        else:
-            if not (cfg.train.eval_interval and state.iteration % cfg.train.eval_interval == 0):
-                last_val = evaluate(cfg, ctx, chunks, data, state, writer, callbacks, actions)
-            if ckpt is not None and not (cfg.checkpoint.interval and
-                                         state.iteration % cfg.checkpoint.interval == 0):
-                save(ckpt, state, callbacks)
-        if ckpt is not None:
-            ckpt.wait()
-        callbacks.on_train_end(state)
-    except BaseException as exc:
-        callbacks.on_exception(state, exc)
-        raise
-    finally:
-        stop.restore()
-        writer.close()
-    if is_logger:
-        plot_losses(writer.records, run_dir / "loss.png")
-        if last_val is not None and data.unigram_entropy is not None:
-            verdict = "below" if last_val < data.unigram_entropy else "NOT below"
-            _log(ctx, f"final validation loss {last_val:.4f} vs unigram entropy "
-                      f"{data.unigram_entropy:.4f} nats/token: {verdict}")
-        _log(ctx, f"metrics: {run_dir / 'metrics.jsonl'} | plot: {run_dir / 'loss.png'}")
-    prompt = cfg.train.sample_prompt or data.default_prompt
-    if prompt and cfg.train.sample_tokens > 0 and cfg.checkpoint.save and not stopped_early:
-        print_sample(cfg, ctx, prompt)
-    return 0
-
-
-def builtin_callbacks(cfg: Config, ctx, state: TrainState) -> list:
-    """The hang watchdog (first, so it sees every step of the other callbacks), when on."""
-    if cfg.parallel.hang_timeout_s > 0 and ctx.world_size > 1:
-        from paratron.training.watchdog import HangWatchdog
-
-        return [HangWatchdog(state, cfg.parallel.hang_timeout_s)]
-    return []
-
-
-def print_sample(cfg: Config, ctx, prompt: str) -> None:
-    """Rank 0 reloads the checkpoint just saved on one process and continues ``prompt``
-    (``train.sample_prompt``, else the start of a validation document)."""
-    ctx.world.barrier()  # every rank's shards are on disk
-    if ctx.rank != 0:
-        return
-    from paratron.training.generate import generate_text
-
-    text = generate_text(cfg.checkpoint.save, prompt, cfg.train.sample_tokens,
-                         temperature=0.8, top_k=40, seed=cfg.train.seed)
-    _log(ctx, "sample from the saved checkpoint (temperature 0.8, top-k 40):\n" + text)
-
-
-def throughput(tokens_per_second: float, flops_per_token: float, world_size: int, peak: float) -> dict:
-    """TFLOP/s per device and MFU for a token rate of the whole job."""
-    flops = flops_per_token * tokens_per_second / world_size
-    mfu = flops / peak if peak and math.isfinite(peak) else float("nan")
-    return {"tflops_per_device": flops / 1e12, "mfu": mfu}
-
-
-def warn_if_saving_over(cfg: Config, ctx) -> None:
-    """Say so when ``checkpoint.save`` already holds another run's checkpoints: a save of the
-    same step number replaces theirs."""
-    save, load = cfg.checkpoint.save, cfg.checkpoint.load
-    if not save or ctx.rank != 0:
-        return
-    latest = Path(save) / "latest"
-    if latest.is_file() and not (load and Path(load).resolve() == Path(save).resolve()):
-        _log(ctx, f"warning: checkpoint.save={save} already holds checkpoints (latest: "
-                  f"{latest.read_text().strip()}); this run's saves go there too and replace any step "
-                  "of the same number. Set checkpoint.save to a new directory to keep them apart.")
-
-
-def agree_to_stop(ctx, local: bool) -> bool:
-    """Every rank stops at the same step if any rank was asked to (signals arrive unevenly)."""
-    t = torch.tensor([1.0 if local else 0.0])
-    ctx.world.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item() > 0)
-
-
-def save(ckpt, state: TrainState, callbacks) -> None:
-    path = str(ckpt.directory_for(state.iteration)) if hasattr(ckpt, "directory_for") else str(state.iteration)
-    callbacks.on_save_start(state, path)
-    ckpt.save(state.iteration, state.chunks, state.optimizer, state.scheduler,
-              {"iteration": state.iteration,
-               "consumed_train_samples": state.consumed_train_samples,
-               "consumed_valid_samples": state.consumed_valid_samples})
-    callbacks.on_save_end(state, path)
-
-
-@torch.no_grad()
-def evaluate(cfg, ctx, chunks, data, state: TrainState, writer, callbacks, actions=None) -> float | None:
-    """Token-mean validation loss over ``train.eval_iters`` global batches."""
-    if not data.has_validation or cfg.train.eval_iters < 1:
-        return None
-    for c in chunks:
-        c.eval()
-    total, tokens = 0.0, 0
-    for _ in range(cfg.train.eval_iters):
-        mbs = data.valid_microbatches(state.consumed_valid_samples)
-        out = run_global_batch(cfg, ctx, chunks, mbs, forward_only=True, actions=actions)
-        total += out.loss * out.num_tokens
-        tokens += out.num_tokens
-        state.consumed_valid_samples += cfg.train.global_batch_size
-    for c in chunks:
-        c.train()
-    val = total / max(tokens, 1)
-    record = {"iteration": state.iteration, "val_loss": val, "val_ppl": math.exp(min(val, 50.0))}
-    writer.write(record)
-    state.metrics.append(record)
-    callbacks.on_evaluate(state, record)
-    _log(ctx, f"validation at iteration {state.iteration}: loss {val:.4f} | ppl {record['val_ppl']:.2f}")
-    return val
-
-
-def build_model_and_optimizer(cfg: Config, ctx):
-    """Model chunks of this rank, wrapped for data parallelism, with optimizer and LR schedule."""
-    from paratron.models.gpt import build_model_chunks
-    from paratron.optim import DistributedDataParallel, build_lr_scheduler, build_optimizer, precision_dtype
-    from paratron.pipeline.partition import stage_layers
-
-    p = cfg.parallel
-    layout = stage_layers(cfg.model.num_layers, p.pipeline, p.virtual_pipeline, p.pipeline_layout, p.schedule)
-    chunks = build_model_chunks(cfg.model, ctx, seed=cfg.train.seed, sequence_parallel=p.sequence_parallel,
-                                params_dtype=precision_dtype(cfg.train.precision), stage_layers=layout,
-                                context_algorithm=p.context_algorithm)
-    for c in chunks:
-        c.to(ctx.device)
-    ddp = DistributedDataParallel(chunks, ctx, grad_dtype=torch.float32, bucket_size_mb=p.bucket_size_mb,
-                                  overlap_grad_reduce=p.overlap_grad_reduce,
-                                  zero=p.zero, zero3_reshard_after_forward=p.zero3_reshard_after_forward,
-                                  zero3_prefetch=p.zero3_prefetch)
-    optimizer = build_optimizer(chunks, ctx, cfg.optimizer, ddp, precision=cfg.train.precision)
-    scheduler = build_lr_scheduler(cfg.optimizer, cfg.train.train_iters, optimizer)
-    return chunks, ddp, optimizer, scheduler
-
-
-def build_checkpoint_manager(cfg: Config, ctx):
-    if not (cfg.checkpoint.save or cfg.checkpoint.load):
-        return None
-    from paratron.checkpoint.manager import CheckpointManager
-
-    return CheckpointManager(cfg.checkpoint, ctx, cfg)
-
-
-def scheduler_lr(scheduler, optimizer) -> float:
-    lr = getattr(scheduler, "lr", None)
-    if lr is None:
-        lr = optimizer.param_groups[0]["lr"]
-    return float(lr() if callable(lr) else lr)
-
-
-def count_params(chunks, ctx) -> int:
-    """Logical parameter count of the whole model: each logical tensor once, at its full shape."""
-    local = {p.logical_name: math.prod(p.shard.global_shape) for c in chunks for p in c.parameters()}
-    merged: dict[str, int] = {}
-    for d in ctx.world.all_gather_object(local):
-        merged.update(d)
-    return sum(merged.values())

@@ -1,0 +1,98 @@
+"""What the training loop is built from, on every rank: the seeded default RNG stream, the model
+chunks with DDP, optimizer and LR schedule, the checkpoint manager, and the run's small reports
+(parameter count, a warning before saving over another run, the final text sample)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from paratron.config import Config
+from paratron.training.step_log import log
+
+
+def seed_everything(seed: int, ctx) -> None:
+    """Same default stream on every rank of a stage (TP replicas must draw identical dropout
+    masks outside TP regions); the TP-region stream lives in the model's RNG tracker."""
+    torch.manual_seed(seed + 100 * ctx.pp.rank)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed(seed + 100 * ctx.pp.rank)
+
+
+def builtin_callbacks(cfg: Config, ctx, state) -> list:
+    """The hang watchdog (first, so it sees every step of the other callbacks), when on."""
+    if cfg.parallel.hang_timeout_s > 0 and ctx.world_size > 1:
+        from paratron.training.watchdog import HangWatchdog
+
+        return [HangWatchdog(state, cfg.parallel.hang_timeout_s)]
+    return []
+
+
+def print_sample(cfg: Config, ctx, prompt: str) -> None:
+    """Rank 0 reloads the checkpoint just saved on one process and continues ``prompt``
+    (``train.sample_prompt``, else the start of a validation document)."""
+    ctx.world.barrier()  # every rank's shards are on disk
+    if ctx.rank != 0:
+        return
+    from paratron.training.generate import generate_text
+
+    text = generate_text(cfg.checkpoint.save, prompt, cfg.train.sample_tokens,
+                         temperature=0.8, top_k=40, seed=cfg.train.seed)
+    log(ctx, "sample from the saved checkpoint (temperature 0.8, top-k 40):\n" + text)
+
+
+def warn_if_saving_over(cfg: Config, ctx) -> None:
+    """Say so when ``checkpoint.save`` already holds another run's checkpoints: a save of the
+    same step number replaces theirs."""
+    save, load = cfg.checkpoint.save, cfg.checkpoint.load
+    if not save or ctx.rank != 0:
+        return
+    latest = Path(save) / "latest"
+    if latest.is_file() and not (load and Path(load).resolve() == Path(save).resolve()):
+        log(ctx, f"warning: checkpoint.save={save} already holds checkpoints (latest: "
+                  f"{latest.read_text().strip()}); this run's saves go there too and replace any step "
+                  "of the same number. Set checkpoint.save to a new directory to keep them apart.")
+
+
+def build_model_and_optimizer(cfg: Config, ctx):
+    """Model chunks of this rank, wrapped for data parallelism, with optimizer and LR schedule."""
+    from paratron.models.gpt import build_model_chunks
+    from paratron.optim import DistributedDataParallel, build_lr_scheduler, build_optimizer, precision_dtype
+    from paratron.pipeline.partition import stage_layers
+
+    p = cfg.parallel
+    layout = stage_layers(cfg.model.num_layers, p.pipeline, p.virtual_pipeline, p.pipeline_layout, p.schedule)
+    chunks = build_model_chunks(cfg.model, ctx, seed=cfg.train.seed, sequence_parallel=p.sequence_parallel,
+                                params_dtype=precision_dtype(cfg.train.precision), stage_layers=layout,
+                                context_algorithm=p.context_algorithm)
+    for c in chunks:
+        c.to(ctx.device)
+    if chunks and chunks[0].rng_tracker is not None:
+        # Hidden dropout on replicated activations must draw the same mask on every TP rank.
+        chunks[0].rng_tracker.seed_default_stream()
+    ddp = DistributedDataParallel(chunks, ctx, grad_dtype=torch.float32, bucket_size_mb=p.bucket_size_mb,
+                                  overlap_grad_reduce=p.overlap_grad_reduce,
+                                  zero=p.zero, zero3_reshard_after_forward=p.zero3_reshard_after_forward,
+                                  zero3_prefetch=p.zero3_prefetch)
+    optimizer = build_optimizer(chunks, ctx, cfg.optimizer, ddp, precision=cfg.train.precision)
+    scheduler = build_lr_scheduler(cfg.optimizer, cfg.train.train_iters, optimizer)
+    return chunks, ddp, optimizer, scheduler
+
+
+def build_checkpoint_manager(cfg: Config, ctx):
+    if not (cfg.checkpoint.save or cfg.checkpoint.load):
+        return None
+    from paratron.checkpoint.manager import CheckpointManager
+
+    return CheckpointManager(cfg.checkpoint, ctx, cfg)
+
+
+def count_params(chunks, ctx) -> int:
+    """Logical parameter count of the whole model: each logical tensor once, at its full shape."""
+    local = {p.logical_name: math.prod(p.shard.global_shape) for c in chunks for p in c.parameters()}
+    merged: dict[str, int] = {}
+    for d in ctx.world.all_gather_object(local):
+        merged.update(d)
+    return sum(merged.values())

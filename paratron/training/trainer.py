@@ -1,0 +1,255 @@
+"""The training loop of ``paratron train``, made of small steps.
+
+:meth:`Trainer.train` is the whole loop and reads on one screen (torchtitan's ``Trainer.train``
+is the model): :meth:`~Trainer.train_step`, :meth:`~Trainer.log`, :meth:`~Trainer.maybe_evaluate`,
+the stop agreement, :meth:`~Trainer.maybe_save`. Each interval rule belongs to its owner: the
+:class:`~paratron.checkpoint.manager.CheckpointManager` decides when to save
+(``should_save``), the :class:`~paratron.training.evaluator.Evaluator` when to evaluate, the
+:class:`~paratron.training.nonfinite.NonFiniteGuard` what a non-finite step means.
+
+One step (:meth:`Trainer.train_step`): this DP rank's microbatches of the next global batch →
+:func:`train_batch`: :func:`~paratron.training.step.run_global_batch` (forward/backward through
+the pipeline schedule; the grads are final on return) → ``optimizer.step(read_along=loss
+stats)`` (skipped when the global loss or any grad is non-finite; the step's one device-to-host
+read) → the LR schedule advances only on an update (Megatron's rule) → the non-finite policy; the
+iteration count and data position always advance.
+SIGTERM/SIGINT (or a callback's ``state.should_stop``) finish the step, save, and exit 0, on the
+same step on every rank.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from paratron.config import Config, to_toml
+from paratron.training.callbacks import CallbackList, TrainState, load_callback
+from paratron.training.evaluator import Evaluator
+from paratron.training.metrics import MetricsWriter, peak_flops_per_device, plot_losses
+from paratron.training.nonfinite import NonFiniteGuard, NonFiniteStop
+from paratron.training.setup import (build_checkpoint_manager, build_model_and_optimizer, builtin_callbacks,
+                                     count_params, print_sample, seed_everything, warn_if_saving_over)
+from paratron.training.step import rank_actions, run_global_batch
+from paratron.training.step_log import StepLog, log
+from paratron.training.timers import PhaseTimer
+
+
+class StopFlag:
+    """Set by SIGTERM/SIGINT while installed (``with StopFlag() as stop:``); the loop stops
+    after the current step."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous = {}
+
+    def __enter__(self) -> "StopFlag":
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        self.requested = True
+
+    def __exit__(self, *exc) -> None:
+        for sig, h in self._previous.items():
+            signal.signal(sig, h)
+
+
+class Trainer:
+    """Everything one rank needs to train: data, model chunks, DDP, optimizer, LR schedule,
+    checkpoints, evaluation, logging and callbacks (built on every rank, in this order).
+
+    Args:
+        cfg: the validated :class:`~paratron.config.Config` (``model.vocab_size`` may be None:
+            the tokenizer's size is filled in).
+        ctx: the :class:`~paratron.parallel.context.ParallelContext`.
+        run_dir: where rank 0 writes ``config.toml``, ``metrics.jsonl``, TensorBoard and
+            ``loss.png``.
+    """
+
+    def __init__(self, cfg: Config, ctx, run_dir: Path) -> None:
+        from paratron.training.data_iter import TrainingData  # builds the data pipeline: lazy
+
+        seed_everything(cfg.train.seed, ctx)
+        self.cfg, self.ctx, self.run_dir = cfg, ctx, run_dir
+        self.data = TrainingData.build(cfg, ctx)
+        if cfg.model.vocab_size is None:
+            cfg.model.vocab_size = self.data.tokenizer.vocab_size
+        self.chunks, self.ddp, self.optimizer, self.scheduler = build_model_and_optimizer(cfg, ctx)
+        if ctx.rank == 0:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "config.toml").write_text(to_toml(cfg))
+        self.writer = MetricsWriter(run_dir, ctx.rank == 0, cfg.logging.tensorboard)
+        self.state = TrainState(cfg, ctx, self.chunks, self.optimizer, self.scheduler, run_dir)
+        self.callbacks = CallbackList(builtin_callbacks(cfg, ctx, self.state) +
+                                      [load_callback(s, self.state) for s in cfg.train.callbacks])
+        self.ckpt = build_checkpoint_manager(cfg, ctx)
+        self.actions = rank_actions(cfg, ctx, self.data.num_microbatches)  # the same every step
+        self.evaluator = Evaluator(cfg, ctx, self.chunks, self.data, self.actions)
+        self.guard = NonFiniteGuard(cfg.train.nonfinite, cfg.train.max_consecutive_skips)
+        self.timer = PhaseTimer(ctx.device)
+        self.step_log = StepLog(cfg, ctx, *peak_flops_per_device(cfg.train.peak_flops_per_device,
+                                                                 ctx.device), timer=self.timer)
+        self.stopping = False
+
+    # ---- the loop ------------------------------------------------------------------------
+    def train(self) -> int:
+        """Train to ``train.train_iters`` (or a stop request); returns the exit code 0.
+
+        Raises:
+            NonFiniteStop: a non-finite step under ``train.nonfinite`` (the same on every rank).
+        """
+        self.resume()
+        self.callbacks.on_train_start(self.state)
+        with StopFlag() as stop:
+            try:
+                while not self.stopping and self.state.iteration < self.cfg.train.train_iters:
+                    record, timings = self.train_step()
+                    self.log(record, timings)
+                    last = self.state.iteration >= self.cfg.train.train_iters
+                    self.maybe_evaluate(last)
+                    self.stopping = agree_to_stop(self.ctx, stop.requested or self.state.should_stop)
+                    self.maybe_save(final=last or self.stopping)
+                if self.stopping:
+                    log(self.ctx, f"stop requested: saved and exiting at iteration {self.state.iteration}")
+                if self.ckpt is not None:
+                    self.ckpt.wait()
+                self.callbacks.on_train_end(self.state)
+            except BaseException as exc:
+                self.on_exception(exc)
+                raise
+            finally:
+                self.writer.close()
+        self.report()
+        return 0
+
+    # ---- its steps -----------------------------------------------------------------------
+    def train_step(self) -> tuple[dict, dict]:
+        """One optimizer step over the next global batch; returns (record, timings)."""
+        s, timer = self.state, self.timer
+        self.callbacks.on_step_start(s)
+        t0 = time.perf_counter()
+        with timer.phase("data"):
+            microbatches = self.data.train_microbatches(s.consumed_train_samples)
+        out, result, lr = train_batch(self.cfg, self.ctx, self.chunks, self.ddp, self.optimizer,
+                                      self.scheduler, microbatches, self.actions, timer)
+        warning = self.guard.check(s.iteration + 1, result.nonfinite, self.first_nonfinite)
+        if warning:
+            log(self.ctx, "warning: " + warning)
+        step_time = time.perf_counter() - t0
+        s.iteration += 1
+        s.consumed_train_samples += self.cfg.train.global_batch_size
+        record = self.step_log.record(s, out, result, lr, step_time)
+        return record, dict(timer.last_host, step=step_time)
+
+    def log(self, record: dict, timings: dict) -> None:
+        """Callbacks, the in-memory and on-disk records, and the console line."""
+        self.callbacks.on_step_end(self.state, record, timings)
+        self.state.metrics.append(record)
+        self.step_log.console(record)
+        self.writer.write(record)
+
+    def maybe_evaluate(self, last: bool) -> None:
+        """Evaluate when the :class:`Evaluator` says it is due."""
+        if not self.evaluator.due(self.state.iteration, last=last):
+            return
+        record = self.evaluator.run(self.state)
+        self.writer.write(record)
+        self.state.metrics.append(record)
+        self.callbacks.on_evaluate(self.state, record)
+        log(self.ctx, f"validation at iteration {record['iteration']}: loss {record['val_loss']:.4f} | "
+                      f"ppl {record['val_ppl']:.2f}")
+
+    def maybe_save(self, *, final: bool) -> None:
+        """Save when the checkpoint manager says so (its interval, or ``final``)."""
+        if self.ckpt is None or not self.ckpt.should_save(self.state.iteration, final=final):
+            return
+        s = self.state
+        path = str(self.ckpt.directory_for(s.iteration))
+        self.callbacks.on_save_start(s, path)
+        self.ckpt.save(s.iteration, self.chunks, self.optimizer, self.scheduler,
+                       {"iteration": s.iteration, "consumed_train_samples": s.consumed_train_samples,
+                        "consumed_valid_samples": s.consumed_valid_samples})
+        self.callbacks.on_save_end(s, path)
+
+    # ---- around the loop -----------------------------------------------------------------
+    def resume(self) -> None:
+        """Load ``checkpoint.load`` if set, and print the run's header lines."""
+        s, cfg = self.state, self.cfg
+        warn_if_saving_over(cfg, self.ctx)
+        extra = self.ckpt.load(self.chunks, self.optimizer, self.scheduler) if (
+            self.ckpt is not None and cfg.checkpoint.load) else None
+        if extra:
+            s.iteration = int(extra.get("iteration", 0))
+            s.consumed_train_samples = int(extra.get("consumed_train_samples", 0))
+            s.consumed_valid_samples = int(extra.get("consumed_valid_samples", 0))
+            log(self.ctx, f"resumed from {cfg.checkpoint.load} at iteration {s.iteration}")
+        log(self.ctx, f"layout: {self.ctx.describe()} | schedule {cfg.parallel.schedule} | microbatches/step "
+                      f"{self.data.num_microbatches} | params {count_params(self.chunks, self.ctx):,}")
+        self.step_log.header(self.data.unigram_entropy)
+
+    def first_nonfinite(self) -> str:
+        """The lowest rank with a non-finite grad and its first such param (a collective: only
+        called on the rare non-finite step, on every rank)."""
+        found = self.ctx.world.all_gather_object(self.optimizer.first_nonfinite_param())
+        for rank, name in enumerate(found):
+            if name is not None:
+                return f"first non-finite grad: {name} on rank {rank}"
+        return "the loss is non-finite; every grad is finite"
+
+    def on_exception(self, exc: BaseException) -> None:
+        self.callbacks.on_exception(self.state, exc)
+        if isinstance(exc, NonFiniteStop) and self.ckpt is not None:
+            self.ckpt.wait()  # every rank stops here: the last good save in flight completes
+
+    def report(self) -> None:
+        """Rank 0: the loss plot and the final lines; then the text sample, unless stopped."""
+        if self.ctx.rank == 0:
+            plot_losses(self.writer.records, self.run_dir / "loss.png")
+            val, entropy = self.evaluator.last_loss, self.data.unigram_entropy
+            if val is not None and entropy is not None:
+                verdict = "below" if val < entropy else "NOT below"
+                log(self.ctx, f"final validation loss {val:.4f} vs unigram entropy {entropy:.4f} "
+                              f"nats/token: {verdict}")
+            log(self.ctx, f"metrics: {self.run_dir / 'metrics.jsonl'} | plot: {self.run_dir / 'loss.png'}")
+        prompt = self.cfg.train.sample_prompt or self.data.default_prompt
+        if prompt and self.cfg.train.sample_tokens > 0 and self.cfg.checkpoint.save and not self.stopping:
+            print_sample(self.cfg, self.ctx, prompt)
+
+
+def train_batch(cfg: Config, ctx, chunks, ddp, optimizer, scheduler, microbatches: list[dict],
+                actions: list | None = None, timer: PhaseTimer | None = None):
+    """The device work of one step: zero the grads, forward and backward of every microbatch
+    through the schedule (grads final on return), the optimizer step (skipped when the global
+    loss or any grad is non-finite), the LR schedule (only after an update). One device-to-host
+    read in all: the optimizer's skip decision, which brings the grad norm and the step's loss
+    stats along.
+
+    Returns:
+        ``(StepOutput, StepResult, lr)`` with host values; ``lr`` is the rate this step used.
+    """
+    timer = timer or PhaseTimer(ctx.device)
+    optimizer.zero_grad()
+    with timer.phase("forward_backward"):
+        out = run_global_batch(cfg, ctx, chunks, microbatches, forward_only=False,
+                               loss_scale=optimizer.loss_scale, actions=actions, ddp=ddp)
+    lr = float(scheduler.lr)
+    with timer.phase("optimizer"):
+        result = optimizer.step(read_along=out.stats)
+    out.values_from(result.read_along)
+    if not result.skipped:
+        scheduler.step()
+    timer.end_step()
+    return out, result, lr
+
+
+def agree_to_stop(ctx, local: bool) -> bool:
+    """Every rank stops at the same step if any rank was asked to (signals arrive unevenly).
+    A host-side all-reduce (gloo, the CPU side of the process groups): the device never waits."""
+    t = torch.tensor([1.0 if local else 0.0])
+    ctx.world.host_all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t[0] > 0)
