@@ -34,7 +34,7 @@ def _cfg(num_layers: int = LAYERS) -> ModelConfig:
 
 def _opt(clip: float, **kw) -> OptimizerConfig:
     return OptimizerConfig(name="adamw", lr=1e-2, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95,
-                           adam_eps=1e-8, clip_grad=clip, **kw)
+                           adam_eps=1e-6, clip_grad=clip, **kw)
 
 
 def _batch(step: int):

@@ -81,6 +81,11 @@ class GPTChunk(nn.Module):
             str(i): block(cfg, ctx, layer_number=i, seed=seed, sequence_parallel=sequence_parallel,
                           params_dtype=params_dtype, rng_tracker=rng_tracker)
             for i in self.layer_ids})
+        if cfg.compile:
+            # Per layer (as torchtitan does): layers share one compiled code object, and the
+            # embedding, loss and pipeline plumbing around them stay eager.
+            for layer in self.layers.values():
+                layer.compile()
         self.final_norm = None
         self.output_layer = None
         if post_process:
