@@ -162,7 +162,7 @@ def test_hang_names_the_rank_the_op_and_the_group(tiny_corpus, tmp_path):
     r, run_dir, ended = _run_fault(tmp_path, tiny_corpus, "skip:1:3")
     out = r.stdout + r.stderr
     assert r.returncode != 0, out
-    assert "hang: rank 1 never entered all_reduce" in out and "of group world (ranks 0,1,2,3) at step 3" in out
+    assert "hang: rank 1 never entered host_all_reduce" in out and "of group world (ranks 0,1,2,3) at step 3" in out
     dumps = sorted(p.name for p in (run_dir / "hang").glob("rank_*.json"))
     assert dumps == [f"rank_{i}.json" for i in range(4)]
     hung = json.loads((run_dir / "hang" / "rank_0.json").read_text())
@@ -241,3 +241,66 @@ def test_flight_recorder_sees_p2p_and_collectives():
     # pp and world are the same two ranks (one process group), so they share one numbering.
     assert res[0] == ([True], [("send", "pp", 1, True), ("all_reduce", "world", 2, True)])
     assert res[1] == ([True], [("recv", "pp", 1, True), ("all_reduce", "world", 2, True)])
+
+
+class _Ctx:
+    def __init__(self):
+        from paratron.parallel.comm import CommLedger
+
+        self.rank, self.ledger = 3, CommLedger()
+
+
+class _State:
+    def __init__(self, run_dir):
+        self.ctx, self.run_dir, self.iteration = _Ctx(), run_dir, 0
+
+
+def test_watchdog_reasons_and_dump(tmp_path):
+    from paratron.training.watchdog import EXIT_HANG, TERM_GRACE_S, HangWatchdog
+
+    codes = []
+    wd = HangWatchdog(_State(tmp_path), timeout_s=30, exit_fn=codes.append)
+    wd._started = time.time() - 100
+    now = time.time()
+    e = wd.recorder.begin("all_reduce", "dp", (1, 3), torch.zeros(4))
+    e.start = now - TERM_GRACE_S - 2
+    assert wd.check(now) is None
+    wd._signalled_at = now - 1  # SIGTERM came 1 s ago: the op may still finish
+    assert wd.check(now) is None
+    wd._signalled_at = now - TERM_GRACE_S - 1  # ... and it is still blocked: end the rank
+    assert wd.check(now) == "signal"
+    wd._signalled_at = None
+    e.start = now - 31
+    assert wd.check(now) == "hang"
+    e.end = now
+    (tmp_path / "hang").mkdir()
+    (tmp_path / "hang" / "trigger").write_text("{}")
+    assert wd.check(now) == "peer-hang"
+    wd.poll_s = 0.01
+    e.end = None
+    wd.fire("hang")
+    dump = json.loads((tmp_path / "hang" / "rank_3.json").read_text())
+    assert codes == [EXIT_HANG] and dump["reason"] == "hang" and dump["entries"][0]["end"] is None
+    assert dump["counts"] == {"1,3": 1}
+
+
+def test_watchdog_sees_sigterm_while_the_main_thread_is_busy(tmp_path):
+    """Two SIGTERMs end the rank through the watchdog thread, whatever the main thread does (a
+    rank blocked in a C++ collective never runs its Python handler)."""
+    from paratron.training.trainer import StopFlag
+    from paratron.training.watchdog import EXIT_TERM, HangWatchdog
+
+    codes = []
+    wd = HangWatchdog(_State(tmp_path), timeout_s=5, exit_fn=codes.append)
+    wd.poll_s = 0.01
+    with StopFlag() as stop:
+        try:
+            wd.on_train_start(None)
+            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGTERM)
+            deadline = time.time() + 10
+            while not codes and time.time() < deadline:
+                time.sleep(0.01)
+        finally:
+            wd.stop()
+    assert codes == [EXIT_TERM] and stop.requested

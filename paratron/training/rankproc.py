@@ -122,10 +122,10 @@ def write_error_record(log_dir: Path, rank: int, exc: BaseException) -> None:
     record = {"rank": rank, "pid": os.getpid(), "host": socket.gethostname(), "time": time.time(),
               "type": type(exc).__name__, "message": message[0] if message else "",
               "where": error_location(exc.__traceback__), "step": getattr(exc, "paratron_step", None)}
+    from paratron.checkpoint.io import write_json_atomic
+
     log_dir.mkdir(parents=True, exist_ok=True)
-    tmp = log_dir / f".rank_{rank}.error.json.tmp"
-    tmp.write_text(json.dumps(record))
-    os.replace(tmp, log_dir / f"rank_{rank}.error.json")
+    write_json_atomic(log_dir / f"rank_{rank}.error.json", record)
 
 
 @contextmanager

@@ -23,7 +23,6 @@ on gloo too, and its ledger already sees every op.
 
 from __future__ import annotations
 
-import json
 import os
 import select
 import signal
@@ -33,6 +32,7 @@ import threading
 import time
 from pathlib import Path
 
+from paratron.checkpoint.io import write_json_atomic
 from paratron.parallel.flight import FlightRecorder
 from paratron.training.callbacks import Callback
 
@@ -46,14 +46,6 @@ TERM_GRACE_S = 5.0
 
 def hang_dir(run_dir: Path | str) -> Path:
     return Path(run_dir) / "hang"
-
-
-def write_json_atomic(path: Path, obj) -> None:
-    """Write ``obj`` as JSON to ``path`` through a temp file and a rename (readers never see half)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    os.replace(tmp, path)
 
 
 class HangWatchdog(Callback):
@@ -173,6 +165,7 @@ class HangWatchdog(Callback):
         snap.update(rank=self.rank, pid=os.getpid(), host=socket.gethostname(), reason=reason,
                     time=time.time(), hang_timeout_s=self.timeout_s)
         path = self.dir / f"rank_{self.rank}.json"
+        self.dir.mkdir(parents=True, exist_ok=True)
         write_json_atomic(path, snap)
         return path
 
