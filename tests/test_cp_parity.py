@@ -134,3 +134,13 @@ def test_cp_compositions_world4():
     """CP=4 alone, and CP=2 with TP=2+SP, PP=2 (1F1B, interleaved), DP=2+ZeRO-1 and a MoE at EP=2,
     each with ring and all2all: 3 AdamW steps match one process to 1e-5."""
     _check(run_ranks(_rank, 4, WORLD4, 4, timeout=600), WORLD4)
+
+
+OTHER_SCHEDULES = [dict(cp=2, pp=2, schedule="gpipe"), dict(cp=2, pp=2, schedule="zb-h1", algorithm="all2all"),
+                   dict(cp=2, pp=2, schedule="zbv", v=2)]
+
+
+@pytest.mark.slow
+def test_cp_with_other_schedules_world4():
+    """CP=2 with PP=2 under GPipe, ZB-H1 (deferred weight grads) and ZBV: parity to 1e-5."""
+    _check(run_ranks(_rank, 4, OTHER_SCHEDULES, 4, timeout=600), OTHER_SCHEDULES)
