@@ -27,9 +27,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from paratron.config import ModelConfig
-from paratron.layers.init import normal_, draw_full
+from paratron.layers.init import init_shard_, normal_
 from paratron.parallel.comm import Group
-from paratron.parallel.params import mark
+from paratron.parallel.params import ShardSpec, mark
 
 from .seq_aux import sequence_balance_loss
 
@@ -100,9 +100,10 @@ class TopKRouter(nn.Module):
                  params_dtype: torch.dtype = torch.float32):
         super().__init__()
         self.num_experts, self.k, self.score = cfg.num_experts, cfg.moe_top_k, cfg.moe_router_score
-        full = draw_full(normal_(cfg.init_method_std), (cfg.num_experts, cfg.hidden_size), seed,
-                         f"{logical_name}.weight")
-        self.weight = nn.Parameter(full.to(device=ctx.device, dtype=params_dtype))
+        shape = (cfg.num_experts, cfg.hidden_size)
+        weight = torch.empty(shape, device=ctx.device, dtype=params_dtype)
+        self.weight = nn.Parameter(init_shard_(weight, normal_(cfg.init_method_std), ShardSpec.replicated(shape),
+                                               seed, f"{logical_name}.weight"))
         mark(self.weight, f"{logical_name}.weight", sequence_parallel=sequence_parallel)
 
     def forward(self, tokens: torch.Tensor, stats_group: Group | None = None,
