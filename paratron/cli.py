@@ -1,4 +1,4 @@
-"""The ``paratron`` command: ``train | preprocess | generate | convert | simulate | info``.
+"""The ``paratron`` command: ``train | preprocess | generate | convert | simulate | info | plan``.
 
 Each subcommand lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``;
 this file only maps names to modules and imports the chosen one, so that ``paratron --help``
@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("paratron.training.generate", "sample text from a checkpoint"),
     "convert": ("paratron.checkpoint.convert", "convert checkpoints to and from Hugging Face"),
     "simulate": ("paratron.pipeline.simulate_command", "simulate and draw a pipeline schedule"),
+    "plan": ("paratron.planner.command", "rank parallel layouts with a cost model; write the best as a config"),
 }
 
 

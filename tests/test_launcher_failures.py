@@ -162,7 +162,7 @@ def test_hang_names_the_rank_the_op_and_the_group(tiny_corpus, tmp_path):
     r, run_dir, ended = _run_fault(tmp_path, tiny_corpus, "skip:1:3")
     out = r.stdout + r.stderr
     assert r.returncode != 0, out
-    assert "hang: rank 1 never entered all_reduce" in out and "of group world (ranks 0,1,2,3) at step 3" in out
+    assert "hang: rank 1 never entered host_all_reduce" in out and "of group world (ranks 0,1,2,3) at step 3" in out
     dumps = sorted(p.name for p in (run_dir / "hang").glob("rank_*.json"))
     assert dumps == [f"rank_{i}.json" for i in range(4)]
     hung = json.loads((run_dir / "hang" / "rank_0.json").read_text())

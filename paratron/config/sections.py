@@ -42,6 +42,8 @@ class ModelConfig:
     init_method_std: float = 0.02
     recompute: Literal["none", "full", "selective"] = "none"
     """Activation recompute (Korthikanti et al. 2022): whole layer, or the attention core only."""
+    compile: bool = False
+    """``torch.compile`` each transformer layer (opt-in; the first steps pay for compilation)."""
     block: str = "transformer"
     """Name of the transformer block in the block registry."""
     # Mixture of experts (num_experts = 0 means dense).
@@ -157,6 +159,9 @@ class OptimizerConfig:
     min_loss_scale: float = 1.0
     loss_scale_window: int = 1000
     hysteresis: int = 2
+    adam_impl: Literal["auto", "fused", "foreach"] = "auto"
+    """AdamW kernels on the flat fp32 buffers: ``fused`` (``torch._fused_adamw_``, one kernel per
+    group of views), ``foreach`` (``torch._foreach_*``); ``auto`` is fused on CUDA, foreach on CPU."""
 
 
 @dataclass

@@ -104,7 +104,11 @@ class VocabParallelEmbedding(nn.Module):
             raise ValueError(f"{self.logical_name}: token ids must be [b, s], got shape {tuple(ids.shape)}")
         if self.sequence_parallel:
             check_sequence_divisible(ids.shape[1], self.group)
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size):
+        if ids.numel() and ids.device.type != "cpu":
+            # A host check would stall the step on the device: an asynchronous device assert.
+            torch._assert_async(((ids >= 0) & (ids < self.vocab_size)).all(),
+                                f"{self.logical_name}: token ids must lie in [0, model.vocab_size={self.vocab_size})")
+        elif ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size):
             raise ValueError(f"{self.logical_name}: token ids must lie in [0, model.vocab_size="
                              f"{self.vocab_size}), got range [{int(ids.min())}, {int(ids.max())}]")
         ids = ids.t()  # [s, b]: the model's activation layout

@@ -1,0 +1,95 @@
+"""Planner against Narayanan et al. 2021 (Megatron-LM, SC21), table 1: GPT models from 1.7 B to
+1 T parameters on A100-80GB (paratron/planner/data/megatron-sc21-table1.csv).
+
+For each published row:
+
+1. the planner's prediction for the *published* layout (its tp, pp, dp and batch; the paper's
+   settings otherwise: microbatch 1, 1F1B, full activation recompute, no sequence parallelism,
+   no ZeRO, fp16/bf16, dropout 0.1, unfused attention, sequence 2048, vocabulary 51,200), as
+   TFLOP/s per GPU counted with the paper's formula (its equation 3, recompute included, which is
+   ``paratron.models.flops.flops_per_token(include_recompute=True)`` under full recompute);
+2. the planner's own best plan on the same cluster and batch (any layout the validator accepts,
+   the same unfused attention), its predicted throughput and memory per GPU.
+
+Usage: PYTHONPATH=. python benchmarks/bench_planner_megatron.py [--rows 0,1,...]
+Prints a markdown table (recorded in benchmarks/README.md) and exits non-zero when a check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import sys
+import time
+from pathlib import Path
+
+from paratron.config import Config, ModelConfig
+from paratron.planner.estimate import Problem, estimate
+from paratron.planner.hardware import Cluster, device
+from paratron.planner.layout import Layout
+from paratron.planner.pipeline import ScheduleCache
+from paratron.planner.search import plan
+from paratron.planner.shape import Shape
+
+TABLE = Path(__file__).resolve().parent.parent / "paratron" / "planner" / "data" / "megatron-sc21-table1.csv"
+SEQ, VOCAB = 2048, 51200
+
+
+def rows() -> list[dict]:
+    with open(TABLE) as f:
+        return list(csv.DictReader(line for line in f if not line.startswith("#")))
+
+
+def gpt_model(row: dict) -> ModelConfig:
+    """The paper's GPT: LayerNorm, learned positions, GELU, biases, tied embeddings, dropout 0.1."""
+    return ModelConfig(num_layers=int(row["num_layers"]), hidden_size=int(row["hidden_size"]),
+                       num_attention_heads=int(row["attention_heads"]), vocab_size=VOCAB, seq_length=SEQ,
+                       make_vocab_size_divisible_by=128, hidden_dropout=0.1, attention_dropout=0.1)
+
+
+def problem(row: dict) -> tuple[Problem, Config]:
+    model = gpt_model(row)
+    gpus = int(row["num_gpus"])
+    cluster = Cluster(gpus // 8, 8, device("a100"))
+    base = Config(model=model)
+    return Problem(model, Shape.of(model, SEQ), cluster, int(row["global_batch_size"]), SEQ,
+                   fused_attention=False), base
+
+
+def published_layout(row: dict) -> Layout:
+    tp, pp, gpus = int(row["tensor_parallel"]), int(row["pipeline_parallel"]), int(row["num_gpus"])
+    return Layout(tp, pp, 1, gpus // (tp * pp), 1, 1, 0, "1f1b", 1, "full", False)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", default=None, help="comma-separated row indices (default: all)")
+    args = ap.parse_args()
+    table = rows()
+    picked = [int(i) for i in args.rows.split(",")] if args.rows else range(len(table))
+    print("| params (B) | tp | pp | dp | GPUs | batch | published TFLOP/s/GPU | predicted (published layout) "
+          "| error | memory GB | planner's best plan | best: tokens/s vs published layout | best: memory GB | s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    ok = True
+    for i in picked:
+        row = table[i]
+        prob, base = problem(row)
+        cache = ScheduleCache()
+        t0 = time.time()
+        pub = estimate(prob, published_layout(row), cache)
+        best = plan(prob, base, top_k=1, cache=cache).plans[0]
+        published = float(row["achieved_tflops_per_gpu"])
+        err = pub.hw_tflops_per_device / published - 1
+        gain = best.tokens_per_second / pub.tokens_per_second
+        fits = pub.memory.total <= prob.cluster.hw.memory_bytes and best.memory.total <= 80e9
+        ok &= abs(err) <= 0.25 and gain >= 1.0 - 1e-9 and fits
+        print(f"| {row['params_billion']} | {pub.layout.tp} | {pub.layout.pp} | {pub.layout.dp} | {row['num_gpus']} "
+              f"| {row['global_batch_size']} | {published:.0f} | {pub.hw_tflops_per_device:.1f} | {err:+.1%} "
+              f"| {pub.memory.total / 1e9:.1f} | {best.layout.short()} | {gain:.3f}x | {best.memory.total / 1e9:.1f} "
+              f"| {time.time() - t0:.0f} |", flush=True)
+    print("all checks pass" if ok else "SOME CHECK FAILS")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,160 @@
+"""One plan's cost: step time, throughput, MFU, memory per rank and bubble, from the cost terms.
+
+step time = pipeline makespan (compute with its blocking TP/CP/EP collectives, bubbles and p2p,
+:mod:`.pipeline`) + exposed data-parallel gradient reduction (overlapped with the last backward
+on GPUs, whose NCCL kernels run beside compute; not on a CPU, where gloo's threads share the
+cores) + the tied-embedding all-reduce + the optimizer step (memory-bound: it reads and writes
+each local parameter's ~28 bytes of state, :mod:`.memory`) + ZeRO-3 parameter gathers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from paratron.models.flops import flops_per_token
+
+from . import communication as comm
+from .compute import Work, stage_works
+from .hardware import Cluster
+from .layout import Layout
+from .memory import Memory, rank_memory
+from .pipeline import PipelineCost, ScheduleCache, makespan
+from .shape import Shape
+
+OPTIMIZER_BYTES_PER_PARAM = 28
+"""Adam step traffic per parameter: read grad, weight, two moments; write weight, moments, copy."""
+BUCKET_BYTES = 40 * 2**20
+
+
+@dataclass(frozen=True)
+class Problem:
+    """What is being planned: the model, the cluster, the batch, and whether attention is fused."""
+
+    model: object  # paratron.config.ModelConfig, with vocab_size set
+    shape: Shape
+    cluster: Cluster
+    global_batch_size: int
+    seq_length: int
+    fused_attention: bool = True
+
+    @property
+    def precision(self) -> str:
+        return self.cluster.hw.precision
+
+
+@dataclass
+class Estimate:
+    """The planner's prediction for one layout (seconds, bytes, FLOP/s per device)."""
+
+    layout: Layout
+    step_time: float
+    tokens_per_second: float
+    mfu: float
+    tflops_per_device: float
+    hw_tflops_per_device: float
+    memory: Memory
+    memory_rank: int
+    bubble: float
+    parts: dict[str, float] = field(default_factory=dict)
+
+
+def rank_params(shape: Shape, lay: Layout) -> list[float]:
+    """Parameters held by each pipeline rank (its chunks' layers, embedding, head, final norm)."""
+    stages = lay.pp * lay.vpp
+    per = shape.L // stages
+    emb = shape.padded_vocab(lay.tp) // lay.tp * shape.h + (shape.max_pos * shape.h if shape.learned_pos else 0)
+    head = shape.padded_vocab(lay.tp) // lay.tp * shape.h
+    out = [0.0] * lay.pp
+    shared = shape.tied and _rank_of(0, lay) == _rank_of(stages - 1, lay)  # one tensor serves both ends
+    for st in range(stages):
+        r = _rank_of(st, lay)
+        out[r] += sum(shape.layer_params(i, lay.tp, lay.ep) for i in range(st * per, (st + 1) * per))
+        if st == 0:
+            out[r] += emb
+        if st == stages - 1:
+            out[r] += shape.norm_params() + (0 if shared else head)
+    return out
+
+
+def _rank_of(stage: int, lay: Layout) -> int:
+    from paratron.pipeline.registry import get_schedule
+
+    table = get_schedule(lay.schedule).placement(lay.pp, lay.vpp)
+    return next(r for r, stages in enumerate(table) if stage in stages)
+
+
+def memory_per_rank(prob: Problem, lay: Layout, in_flight: list[int]) -> tuple[Memory, int]:
+    """(largest rank's memory, its pipeline rank)."""
+    shape, stages = prob.shape, lay.pp * lay.vpp
+    params = rank_params(shape, lay)
+    last = _rank_of(stages - 1, lay)
+    mems = [rank_memory(shape, lay, params[r], shape.L // stages, in_flight[r], r == last, prob.precision,
+                        prob.cluster.hw.act_bytes, prob.fused_attention) for r in range(lay.pp)]
+    r = max(range(lay.pp), key=lambda i: mems[i].total)
+    return mems[r], r
+
+
+def fixed_seconds(prob: Problem, lay: Layout, works: list[Work]) -> dict[str, float]:
+    """Per-step seconds outside the pipeline makespan (module docstring), by name."""
+    hw, cl = prob.cluster.hw, prob.cluster
+    params = max(rank_params(prob.shape, lay))
+    t_dp = comm.seconds(comm.dp_step(lay, params, 2 if prob.precision != "fp32" else 4), lay, cl)
+    if hw.name != "cpu" and t_dp > 0:
+        window = works[0].B + works[0].W
+        t_dp = max(t_dp - window, t_dp * min(1.0, BUCKET_BYTES / (4 * params)))
+    m = lay.microbatches(prob.global_batch_size)
+    shard = lay.dp * lay.cp if lay.zero >= 1 else 1
+    return {
+        "dp grad reduction": t_dp,
+        "tied embedding": comm.seconds(comm.tied_embedding_step(prob.shape, lay), lay, cl),
+        "optimizer": params / shard * OPTIMIZER_BYTES_PER_PARAM / hw.mem_bandwidth + 20 * hw.op_overhead,
+        "zero-3 gathers": m * comm.seconds(comm.zero3_microbatch(lay, params, 2), lay, cl),
+    }
+
+
+def lower_bound(prob: Problem, lay: Layout, works: list[Work], fixed: dict[str, float]) -> float:
+    """A step time no schedule can beat: the busiest rank's compute, plus the fixed terms."""
+    m = lay.microbatches(prob.global_batch_size)
+    busy = [0.0] * lay.pp
+    for st, w in enumerate(works):
+        busy[_rank_of(st, lay)] += m * (w.F + w.B + w.W)
+    return max(busy) + sum(fixed.values())
+
+
+def finish(prob: Problem, lay: Layout, works: list[Work], fixed: dict[str, float], pipe: PipelineCost,
+           mem: tuple[Memory, int]) -> Estimate:
+    """Assemble the :class:`Estimate` from the costed pieces."""
+    step = pipe.makespan + sum(fixed.values())
+    tokens = prob.global_batch_size * prob.seq_length / step
+    world, peak = prob.cluster.world, prob.cluster.hw.peak_flops
+    model_flops = flops_per_token(_with_recompute(prob.model, "none"), prob.seq_length) * tokens / world
+    hw_flops = flops_per_token(_with_recompute(prob.model, lay.recompute), prob.seq_length, True) * tokens / world
+    m = lay.microbatches(prob.global_batch_size)
+    compute = sum(m * (w.F + w.B + w.W) for w in works) / lay.pp
+    parts = {"compute (mean rank)": compute, "pipeline bubble and p2p": pipe.makespan - compute, **fixed}
+    return Estimate(lay, step, tokens, model_flops / peak, model_flops / 1e12, hw_flops / 1e12, mem[0], mem[1],
+                    pipe.bubble, parts)
+
+
+def _with_recompute(model, recompute: str):
+    import dataclasses
+
+    return dataclasses.replace(model, recompute=recompute)
+
+
+def estimate(prob: Problem, lay: Layout, cache: ScheduleCache, works: list[Work] | None = None,
+             fixed: dict[str, float] | None = None) -> Estimate:
+    """The full prediction for ``lay`` (simulates its schedule); ``works`` and ``fixed`` when known.
+
+    Raises:
+        ScheduleError: the schedule's lists deadlock.
+    """
+    works = works or stage_works(prob.shape, lay, prob.cluster, prob.fused_attention)
+    fixed = fixed or fixed_seconds(prob, lay, works)
+    m = lay.microbatches(prob.global_batch_size)
+    lists = cache.lists(lay.schedule, lay.pp, m, lay.vpp)
+    p2p = comm.seconds([comm.Transfer("pp", "send", comm.p2p_bytes(prob.shape, lay, lay.mbs, prob.cluster.hw.act_bytes))],
+                       lay, prob.cluster) if lay.pp > 1 else 0.0
+    pipe = makespan(lists, works, p2p, prob.cluster.hw.sharing)
+    mem = memory_per_rank(prob, lay, cache.in_flight(lay.schedule, lay.pp, m, lay.vpp))
+    return finish(prob, lay, works, fixed, pipe, mem)

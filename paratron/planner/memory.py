@@ -1,0 +1,124 @@
+"""Memory per rank: model states by ZeRO level plus the activations the schedule keeps in flight.
+
+Model states (Rajbhandari et al. 2020, "ZeRO", section 3.1 and 5): with mixed precision each
+parameter costs its bf16 copy (2 bytes), an fp32 main grad (4; paratron's grad buffers are fp32),
+an fp32 main weight (4) and two fp32 Adam moments (8); in fp32 the main weight is the parameter
+itself (4 + 4 + 8). ZeRO-1 shards the main weights and moments over the ``dp * cp`` ranks, ZeRO-2
+also the grads, ZeRO-3 also the parameters.
+
+Activations held per layer per microbatch (Korthikanti et al. 2022, "Reducing Activation
+Recomputation in Large Transformer Models", section 4: the tensors each op saves for backward,
+``T = b s / cp`` tokens, ``a`` bytes per element), as paratron's layer saves them:
+
+* norm inputs ``2 T h a`` (``/tp`` under sequence parallelism), the gathered inputs of the QKV and
+  first MLP linears ``2 T h a`` (kept whole, see ``layers/linear.py``), the QKV output
+  ``T (n + 2g) d a / tp`` (V is a view of it), RoPE's rotated Q and K ``2 T (n + g) d a / tp`` (without
+  RoPE, under GQA, the copy of Q reshaped out of the QKV output, ``T n d a / tp``), the
+  attention output ``T n d a / tp``, the attention log-sum-exp ``8 T n / tp``, and the MLP
+  ``2 T f a / tp`` (GELU: fc1 output and activation) or ``4 T f a / tp`` (SwiGLU: gate, up, silu,
+  product);
+* an unfused attention core (Megatron 2021) keeps the ``[b, n/tp, s, s]`` softmax output, and with
+  dropout its mask and output: ``T n s a (1 or 2.5) / tp`` (their ``5 a s^2 b`` term);
+* ``selective`` recompute drops the attention core's tensors (the log-sum-exp or the ``s^2`` term);
+  ``full`` keeps only the layer input ``T h a`` (``/tp`` under SP) and rebuilds one layer at a
+  time in backward, whose activations are then the transient working set.
+
+Section 4.2 of Korthikanti et al. multiplies one microbatch's activations by the microbatches in
+flight; here that count comes from the simulator (:func:`paratron.pipeline.simulator.peak_in_flight`)
+for the chosen schedule, per rank. The output layer keeps its fp32 logits ``4 T V / tp`` (the
+vocab-parallel cross-entropy's softmax), and its loss needs one more such buffer transiently.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .layout import Layout
+from .shape import Shape
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Bytes on one rank: model states, activations held in flight, transient working memory."""
+
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    transient: float
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations + self.transient
+
+
+def state_bytes(params_local: float, lay: Layout, precision: str) -> tuple[float, float, float]:
+    """(parameter, grad, optimizer-state) bytes of ``params_local`` parameters (module docstring)."""
+    n = lay.dp * lay.cp
+    mixed = precision in ("bf16", "fp16")
+    param = (2 if mixed else 4) * params_local
+    grad = 4 * params_local
+    opt = (12 if mixed else 8) * params_local
+    if lay.zero >= 1:
+        opt /= n
+    if lay.zero >= 2:
+        grad /= n
+    if lay.zero >= 3:
+        param /= n
+    return param, grad, opt
+
+
+def layer_activation_bytes(shape: Shape, lay: Layout, b: int, a: int, fused: bool) -> tuple[float, float]:
+    """(bytes held per microbatch in flight, bytes of the whole layer's saved tensors) of one layer."""
+    T, t, h = b * shape.s // lay.cp, lay.tp, shape.h
+    hs = h / t if lay.sp else h
+    whole = 2 * hs + 2 * h + (shape.n + 2 * shape.g) * shape.d / t + shape.n * shape.d / t
+    if not shape.learned_pos:
+        whole += 2 * (shape.n + shape.g) * shape.d / t
+    elif shape.g != shape.n:
+        whole += shape.n * shape.d / t  # grouped Q heads are reshaped out of the QKV output: a copy
+    f = shape.expert_f * shape.top_k if shape.is_moe(0) else shape.f / t
+    whole += (4 if shape.swiglu else 2) * f
+    if shape.dropout:
+        whole += 2 * hs / a  # hidden-dropout masks, one byte each
+    core = 8 * shape.n / t / a if fused else shape.n * shape.s / t * (2.5 if shape.dropout else 1.0)
+    whole_bytes = T * (whole + core) * a
+    if lay.recompute == "full":
+        return T * hs * a, whole_bytes
+    if lay.recompute == "selective":
+        return T * whole * a, whole_bytes
+    return whole_bytes, whole_bytes
+
+
+def head_bytes(shape: Shape, lay: Layout, b: int, a: int) -> tuple[float, float]:
+    """(held, transient) bytes of the final norm and output layer for one microbatch; the loss's
+    backward adds the logits' gradient to the saved softmax (two fp32 logits-sized buffers)."""
+    T = b * shape.s // lay.cp
+    logits = 4.0 * T * shape.padded_vocab(lay.tp) / lay.tp
+    hs = shape.h / lay.tp if lay.sp else shape.h
+    return T * (hs + shape.h) * a + logits, 2 * logits
+
+
+def rank_memory(shape: Shape, lay: Layout, params_local: float, layers_per_chunk: int, in_flight: int,
+                has_head: bool, precision: str, a: int, fused: bool = True) -> Memory:
+    """Bytes of one rank holding ``params_local`` parameters and ``in_flight`` (microbatch, chunk)
+    activations of ``layers_per_chunk`` layers each (the last stage also its head's, for the
+    microbatches of its last chunk in flight).
+
+    The peak is either during a backward (activations + the transient of the loss or of one
+    recomputed layer) or during the optimizer step (Adam's ``sqrt(v) + eps`` denominator, one fp32
+    buffer of the rank's optimizer shard, ``optim/update_rules.py``), whichever is larger.
+    """
+    param, grad, opt = state_bytes(params_local, lay, precision)
+    held, whole = layer_activation_bytes(shape, lay, lay.mbs, a, fused)
+    acts = held * layers_per_chunk * in_flight
+    transient = whole if lay.recompute == "full" else 0.0
+    if has_head:
+        h_held, h_trans = head_bytes(shape, lay, lay.mbs, a)
+        acts += h_held * max(1, -(-in_flight // lay.vpp))
+        transient = max(transient, h_trans)
+    shard = lay.dp * lay.cp if lay.zero >= 1 else 1
+    step_peak = 4.0 * params_local / shard
+    if step_peak > acts + transient:
+        acts, transient = 0.0, step_peak
+    return Memory(param, grad, opt, acts, transient)

@@ -1,0 +1,123 @@
+"""The ranked plans: enumerate (:mod:`.layouts`), drop what cannot fit, cost the rest best-first.
+
+Every accepted layout gets the cheap terms (stage seconds, fixed per-step seconds, memory with one
+microbatch in flight, a lower bound on memory). Candidates are then simulated in order of a lower
+bound on their step time (the busiest rank's compute plus the fixed terms: no schedule beats it),
+and the search stops once the next bound exceeds the k-th best simulated step time, so the top k
+are exact under the model without simulating every layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from paratron.config import Config, validate
+
+from .compute import stage_works
+from .estimate import Estimate, Problem, estimate, fixed_seconds, lower_bound, memory_per_rank
+from .layout import Layout, to_config
+from .layouts import enumerate_layouts
+from .pipeline import ScheduleCache
+
+GB = 1e9
+
+
+class PlanError(ValueError):
+    """No plan: the message names the input field and the rule (or the memory it would need)."""
+
+
+@dataclass
+class PlanResult:
+    """Top plans (best first) and what the search saw."""
+
+    plans: list[Estimate]
+    accepted: int
+    refused: dict[str, int]
+    too_big: int
+    simulated: int
+    all_layouts: list[Layout] = field(default_factory=list, repr=False)
+
+
+def plan(prob: Problem, base: Config, top_k: int = 5, cache: ScheduleCache | None = None) -> PlanResult:
+    """The ``top_k`` fastest layouts that fit in device memory.
+
+    Raises:
+        PlanError: no layout is accepted (the most frequent rule is named), or none fits in memory
+            (the message gives the smallest memory per rank any layout needs).
+    """
+    cache = cache or ScheduleCache()
+    world = prob.cluster.world
+    layouts, refused = enumerate_layouts(base, world, prob.global_batch_size, prob.seq_length, prob.precision)
+    if not layouts:
+        raise PlanError(f"no layout of {world} ranks is accepted for --global-batch-size={prob.global_batch_size} "
+                        f"--seq-length={prob.seq_length}; the candidates break:\n  " + "\n  ".join(_by_field(refused)))
+    limit = prob.cluster.hw.memory_bytes
+    cands, floors = [], []
+    costed = distinct(layouts)
+    for lay in costed:
+        works = stage_works(prob.shape, lay, prob.cluster, prob.fused_attention)
+        fixed = fixed_seconds(prob, lay, works)
+        floor = memory_per_rank(prob, lay, [1] * lay.pp)[0].total
+        floors.append((floor, lay))
+        if floor <= limit:
+            cands.append((lower_bound(prob, lay, works, fixed), lay, works, fixed))
+    cands.sort(key=lambda c: c[0])
+    best: list[Estimate] = []
+    too_big, simulated = len(costed) - len(cands), 0
+    for lb, lay, works, fixed in cands:
+        if len(best) >= top_k and lb > best[-1].step_time:
+            break
+        try:
+            est = estimate(prob, lay, cache, works, fixed)
+        except ValueError as e:  # the deferred schedule rule refused its lists
+            refused[str(e)[:160]] = (len(refused), refused.get(str(e)[:160], (0, 0))[1] + 1)
+            continue
+        simulated += 1
+        if est.memory.total > limit:
+            too_big += 1
+            continue
+        best.append(est)
+        best.sort(key=lambda e: (e.step_time, e.memory.total))  # equal time: the leaner one first
+        del best[top_k:]
+    if not best:
+        raise PlanError(_no_fit_message(prob, floors, cache, limit))
+    for e in best:  # every rule, the deferred one included, on exactly what will be printed
+        validate(to_config(base, e.layout, prob.global_batch_size, prob.seq_length, prob.precision), world)
+    return PlanResult(best, len(layouts), refused, too_big, simulated, layouts)
+
+
+def distinct(layouts: list[Layout]) -> list[Layout]:
+    """The layouts worth costing: with one pipeline stage every schedule and chunk count runs the
+    same work, so only ``1f1b`` with one chunk is kept (the others stay counted as accepted)."""
+    return [lay for lay in layouts if lay.pp > 1 or (lay.schedule == "1f1b" and lay.vpp == 1)]
+
+
+def _by_field(refused: dict[str, tuple[int, int]], fields: int = 5) -> list[str]:
+    """The most frequent rule of each input field named first in a message (the batch, the sequence,
+    the heads, ...), before the planner's own parallel.* fields, at most ``fields`` lines."""
+    best: dict[str, tuple[int, str]] = {}
+    for rule, (_, n) in refused.items():
+        field = rule.split("=", 1)[0]
+        if n > best.get(field, (0, ""))[0]:
+            best[field] = (n, rule)
+    order = sorted(best.items(), key=lambda kv: (kv[0].startswith("parallel."), -kv[1][0]))[:fields]
+    return [f"{rule} ({n} layouts)" for _, (n, rule) in order]
+
+
+def _no_fit_message(prob: Problem, floors: list, cache: ScheduleCache, limit: float) -> str:
+    floors.sort(key=lambda f: f[0])
+    smallest = min((estimate(prob, lay, cache) for _, lay in floors[:20]), key=lambda e: e.memory.total)
+    m = smallest.memory
+    return (f"the model fits on no accepted layout of {prob.cluster.world} ranks: the smallest memory per rank "
+            f"any layout needs is {human_bytes(m.total)} ({smallest.layout.short()}: params "
+            f"{human_bytes(m.params)}, grads {human_bytes(m.grads)}, optimizer {human_bytes(m.optimizer)}, "
+            f"activations {human_bytes(m.activations + m.transient)}), more than the device memory "
+            f"{human_bytes(limit)} (--memory-gb); use more devices or a smaller model")
+
+
+def human_bytes(n: float) -> str:
+    """``123.4 MB`` style (decimal units, as --memory-gb)."""
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"

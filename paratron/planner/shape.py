@@ -1,0 +1,76 @@
+"""The sizes of a model that the cost terms need, read once from its :class:`ModelConfig`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from paratron.config import ModelConfig
+from paratron.layers.embedding import pad_vocab_size
+from paratron.config import model_shape as spec
+
+
+@dataclass(frozen=True)
+class Shape:
+    """h (hidden), n (query heads), g (KV groups), d (head dim), f (MLP width), V (vocab), L (layers),
+    s (sequence length), and the MLP kind; ``moe`` fields are 0 for a dense model."""
+
+    h: int
+    n: int
+    g: int
+    d: int
+    f: int
+    V: int
+    L: int
+    s: int
+    swiglu: bool
+    bias: bool
+    tied: bool
+    learned_pos: bool
+    max_pos: int
+    layernorm: bool
+    dropout: bool
+    experts: int
+    top_k: int
+    expert_f: int
+    moe_freq: int
+    vocab_multiple: int = 128
+
+    @classmethod
+    def of(cls, m: ModelConfig, seq_length: int) -> "Shape":
+        f = spec.ffn_size(m)
+        return cls(h=m.hidden_size, n=m.num_attention_heads, g=spec.query_groups(m), d=spec.head_dim(m), f=f,
+                   V=m.vocab_size, L=m.num_layers, s=seq_length, swiglu=m.activation == "swiglu",
+                   bias=m.add_bias_linear, tied=m.tie_embeddings, learned_pos=m.position_embedding_type == "learned",
+                   max_pos=spec.max_positions(m), layernorm=m.normalization == "layernorm",
+                   dropout=m.hidden_dropout > 0 or m.attention_dropout > 0, experts=m.num_experts,
+                   top_k=m.moe_top_k if m.num_experts else 0, expert_f=spec.expert_ffn_size(m),
+                   vocab_multiple=m.make_vocab_size_divisible_by,
+                   moe_freq=max(m.moe_layer_freq, 1))
+
+    def is_moe(self, layer: int) -> bool:
+        return self.experts > 0 and layer % self.moe_freq == 0
+
+    def padded_vocab(self, tp: int) -> int:
+        """The vocabulary padded as the embedding pads it (a multiple of ``tp * vocab_multiple``)."""
+        return pad_vocab_size(self.V, tp, self.vocab_multiple)
+
+    def layer_params(self, layer: int, tp: int, ep: int) -> int:
+        """Parameters of one transformer layer held by one (tp, ep) rank (norms replicated)."""
+        h, bias = self.h, int(self.bias)
+        qkv = (self.n + 2 * self.g) * self.d
+        attn = (h * qkv + qkv * bias + self.n * self.d * h) // tp + h * bias
+        mats = 3 if self.swiglu else 2
+        if self.is_moe(layer):
+            mlp = (self.experts // ep) * (mats * h * self.expert_f + (mats - 1) * self.expert_f * bias + h * bias)
+            mlp += h * self.experts  # router, replicated
+        else:
+            mlp = (mats * h * self.f + (mats - 1) * self.f * bias) // tp + h * bias
+        return attn + mlp + 2 * self.norm_params()
+
+    def norm_params(self) -> int:
+        return self.h * (2 if self.layernorm else 1)
+
+    def total_params(self) -> int:
+        """Parameters of the whole model (no padding; tied embedding counted once)."""
+        emb = self.V * self.h * (1 if self.tied else 2) + (self.max_pos * self.h if self.learned_pos else 0)
+        return emb + sum(self.layer_params(i, 1, 1) for i in range(self.L)) + self.norm_params()
