@@ -26,7 +26,8 @@ Hooks on each unit:
 
 Weight grads of paratron's linears need only activations (``dW = dy^T x``), so the deferred W
 actions of zero-bubble schedules run with the unit freed. A forward run again inside backward
-(activation recompute) keeps its params: they are needed by the backward that follows.
+(activation recompute) keeps its params: the backward that follows needs them (freeing them
+would only cost another all-gather at the unit's pre-backward hook).
 All-gathers are issued in the same order on every rank of a DP group (same schedule, same model).
 """
 
