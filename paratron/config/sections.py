@@ -63,11 +63,22 @@ class ModelConfig:
     moe_token_dispatcher: str = "alltoall"
     """Token dispatcher registry name: alltoall or allgather."""
     moe_pad_to_capacity: bool = False
+    """With a capacity factor, pad every expert's rows to its capacity (static shapes)."""
     moe_aux_loss_type: Literal["micro_batch", "seq"] = "micro_batch"
     """Load balance over the whole microbatch (Switch), or per sequence (DeepSeek-V2's
     sequence-wise balance loss; each packed document is its own sequence), averaged over the
     sequences of the global batch."""
-    """With a capacity factor, pad every expert's rows to its capacity (static shapes)."""
+    moe_token_drop_policy: Literal["probs", "position"] = "probs"
+    """Over capacity, keep each expert's highest-scoring (token, expert) pairs ("probs"), or its
+    earliest ones in the microbatch ("position")."""
+    moe_router_enable_expert_bias: bool = False
+    """DeepSeek-V3's auxiliary-loss-free balancing: a per-expert bias added to the scores for the
+    top-k choice only, moved by ``moe_router_bias_update_rate`` against the load error each step."""
+    moe_router_bias_update_rate: float = 1e-3
+    moe_router_num_groups: Optional[int] = None
+    """Group-limited routing (DeepSeek-V2/V3): experts in this many equal groups (e.g. one per
+    node); each token picks among the experts of its ``moe_router_group_topk`` best groups."""
+    moe_router_group_topk: Optional[int] = None
 
 
 @dataclass

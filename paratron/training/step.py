@@ -102,6 +102,7 @@ def run_global_batch(cfg, ctx, chunks, microbatches: list[dict], *, forward_only
     Returns:
         :class:`StepOutput` with the global-batch loss, known on every rank.
     """
+    from paratron.models.moe.layer import update_expert_bias
     from paratron.optim import finalize_grads, precision_dtype
     from paratron.pipeline.runtime import run_pipeline
 
@@ -135,6 +136,7 @@ def run_global_batch(cfg, ctx, chunks, microbatches: list[dict], *, forward_only
                  dtype=precision_dtype(cfg.train.precision), forward_only=forward_only, grad_sync=ddp)
     if not forward_only:
         finalize_grads(chunks, ctx, ddp)
+        update_expert_bias(chunks, ctx)  # DeepSeek-V3 router bias; no-op without one
     t1 = time.perf_counter()
 
     stats = _global_stats(ctx, chunks, lm_losses, global_tokens)
