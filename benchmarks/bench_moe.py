@@ -11,7 +11,15 @@ median and best over rounds are reported, so background load hits all of them al
 (``time.process_time``) of the busiest rank is reported too: on a shared machine it tracks the
 work per rank better than wall time (it leaves out time spent waiting).
 
-Run: ``.venv/bin/python benchmarks/bench_moe.py [--rounds 3] [--steps 6]``.
+Part ``experts`` (``--part experts``): the expert compute alone (forward + backward of
+:class:`~paratron.models.moe.experts.LocalExperts`, SwiGLU h=128, f=256, ``--rows`` expert-major
+rows spread over the experts at random) as grouped GEMMs (``gemm="grouped_mm"``, i.e.
+``torch._grouped_mm``, and ``gemm="bmm"``) against the per-expert loop (each
+``ExpertMLP`` on its own rows, the code before grouped GEMMs), with 8 and 32 local experts, one
+process. The variants alternate within each iteration; the median over ``--iters`` is reported.
+
+Run: ``.venv/bin/python benchmarks/bench_moe.py [--rounds 3] [--steps 6]``;
+``.venv/bin/python benchmarks/bench_moe.py --part experts [--rows 4096] [--iters 20]``.
 """
 
 from __future__ import annotations
@@ -94,11 +102,60 @@ def measure(ep: int, dispatcher: str, steps: int):
     return max(r[0] for r in res), max(r[1] for r in res), res[0][2]
 
 
+def _expert_times(num_local: int, rows: int, iters: int) -> dict[str, float]:
+    """Median fwd+bwd seconds of each expert-compute variant on the same rows."""
+    from paratron.models.moe.experts import LocalExperts
+
+    cfg = _config(1, "alltoall", 1).model
+    cfg.num_experts = num_local
+    experts = LocalExperts(cfg, ParallelContext.single(), prefix="layers.0.mlp", seed=0, first_expert=0,
+                           num_local=num_local, params_dtype=torch.float32)
+    g = torch.Generator().manual_seed(1)
+    counts = torch.bincount(torch.randint(0, num_local, (rows,), generator=g), minlength=num_local).tolist()
+    x = torch.randn(rows, cfg.hidden_size, generator=g).requires_grad_()
+
+    def per_expert_loop():
+        return torch.cat([e(part) for e, part in zip(experts.local, torch.split(x, counts))])
+
+    def grouped():
+        return experts(x, counts)
+
+    variants = {"loop": per_expert_loop, "grouped_mm": grouped, "bmm": grouped}
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    for it in range(iters + 2):
+        for name, fn in variants.items():
+            experts.gemm = name
+            t0 = time.perf_counter()
+            fn().sum().backward()
+            if it >= 2:
+                times[name].append(time.perf_counter() - t0)
+            experts.zero_grad(set_to_none=True)
+            x.grad = None
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def main_experts(rows: int, iters: int) -> None:
+    print(f"load average: {os.getloadavg()}")
+    print("\n| local experts | rows | per-expert loop (ms) | grouped_mm (ms) | padded bmm (ms) "
+          "| grouped/loop | bmm/loop |\n|---|---|---|---|---|---|---|")
+    for num_local in (8, 32):
+        t = _expert_times(num_local, rows, iters)
+        print(f"| {num_local} | {rows} | {t['loop'] * 1e3:.2f} | {t['grouped_mm'] * 1e3:.2f} | {t['bmm'] * 1e3:.2f} "
+              f"| **{t['grouped_mm'] / t['loop']:.2f}** | **{t['bmm'] / t['loop']:.2f}** |", flush=True)
+    print(f"load average: {os.getloadavg()}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--part", choices=["steps", "experts"], default="steps")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--rows", type=int, default=4096)
+    ap.add_argument("--iters", type=int, default=20)
     args = ap.parse_args()
+    if args.part == "experts":
+        main_experts(args.rows, args.iters)
+        return
     configs = [("ep1", 1, "alltoall"), ("ep2-alltoall", 2, "alltoall"), ("ep2-allgather", 2, "allgather")]
     wall: dict[str, list[float]] = {c[0]: [] for c in configs}
     cpu: dict[str, list[float]] = {c[0]: [] for c in configs}

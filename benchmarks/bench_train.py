@@ -31,7 +31,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 def cli_tokens_per_second(extra: list[str], nproc: int, iters: int) -> float:
     with tempfile.TemporaryDirectory() as d:
-        cmd = [str(ROOT / ".venv/bin/paratron"), "train", "--config", str(ROOT / "configs/default.toml"),
+        # This interpreter, run from the repository root: the checkout being measured, venv or not.
+        cmd = [sys.executable, "-m", "paratron", "train", "--config", str(ROOT / "configs/default.toml"),
                "--run-dir", d, "--set", f"train.train_iters={iters}", "--set", "train.eval_interval=0",
                "--set", "checkpoint.save=none", "--set", "train.sample_prompt=none",
                "--set", "optimizer.lr_warmup_iters=1", "--set", "logging.tensorboard=false"]
@@ -52,7 +53,7 @@ def step_overhead(rounds: int, steps: int) -> dict:
     from paratron.config.model_shape import ffn_size, query_groups
     from paratron.parallel.context import ParallelContext
     from paratron.training.runner import build_model_and_optimizer
-    from paratron.training.step import run_global_batch
+    from paratron.training.trainer import train_batch
 
     cfg = load_config(ROOT / "configs/default.toml", ["parallel.tensor=1", "parallel.pipeline=1",
                                                        "parallel.sequence_parallel=false", "model.vocab_size=8192",
@@ -70,10 +71,8 @@ def step_overhead(rounds: int, steps: int) -> dict:
     mbs = [{"tokens": torch.randint(0, 8192, (b, s), generator=g), "labels": torch.randint(0, 8192, (b, s), generator=g)}
            for _ in range(m)]
 
-    def paratron_step():
-        opt.zero_grad()
-        run_global_batch(cfg, ctx, chunks, mbs, forward_only=False, ddp=ddp)
-        opt.step()
+    def paratron_step():  # the training loop's whole step (zero grads, schedule, finalize, update, LR)
+        train_batch(cfg, ctx, chunks, ddp, opt, sched, mbs)
 
     def ref_step():
         ref_opt.zero_grad()

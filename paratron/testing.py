@@ -31,7 +31,7 @@ class RankTimeout(AssertionError):
     """Some ranks did not finish within the timeout; the message names them."""
 
 
-def _child(fn, rank, world, store_path, args, kwargs, conn, pg_timeout_s):
+def _child(fn, rank, world, store_path, args, kwargs, conn, pg_timeout_s, pg_backend):
     import torch
     import torch.distributed as dist
 
@@ -40,7 +40,11 @@ def _child(fn, rank, world, store_path, args, kwargs, conn, pg_timeout_s):
                       LOCAL_WORLD_SIZE=str(world))
     try:
         store = dist.FileStore(store_path, world)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+        if "auditgpu" in pg_backend:
+            from paratron.device_audit import audit_device
+
+            audit_device()  # the device type must exist before a backend is mapped to it
+        dist.init_process_group(pg_backend, store=store, rank=rank, world_size=world,
                                 timeout=timedelta(seconds=pg_timeout_s))
         result = fn(*args, **kwargs)
         buf = io.BytesIO()
@@ -58,8 +62,15 @@ def _child(fn, rank, world, store_path, args, kwargs, conn, pg_timeout_s):
             os._exit(0)
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int, *args, timeout: float = 120.0, **kwargs) -> list[Any]:
+def run_ranks(fn: Callable[..., Any], world_size: int, *args, timeout: float = 120.0,
+              pg_backend: str = "gloo", start_method: str = "fork", **kwargs) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; return the results by rank.
+
+    ``pg_backend`` is the ``init_process_group`` backend string; the device audit
+    (:mod:`paratron.device_audit`) passes ``"cpu:gloo,auditgpu:gloo"``. ``start_method``
+    ``"forkserver"`` forks the ranks from a fresh interpreter instead of this process: needed
+    where this process's autograd engine must not be inherited (its device threads do not
+    survive a fork; the device audit's stand-in accelerator needs them).
 
     Inside ``fn``, ``torch.distributed`` is initialised and ``RANK``/``WORLD_SIZE`` are set.
     Results travel through ``torch.save``, so tensors and plain Python values are fine.
@@ -68,14 +79,16 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args, timeout: float = 1
         RankFailure: a rank raised (the first failing rank's traceback is in the message).
         RankTimeout: not every rank reported within ``timeout`` seconds.
     """
-    ctx = mp.get_context("fork")
+    ctx = mp.get_context(start_method)
+    if start_method == "forkserver":
+        ctx.set_forkserver_preload(["torch", "paratron.testing"])
     tmp = tempfile.mkdtemp(prefix="paratron-ranks-")
     store_path = os.path.join(tmp, "store")
     procs, conns = [], []
     for rank in range(world_size):
         parent_conn, child_conn = ctx.Pipe(duplex=False)
         p = ctx.Process(target=_child, args=(fn, rank, world_size, store_path, args, kwargs,
-                                             child_conn, max(timeout, 30.0)), daemon=True)
+                                             child_conn, max(timeout, 30.0), pg_backend), daemon=True)
         p.start()
         child_conn.close()
         procs.append(p)

@@ -4,7 +4,7 @@
 
 * ``raise``: raise ``RuntimeError`` at the start of the step;
 * ``kill``: SIGKILL this rank at the start of the step;
-* ``skip``: after the step's update, skip this rank's next ``ctx.world.all_reduce`` (the
+* ``skip``: after the step's update, skip this rank's next ``ctx.world.host_all_reduce`` (the
   stop-agreement all-reduce that ends every step), so that its peers wait in it for ever.
 """
 
@@ -33,7 +33,7 @@ class Fault(Callback):
             world = state.ctx.world
 
             def skip_once(t, *args, **kwargs):
-                del world.all_reduce  # back to the class method
+                del world.host_all_reduce  # back to the class method
                 return None
 
-            world.all_reduce = skip_once
+            world.host_all_reduce = skip_once

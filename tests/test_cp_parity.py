@@ -134,3 +134,15 @@ def test_cp_compositions_world4():
     """CP=4 alone, and CP=2 with TP=2+SP, PP=2 (1F1B, interleaved), DP=2+ZeRO-1 and a MoE at EP=2,
     each with ring and all2all: 3 AdamW steps match one process to 1e-5."""
     _check(run_ranks(_rank, 4, WORLD4, 4, timeout=600), WORLD4)
+
+
+MORE = [dict(cp=2, pp=2, schedule="gpipe"), dict(cp=2, pp=2, schedule="zb-h1", algorithm="all2all"),
+        dict(cp=2, pp=2, schedule="zbv", v=2), dict(cp=2, tp=2), dict(cp=2, tp=2, algorithm="all2all"),
+        dict(cp=2, tp=2, moe=True), dict(cp=2, tp=2, sp=True, moe=True, ep=2)]
+
+
+@pytest.mark.slow
+def test_cp_more_compositions_world4():
+    """CP=2 with PP=2 under GPipe, ZB-H1 (deferred weight grads) and ZBV; with TP=2 without SP
+    (dense and MoE); MoE with TP=2+SP and EP=2: parity to 1e-5."""
+    _check(run_ranks(_rank, 4, MORE, 4, timeout=900), MORE)

@@ -61,6 +61,7 @@ LAYOUTS = {
     "tp2_dp2_sp": (["parallel.tensor=2", "parallel.sequence_parallel=true"], 4),
     "pp2_zbv": (["parallel.pipeline=2", "parallel.schedule=zbv", "parallel.virtual_pipeline=2"], 2),
     "cp2_ring": (["parallel.context=2"], 2),
+    "cp2_dp2_zero3": (["parallel.context=2", "parallel.zero=3"], 4),
 }
 
 
@@ -71,7 +72,10 @@ def reference_losses(tiny_data, tmp_path_factory):
     return losses
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+SLOW = {"tp2_dp2_sp_zero3"}  # ZeRO-3 with TP+SP is also covered, faster, by test_optim_zero
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in LAYOUTS])
 def test_layout_parity(name, tiny_data, reference_losses, tmp_path):
     layout, world = LAYOUTS[name]
     losses = _run_layout(tmp_path, tiny_data, layout, world, name)

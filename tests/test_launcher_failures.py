@@ -162,7 +162,7 @@ def test_hang_names_the_rank_the_op_and_the_group(tiny_corpus, tmp_path):
     r, run_dir, ended = _run_fault(tmp_path, tiny_corpus, "skip:1:3")
     out = r.stdout + r.stderr
     assert r.returncode != 0, out
-    assert "hang: rank 1 never entered all_reduce" in out and "of group world (ranks 0,1,2,3) at step 3" in out
+    assert "hang: rank 1 never entered host_all_reduce" in out and "of group world (ranks 0,1,2,3) at step 3" in out
     dumps = sorted(p.name for p in (run_dir / "hang").glob("rank_*.json"))
     assert dumps == [f"rank_{i}.json" for i in range(4)]
     hung = json.loads((run_dir / "hang" / "rank_0.json").read_text())
@@ -282,6 +282,21 @@ def test_watchdog_reasons_and_dump(tmp_path):
     dump = json.loads((tmp_path / "hang" / "rank_3.json").read_text())
     assert codes == [EXIT_HANG] and dump["reason"] == "hang" and dump["entries"][0]["end"] is None
     assert dump["counts"] == {"1,3": 1}
+
+
+def test_rank0_prints_the_diagnosis_without_the_launcher(tmp_path, capsys, monkeypatch):
+    from paratron.training.watchdog import HangWatchdog
+
+    monkeypatch.delenv("PARATRON_LOG_DIR", raising=False)
+    state = _State(tmp_path)
+    state.ctx.rank = 0
+    wd = HangWatchdog(state, timeout_s=5, exit_fn=lambda code: None)
+    wd.poll_s = 0.01
+    wd.recorder.begin("all_reduce", "world", (0, 1), torch.zeros(1))  # rank 1 never enters it
+    (tmp_path / "hang").mkdir()
+    (tmp_path / "hang" / "rank_1.json").write_text(json.dumps(_dump(1, {}, [])))
+    wd.fire("hang")
+    assert "hang: rank 1 never entered all_reduce #1 of group world (ranks 0,1)" in capsys.readouterr().err
 
 
 def test_watchdog_sees_sigterm_while_the_main_thread_is_busy(tmp_path):

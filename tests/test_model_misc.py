@@ -168,3 +168,14 @@ def test_block_registry_selects_the_layer_class():
     registry.register("x", _ScaledResidualBlock)
     with pytest.raises(ValueError, match="already registered"):
         registry.register("x", _ScaledResidualBlock)
+
+
+def test_model_constructor_leaves_the_global_rng_alone():
+    """Building a model with dropout draws nothing from, and reseeds nothing of, PyTorch's global
+    generators (the training setup seeds them; README: no global state)."""
+    cfg = preset("llama-tiny", vocab_size=VOCAB, seq_length=16, hidden_dropout=0.1, attention_dropout=0.1)
+    torch.manual_seed(1234)
+    before = torch.get_rng_state()
+    (model,) = build_model_chunks(cfg, ParallelContext.single(), seed=2)
+    assert model.rng_tracker is not None
+    assert torch.equal(torch.get_rng_state(), before)

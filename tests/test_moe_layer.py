@@ -173,10 +173,11 @@ def test_expert_tp_parity(world, tp, ep, sp, kw):
     assert any(r["slices"]["layers.0.mlp.experts.0.fc2.weight"][1] != slice(0, 32) for r in results)
 
 
-def test_capacity_dropping_parity():
+@pytest.mark.parametrize("policy", ["probs", "position"])
+def test_capacity_dropping_parity(policy):
     """Capacity factor 0.5 (tokens are dropped): the same pairs are dropped under EP=2 and TP=2+SP
-    as on one process, and with padding to capacity too."""
-    kw = dict(moe_capacity_factor=0.5, moe_pad_to_capacity=True)
+    as on one process, and with padding to capacity too, for both drop policies."""
+    kw = dict(moe_capacity_factor=0.5, moe_pad_to_capacity=True, moe_token_drop_policy=policy)
     ref = _reference(kw, 2, 2)
     results = run_ranks(_rank_fn, 2, 1, 2, False, kw, 2, None, timeout=180)
     _check_parity(results, ref, sp=False)

@@ -127,8 +127,8 @@ def test_nonfinite_config_values_are_refused(override):
 
 
 def test_checkpoint_save_refuses_a_nonfinite_state(tmp_path):
-    """One process: a NaN in a param makes save() raise naming the tensor, and nothing is written
-    (``latest`` still names the earlier save)."""
+    """One process, ``keep_last = 1``: a NaN in a param makes save() raise naming the tensor;
+    nothing is written and nothing pruned (``latest`` still names the earlier, good save)."""
     from paratron.checkpoint.items import CheckpointError
     from paratron.checkpoint.manager import CheckpointManager
     from paratron.config import CheckpointConfig, Config
@@ -138,11 +138,12 @@ def test_checkpoint_save_refuses_a_nonfinite_state(tmp_path):
     cfg = build_config(None, TINY[:6] + ["model.vocab_size=64"])
     ctx = ParallelContext.single()
     chunks = build_model_chunks(cfg.model, ctx, seed=1)
-    mgr = CheckpointManager(CheckpointConfig(save=str(tmp_path)), ctx, Config(model=cfg.model))
+    mgr = CheckpointManager(CheckpointConfig(save=str(tmp_path), keep_last=1), ctx, Config(model=cfg.model))
     mgr.save(1, chunks, None, None)
     with torch.no_grad():
         chunks[0].final_norm.weight[0] = float("nan")
     with pytest.raises(CheckpointError, match="step 2: model/final_norm.weight holds an inf or NaN on rank 0"):
         mgr.save(2, chunks, None, None)
+    mgr.wait()
     assert (tmp_path / "latest").read_text().strip() == "step_1"
-    assert not (tmp_path / "step_2").exists()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step_")) == ["step_1"]

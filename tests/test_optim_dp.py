@@ -97,6 +97,16 @@ def opt_cfg(**kw) -> OptimizerConfig:
     return OptimizerConfig(**base)
 
 
+def torch_adamw(ref: nn.Module, marked: nn.Module, cfg: OptimizerConfig) -> torch.optim.AdamW:
+    """``torch.optim.AdamW`` over ``ref``'s params as ``cfg`` says, without weight decay for the
+    params that ``marked`` (a Toy with the same names) marks ``no_weight_decay``."""
+    decay = [p for n, p in ref.named_parameters() if not getattr(marked, n).no_weight_decay]
+    nodecay = [p for n, p in ref.named_parameters() if getattr(marked, n).no_weight_decay]
+    return torch.optim.AdamW([{"params": decay}, {"params": nodecay, "weight_decay": 0.0}], lr=cfg.lr,
+                             betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
+                             weight_decay=cfg.weight_decay)
+
+
 def reference(steps: int, cfg: OptimizerConfig, batches=None):
     """Single-process torch run: params, grad norms per step."""
     model = Toy()

@@ -17,7 +17,7 @@ from paratron.parallel.grads import accumulate_grad
 from paratron.parallel.params import ShardSpec
 from paratron.testing import run_ranks
 
-from test_optim_dp import IGNORE, Toy, batch, opt_cfg, reference, train_dp
+from test_optim_dp import IGNORE, Toy, batch, opt_cfg, reference, torch_adamw, train_dp
 
 
 # ---- LR ---------------------------------------------------------------------------------------
@@ -120,12 +120,8 @@ def test_bf16_params_with_fp32_main_weights_match_torch_adamw():
     ddp = DistributedDataParallel([model], ctx)
     opt = build_optimizer([model], ctx, opt_cfg(), ddp, precision="bf16")
     ref = Toy(dtype=torch.bfloat16).float()
-    decay = [p for n, p in ref.named_parameters() if not getattr(model, n).no_weight_decay]
-    nodecay = [p for n, p in ref.named_parameters() if getattr(model, n).no_weight_decay]
     cfg = opt_cfg()
-    tref = torch.optim.AdamW([{"params": decay}, {"params": nodecay, "weight_decay": 0.0}], lr=cfg.lr,
-                             betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
-                             weight_decay=cfg.weight_decay)
+    tref = torch_adamw(ref, model, cfg)
     for step in range(3):
         opt.zero_grad()
         tref.zero_grad()

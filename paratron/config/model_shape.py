@@ -107,7 +107,7 @@ def check_moe(cfg: ModelConfig, *, tp: int, ep: int, expert_tp: int) -> None:
             without experts; experts not divisible by ``ep``; ``moe_top_k`` outside
             ``[1, num_experts]``; ``moe_layer_freq < 1``; a capacity factor <= 0; padding to
             capacity without a capacity factor; an expert width not divisible by ``expert_tp``; a
-            shared-expert width not divisible by ``tp``.
+            shared-expert width not divisible by ``tp``; a rule of :func:`check_routing`.
     """
     E = cfg.num_experts
     if E < 0:
@@ -126,6 +126,7 @@ def check_moe(cfg: ModelConfig, *, tp: int, ep: int, expert_tp: int) -> None:
         raise ConfigError(f"model.moe_capacity_factor={cfg.moe_capacity_factor} must be > 0 (or unset: dropless)")
     if cfg.moe_pad_to_capacity and cfg.moe_capacity_factor is None:
         raise ConfigError("model.moe_pad_to_capacity=true needs model.moe_capacity_factor to be set")
+    check_routing(cfg)
     width = expert_ffn_size(cfg)
     if width % expert_tp:
         field = "moe_ffn_hidden_size" if cfg.moe_ffn_hidden_size is not None else "ffn_hidden_size"
@@ -135,3 +136,32 @@ def check_moe(cfg: ModelConfig, *, tp: int, ep: int, expert_tp: int) -> None:
     if shared is not None and shared % tp:
         raise ConfigError(f"model.moe_shared_expert_ffn_hidden_size={shared} is not divisible by "
                           f"parallel.tensor={tp}")
+
+
+def check_routing(cfg: ModelConfig) -> None:
+    """Rules of the router options (an MoE model, ``num_experts > 0``).
+
+    Raises:
+        ConfigError: ``moe_router_bias_update_rate < 0``; only one of ``moe_router_num_groups`` /
+            ``moe_router_group_topk`` set; groups not dividing ``num_experts``; ``group_topk``
+            outside ``[1, num_groups]`` or above ``moe_top_k`` (each chosen group contributes
+            ``moe_top_k // group_topk`` scores to its group score); ``moe_top_k`` above the
+            experts of the chosen groups.
+    """
+    if cfg.moe_router_bias_update_rate < 0:
+        raise ConfigError(f"model.moe_router_bias_update_rate={cfg.moe_router_bias_update_rate} must be >= 0")
+    groups, gk = cfg.moe_router_num_groups, cfg.moe_router_group_topk
+    if groups is None and gk is None:
+        return
+    if groups is None or gk is None:
+        raise ConfigError("model.moe_router_num_groups and model.moe_router_group_topk go together: "
+                          f"got {groups} and {gk}")
+    E, k = cfg.num_experts, cfg.moe_top_k
+    if groups < 1 or E % groups:
+        raise ConfigError(f"model.moe_router_num_groups={groups} must be >= 1 and divide model.num_experts={E}")
+    if not 1 <= gk <= min(groups, k):
+        raise ConfigError(f"model.moe_router_group_topk={gk} must be in [1, min(moe_router_num_groups={groups}, "
+                          f"moe_top_k={k})]")
+    if k > gk * (E // groups):
+        raise ConfigError(f"model.moe_top_k={k} exceeds the {gk * (E // groups)} experts of "
+                          f"model.moe_router_group_topk={gk} groups of {E // groups}")

@@ -42,6 +42,8 @@ class ModelConfig:
     init_method_std: float = 0.02
     recompute: Literal["none", "full", "selective"] = "none"
     """Activation recompute (Korthikanti et al. 2022): whole layer, or the attention core only."""
+    compile: bool = False
+    """``torch.compile`` each transformer layer (opt-in; the first steps pay for compilation)."""
     block: str = "transformer"
     """Name of the transformer block in the block registry."""
     # Mixture of experts (num_experts = 0 means dense).
@@ -61,11 +63,22 @@ class ModelConfig:
     moe_token_dispatcher: str = "alltoall"
     """Token dispatcher registry name: alltoall or allgather."""
     moe_pad_to_capacity: bool = False
+    """With a capacity factor, pad every expert's rows to its capacity (static shapes)."""
     moe_aux_loss_type: Literal["micro_batch", "seq"] = "micro_batch"
     """Load balance over the whole microbatch (Switch), or per sequence (DeepSeek-V2's
     sequence-wise balance loss; each packed document is its own sequence), averaged over the
     sequences of the global batch."""
-    """With a capacity factor, pad every expert's rows to its capacity (static shapes)."""
+    moe_token_drop_policy: Literal["probs", "position"] = "probs"
+    """Over capacity, keep each expert's highest-scoring (token, expert) pairs ("probs"), or its
+    earliest ones in the microbatch ("position")."""
+    moe_router_enable_expert_bias: bool = False
+    """DeepSeek-V3's auxiliary-loss-free balancing: a per-expert bias added to the scores for the
+    top-k choice only, moved by ``moe_router_bias_update_rate`` against the load error each step."""
+    moe_router_bias_update_rate: float = 1e-3
+    moe_router_num_groups: Optional[int] = None
+    """Group-limited routing (DeepSeek-V2/V3): experts in this many equal groups (e.g. one per
+    node); each token picks among the experts of its ``moe_router_group_topk`` best groups."""
+    moe_router_group_topk: Optional[int] = None
 
 
 @dataclass
@@ -157,6 +170,9 @@ class OptimizerConfig:
     min_loss_scale: float = 1.0
     loss_scale_window: int = 1000
     hysteresis: int = 2
+    adam_impl: Literal["auto", "fused", "foreach"] = "auto"
+    """AdamW kernels on the flat fp32 buffers: ``fused`` (``torch._fused_adamw_``, one kernel per
+    group of views), ``foreach`` (``torch._foreach_*``); ``auto`` is fused on CUDA, foreach on CPU."""
 
 
 @dataclass

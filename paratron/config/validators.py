@@ -124,7 +124,15 @@ def _pipeline_layers(cfg: Config, world: int | None) -> None:
         raise ConfigError(str(e)) from None
 
 
-def _schedule(cfg: Config, world: int | None) -> None:
+def check_schedule(cfg: Config, world: int | None, *, build: bool = True) -> None:
+    """The pipeline schedule rule: the name is registered, the schedule's fixed chunk count (zbv: 2)
+    matches ``parallel.virtual_pipeline``, and (with a world size) the schedule accepts this
+    (p, microbatches, v), checked by building and validating its action lists (``build=True``), or
+    only by the schedule's own ``check`` (``build=False``: fast, for a search over layouts).
+
+    Raises:
+        ConfigError: naming the fields, the microbatch count and the schedule's rule.
+    """
     from paratron.pipeline.registry import build_schedule, get_schedule
 
     p, t = cfg.parallel, cfg.train
@@ -138,13 +146,20 @@ def _schedule(cfg: Config, world: int | None) -> None:
         return  # the microbatch count is not known yet
     m = t.global_batch_size // (t.micro_batch_size * dp)
     try:
-        build_schedule(p.schedule, p.pipeline, m, p.virtual_pipeline)
+        if build:
+            build_schedule(p.schedule, p.pipeline, m, p.virtual_pipeline)
+        elif spec.check is not None:
+            spec.check(p.pipeline, m, p.virtual_pipeline)
     except ValueError as e:
         raise ConfigError(
             f"parallel.schedule={p.schedule!r} with parallel.pipeline={p.pipeline}, "
             f"parallel.virtual_pipeline={p.virtual_pipeline} and {m} microbatches per step "
             f"(train.global_batch_size / (train.micro_batch_size * dp) = {t.global_batch_size} / "
             f"({t.micro_batch_size} * {dp})): {e}") from None
+
+
+def _schedule(cfg: Config, world: int | None) -> None:
+    check_schedule(cfg, world, build=True)
 
 
 def _experts(cfg: Config, world: int | None) -> None:

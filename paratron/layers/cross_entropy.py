@@ -105,7 +105,10 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ctx
     if not 0.0 <= label_smoothing < 1.0:
         raise ValueError(f"label_smoothing={label_smoothing} must be in [0, 1)")
     bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab_size))
-    if bool(bad.any()):
+    if labels.device.type != "cpu":  # no host sync on an accelerator: an asynchronous device assert
+        torch._assert_async(~bad.any(), f"labels must lie in [0, model.vocab_size={vocab_size}) or "
+                                        f"equal ignore_index={ignore_index}")
+    elif bool(bad.any()):
         raise ValueError(f"labels must lie in [0, model.vocab_size={vocab_size}) or equal "
                          f"ignore_index={ignore_index}; found {int(labels[bad][0])}")
     return _VocabParallelCrossEntropy.apply(logits, labels, ctx.tp, int(vocab_size), int(ignore_index),

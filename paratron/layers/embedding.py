@@ -17,7 +17,7 @@ from ..parallel.mappings import (check_sequence_divisible, copy_to_tp_region,
                                  gather_from_sequence_parallel_region, reduce_from_tp_region,
                                  reduce_scatter_to_sequence_parallel_region)
 from ..parallel.params import ShardSpec, mark
-from .init import InitMethod, draw_full
+from .init import InitMethod, init_shard_
 from .linear import _ColumnFn
 
 __all__ = ["pad_vocab_size", "vocab_range", "VocabParallelEmbedding", "ParallelLMHead",
@@ -53,14 +53,11 @@ def _make_vocab_weight(module: nn.Module, vocab_size, hidden_size, ctx, logical_
     module.vocab_start, module.vocab_end = vocab_range(module.padded_vocab_size, tp, r)
     per = module.vocab_end - module.vocab_start
     n_valid = max(0, min(module.vocab_size - module.vocab_start, per))
-    full = draw_full(init_method, (module.vocab_size, module.hidden_size), seed, f"{logical_name}.weight")
-    local = torch.zeros(per, module.hidden_size, dtype=torch.float32)
-    local[:n_valid] = full[module.vocab_start:module.vocab_start + n_valid]
-    module.weight = nn.Parameter(local.to(device=ctx.device, dtype=params_dtype))
-    mark(module.weight, f"{logical_name}.weight",
-         ShardSpec((module.vocab_size, module.hidden_size),
-                   (min(module.vocab_start, module.vocab_size), 0), (n_valid, module.hidden_size)),
-         partition_dim=0)
+    spec = ShardSpec((module.vocab_size, module.hidden_size),
+                     (min(module.vocab_start, module.vocab_size), 0), (n_valid, module.hidden_size))
+    local = torch.zeros(per, module.hidden_size, device=ctx.device, dtype=params_dtype)  # padding rows stay 0
+    module.weight = nn.Parameter(init_shard_(local, init_method, spec, seed, f"{logical_name}.weight"))
+    mark(module.weight, f"{logical_name}.weight", spec, partition_dim=0)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -104,7 +101,11 @@ class VocabParallelEmbedding(nn.Module):
             raise ValueError(f"{self.logical_name}: token ids must be [b, s], got shape {tuple(ids.shape)}")
         if self.sequence_parallel:
             check_sequence_divisible(ids.shape[1], self.group)
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size):
+        if ids.numel() and ids.device.type != "cpu":
+            # A host check would stall the step on the device: an asynchronous device assert.
+            torch._assert_async(((ids >= 0) & (ids < self.vocab_size)).all(),
+                                f"{self.logical_name}: token ids must lie in [0, model.vocab_size={self.vocab_size})")
+        elif ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size):
             raise ValueError(f"{self.logical_name}: token ids must lie in [0, model.vocab_size="
                              f"{self.vocab_size}), got range [{int(ids.min())}, {int(ids.max())}]")
         ids = ids.t()  # [s, b]: the model's activation layout

@@ -81,6 +81,11 @@ class GPTChunk(nn.Module):
             str(i): block(cfg, ctx, layer_number=i, seed=seed, sequence_parallel=sequence_parallel,
                           params_dtype=params_dtype, rng_tracker=rng_tracker)
             for i in self.layer_ids})
+        if cfg.compile:
+            # Per layer (as torchtitan does): layers share one compiled code object, and the
+            # embedding, loss and pipeline plumbing around them stay eager.
+            for layer in self.layers.values():
+                layer.compile()
         self.final_norm = None
         self.output_layer = None
         if post_process:
@@ -224,9 +229,10 @@ def build_model_chunks(cfg: ModelConfig, ctx, *, seed: int, sequence_parallel: b
             model order holds the embedding, the last the output layer.
         virtual_pipeline: chunks per rank for the default split.
         rng_tracker: shared by all chunks (``chunk.rng_tracker``). Default: when the config has
-            dropout, a new ``RNGStatesTracker(seed, ctx)`` whose default stream is seeded here
-            (``seed_default_stream``: the global generators are reseeded); a tracker passed in is
-            the caller's to seed.
+            dropout, a new ``RNGStatesTracker(seed, ctx)``. This function leaves PyTorch's global
+            generators alone: the caller seeds the default stream (``chunk.rng_tracker.
+            seed_default_stream()``, as the training setup does) so that every TP rank draws the
+            same masks on replicated activations.
 
     Raises:
         ConfigError: the config does not fit the layout (before any collective).
@@ -244,8 +250,6 @@ def build_model_chunks(cfg: ModelConfig, ctx, *, seed: int, sequence_parallel: b
         from paratron.parallel.random import RNGStatesTracker
 
         rng_tracker = RNGStatesTracker(seed, ctx)
-        # Hidden dropout on replicated activations must draw the same mask on every TP rank.
-        rng_tracker.seed_default_stream()
     mine = sorted(k for k in stage_layers if k[0] == ctx.pp.rank)
     chunks: list[GPTChunk] = []
     first_embedding = None

@@ -66,6 +66,32 @@ def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
+def _layout(params, deferred, units, pad: int, limit) -> tuple[list[Bucket], dict[int, tuple[int, int]]]:
+    """Buckets and flat offsets for ``params`` in order: a bucket closes at ``limit`` elements
+    or where the deferred flag or the unit changes; its end is padded to a multiple of ``pad``."""
+    buckets: list[Bucket] = []
+    index: dict[int, tuple[int, int]] = {}
+    offset, start, members, kind, unit = 0, 0, [], None, None
+
+    def close() -> None:
+        nonlocal offset, start, members
+        if members:
+            end = _round_up(offset, pad)
+            buckets.append(Bucket(len(buckets), start, end, members, bool(kind)))
+            offset = start = end
+            members = []
+
+    for p, d, u in zip(params, deferred, units):
+        if members and (d != kind or u != unit or offset - start >= limit):
+            close()
+        kind, unit = d, u
+        index[id(p)] = (offset, offset + p.numel())
+        members.append(p)
+        offset += p.numel()
+    close()
+    return buckets, index
+
+
 @dataclass
 class GradBuffer:
     """Flat param and grad storage for params of one dtype reduced over one DP group.
@@ -133,28 +159,8 @@ class GradBuffer:
         flags = [deferred[j] for j in order]
         unit_of = [units[j] for j in order]
 
-        buckets: list[Bucket] = []
-        index: dict[int, tuple[int, int]] = {}
-        offset, start, members, kind, unit = 0, 0, [], None, None
-
-        def close() -> None:
-            nonlocal offset, start, members
-            if members:
-                end = _round_up(offset, pad)
-                buckets.append(Bucket(len(buckets), start, end, members, bool(kind)))
-                offset = start = end
-                members = []
-
-        for p, d, u in zip(ordered, flags, unit_of):
-            if members and (d != kind or u != unit or offset - start >= limit):
-                close()
-            kind, unit = d, u
-            index[id(p)] = (offset, offset + p.numel())
-            members.append(p)
-            offset += p.numel()
-        close()
-
-        total = offset
+        buckets, index = _layout(ordered, flags, unit_of, pad, limit)
+        total = buckets[-1].end
         param_data = torch.zeros(total, dtype=dtype, device=device)
         grad_data = torch.zeros(total, dtype=grad_dtype, device=device) if allocate_grads else None
         for p in ordered:

@@ -24,7 +24,7 @@ reduction); ``step()`` only updates, in order:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -32,11 +32,10 @@ from .clip import clip_coefficient, owns_for_norm, sum_of_squares
 from .ddp import DistributedDataParallel
 from .distributed_optimizer import gather_params
 from .precision import precision_dtype
-from .update_rules import adamw_step, sgd_step
+from .update_rules import adamw_step, fused_adamw_step, sgd_step
 from .scaler import ConstantLossScaler, DynamicLossScaler
 from .state_chunks import chunk_views, rectangles
 from .zero import storage_bytes
-
 
 
 @dataclass
@@ -59,6 +58,8 @@ class StepResult:
     loss_scale: float
     clip_coeff: float
     nonfinite: bool = False
+    read_along: list[float] | None = None
+    """The values of ``step(read_along=...)``, brought to the host in the step's one read."""
 
 
 @dataclass
@@ -193,6 +194,26 @@ class Optimizer:
         self._grads = [s.grad for s in self.segments]
         self._mains = [s.main for s in self.segments]
         self._aliased = [buf.dtype == torch.float32 for buf in self.ddp.buffers]
+        self._fused = self._fused_groups(decay_runs) if self._use_fused() else None
+
+    def _use_fused(self) -> bool:
+        impl = self.cfg.adam_impl
+        if self.cfg.name != "adamw" or impl == "foreach":
+            return False
+        return impl == "fused" or self.ctx.device.type == "cuda"
+
+    def _fused_groups(self, decay_runs) -> list:
+        """``(mains, grads, exp_avgs, exp_avg_sqs, weight_decay)`` views of the decay and the
+        no-decay runs, for :func:`~paratron.optim.update_rules.fused_adamw_step`."""
+        plain_runs = self._runs(lambda p: getattr(p, "no_weight_decay", False))
+        self._step_t = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
+        out = []
+        for runs, wd in ((decay_runs, float(self.cfg.weight_decay)), (plain_runs, 0.0)):
+            segs = [(self.segments[i], a, b) for i, a, b in runs]
+            out.append(([s.main[a:b] for s, a, b in segs], [s.grad[a:b] for s, a, b in segs],
+                        [s.state["exp_avg"][a:b] for s, a, b in segs],
+                        [s.state["exp_avg_sq"][a:b] for s, a, b in segs], wd))
+        return out
 
     # ---- per step ----------------------------------------------------------------------------
     @property
@@ -214,9 +235,15 @@ class Optimizer:
         """Zero the main grads (DDP's buffers) and start a new step."""
         self.ddp.zero_grad_buffer()
 
-    def step(self) -> StepResult:
+    def step(self, read_along: torch.Tensor | None = None) -> StepResult:
         """Unscale, decide globally whether the grads are finite, clip, update, copy back (and
         all-gather); a non-finite step changes nothing but the fp16 loss scale.
+
+        The skip decision is the step's one device-to-host read (``[sum of squares, non-finite
+        flag]`` after their all-reduce). ``read_along``: other device scalars, the same on every
+        rank (e.g. the training step's global loss stats), brought to the host in the same
+        transfer and returned in :attr:`StepResult.read_along`; a non-finite one skips the step
+        like a non-finite grad.
 
         Returns:
             :class:`StepResult`, identical on every rank.
@@ -232,26 +259,35 @@ class Optimizer:
         scale = self.scaler.scale
         if scale != 1.0 and self._grads:
             torch._foreach_mul_(self._grads, 1.0 / scale)
-        local = torch.zeros(2, dtype=torch.float64)
+        local = torch.zeros(2, dtype=torch.float64, device=self.ctx.device)
         local[0] = sum_of_squares(self._norm_views)
         if self._grads:  # every local grad, owned for the norm or not: a replica may differ
             sums = torch.stack([g.sum() for g in self._grads])
-            local[1] = 0.0 if bool(torch.isfinite(sums).all()) else 1.0
+            local[1] = (~torch.isfinite(sums)).any()
         self.ctx.world.all_reduce(local)
-        found_inf = bool(local[1] > 0) or not math.isfinite(local[0].item())
-        grad_norm = math.sqrt(local[0].item()) if local[0].item() >= 0 else float("nan")
+        if read_along is not None:  # a non-finite value there (the loss) skips the step too
+            along_t = read_along.detach().to(local.dtype).reshape(-1)
+            local[1] = torch.maximum(local[1], (~torch.isfinite(along_t)).any().to(local.dtype))
+            local = torch.cat([local, along_t])
+        sumsq, flag, *along = local.tolist()  # the step's one device-to-host sync
+        along = along if read_along is not None else None
+        found_inf = flag > 0 or not math.isfinite(sumsq)
+        grad_norm = math.sqrt(sumsq) if sumsq >= 0 else float("nan")
         if found_inf:
-            return self.skip_step(grad_norm)
+            return replace(self.skip_step(grad_norm), read_along=along)
         self.scaler.update(False)
 
         coeff = clip_coefficient(grad_norm, float(self.cfg.clip_grad))
         if coeff < 1.0 and self._grads:
             torch._foreach_mul_(self._grads, coeff)
+        self._apply()
+        return StepResult(False, grad_norm, self.scaler.scale, coeff, read_along=along)
+
+    def _apply(self) -> None:
         self.step_count += 1
         if self.segments:
             self._update()
         self._publish()
-        return StepResult(False, grad_norm, self.scaler.scale, coeff)
 
     def skip_step(self, grad_norm: float = float("nan")) -> StepResult:
         """Skip this step on this rank: nothing changes but the fp16 loss scale, which backs off
@@ -274,7 +310,11 @@ class Optimizer:
     def _update(self) -> None:
         c = self.cfg
         st = [[s.state[n] for s in self.segments] for n in self.state_names]
-        if c.name == "adamw":
+        if self._fused is not None:
+            self._step_t.fill_(self.step_count)  # a host-to-device write, no sync
+            fused_adamw_step(self._fused, self._step_t, lr=self.lr, beta1=c.adam_beta1,
+                             beta2=c.adam_beta2, eps=c.adam_eps)
+        elif c.name == "adamw":
             adamw_step(self._mains, self._grads, st[0], st[1], self._decay_main, step=self.step_count,
                        lr=self.lr, beta1=c.adam_beta1, beta2=c.adam_beta2, eps=c.adam_eps,
                        weight_decay=c.weight_decay)

@@ -26,7 +26,8 @@ Hooks on each unit:
 
 Weight grads of paratron's linears need only activations (``dW = dy^T x``), so the deferred W
 actions of zero-bubble schedules run with the unit freed. A forward run again inside backward
-(activation recompute) keeps its params: they are needed by the backward that follows.
+(activation recompute) keeps its params: the backward that follows needs them (freeing them
+would only cost another all-gather at the unit's pre-backward hook).
 All-gathers are issued in the same order on every rank of a DP group (same schedule, same model).
 """
 
@@ -120,6 +121,8 @@ def _first_grad_tensor(obj):
 
 
 def _in_backward() -> bool:
+    """Whether autograd is executing a backward now (a forward run inside it is a recompute).
+    PyTorch has no public query for this; the engine's current graph task id is -1 outside."""
     return torch._C._current_graph_task_id() != -1
 
 
@@ -150,28 +153,27 @@ class ParamShards:
         self._pending: list[list[object]] = [[None] * len(buf.buckets) for buf in buffers]
         self._viewed = [[False] * len(buf.buckets) for buf in buffers]  # params point into _full
         self._holders: list[list[set[int]]] = [[set() for _ in buf.buckets] for buf in buffers]
-        self.chunk_units: list[list[Unit]] = []
-        self._hooks = []
-        for c, chunk in enumerate(chunks):
-            units = units_of(chunk)
-            # Backward runs in the reverse order of the forwards' *ends*: a unit spanning the
-            # chunk's forward (the generic rest) ends last, so its backward starts first.
-            by_end = sorted(units, key=lambda u: (u.end is chunk, units.index(u)))
-            for pos, u in enumerate(units):
-                u.chunk, u.pos = c, pos
-                u.backward_next = None
-                j = by_end.index(u)
-                if j > 0:
-                    u.backward_next = by_end[j - 1]
-                u.buckets = sorted({where[id(p)] for p in u.params})
-                self._hooks.append(u.start.register_forward_pre_hook(self._pre_forward_hook(u)))
-                self._hooks.append(u.end.register_forward_hook(self._post_forward_hook(u)))
-            self.chunk_units.append(units)
+        self.chunk_units = [self._attach(c, chunk, where) for c, chunk in enumerate(chunks)]
         self.gathered_bytes = self.peak_gathered_bytes = 0
         for buf in buffers:
             for p in buf.params:
                 p.data = torch.empty(0, dtype=buf.dtype, device=buf.device)
             buf.param_data = None  # the full flat copy is gone: only shards remain
+
+    def _attach(self, c: int, chunk: nn.Module, where) -> list[Unit]:
+        """Find chunk ``c``'s units, their buckets and backward order, and hook them."""
+        units = units_of(chunk)
+        # Backward runs in the reverse order of the forwards' *ends*: a unit spanning the
+        # chunk's forward (the generic rest) ends last, so its backward starts first.
+        by_end = sorted(units, key=lambda u: (u.end is chunk, units.index(u)))
+        for pos, u in enumerate(units):
+            u.chunk, u.pos = c, pos
+            j = by_end.index(u)
+            u.backward_next = by_end[j - 1] if j > 0 else None
+            u.buckets = sorted({where[id(p)] for p in u.params})
+            u.start.register_forward_pre_hook(self._pre_forward_hook(u))
+            u.end.register_forward_hook(self._post_forward_hook(u))
+        return units
 
     # ---- buckets ----------------------------------------------------------------------------
     def _launch(self, i: int, k: int) -> None:
@@ -303,6 +305,3 @@ class ParamShards:
         """Param storage alive now: shards and gathered buckets."""
         return [t for row in self.shards for t in row] + [t for row in self._full for t in row if t is not None]
 
-    def remove_hooks(self) -> None:
-        for h in self._hooks:
-            h.remove()

@@ -60,3 +60,23 @@ def sgd_step(params: list[torch.Tensor], grads: list[torch.Tensor], momenta: lis
         torch._foreach_add_(params, momenta, alpha=-lr)
     else:
         torch._foreach_add_(params, grads, alpha=-lr)
+
+
+def fused_adamw_step(groups: list[tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor],
+                                        list[torch.Tensor], float]], step: torch.Tensor, *, lr: float,
+                     beta1: float, beta2: float, eps: float) -> None:
+    """One AdamW step with PyTorch's fused kernel (``torch._fused_adamw_``, the kernel behind
+    ``torch.optim.AdamW(fused=True)``; CUDA and CPU), the same update as :func:`adamw_step`.
+
+    Args:
+        groups: ``(params, grads, exp_avgs, exp_avg_sqs, weight_decay)`` per weight-decay group;
+            the four lists hold matching 1-D views (runs of the flat buffers).
+        step: a 0-dim fp32 tensor on the params' device holding the 1-based step ``t`` (the
+            kernel reads it on the device: no host sync).
+    """
+    for params, grads, exp_avgs, exp_avg_sqs, weight_decay in groups:
+        if not params:
+            continue
+        torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], [step] * len(params), lr=lr,
+                            beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
+                            amsgrad=False, maximize=False)

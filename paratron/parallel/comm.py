@@ -8,6 +8,12 @@ with its start and end times (the hang watchdog reads it).
 
 Groups of size 1 short-circuit: their collectives return the input without calling
 ``torch.distributed``, so model code written for N ranks runs unchanged on one process.
+
+Devices: a group's collectives take tensors on the group's ``device`` (the context's device:
+``cuda:N`` under NCCL) and raise ``ValueError`` otherwise, on every group size, so a CPU run
+catches a tensor that NCCL would reject. Control traffic that belongs on the host (the stop
+flag, object gathers) goes through the ``host_*`` methods, which take CPU tensors and reach
+the process group's CPU backend (gloo; see docs/ARCHITECTURE.md, "Devices and backends").
 """
 
 from __future__ import annotations
@@ -75,6 +81,14 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _same_device(actual: torch.device, expected: torch.device) -> bool:
+    """``expected`` without an index matches any index of its type."""
+    return actual.type == expected.type and (expected.index is None or actual.index == expected.index)
+
+
+HOST = torch.device("cpu")
+
+
 @dataclass
 class Group:
     """One process group as seen from this rank.
@@ -85,6 +99,7 @@ class Group:
         rank: this rank's index in ``ranks`` (-1 when not a member).
         pg: the torch process group (None for size-1 groups and non-members).
         ledger: the ledger shared by all groups of one parallel context.
+        device: where the tensors of this group's collectives must live (``ctx.device``).
     """
 
     name: str
@@ -92,6 +107,17 @@ class Group:
     rank: int
     pg: object | None
     ledger: CommLedger = field(default_factory=CommLedger)
+    device: torch.device = HOST
+
+    def _check(self, op: str, *tensors: torch.Tensor, device: torch.device | None = None) -> None:
+        """Raise ValueError when a tensor handed to ``op`` is not on ``device`` (default: the
+        group's); checked on every group size, so one process catches what NCCL would reject."""
+        want = self.device if device is None else device
+        for t in tensors:
+            if not _same_device(t.device, want):
+                raise ValueError(f"{op} on group {self.name!r}: tensor on {t.device}, but this group's "
+                                 f"collectives take tensors on {want} (move it to ctx.device, or use "
+                                 "a host_* method for host-side control values)")
 
     @property
     def size(self) -> int:
@@ -117,6 +143,7 @@ class Group:
     # ---- collectives (in place where torch is) -------------------------------------------
     def all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False):
         """Sum (or ``op``) ``t`` in place over the group. Returns a work handle if async."""
+        self._check("all_reduce", t)
         if self.size == 1:
             return None
         self.ledger.record("all_reduce", self.name, _nbytes(t))
@@ -125,6 +152,7 @@ class Group:
 
     def all_gather(self, t: torch.Tensor, dim: int = 0) -> torch.Tensor:
         """Concatenate every rank's ``t`` along ``dim`` (same shape on every rank)."""
+        self._check("all_gather", t)
         if self.size == 1:
             return t
         self.ledger.record("all_gather", self.name, _nbytes(t))
@@ -136,6 +164,7 @@ class Group:
 
     def all_gather_into(self, out: torch.Tensor, t: torch.Tensor, async_op: bool = False):
         """All-gather flat ``t`` into ``out`` (``out.numel() == size * t.numel()``)."""
+        self._check("all_gather_into", out, t)
         if self.size == 1:
             if out.data_ptr() != t.data_ptr():
                 out.copy_(t)
@@ -146,6 +175,7 @@ class Group:
 
     def reduce_scatter(self, t: torch.Tensor, dim: int = 0) -> torch.Tensor:
         """Sum ``t`` over the group and return this rank's 1/size slice along ``dim``."""
+        self._check("reduce_scatter", t)
         if self.size == 1:
             return t
         self.ledger.record("reduce_scatter", self.name, _nbytes(t))
@@ -158,6 +188,7 @@ class Group:
     def reduce_scatter_into(self, out: torch.Tensor, t: torch.Tensor, op=dist.ReduceOp.SUM,
                             async_op: bool = False):
         """Reduce-scatter flat ``t`` into ``out`` (``t.numel() == size * out.numel()``)."""
+        self._check("reduce_scatter_into", out, t)
         if self.size == 1:
             if out.data_ptr() != t.data_ptr():
                 out.copy_(t)
@@ -169,6 +200,7 @@ class Group:
     def all_to_all(self, out: torch.Tensor, t: torch.Tensor, out_splits: list[int] | None = None,
                    in_splits: list[int] | None = None):
         """``all_to_all_single`` with optional uneven splits along dim 0."""
+        self._check("all_to_all", out, t)
         if self.size == 1:
             out.copy_(t)
             return out
@@ -178,14 +210,28 @@ class Group:
         return out
 
     def broadcast(self, t: torch.Tensor, src_group_rank: int = 0):
+        """Copy ``t`` of group rank ``src_group_rank`` into ``t`` on every rank."""
+        self._check("broadcast", t)
         if self.size == 1:
             return None
         self.ledger.record("broadcast", self.name, _nbytes(t))
         e = self._begin("broadcast", t)
         return self._end(e, dist.broadcast(t, src=self.ranks[src_group_rank], group=self.pg))
 
+    def host_all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> None:
+        """Sum (or ``op``) a small CPU tensor in place over the group, on the process group's
+        CPU backend: host-side control values (e.g. the stop flag) that must not make the
+        device wait. Raises ValueError when ``t`` is not on the CPU."""
+        self._check("host_all_reduce", t, device=HOST)
+        if self.size == 1:
+            return
+        self.ledger.record("host_all_reduce", self.name, _nbytes(t))
+        e = self._begin("host_all_reduce", t)
+        self._end(e, dist.all_reduce(t, op=op, group=self.pg))
+
     def all_gather_object(self, obj) -> list:
-        """Gather one picklable object per rank (setup-time metadata only, never on a hot path)."""
+        """Gather one picklable object per rank (setup-time metadata only, never on a hot path;
+        it travels on the CPU backend)."""
         if self.size == 1:
             return [obj]
         self.ledger.record("all_gather_object", self.name, 0)
@@ -205,6 +251,7 @@ class Group:
 
         Sends are counted in the ledger as ``"send"``; receives as ``"recv"``.
         """
+        self._check(kind, t)
         self.ledger.record(kind, self.name, _nbytes(t))
         fn = dist.isend if kind == "send" else dist.irecv
         p2p = dist.P2POp(fn, t, self.ranks[peer_group_rank], group=self.pg)

@@ -45,8 +45,10 @@ GROUP_KINDS = (
 
 
 def default_backend() -> str:
-    """``nccl`` when CUDA is available, otherwise ``gloo``."""
-    return "nccl" if torch.cuda.is_available() else "gloo"
+    """``"cuda:nccl,cpu:gloo"`` when CUDA is available (NCCL for tensors on the GPU, gloo for
+    the host-side traffic that must stay on the CPU: object gathers, checkpoint planning, the
+    stop flag), otherwise ``"gloo"``."""
+    return "cuda:nccl,cpu:gloo" if torch.cuda.is_available() else "gloo"
 
 
 @dataclass
@@ -105,6 +107,8 @@ class ParallelContext:
                                "use init_distributed() or ParallelContext.single()")
         world, rank = dist.get_world_size(), dist.get_rank()
         grid = build_grid(world, tp=tp, cp=cp, ep=ep, pp=pp, expert_tp=expert_tp, order=order)
+        if device is None:
+            device = default_device()
         ledger = CommLedger()
         made: dict[tuple[int, ...], object] = {}
         groups: dict[str, Group] = {}
@@ -118,20 +122,18 @@ class ParallelContext:
                 if rank in ranks:
                     mine = ranks
             if mine is None:  # only embedding groups on middle pipeline stages
-                groups[kind] = Group(kind, [], -1, None, ledger)
+                groups[kind] = Group(kind, [], -1, None, ledger, device)
             else:
-                groups[kind] = Group(kind, mine, mine.index(rank), made.get(tuple(mine)), ledger)
-        if device is None:
-            device = default_device()
+                groups[kind] = Group(kind, mine, mine.index(rank), made.get(tuple(mine)), ledger, device)
         return cls(grid=grid, rank=rank, device=device, ledger=ledger, **groups)
 
     @classmethod
     def single(cls, device: torch.device | str = "cpu") -> "ParallelContext":
         """A one-process context: every group has size 1, no ``torch.distributed`` needed."""
         grid = build_grid(1)
-        ledger = CommLedger()
-        groups = {k: Group(k, [0], 0, None, ledger) for k in GROUP_KINDS}
-        return cls(grid=grid, rank=0, device=torch.device(device), ledger=ledger, **groups)
+        ledger, device = CommLedger(), torch.device(device)
+        groups = {k: Group(k, [0], 0, None, ledger, device) for k in GROUP_KINDS}
+        return cls(grid=grid, rank=0, device=device, ledger=ledger, **groups)
 
     # ---- group access --------------------------------------------------------------------
     def group(self, kind: str) -> Group:
@@ -172,11 +174,11 @@ def default_device() -> torch.device:
 def init_distributed(timeout_s: float = 600.0, backend: str | None = None) -> None:
     """Initialise ``torch.distributed`` from torchrun's environment (``RANK``, ``WORLD_SIZE``,
     ``MASTER_ADDR``, ``MASTER_PORT``), unless already done; without torchrun, a world of one
-    process (an in-memory store, no port). Backend: nccl on CUDA, else gloo."""
+    process (an in-memory store, no port). Backend: :func:`default_backend`."""
     if dist.is_initialized():
         return
     backend = backend or default_backend()
-    if backend == "nccl":
+    if "nccl" in backend:
         torch.cuda.set_device(default_device())
     timeout = timedelta(seconds=timeout_s)
     if "RANK" not in os.environ:

@@ -20,7 +20,8 @@ import itertools
 from typing import Iterator
 
 from paratron.config import VALIDATORS, Config, ConfigError
-from paratron.pipeline.registry import SCHEDULES, get_schedule
+from paratron.config.validators import check_schedule
+from paratron.pipeline.registry import SCHEDULES
 
 from .layout import Layout, apply
 
@@ -52,18 +53,7 @@ def _axes(cfg: Config, world: int) -> Iterator[tuple[int, int, int, int, int]]:
 
 def _cheap_schedule_rule(cfg: Config, world: int) -> None:
     """The deferred rule's fast part: the schedule exists, its chunk count, its own ``check``."""
-    p, t = cfg.parallel, cfg.train
-    spec = get_schedule(p.schedule)
-    if getattr(spec, "virtual_stages", None) is not None and p.virtual_pipeline != spec.virtual_stages:
-        raise ConfigError(f"parallel.schedule={p.schedule!r} always runs {spec.virtual_stages} chunks per rank")
-    dp = world // (p.tensor * p.context * p.pipeline)
-    if spec.check is not None and t.global_batch_size % (t.micro_batch_size * dp) == 0:
-        m = t.global_batch_size // (t.micro_batch_size * dp)
-        try:
-            spec.check(p.pipeline, m, p.virtual_pipeline)
-        except ValueError as e:
-            raise ConfigError(f"parallel.schedule={p.schedule!r} with {m} microbatches (train.global_batch_size / "
-                              f"(train.micro_batch_size * dp)): {e}") from None
+    check_schedule(cfg, world, build=False)
 
 
 def accepted(cfg: Config, world: int) -> tuple[int, str] | None:

@@ -107,7 +107,7 @@ def rank_memory(shape: Shape, lay: Layout, params_local: float, layers_per_chunk
 
     The peak is either during a backward (activations + the transient of the loss or of one
     recomputed layer) or during the optimizer step (Adam's ``sqrt(v) + eps`` denominator, one fp32
-    buffer of the rank's optimizer shard, ``optim/rules.py``), whichever is larger.
+    buffer of the rank's optimizer shard, ``optim/update_rules.py``), whichever is larger.
     """
     param, grad, opt = state_bytes(params_local, lay, precision)
     held, whole = layer_activation_bytes(shape, lay, lay.mbs, a, fused)

@@ -55,7 +55,8 @@ def _body(cfg, args) -> int:
     p = cfg.parallel
     ctx = ParallelContext.build(tp=p.tensor, cp=p.context, ep=p.expert, pp=p.pipeline,
                                 expert_tp=p.expert_tensor, order=p.order)
-    me = torch.tensor([ctx.rank, int(os.environ.get("GROUP_RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))])
+    me = torch.tensor([ctx.rank, int(os.environ.get("GROUP_RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))],
+                      device=ctx.device)
     rows = ctx.world.all_gather(me.view(1, 3))
     if ctx.rank == 0:
         world = {"world_size": ctx.world_size, "layout": ctx.describe(),

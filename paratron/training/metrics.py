@@ -107,8 +107,13 @@ class MetricsWriter:
 
 
 def plot_losses(records: list[dict], path: Path) -> None:
-    """Draw train and validation loss against iteration into a PNG."""
-    import matplotlib
+    """Draw train and validation loss against iteration into a PNG (skipped, with a note, where
+    matplotlib is not installed: a finished run must not fail for its plot)."""
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"[paratron] matplotlib is not installed: no {path}", flush=True)
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -155,3 +160,4 @@ def peak_memory_mb(device: torch.device) -> float:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+

@@ -121,8 +121,11 @@ def check_dataset_files(prefix: str) -> None:
                          f"({'truncated' if have < want else 'trailing bytes'}); rebuild the dataset")
 
 
-BYTES_PER_PARAM = {"adamw": 12, "sgd": 8}
-"""Optimizer state saved per parameter: fp32 main weight + two Adam moments, or + momentum."""
+def _optimizer_bytes_per_param(opt) -> int:
+    """fp32 state saved per parameter: the main weight, plus two Adam moments or SGD's momentum."""
+    if opt.name == "sgd":
+        return 8 if opt.sgd_momentum else 4
+    return 12
 
 
 def _mlp_params(h: int, f: int, matrices: int, bias: bool) -> int:
@@ -156,7 +159,7 @@ def estimated_checkpoint_bytes(cfg: Config, vocab_size: int | None) -> int:
         embedding += spec.max_positions(m) * h
     params = layers + embedding + norm
     width = 2 if cfg.train.precision in ("bf16", "fp16") else 4
-    return params * (width + BYTES_PER_PARAM.get(cfg.optimizer.name, 12))
+    return params * (width + _optimizer_bytes_per_param(cfg.optimizer))
 
 
 def check_checkpoint_dir(cfg: Config, vocab_size: int | None = None, room: bool = True) -> None:

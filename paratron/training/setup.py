@@ -69,6 +69,9 @@ def build_model_and_optimizer(cfg: Config, ctx):
                                 context_algorithm=p.context_algorithm)
     for c in chunks:
         c.to(ctx.device)
+    if chunks and chunks[0].rng_tracker is not None:
+        # Hidden dropout on replicated activations must draw the same mask on every TP rank.
+        chunks[0].rng_tracker.seed_default_stream()
     ddp = DistributedDataParallel(chunks, ctx, grad_dtype=torch.float32, bucket_size_mb=p.bucket_size_mb,
                                   overlap_grad_reduce=p.overlap_grad_reduce,
                                   zero=p.zero, zero3_reshard_after_forward=p.zero3_reshard_after_forward,

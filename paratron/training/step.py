@@ -4,6 +4,11 @@ Loss normalisation: the global batch's loss is the token mean over every valid l
 microbatch on every DP rank, ``sum(token losses) / sum(valid tokens)``. Each microbatch's loss is
 divided by that global count *before* backward, so gradients are summed (not averaged) across
 microbatches and DP ranks and equal the single-device gradient whatever the split.
+
+No host sync: the token count, the loss sum and the aux loss stay on ``ctx.device`` as one
+tensor (:attr:`StepOutput.stats`); reading a value (:meth:`StepOutput.read`, or the ``loss``,
+``num_tokens``, ``aux_loss`` properties) is the one device-to-host transfer, which the training
+loop makes once per log interval for all the steps since the last one.
 """
 
 from __future__ import annotations
@@ -18,19 +23,55 @@ IGNORE_INDEX = -100
 
 @dataclass
 class StepOutput:
-    loss: float
-    """Global-batch token-mean LM loss (the same on every rank)."""
-    num_tokens: int
-    """Valid tokens in the global batch."""
-    aux_loss: float | None
+    """One global batch's results, the same on every rank.
+
+    Attributes:
+        stats: fp64 ``[3]`` on the device: global token-mean LM loss, the MoE aux loss (summed
+            over MoE layers and stages for the last microbatch, averaged over DP; 0 without
+            MoE), valid tokens of the global batch.
+        has_aux: the model has MoE layers (``aux_loss`` is None otherwise).
+        timings: host seconds (``forward_backward``; launch time on a GPU).
+    """
+
+    stats: torch.Tensor
+    has_aux: bool
     timings: dict[str, float]
+    _read: list[float] | None = None
+
+    def read(self) -> dict:
+        """``{"loss", "num_tokens", "aux_loss"}`` as Python numbers (one device-to-host copy,
+        cached)."""
+        if self._read is None:
+            self._read = self.stats.tolist()
+        return self.values_from(self._read)
+
+    def values_from(self, row: list[float]) -> dict:
+        """The values of :meth:`read` from ``stats.tolist()`` read elsewhere (e.g. many steps'
+        stats stacked into one transfer)."""
+        self._read = list(row)
+        return {"loss": row[0], "num_tokens": int(row[2]), "aux_loss": row[1] if self.has_aux else None}
+
+    @property
+    def loss(self) -> float:
+        """Global-batch token-mean LM loss."""
+        return self.read()["loss"]
+
+    @property
+    def num_tokens(self) -> int:
+        """Valid tokens in the global batch."""
+        return self.read()["num_tokens"]
+
+    @property
+    def aux_loss(self) -> float | None:
+        return self.read()["aux_loss"]
 
 
 def count_global_tokens(microbatches: list[dict], ctx) -> torch.Tensor:
     """Valid labels over this rank's microbatches, summed over DP x CP (each CP rank holds its own
-    tokens of the same sequences) (fp64 scalar)."""
-    local = sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in microbatches)
-    t = torch.tensor([float(local)], dtype=torch.float64)
+    tokens of the same sequences): fp64 ``[1]`` on ``ctx.device`` (counted where the labels are,
+    then copied: no host sync)."""
+    local = torch.stack([(mb["labels"] != IGNORE_INDEX).sum() for mb in microbatches]).sum()
+    t = local.to(device=ctx.device, dtype=torch.float64).reshape(1)
     ctx.dp_cp.all_reduce(t)
     return t
 
@@ -61,12 +102,14 @@ def run_global_batch(cfg, ctx, chunks, microbatches: list[dict], *, forward_only
     Returns:
         :class:`StepOutput` with the global-batch loss, known on every rank.
     """
+    from paratron.models.moe.layer import update_expert_bias
     from paratron.optim import finalize_grads, precision_dtype
     from paratron.pipeline.runtime import run_pipeline
 
     t0 = time.perf_counter()
     global_tokens = count_global_tokens(microbatches, ctx)
-    denom = max(global_tokens.item(), 1.0)  # an all-ignored batch gives loss 0, not NaN
+    # fp32 0-dim (exact up to 2^24 tokens); an all-ignored batch gives loss 0, not NaN.
+    denom = global_tokens[0].clamp(min=1.0).float()
     lm_losses: list[torch.Tensor] = []
 
     def forward_step(chunk_id, chunk, input_tensor, mb):
@@ -93,10 +136,13 @@ def run_global_batch(cfg, ctx, chunks, microbatches: list[dict], *, forward_only
                  dtype=precision_dtype(cfg.train.precision), forward_only=forward_only, grad_sync=ddp)
     if not forward_only:
         finalize_grads(chunks, ctx, ddp)
+        update_expert_bias(chunks, ctx)  # DeepSeek-V3 router bias; no-op without one
     t1 = time.perf_counter()
 
-    loss, aux_value = _global_loss(cfg, ctx, chunks, lm_losses)
-    return StepOutput(loss, int(global_tokens.item()), aux_value, {"forward_backward": t1 - t0})
+    stats = _global_stats(ctx, chunks, lm_losses, global_tokens)
+    has_aux = cfg.model.num_experts > 0 or any(getattr(mod, "last_aux_loss", None) is not None
+                                               for c in chunks for mod in c.modules())
+    return StepOutput(stats, has_aux, {"forward_backward": t1 - t0})
 
 
 def _scale_aux_losses(cfg, ctx, chunks, microbatches: list[dict], loss_scale: float) -> None:
@@ -110,37 +156,34 @@ def _scale_aux_losses(cfg, ctx, chunks, microbatches: list[dict], loss_scale: fl
 
         set_aux_loss_scale(chunks, loss_scale / count_global_sequences(microbatches, ctx))
     else:
-        set_aux_loss_scale(chunks, loss_scale / (len(microbatches) * ctx.dp.size))
+        # Every DP rank's count of the global batch (the split may be uneven: TrainState.dp_microbatches).
+        set_aux_loss_scale(chunks, loss_scale / (cfg.train.global_batch_size // cfg.train.micro_batch_size))
 
 
-def _global_loss(cfg, ctx, chunks, lm_losses: list[torch.Tensor]) -> tuple[float, float | None]:
-    """(global-batch LM loss, MoE aux loss or None), the same on every rank.
+def _global_stats(ctx, chunks, lm_losses: list[torch.Tensor], global_tokens: torch.Tensor) -> torch.Tensor:
+    """``[LM loss, MoE aux loss, valid tokens]`` of the global batch, fp64 on ``ctx.device`` (no
+    host read), the same on every rank.
 
     The loss lives on the last stage of each pipeline; it is summed over pp (others add 0), dp
-    and cp (each CP rank holds its tokens' share; the aux values are the same on every CP rank).
+    and cp (each CP rank holds its tokens' share; the aux values, summed over MoE layers and
+    stages for the last microbatch, are the same on every CP rank and averaged over DP x CP).
     """
-    loss = torch.zeros(2, dtype=torch.float64)
+    stats = torch.zeros(3, dtype=torch.float64, device=ctx.device)
     if lm_losses:
-        loss[0] = torch.stack(lm_losses).double().sum()
+        stats[0] = torch.stack(lm_losses).double().sum()
     aux = _aux_loss(chunks)
     if aux is not None:
-        loss[1] = aux
-    ctx.pp.all_reduce(loss)
-    ctx.dp_cp.all_reduce(loss)
-    aux_value = None
-    if aux is not None or cfg.model.num_experts > 0:
-        # Summed over MoE layers and stages for the last microbatch, averaged over DP.
-        aux_value = loss[1].item() / ctx.dp_cp.size
-    return loss[0].item(), aux_value
+        stats[1] = aux
+    ctx.pp.all_reduce(stats)
+    ctx.dp_cp.all_reduce(stats)
+    stats[1] /= ctx.dp_cp.size
+    stats[2] = global_tokens[0]
+    return stats
 
 
-def _aux_loss(chunks) -> float | None:
-    """Sum of the MoE layers' load-balancing losses seen in the last forward passes."""
-    total, found = 0.0, False
-    for chunk in chunks:
-        for mod in chunk.modules():
-            v = getattr(mod, "last_aux_loss", None)
-            if v is not None:
-                total += float(v)
-                found = True
-    return total if found else None
+def _aux_loss(chunks) -> torch.Tensor | None:
+    """Sum of the MoE layers' load-balancing losses seen in the last forward passes (a device
+    tensor: no sync), or None without MoE layers."""
+    found = [getattr(mod, "last_aux_loss", None) for chunk in chunks for mod in chunk.modules()]
+    found = [torch.as_tensor(v).double() for v in found if v is not None]
+    return torch.stack(found).sum() if found else None

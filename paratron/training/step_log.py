@@ -4,7 +4,9 @@ A record (one line of ``metrics.jsonl``, the same on every rank) holds ``iterati
 consumed_tokens, loss, lr, grad_norm, skipped_iterations, tokens_per_second, step_time_s,
 tflops_per_device, mfu, peak_memory_mb`` (plus ``loss_scale`` under fp16 and ``aux_loss`` for
 MoE). The console shows rank 0's record every ``logging.log_interval`` steps (and at step 1),
-with the token rate averaged over the interval; ``metrics.jsonl`` keeps every step.
+with the token rate and the device time per phase averaged over the interval;
+``metrics.jsonl`` keeps every step. Every value is on the host when the step ends: the loss stats
+came with the optimizer's one device-to-host read.
 """
 
 from __future__ import annotations
@@ -34,12 +36,14 @@ class StepLog:
         cfg: the run's config.
         ctx: the parallel context.
         peak, peak_source: peak FLOP/s per device for MFU and where it came from.
+        timer: the loop's :class:`~paratron.training.timers.PhaseTimer`; the console line then
+            adds the device time per phase over the interval (CUDA events on a GPU).
     """
 
-    def __init__(self, cfg, ctx, peak: float, peak_source: str) -> None:
+    def __init__(self, cfg, ctx, peak: float, peak_source: str, timer=None) -> None:
         from paratron.models.flops import flops_per_token
 
-        self.cfg, self.ctx, self.peak, self.peak_source = cfg, ctx, peak, peak_source
+        self.cfg, self.ctx, self.peak, self.peak_source, self.timer = cfg, ctx, peak, peak_source, timer
         self.flops_per_token = flops_per_token(cfg.model)
         self.skipped = 0
         self._window_tokens, self._window_time = 0, 0.0
@@ -76,8 +80,18 @@ class StepLog:
             return
         shown = dict(record, tokens_per_second=self._window_tokens / self._window_time)
         shown.update(self._throughput(shown["tokens_per_second"]))
-        log(self.ctx, format_log_line(shown, self.cfg.train.train_iters))
+        log(self.ctx, format_log_line(shown, self.cfg.train.train_iters) + self._phases())
         self._window_tokens, self._window_time = 0, 0.0
+
+    def _phases(self) -> str:
+        """`` | ms/step data 1 forward_backward 812 optimizer 40``: mean device time per phase
+        over the interval's steps (the CUDA events are read here, long after they completed)."""
+        steps = self.timer.read() if self.timer is not None else []
+        if not steps:
+            return ""
+        names = sorted({n for st in steps for n in st})
+        return " | ms/step " + " ".join(f"{n} {1e3 * sum(st.get(n, 0.0) for st in steps) / len(steps):.0f}"
+                                         for n in names)
 
     def _throughput(self, tokens_per_second: float) -> dict:
         return throughput(tokens_per_second, self.flops_per_token, self.ctx.world_size, self.peak)

@@ -8,17 +8,17 @@ the stop agreement, :meth:`~Trainer.maybe_save`. Each interval rule belongs to i
 :class:`~paratron.training.nonfinite.NonFiniteGuard` what a non-finite step means.
 
 One step (:meth:`Trainer.train_step`): this DP rank's microbatches of the next global batch →
-:func:`~paratron.training.step.run_global_batch` (forward/backward through the pipeline schedule;
-the grads are final on return) → ``optimizer.step()`` (or ``skip_step()`` when the global loss
-is already non-finite) → the non-finite policy → the LR schedule advances only on an update
-(Megatron's rule); the iteration count and data position always advance.
+:func:`train_batch`: :func:`~paratron.training.step.run_global_batch` (forward/backward through
+the pipeline schedule; the grads are final on return) → ``optimizer.step(read_along=loss
+stats)`` (skipped when the global loss or any grad is non-finite; the step's one device-to-host
+read) → the LR schedule advances only on an update (Megatron's rule) → the non-finite policy; the
+iteration count and data position always advance.
 SIGTERM/SIGINT (or a callback's ``state.should_stop``) finish the step, save, and exit 0, on the
 same step on every rank.
 """
 
 from __future__ import annotations
 
-import math
 import signal
 import time
 from pathlib import Path
@@ -35,6 +35,7 @@ from paratron.training.setup import (build_checkpoint_manager, build_model_and_o
                                      count_params, print_sample, seed_everything, warn_if_saving_over)
 from paratron.training.step import rank_actions, run_global_batch
 from paratron.training.step_log import StepLog, log
+from paratron.training.timers import PhaseTimer
 
 
 class StopFlag:
@@ -88,10 +89,12 @@ class Trainer:
                                       [load_callback(s, self.state) for s in cfg.train.callbacks])
         self.ckpt = build_checkpoint_manager(cfg, ctx)
         self.actions = rank_actions(cfg, ctx, self.data.num_microbatches)  # the same every step
+        self._actions = {self.data.num_microbatches: self.actions}
         self.evaluator = Evaluator(cfg, ctx, self.chunks, self.data, self.actions)
         self.guard = NonFiniteGuard(cfg.train.nonfinite, cfg.train.max_consecutive_skips)
+        self.timer = PhaseTimer(ctx.device)
         self.step_log = StepLog(cfg, ctx, *peak_flops_per_device(cfg.train.peak_flops_per_device,
-                                                                 ctx.device))
+                                                                 ctx.device), timer=self.timer)
         self.stopping = False
 
     # ---- the loop ------------------------------------------------------------------------
@@ -128,29 +131,27 @@ class Trainer:
     # ---- its steps -----------------------------------------------------------------------
     def train_step(self) -> tuple[dict, dict]:
         """One optimizer step over the next global batch; returns (record, timings)."""
-        s, opt = self.state, self.optimizer
+        s, timer = self.state, self.timer
         self.callbacks.on_step_start(s)
         t0 = time.perf_counter()
-        microbatches = self.data.train_microbatches(s.consumed_train_samples)
-        t_data = time.perf_counter() - t0
-        opt.zero_grad()
-        out = run_global_batch(self.cfg, self.ctx, self.chunks, microbatches, forward_only=False,
-                               loss_scale=opt.loss_scale, actions=self.actions, ddp=self.ddp)
-        t1 = time.perf_counter()
-        lr = float(self.scheduler.lr)  # the rate this step uses
-        result = opt.step() if math.isfinite(out.loss) else opt.skip_step()
+        with timer.phase("data"):
+            microbatches = self.data.train_microbatches(s.consumed_train_samples, s.dp_microbatches)
+        out, result, lr = train_batch(self.cfg, self.ctx, self.chunks, self.ddp, self.optimizer,
+                                      self.scheduler, microbatches, self.actions_for(len(microbatches)), timer)
         warning = self.guard.check(s.iteration + 1, result.nonfinite, self.first_nonfinite)
         if warning:
             log(self.ctx, "warning: " + warning)
-        if not result.skipped:
-            self.scheduler.step()
-        t2 = time.perf_counter()
+        step_time = time.perf_counter() - t0
         s.iteration += 1
         s.consumed_train_samples += self.cfg.train.global_batch_size
-        record = self.step_log.record(s, out, result, lr, t2 - t0)
-        timings = {"step": t2 - t0, "data": t_data, "forward_backward": out.timings["forward_backward"],
-                   "optimizer": t2 - t1}
-        return record, timings
+        record = self.step_log.record(s, out, result, lr, step_time)
+        return record, dict(timer.last_host, step=step_time)
+
+    def actions_for(self, m: int) -> list:
+        """This rank's schedule for ``m`` microbatches (an uneven DP split changes ``m``; cached)."""
+        if m not in self._actions:
+            self._actions[m] = rank_actions(self.cfg, self.ctx, m)
+        return self._actions[m]
 
     def log(self, record: dict, timings: dict) -> None:
         """Callbacks, the in-memory and on-disk records, and the console line."""
@@ -227,8 +228,35 @@ class Trainer:
             print_sample(self.cfg, self.ctx, prompt)
 
 
+def train_batch(cfg: Config, ctx, chunks, ddp, optimizer, scheduler, microbatches: list[dict],
+                actions: list | None = None, timer: PhaseTimer | None = None):
+    """The device work of one step: zero the grads, forward and backward of every microbatch
+    through the schedule (grads final on return), the optimizer step (skipped when the global
+    loss or any grad is non-finite), the LR schedule (only after an update). One device-to-host
+    read in all: the optimizer's skip decision, which brings the grad norm and the step's loss
+    stats along.
+
+    Returns:
+        ``(StepOutput, StepResult, lr)`` with host values; ``lr`` is the rate this step used.
+    """
+    timer = timer or PhaseTimer(ctx.device)
+    optimizer.zero_grad()
+    with timer.phase("forward_backward"):
+        out = run_global_batch(cfg, ctx, chunks, microbatches, forward_only=False,
+                               loss_scale=optimizer.loss_scale, actions=actions, ddp=ddp)
+    lr = float(scheduler.lr)
+    with timer.phase("optimizer"):
+        result = optimizer.step(read_along=out.stats)
+    out.values_from(result.read_along)
+    if not result.skipped:
+        scheduler.step()
+    timer.end_step()
+    return out, result, lr
+
+
 def agree_to_stop(ctx, local: bool) -> bool:
-    """Every rank stops at the same step if any rank was asked to (signals arrive unevenly)."""
+    """Every rank stops at the same step if any rank was asked to (signals arrive unevenly).
+    A host-side all-reduce (gloo, the CPU side of the process groups): the device never waits."""
     t = torch.tensor([1.0 if local else 0.0])
-    ctx.world.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item() > 0)
+    ctx.world.host_all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t[0] > 0)

@@ -15,9 +15,16 @@ every rank runs its slice of the experts on all of them, and the partial outputs
 owner and are summed there (the reverse all-to-all). The ``fc2`` bias is added once, on the group's
 first rank, and every replica receives the full bias grad.
 
-Weight grads come from plain autograd. An expert that gets no rows still runs its matmuls on an
-empty ``[0, h]`` slice, so its params receive zero grads (not None) and every rank reports the
-same params to DDP.
+The local experts can run together as grouped GEMMs (:mod:`.grouped_gemm`): each projection's
+per-expert weights are stacked ``[E_local, in, out]`` at the start of the forward (SwiGLU's gate
+and up side by side, ``[E_local, h, 2f]``) and the expert-major rows go through one grouped or
+batched matmul. The parameters themselves stay one per expert and projection: they are the
+source of truth for logical names, shard specs, checkpoints (old ones load unchanged, EP
+resharding is unchanged) and the optimizer; autograd routes the stacked weight's grad back to
+them. The stack is a copy of the local expert weights per forward (``E_local * h * f`` elements
+per projection), small next to the ``N * h * f`` multiply-adds of the rows once experts hold more
+than a handful of tokens. An expert that gets no rows receives zero grads (not None), so every rank
+reports the same params to DDP.
 """
 
 from __future__ import annotations
@@ -27,13 +34,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from paratron.config import ModelConfig, model_shape
-from paratron.layers.init import InitMethod, draw_full, normal_, scaled_normal_
+from paratron.layers.init import InitMethod, init_shard_, normal_, scaled_normal_
 from paratron.parallel.comm import Group
 from paratron.parallel.params import ShardSpec, mark
 
 from ..mlp import gelu, swiglu
 from .collectives import all_to_all
 from .dispatcher import source_to_expert_major
+from .grouped_gemm import METHODS, RowBias, grouped_linear
 
 
 class _BiasOnce(torch.autograd.Function):
@@ -60,16 +68,16 @@ class _Proj(nn.Module):
         super().__init__()
         etp, r = ctx.expert_tp.size, ctx.expert_tp.rank
         self.split, self.first = split if etp > 1 else None, r == 0
-        full = draw_full(init, (out_f, in_f), seed, f"{logical_name}.weight")
         if self.split == "out":
             n = out_f // etp
-            weight, spec = full[r * n:(r + 1) * n], ShardSpec((out_f, in_f), (r * n, 0), (n, in_f))
+            spec = ShardSpec((out_f, in_f), (r * n, 0), (n, in_f))
         elif self.split == "in":
             n = in_f // etp
-            weight, spec = full[:, r * n:(r + 1) * n], ShardSpec((out_f, in_f), (0, r * n), (out_f, n))
+            spec = ShardSpec((out_f, in_f), (0, r * n), (out_f, n))
         else:
-            weight, spec = full, None
-        self.weight = nn.Parameter(weight.to(device=ctx.device, dtype=params_dtype).contiguous())
+            spec = ShardSpec.replicated((out_f, in_f))
+        weight = torch.empty(spec.local_shape, device=ctx.device, dtype=params_dtype)
+        self.weight = nn.Parameter(init_shard_(weight, init, spec, seed, f"{logical_name}.weight"))
         mark(self.weight, f"{logical_name}.weight", spec, partition_dim={"out": 0, "in": 1}.get(self.split, -1),
              is_expert=True)
         if bias:
@@ -126,15 +134,23 @@ class LocalExperts(nn.Module):
 
     ``forward(x, tokens_per_expert)``: ``x`` is ``[N, h]`` rows, expert-major (the first
     ``tokens_per_expert[0]`` rows for local expert 0, ...); returns ``[N, h]`` in the same order.
+    ``gemm`` picks how the experts run (:data:`.grouped_gemm.METHODS`): ``"grouped_mm"`` /
+    ``"bmm"`` as grouped GEMMs over stacked weights, ``"loop"`` as each ``ExpertMLP`` of
+    ``local`` on its own rows (the per-expert reference); ``"auto"`` (default) is the grouped
+    choice of :func:`.grouped_gemm.choose_method` on CUDA and the loop on CPU, where it measured
+    fastest.
 
     Raises:
-        ValueError: ``tokens_per_expert`` has the wrong length or does not sum to ``N``.
+        ValueError: ``tokens_per_expert`` has the wrong length or does not sum to ``N``; an
+            unknown ``gemm``.
     """
 
     def __init__(self, cfg: ModelConfig, ctx, *, prefix: str, seed: int, first_expert: int, num_local: int,
-                 params_dtype: torch.dtype):
+                 params_dtype: torch.dtype, gemm: str = "auto"):
         super().__init__()
-        self.first_expert = first_expert
+        if gemm not in METHODS:
+            raise ValueError(f"LocalExperts: unknown gemm {gemm!r}; one of {METHODS}")
+        self.first_expert, self.gemm, self.activation = first_expert, gemm, cfg.activation
         self.etp: Group = ctx.expert_tp
         self.local = nn.ModuleList(
             ExpertMLP(cfg, ctx, logical_name=f"{prefix}.experts.{first_expert + i}", seed=seed,
@@ -149,10 +165,38 @@ class LocalExperts(nn.Module):
             return self._expert_tp_forward(x, tokens_per_expert)
         return self._run(x, tokens_per_expert)
 
+    def _projection(self, names: tuple[str, ...], x: torch.Tensor, counts: list[int],
+                    row_expert: torch.Tensor, method: str) -> torch.Tensor:
+        """The projections ``names`` of every local expert (side by side along the output) on
+        their rows: weights stacked ``[E_local, in, sum(out)]``, one grouped GEMM."""
+        projs = [[getattr(e, n) for n in names] for e in self.local]
+        weight = torch.stack([torch.cat([p.weight for p in ps]) for ps in projs]).transpose(1, 2)
+        y = grouped_linear(x, weight, counts, method)
+        first = projs[0][0]
+        if first.bias is None:
+            return y
+        bias = torch.stack([torch.cat([p.bias for p in ps]) for ps in projs])
+        return RowBias.apply(y, bias, row_expert, first.split != "in" or first.first)
+
     def _run(self, x: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
-        # Empty slices still run, so idle experts get zero grads rather than None.
-        outs = [expert(part) for expert, part in zip(self.local, torch.split(x, tokens_per_expert))]
-        return torch.cat(outs) if outs else x
+        if not len(self.local):
+            return x
+        counts, method = tokens_per_expert, self.gemm
+        if method == "auto" and not x.is_cuda:
+            # On CPU, torch._grouped_mm and the padded bmm measured slower than one F.linear per
+            # expert (benchmarks/README.md, "Grouped expert GEMMs"), so the loop stays the default.
+            method = "loop"
+        if method == "loop":
+            # Empty slices still run, so idle experts get zero grads rather than None.
+            return torch.cat([e(part) for e, part in zip(self.local, torch.split(x, counts))])
+        row_expert = torch.repeat_interleave(torch.arange(len(counts), device=x.device),
+                                             torch.tensor(counts, device=x.device))
+        if self.activation == "swiglu":
+            gate, up = self._projection(("gate", "up"), x, counts, row_expert, method).chunk(2, dim=-1)
+            hidden = swiglu(gate, up)
+        else:
+            hidden = gelu(self._projection(("fc1",), x, counts, row_expert, method), self.activation)
+        return self._projection(("fc2",), hidden, counts, row_expert, method)
 
     def _expert_tp_forward(self, x: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
         g, n = self.etp, x.shape[0]

@@ -42,7 +42,7 @@ from ..mlp import MLP
 from .collectives import gather_rows, split_rows
 from .dispatcher import get_dispatcher
 from .experts import LocalExperts
-from .router import TopKRouter, drop_over_capacity, expert_capacity
+from .router import TopKRouter, drop_by_score, drop_over_capacity, expert_capacity
 
 
 class _AttachAuxLoss(torch.autograd.Function):
@@ -66,7 +66,8 @@ class MoELayer(nn.Module):
     Args:
         cfg: the model config: ``num_experts``, ``moe_top_k``, ``moe_router_score``,
             ``moe_aux_loss_coeff``, ``moe_z_loss_coeff``, ``moe_capacity_factor`` (None:
-            dropless), ``moe_pad_to_capacity``, ``moe_ffn_hidden_size``,
+            dropless), ``moe_token_drop_policy``, ``moe_pad_to_capacity``, the router options
+            (expert bias, groups), ``moe_ffn_hidden_size``,
             ``moe_shared_expert_ffn_hidden_size``, ``moe_token_dispatcher``, plus the dense sizes.
         ctx: the parallel context (groups ``tp``, ``ep``; expert params reduce over ``expert_dp``).
         layer_number: the global (0-based) layer index; params are named ``layers.{i}.mlp.*``.
@@ -160,7 +161,10 @@ class MoELayer(nn.Module):
         if cfg.moe_capacity_factor is not None:
             capacity = expert_capacity(routing.num_tokens, cfg.num_experts, cfg.moe_top_k,
                                        cfg.moe_capacity_factor)
-            indices = drop_over_capacity(indices, capacity, routing.counts_before)
+            if cfg.moe_token_drop_policy == "probs":
+                indices = drop_by_score(indices, routing.scores, capacity, self._stats_group())
+            else:
+                indices = drop_over_capacity(indices, capacity, routing.counts_before)
 
         replicated = not self.sequence_parallel and tp.size > 1
         if replicated:
@@ -217,3 +221,20 @@ def aux_losses(module: nn.Module) -> dict[str, float]:
         return {}
     return {"moe_aux_loss": float(torch.stack([m.last_aux_loss for m in ran]).mean()),
             "moe_z_loss": float(torch.stack([m.last_z_loss for m in ran]).mean())}
+
+
+def update_expert_bias(module: nn.Module, ctx) -> None:
+    """After a training step: move every router's expert bias (``model.moe_router_enable_expert_bias``)
+    against its load error over the global batch. The per-expert loads of all MoE layers of this
+    rank are summed in one all-reduce over ``ctx.dp_cp`` (and TP under sequence parallelism, where
+    the TP ranks route different tokens), so every replica applies the same update.
+    """
+    routers = [m.router for m in moe_layers(module) if m.router.expert_bias is not None]
+    if not routers:
+        return
+    loads = torch.stack([r.step_load for r in routers])  # [layers, E]
+    ctx.dp_cp.all_reduce(loads)
+    if routers[0].sequence_parallel:
+        ctx.tp.all_reduce(loads)
+    for router, load in zip(routers, loads):
+        router.update_bias(load)

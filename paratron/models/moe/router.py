@@ -12,6 +12,14 @@ Sources:
   fraction of routed (token, slot) pairs sent to expert ``e``, ``P_e`` the mean router probability
   of ``e``. A perfectly balanced router scores 1.
 * z-loss: Zoph et al. 2022, ST-MoE (section 3.1, equation 5): ``mean_t logsumexp(logits_t)^2``.
+* auxiliary-loss-free balancing: DeepSeek-V3 (Liu et al. 2024, section 2.1.2): a per-expert bias
+  ``b_e`` added to the scores for the top-k choice only (the combine weights use the raw scores),
+  updated after each step by ``b_e += rate * sign(mean load - load_e)``.
+* group-limited (device-limited) routing: DeepSeek-V2 (section 2.2.2) / V3 (section 2.1.2):
+  experts in ``G`` groups; a group's score is the sum of its ``k / M`` best expert scores; each
+  token chooses among the experts of its ``M`` best groups.
+* dropping by score over capacity: Megatron-LM's ``probs`` drop policy; each expert keeps its
+  ``capacity`` highest-scoring (token, expert) pairs of the microbatch.
 * normalised top-k probabilities (k > 1): Mixtral (Jiang et al. 2024, section 2.1: softmax over
   the top-k logits, which equals the renormalised top-k of the full softmax); sigmoid scores
   normalised over the chosen experts: DeepSeek-V3 (Liu et al. 2024, section 2.1.2).
@@ -27,9 +35,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from paratron.config import ModelConfig
-from paratron.layers.init import normal_, draw_full
+from paratron.layers.init import init_shard_, normal_
 from paratron.parallel.comm import Group
-from paratron.parallel.params import mark
+from paratron.parallel.params import ShardSpec, mark
 
 from .seq_aux import sequence_balance_loss
 
@@ -49,6 +57,8 @@ class Routing:
         counts_before: ``[E]`` (token, slot) pairs routed to each expert by the ranks of the stats
             group that come before this one (float; exact integers), for capacity positions.
         num_tokens: tokens of the whole microbatch (all ranks of the stats group).
+        scores: ``[T, k]`` the raw router scores of the chosen experts (detached; no bias, no
+            renormalisation), the priority of score-based dropping.
     """
 
     probs: torch.Tensor
@@ -59,6 +69,7 @@ class Routing:
     z_value: torch.Tensor
     counts_before: torch.Tensor
     num_tokens: int
+    scores: torch.Tensor
 
 
 def top_k(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,6 +83,18 @@ def top_k(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """
     values, order = torch.sort(scores, dim=-1, descending=True, stable=True)
     return values[:, :k], order[:, :k]
+
+
+def limit_to_groups(scores: torch.Tensor, num_groups: int, group_topk: int, k: int) -> torch.Tensor:
+    """Group-limited routing: ``scores`` [T, E] with the experts outside each row's
+    ``group_topk`` best groups set to -inf. Groups are ``num_groups`` runs of consecutive expert
+    ids; a group scores the sum of its ``k // group_topk`` best expert scores (DeepSeek-V3)."""
+    T, E = scores.shape
+    per_group = scores.view(T, num_groups, E // num_groups)
+    group_scores = per_group.topk(k // group_topk, dim=-1).values.sum(dim=-1)  # [T, G]
+    _, best = top_k(group_scores, group_topk)
+    keep = torch.zeros(T, num_groups, dtype=torch.bool, device=scores.device).scatter_(1, best, True)
+    return scores.masked_fill(~keep.repeat_interleave(E // num_groups, dim=1), float("-inf"))
 
 
 class TopKRouter(nn.Module):
@@ -100,10 +123,39 @@ class TopKRouter(nn.Module):
                  params_dtype: torch.dtype = torch.float32):
         super().__init__()
         self.num_experts, self.k, self.score = cfg.num_experts, cfg.moe_top_k, cfg.moe_router_score
-        full = draw_full(normal_(cfg.init_method_std), (cfg.num_experts, cfg.hidden_size), seed,
-                         f"{logical_name}.weight")
-        self.weight = nn.Parameter(full.to(device=ctx.device, dtype=params_dtype))
+        shape = (cfg.num_experts, cfg.hidden_size)
+        weight = torch.empty(shape, device=ctx.device, dtype=params_dtype)
+        self.weight = nn.Parameter(init_shard_(weight, normal_(cfg.init_method_std), ShardSpec.replicated(shape),
+                                               seed, f"{logical_name}.weight"))
         mark(self.weight, f"{logical_name}.weight", sequence_parallel=sequence_parallel)
+        self.sequence_parallel = sequence_parallel
+        self.num_groups, self.group_topk = cfg.moe_router_num_groups, cfg.moe_router_group_topk
+        self.bias_update_rate = cfg.moe_router_bias_update_rate
+        if cfg.moe_router_enable_expert_bias:
+            # A frozen fp32 parameter: no optimizer or DDP touches it (they take trainable params
+            # only), and the checkpoint saves and restores it bitwise like any parameter.
+            self.expert_bias = nn.Parameter(torch.zeros(cfg.num_experts, device=ctx.device), requires_grad=False)
+            mark(self.expert_bias, f"{logical_name}.expert_bias")
+            self.step_load = torch.zeros(cfg.num_experts, device=ctx.device)
+        else:
+            self.register_parameter("expert_bias", None)
+
+    def choose(self, scores: torch.Tensor) -> torch.Tensor:
+        """Expert ids ``[T, k]`` for ``scores`` [T, E]: top-k of the scores plus the expert bias,
+        within the best groups under group-limited routing (no gradient flows through it)."""
+        select = scores.detach()
+        if self.expert_bias is not None:
+            select = select + self.expert_bias
+        if self.num_groups is not None:
+            select = limit_to_groups(select, self.num_groups, self.group_topk, self.k)
+        return top_k(select, self.k)[1]
+
+    @torch.no_grad()
+    def update_bias(self, load: torch.Tensor) -> None:
+        """``expert_bias += rate * sign(mean(load) - load)`` for ``load`` [E], the (token, slot)
+        pairs each expert got over the whole step; then start counting the next step."""
+        self.expert_bias += self.bias_update_rate * torch.sign(load.mean() - load)
+        self.step_load.zero_()
 
     def forward(self, tokens: torch.Tensor, stats_group: Group | None = None,
                 segments: tuple[torch.Tensor, torch.Tensor] | None = None) -> Routing:
@@ -126,13 +178,18 @@ class TopKRouter(nn.Module):
         else:
             scores = torch.sigmoid(logits)
             balance_probs = scores / scores.sum(dim=-1, keepdim=True)
-        chosen, indices = top_k(scores, self.k)
+        indices = self.choose(scores)
+        chosen = scores.gather(1, indices)
         # Renormalise only for k > 1: with k = 1 the weight would be exactly 1 and the router
         # would get no gradient from the LM loss (Switch keeps the raw probability).
         probs = chosen / chosen.sum(dim=-1, keepdim=True) if self.k > 1 else chosen
 
         E, T = self.num_experts, tokens.shape[0]
         counts = torch.bincount(indices.reshape(-1), minlength=E).to(torch.float32)
+        if self.expert_bias is not None and self.training and torch.is_grad_enabled():
+            # A recomputed forward counts again: every load doubles alike, the sign of the
+            # load error does not change.
+            self.step_load += counts
         prob_sum = balance_probs.sum(dim=0)  # [E], differentiable
         lse_sq = torch.logsumexp(logits, dim=-1).square().sum()  # differentiable
         stats = torch.cat([counts, prob_sum.detach(), lse_sq.detach().reshape(1)])
@@ -157,7 +214,7 @@ class TopKRouter(nn.Module):
             probs=probs, indices=indices, aux_loss=aux_loss, z_loss=z_loss,
             aux_value=aux_value,
             z_value=(lse_all / n_tokens).detach(),
-            counts_before=every[:r, :E].sum(dim=0), num_tokens=n_tokens)
+            counts_before=every[:r, :E].sum(dim=0), num_tokens=n_tokens, scores=chosen.detach())
 
 
 def expert_capacity(num_tokens: int, num_experts: int, top_k: int, capacity_factor: float) -> int:
@@ -196,3 +253,37 @@ def drop_over_capacity(indices: torch.Tensor, capacity: int, counts_before: torc
     position[order] = torch.arange(flat.numel(), device=flat.device) - starts[sorted_e]
     position = position + counts_before.to(torch.int64)[flat]
     return torch.where(position < capacity, flat, torch.full_like(flat, -1)).view_as(indices)
+
+
+def drop_by_score(indices: torch.Tensor, scores: torch.Tensor, capacity: int,
+                  stats_group: Group | None) -> torch.Tensor:
+    """Mark (token, slot) pairs beyond an expert's capacity as dropped (expert id -1), keeping
+    each expert's ``capacity`` highest-scoring pairs of the whole microbatch; equal scores keep
+    the earlier pair (microbatch position, then slot). The ranks of ``stats_group`` together hold
+    the microbatch; the ids and scores are all-gathered over it, so the same pairs are dropped
+    under every layout.
+
+    Args:
+        indices: ``[T, k]`` chosen expert ids of this rank's tokens.
+        scores: ``[T, k]`` their router scores (:attr:`Routing.scores`).
+        capacity: slots per expert (see :func:`expert_capacity`).
+        stats_group: see :meth:`TopKRouter.forward`; None when this rank holds the microbatch.
+
+    Returns:
+        ``[T, k]`` int64, the kept expert ids and -1 where dropped.
+    """
+    n, r = indices.numel(), 0
+    all_idx, all_scores = indices.reshape(-1), scores.reshape(-1)
+    if stats_group is not None and stats_group.size > 1:
+        all_idx = stats_group.all_gather(indices.contiguous(), 0).reshape(-1)
+        all_scores = stats_group.all_gather(scores.contiguous(), 0).reshape(-1)
+        r = stats_group.rank
+    # Order by (expert, score descending, position): two stable sorts, the last key first.
+    by_score = torch.sort(all_scores, descending=True, stable=True).indices
+    order = by_score[torch.sort(all_idx[by_score], stable=True).indices]
+    counts = torch.bincount(all_idx, minlength=1)
+    starts = torch.cumsum(counts, 0) - counts
+    rank_in_expert = torch.empty_like(all_idx)
+    rank_in_expert[order] = torch.arange(all_idx.numel(), device=all_idx.device) - starts[all_idx[order]]
+    kept = torch.where(rank_in_expert < capacity, all_idx, torch.full_like(all_idx, -1))
+    return kept[r * n:(r + 1) * n].view_as(indices)

@@ -56,7 +56,8 @@ def count_sequences(mb: dict) -> int:
 
 def count_global_sequences(microbatches: list[dict], ctx) -> float:
     """Sequences in the global batch: this rank's microbatches summed over DP (CP ranks hold parts
-    of the same sequences, so not over CP)."""
+    of the same sequences, so not over CP). Counted from host metadata and summed on the host
+    side of the DP group: no device work and no device sync."""
     t = torch.tensor([float(sum(count_sequences(mb) for mb in microbatches))], dtype=torch.float64)
-    ctx.dp.all_reduce(t)
-    return max(t.item(), 1.0)
+    ctx.dp.host_all_reduce(t)
+    return max(float(t[0]), 1.0)
