@@ -104,3 +104,18 @@ def test_racing_processes_and_trained_tokenizer(tmp_path):
     assert ds.num_documents == 60 and ds[5].tolist() == tok.encode("story 5: " + "once upon a time " * 1) + [tok.eod]
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("r.")) == \
         ["r.bin", "r.idx", "r.meta.json", "r.tokenizer.json"]  # no temporaries left behind
+
+
+def test_empty_prefix_is_refused_before_launch(tmp_path):
+    """A corpus without documents is refused by name; so is an existing prefix with none (the
+    ranks used to fail on mmap of an empty .bin)."""
+    from paratron.data.indexed import IndexedDatasetWriter
+
+    (tmp_path / "e.jsonl").write_text("\n")
+    with pytest.raises(ValueError, match=r"e.jsonl: no documents"):
+        prepare.prepare_run_data(DataConfig(corpus=str(tmp_path / "e.jsonl"), cache_dir=str(tmp_path / "c"),
+                                            tokenizer_type="GPT2BPETokenizer"), progress=False)
+    IndexedDatasetWriter(tmp_path / "empty", "uint16").finalize()
+    with pytest.raises(ValueError, match=r"empty.bin/.idx hold no document"):
+        prepare.prepare_run_data(DataConfig(data_path=[str(tmp_path / "empty")],
+                                            tokenizer_type="GPT2BPETokenizer"), progress=False)

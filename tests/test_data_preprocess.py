@@ -117,3 +117,13 @@ def test_ordered_map_keeps_order_and_reports_worker_errors():
     assert list(ordered_map(_square_or_fail, range(7), workers=2)) == [x * x for x in range(7)]
     with pytest.raises(WorkerError, match="KeyError: 'seven'"):
         list(ordered_map(_square_or_fail, range(20), workers=2))
+
+
+@pytest.mark.parametrize("data", [b"", b"\n  \n\n"], ids=["empty", "blank-lines"])
+def test_input_without_documents_is_refused(tmp_path, capsys, data):
+    """An empty corpus used to write an empty .bin that the ranks then failed to memory-map."""
+    (tmp_path / "e.jsonl").write_bytes(data)
+    args = ["preprocess", "--input", str(tmp_path / "e.jsonl"), "--output-prefix", str(tmp_path / "o")]
+    assert cli.main(args) == 1
+    assert "e.jsonl: no documents (empty, or only blank lines)" in capsys.readouterr().err
+    assert not list(tmp_path.glob("o.*"))  # nothing written, so a later run does not reuse it

@@ -284,6 +284,21 @@ def test_watchdog_reasons_and_dump(tmp_path):
     assert dump["counts"] == {"1,3": 1}
 
 
+def test_rank0_prints_the_diagnosis_without_the_launcher(tmp_path, capsys, monkeypatch):
+    from paratron.training.watchdog import HangWatchdog
+
+    monkeypatch.delenv("PARATRON_LOG_DIR", raising=False)
+    state = _State(tmp_path)
+    state.ctx.rank = 0
+    wd = HangWatchdog(state, timeout_s=5, exit_fn=lambda code: None)
+    wd.poll_s = 0.01
+    wd.recorder.begin("all_reduce", "world", (0, 1), torch.zeros(1))  # rank 1 never enters it
+    (tmp_path / "hang").mkdir()
+    (tmp_path / "hang" / "rank_1.json").write_text(json.dumps(_dump(1, {}, [])))
+    wd.fire("hang")
+    assert "hang: rank 1 never entered all_reduce #1 of group world (ranks 0,1)" in capsys.readouterr().err
+
+
 def test_watchdog_sees_sigterm_while_the_main_thread_is_busy(tmp_path):
     """Two SIGTERMs end the rank through the watchdog thread, whatever the main thread does (a
     rank blocked in a C++ collective never runs its Python handler)."""

@@ -229,7 +229,8 @@ def prepare_run_data(data_cfg, progress: bool = True) -> tuple[list[tuple[float,
     not there yet, then every prefix checked against the tokenizer that built it.
 
     Raises:
-        ValueError: a corpus with several prefixes, neither a corpus nor prefixes, or bad weights.
+        ValueError: a corpus with several prefixes, neither a corpus nor prefixes, bad weights, an
+            empty corpus or an empty prefix.
         FileNotFoundError: a prefix that does not exist and has no corpus to build it from.
         corpus.BadInputError: a bad line in the corpus (``FILE:LINE: reason``).
         provenance.TokenizerMismatchError: a prefix built by another tokenizer (both named).
@@ -247,6 +248,8 @@ def prepare_run_data(data_cfg, progress: bool = True) -> tuple[list[tuple[float,
                 f"but this run asks for data.tokenizer_type={data_cfg.tokenizer_type!r} ({e})") from None
     for _, prefix in pairs:
         provenance.check_tokenizer(prefix, tok)
+        if indexed.IndexedDataset(prefix).num_documents == 0:
+            raise ValueError(f"{prefix}.bin/.idx hold no document; rebuild them from a non-empty corpus")
     return pairs, tok
 
 

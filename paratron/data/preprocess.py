@@ -88,6 +88,7 @@ def preprocess(inputs: Sequence[str], output_prefix: str, tok: tokenizers_.Token
     Raises:
         corpus.BadInputError: the first bad line (``FILE:LINE: reason``) unless ``skip_bad_lines``.
         FileNotFoundError: a missing input.
+        ValueError: the inputs hold no document (nothing is written).
     """
     files = corpus.input_files(inputs)
     total_bytes = sum(f.stat().st_size for f in files)
@@ -122,6 +123,11 @@ def preprocess(inputs: Sequence[str], output_prefix: str, tok: tokenizers_.Token
     finally:
         if bar is not None:
             bar.close()
+    if result.documents == 0:  # an empty .bin cannot even be memory-mapped by the ranks later
+        for w in writers.values():
+            w.abort()
+        raise ValueError(f"{', '.join(map(str, files))}: no documents (empty, or only blank lines"
+                         f"{'; bad lines skipped: ' + str(len(result.skipped)) if result.skipped else ''})")
     for k, w in writers.items():
         w.finalize()
         provenance.write_record(outs[k], tok, json_keys=[k], source={"files": [str(f) for f in files]})

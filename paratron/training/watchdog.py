@@ -10,7 +10,7 @@ list) when ``parallel.hang_timeout_s > 0`` and the world has more than one rank.
   ``RUN_DIR/hang/rank_N.json``, writes ``RUN_DIR/hang/trigger`` so that every other rank dumps
   its own buffer too (each watchdog checks for the trigger when it wakes), and ends the process
   with exit code :data:`EXIT_HANG`; the launcher then prints one diagnosis
-  (:func:`paratron.training.hang.diagnose`);
+  (:func:`paratron.training.hang.diagnose`), or rank 0 does under a bare torchrun;
 * keeps a rank killable while its main thread is blocked inside a collective: Python runs signal
   handlers only between bytecodes, so a rank stuck in C++ would never see its SIGTERM. The
   watchdog registers a wakeup fd (``signal.set_wakeup_fd``) and learns of SIGTERM/SIGINT even
@@ -35,6 +35,7 @@ from pathlib import Path
 from paratron.checkpoint.io import write_json_atomic
 from paratron.parallel.flight import FlightRecorder
 from paratron.training.callbacks import Callback
+from paratron.training.rankproc import LOG_DIR_ENV
 
 EXIT_HANG = 124
 """Exit code of a rank ended by the watchdog because of a hang (its own or a peer's)."""
@@ -169,6 +170,15 @@ class HangWatchdog(Callback):
         write_json_atomic(path, snap)
         return path
 
+    def print_diagnosis(self) -> None:
+        """Wait for the peers' dumps, then print the diagnosis to stderr (rank 0, bare torchrun)."""
+        from paratron.training.hang import diagnose, load_dumps
+
+        time.sleep(min(2.5 * self.poll_s, 2.5))
+        text = diagnose(load_dumps(self.dir), where=str(self.dir))
+        if text is not None:
+            print(f"[paratron] {text}", file=sys.stderr)
+
     def fire(self, reason: str) -> None:
         """Dump, tell the other ranks (on a hang), and end the process."""
         self.fired = reason
@@ -181,6 +191,8 @@ class HangWatchdog(Callback):
                     "peer-hang": "another rank reported a hang",
                     "signal": "SIGTERM/SIGINT while blocked in an op"}[reason]
             print(f"[paratron] rank {self.rank}: ending: {what}; ring buffer in {path}", file=sys.stderr)
+            if reason != "signal" and self.rank == 0 and LOG_DIR_ENV not in os.environ:
+                self.print_diagnosis()  # no paratron launcher to print it (a bare torchrun)
         finally:
             sys.stdout.flush()
             sys.stderr.flush()
