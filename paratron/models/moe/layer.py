@@ -37,8 +37,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from paratron.config import ModelConfig, model_shape
-from paratron.layers.init import draw_full, normal_, scaled_normal_
-from paratron.parallel.params import mark
+from paratron.layers.init import init_shard_, normal_, scaled_normal_
+from paratron.parallel.params import ShardSpec, mark
 
 from ..mlp import MLP
 from .collectives import gather_rows, split_rows
@@ -123,8 +123,10 @@ class MoELayer(nn.Module):
         self.shared_expert_gate = None
         if cfg.moe_shared_expert_gate:
             # Qwen2-MoE's per-token gate on the shared expert: weight [1, h], replicated like the router.
-            gate = draw_full(normal_(cfg.init_method_std), (1, cfg.hidden_size), seed, f"{prefix}.shared_expert_gate.weight")
-            self.shared_expert_gate = nn.Parameter(gate.to(device=ctx.device, dtype=params_dtype))
+            shape, name = (1, cfg.hidden_size), f"{prefix}.shared_expert_gate.weight"
+            gate = torch.empty(shape, device=ctx.device, dtype=params_dtype)
+            self.shared_expert_gate = nn.Parameter(init_shard_(gate, normal_(cfg.init_method_std),
+                                                               ShardSpec.replicated(shape), seed, name))
             mark(self.shared_expert_gate, f"{prefix}.shared_expert_gate.weight",
                  sequence_parallel=self.sequence_parallel)
         self.aux_loss_scale = 1.0

@@ -35,9 +35,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from paratron.config import ModelConfig
-from paratron.layers.init import normal_, draw_full
+from paratron.layers.init import init_shard_, normal_
 from paratron.parallel.comm import Group
-from paratron.parallel.params import mark
+from paratron.parallel.params import ShardSpec, mark
 
 from .seq_aux import sequence_balance_loss
 
@@ -124,9 +124,10 @@ class TopKRouter(nn.Module):
         super().__init__()
         self.num_experts, self.k, self.score = cfg.num_experts, cfg.moe_top_k, cfg.moe_router_score
         self.norm_topk = cfg.moe_router_norm_topk_prob
-        full = draw_full(normal_(cfg.init_method_std), (cfg.num_experts, cfg.hidden_size), seed,
-                         f"{logical_name}.weight")
-        self.weight = nn.Parameter(full.to(device=ctx.device, dtype=params_dtype))
+        shape = (cfg.num_experts, cfg.hidden_size)
+        weight = torch.empty(shape, device=ctx.device, dtype=params_dtype)
+        self.weight = nn.Parameter(init_shard_(weight, normal_(cfg.init_method_std), ShardSpec.replicated(shape),
+                                               seed, f"{logical_name}.weight"))
         mark(self.weight, f"{logical_name}.weight", sequence_parallel=sequence_parallel)
         self.sequence_parallel = sequence_parallel
         self.num_groups, self.group_topk = cfg.moe_router_num_groups, cfg.moe_router_group_topk
