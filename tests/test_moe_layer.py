@@ -165,6 +165,8 @@ def test_tp_without_ep_parity():
     (2, 1, 1, False, dict()),
     (2, 1, 1, False, dict(activation="swiglu", add_bias_linear=False)),
     (4, 2, 2, True, dict()),
+    (2, 1, 1, False, dict(moe_expert_gemm="grouped_mm")),  # bias added once over expert-TP (RowBias)
+    (2, 1, 1, False, dict(moe_expert_gemm="bmm", activation="swiglu")),
 ])
 def test_expert_tp_parity(world, tp, ep, sp, kw):
     """Expert-TP=2 (experts split over the expert-TP group, biases included): grads and params of

@@ -77,6 +77,9 @@ class ModelConfig:
     """DeepSeek-V3's auxiliary-loss-free balancing: a per-expert bias added to the scores for the
     top-k choice only, moved by ``moe_router_bias_update_rate`` against the load error each step."""
     moe_router_bias_update_rate: float = 1e-3
+    moe_expert_gemm: Literal["auto", "grouped_mm", "bmm", "loop"] = "auto"
+    """How the local experts run: grouped GEMMs (torch._grouped_mm, padded bmm), one GEMM per
+    expert (loop), or auto (grouped on CUDA, the loop on CPU where it measured faster)."""
     moe_router_norm_topk_prob: bool = True
     """With top-k > 1, renormalise the chosen experts' scores to sum to 1 (Mixtral); false keeps
     the raw softmax probabilities (Qwen1.5/2-MoE's ``norm_topk_prob = false``)."""

@@ -109,7 +109,7 @@ class MoELayer(nn.Module):
                                  sequence_parallel=self.sequence_parallel, params_dtype=params_dtype)
         num_local = E // ep
         self.experts = LocalExperts(cfg, ctx, prefix=prefix, seed=seed, first_expert=ctx.ep.rank * num_local,
-                                    num_local=num_local, params_dtype=params_dtype)
+                                    num_local=num_local, params_dtype=params_dtype, gemm=cfg.moe_expert_gemm)
         self.pad_to_capacity = bool(cfg.moe_pad_to_capacity)
         self.dispatcher_cls = get_dispatcher(cfg.moe_token_dispatcher)
         self.shared_expert = None
