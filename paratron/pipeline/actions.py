@@ -16,6 +16,9 @@ Kinds (Qi et al. 2023, section 2, split the backward into B and W):
 ``B``       backward for the input grad only; linear layers defer their weight grads
 ``W``       the deferred weight grads of one earlier ``B`` of the same stage
 ``BW``      full backward (input and weight grads)
+``R``       recompute the forward of one microbatch through one stage with grad, keeping its
+            activations for the coming ``B``/``BW``; with an ``R`` in the list, that
+            ``F`` runs without saving activations (only its input is kept)
 ``SEND_F``  send the output activation of ``F(microbatch, stage)`` to the rank of ``stage+1``
 ``RECV_F``  receive the input activation of ``F(microbatch, stage)`` from the rank of ``stage-1``
 ``SEND_B``  send the input grad of ``B/BW(microbatch, stage)`` to the rank of ``stage-1``
@@ -30,10 +33,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-COMPUTE_KINDS = ("F", "B", "W", "BW")
+COMPUTE_KINDS = ("F", "B", "W", "BW", "R")
 P2P_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
 KINDS = COMPUTE_KINDS + P2P_KINDS
 BACKWARD_KINDS = ("B", "W", "BW", "SEND_B", "RECV_B")
+TRAINING_ONLY_KINDS = BACKWARD_KINDS + ("R",)
 
 
 @dataclass(frozen=True)
@@ -90,6 +94,10 @@ def BW(mb: int, stage: int) -> Action:
     return Action("BW", mb, stage)
 
 
+def R(mb: int, stage: int) -> Action:
+    return Action("R", mb, stage)
+
+
 def batches(actions: list[Action]) -> list[list[Action]]:
     """Split one rank's list into steps: each compute action alone, each maximal run of
     consecutive send/recv actions as one batch (posted together with ``batch_isend_irecv``)."""
@@ -103,8 +111,30 @@ def batches(actions: list[Action]) -> list[list[Action]]:
 
 
 def forward_only(actions: list[Action]) -> list[Action]:
-    """The same list without backward work and grad transfers (for evaluation)."""
-    return [a for a in actions if a.kind not in BACKWARD_KINDS]
+    """The same list without backward work, recomputes and grad transfers (for evaluation)."""
+    return [a for a in actions if a.kind not in TRAINING_ONLY_KINDS]
+
+
+def recomputed(actions: list[Action]) -> set[tuple[int, int]]:
+    """The (microbatch, stage) pairs of one rank's list that have an ``R``: their ``F`` keeps
+    only its input."""
+    return {(a.microbatch, a.stage) for a in actions if a.kind == "R"}
+
+
+def activation_peak(actions: list[Action]) -> int:
+    """Most full activations one rank holds at once, in list order: a (microbatch, stage) holds
+    them from its ``F`` (or its ``R`` when it is recomputed) until the end of its ``BW`` or ``W``.
+    A recomputed ``F`` keeps only its input, which is not counted (it is ``1/layers`` of the
+    activations of a stage; Korthikanti et al. 2022, section 4)."""
+    again = recomputed(actions)
+    alive = peak = 0
+    for a in actions:
+        if a.kind == "R" or a.kind == "F" and (a.microbatch, a.stage) not in again:
+            alive += 1
+            peak = max(peak, alive)
+        elif a.kind in ("BW", "W"):
+            alive -= 1
+    return peak
 
 
 def last_backward_actions(actions: list[Action]) -> dict[int, Action]:

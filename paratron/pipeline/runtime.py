@@ -17,6 +17,11 @@ rules:
   ``forward_step`` returns a loss already divided by the global token count, and the runtime
   backpropagates it with grad 1.
 * Stages on the same rank pass activations and grads locally, without p2p.
+* Recompute: when the list has an ``R(mb, s)``, ``F(mb, s)`` runs without autograd and keeps
+  only its input and the RNG states it started from; ``R`` restores those states (so dropout
+  draws the same masks), runs the forward again with autograd and keeps the graph for the
+  backward, then puts the RNG states back. Where the ``R`` sits in the list is the schedule's
+  choice (:mod:`.recompute_placement`).
 * Gradient finalisation is driven by the list: the last backward action (``B``, ``W`` or ``BW``)
   of each stage is the last one that produces grads for that chunk in this step, so the runtime
   runs it inside ``grad_sync.last_backward([chunk])`` when a ``grad_sync`` (the
@@ -33,7 +38,8 @@ import torch
 from torch import nn
 
 from ..parallel.grads import WeightGradStore
-from .actions import Action, batches, forward_only as strip_backward, last_backward_actions, stages_of
+from ..parallel.random import capture_default_states, restore_default_states
+from .actions import Action, batches, forward_only as strip_backward, last_backward_actions, recomputed, stages_of
 from .timeline import TraceEvent
 
 ForwardStep = Callable[[int, nn.Module, "torch.Tensor | None", Any], torch.Tensor]
@@ -98,6 +104,8 @@ def run_pipeline(actions: list[Action], chunks: Sequence[nn.Module], ctx, microb
                tuple(tensor_shape), dtype, forward_only, timeline)
     if grad_sync is not None and not forward_only:
         run.grad_sync, run.last_backward = grad_sync, last_backward_actions(actions)
+    if not forward_only:
+        run.again = recomputed(actions)
     run.execute(strip_backward(actions) if forward_only else actions)
     return [run.losses[mb] for mb in sorted(run.losses)]
 
@@ -124,6 +132,10 @@ class _Run:
         self.prefetched: dict[int, list[tuple[Action, torch.Tensor, Any]]] = {}  # step index -> posted recvs
         self.next_p2p: dict[int, int] = {}
         self.grad_sync, self.last_backward = None, {}
+        self.again: set[tuple[int, int]] = set()  # (mb, stage) whose F is recomputed by an R
+        self.rng_at_forward: dict[tuple[int, int], Any] = {}
+        self.tracker = next((m.rng_tracker for c in chunks for m in c.modules()
+                             if getattr(m, "rng_tracker", None) is not None), None)
         self.t0 = time.perf_counter()
 
     def execute(self, actions: list[Action]) -> None:
@@ -173,8 +185,11 @@ class _Run:
             x = self.received.pop(key)
         if x is not None and not self.forward_only:
             x = x.detach().requires_grad_(True)  # a leaf: its .grad is what goes to stage s-1
+        again = key in self.again
+        if again:
+            self.rng_at_forward[key] = self._rng_states()
         c = self.local[s]
-        with torch.set_grad_enabled(not self.forward_only):
+        with torch.set_grad_enabled(not (self.forward_only or again)):
             out = self.forward_step(c, self.chunks[c], x, self.microbatches[a.microbatch])
         if s == self.last:
             if out.dim() != 0:
@@ -185,8 +200,30 @@ class _Run:
             self.local_out[key] = out.detach()
         else:
             self.to_send[("F",) + key] = out.detach()
-        if not self.forward_only:
+        if again:
+            self.inputs[key] = x
+        elif not self.forward_only:
             self.inputs[key], self.outputs[key] = x, out
+
+    def do_R(self, a: Action) -> None:
+        key, c = (a.microbatch, a.stage), self.local[a.stage]
+        now = self._rng_states()
+        self._set_rng_states(self.rng_at_forward.pop(key))
+        try:
+            with torch.enable_grad():
+                out = self.forward_step(c, self.chunks[c], self.inputs[key], self.microbatches[a.microbatch])
+        finally:
+            self._set_rng_states(now)
+        self.outputs[key] = out
+
+    def _rng_states(self):
+        return self.tracker.get_states() if self.tracker is not None else capture_default_states()
+
+    def _set_rng_states(self, states) -> None:
+        if self.tracker is not None:
+            self.tracker.set_states(states)
+        else:
+            restore_default_states(states)
 
     def _backward(self, a: Action, split: bool) -> None:
         key, s = (a.microbatch, a.stage), a.stage

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .actions import Action
+from .actions import Action, activation_peak
 from .validate import Span, execute
 
 
@@ -24,7 +24,7 @@ from .validate import Span, execute
 class Costs:
     """Durations of compute actions (any unit: seconds, or abstract units) and p2p latency.
 
-    ``BW`` defaults to ``B + W``. ``stage_scale`` optionally multiplies the cost of every action
+    ``BW`` defaults to ``B + W`` and ``R`` (a recomputed forward) to ``F``. ``stage_scale`` optionally multiplies the cost of every action
     of a stage (e.g. a stage holding the embedding or the loss), indexed by stage.
     """
 
@@ -34,10 +34,12 @@ class Costs:
     BW: float | None = None
     latency: float = 0.0
     stage_scale: tuple[float, ...] | None = None
+    R: float | None = None
 
     def __call__(self, a: Action) -> float:
         base = {"F": self.F, "B": self.B, "W": self.W,
-                "BW": self.BW if self.BW is not None else self.B + self.W}[a.kind]
+                "BW": self.BW if self.BW is not None else self.B + self.W,
+                "R": self.R if self.R is not None else self.F}[a.kind]
         if self.stage_scale is not None:
             base *= self.stage_scale[a.stage]
         return base
@@ -53,7 +55,8 @@ class SimResult:
         idle: per rank, ``makespan - busy``.
         bubble: per rank, ``idle / makespan`` (the bubble fraction).
         peak_in_flight: per rank, the most (microbatch, stage) activations held at once: counted
-            from the start of ``F`` until the end of ``BW`` or of ``W``.
+            from the start of ``F`` (of ``R`` when recomputed) until the end of ``BW`` or of ``W``
+            (:func:`~paratron.pipeline.actions.activation_peak`).
         spans: the executed timeline, per rank.
     """
 
@@ -94,12 +97,5 @@ def simulate(schedule: list[list[Action]], costs: Costs | Callable[[Action], flo
 
 
 def peak_in_flight(rank_spans: list[Span]) -> int:
-    """Most activations alive at once on one rank: +1 at each F, -1 at each BW or W."""
-    alive = peak = 0
-    for s in rank_spans:
-        if s.action.kind == "F":
-            alive += 1
-            peak = max(peak, alive)
-        elif s.action.kind in ("BW", "W"):
-            alive -= 1
-    return peak
+    """Most activations alive at once on one rank (:func:`activation_peak` of its actions)."""
+    return activation_peak([s.action for s in rank_spans])

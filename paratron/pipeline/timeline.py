@@ -13,7 +13,7 @@ from pathlib import Path
 
 from .validate import Span
 
-COLOURS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868", "BW": "#C44E52",
+COLOURS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868", "BW": "#C44E52", "R": "#8172B3",
            "SEND_F": "#8C8C8C", "RECV_F": "#8C8C8C", "SEND_B": "#B0B0B0", "RECV_B": "#B0B0B0"}
 
 

@@ -21,7 +21,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Callable
 
-from .actions import Action, batches, stages_of
+from .actions import Action, activation_peak, batches, recomputed, stages_of
 
 
 class ScheduleError(ValueError):
@@ -132,7 +132,7 @@ def execute(schedule: list[list[Action]], cost: Callable[[Action], float] = lamb
 
 
 def validate(schedule: list[list[Action]], num_microbatches: int | None = None, *,
-             forward_only: bool = False) -> list[list[Span]]:
+             forward_only: bool = False, memory_budget: int | None = None) -> list[list[Span]]:
     """Prove that a schedule can run: every rank's list is complete and locally ordered, every
     received tensor is sent (and every sent one received) in matching order, and the batched p2p
     execution finishes (no deadlock).
@@ -145,7 +145,10 @@ def validate(schedule: list[list[Action]], num_microbatches: int | None = None, 
       * ``F(mb, s>0)`` comes after ``F(mb, s-1)`` on the same rank or after ``RECV_F(mb, s)``;
         a backward of ``(mb, s)`` after ``F(mb, s)`` and after the backward of ``(mb, s+1)`` on the
         same rank or ``RECV_B(mb, s)``; a send after the action that makes its tensor;
-      * the peer of every send/recv is the rank that holds the neighbouring stage.
+      * the peer of every send/recv is the rank that holds the neighbouring stage;
+      * an ``R(mb, s)`` (recompute) comes after ``F(mb, s)`` and before its backward, at most once;
+      * with ``memory_budget``, the peak in-flight activations of every rank
+        (:func:`~paratron.pipeline.actions.activation_peak`) are at most the budget.
 
     Returns:
         The zero-cost execution (:func:`execute`), which callers may ignore.
@@ -166,6 +169,9 @@ def validate(schedule: list[list[Action]], num_microbatches: int | None = None, 
     last = num_stages - 1
     for r, acts in enumerate(schedule):
         _check_rank(r, acts, owner, last, num_microbatches, forward_only)
+        if memory_budget is not None and activation_peak(acts) > memory_budget:
+            raise ScheduleError(f"rank {r}: {activation_peak(acts)} activations in flight at the peak exceed "
+                                f"memory_budget={memory_budget}")
     return execute(schedule)
 
 
@@ -174,6 +180,7 @@ def _check_rank(r: int, acts: list[Action], owner: dict[int, int], last: int, m:
     seen: dict[tuple[str, int, int], int] = {}
     b_order: dict[int, list[int]] = defaultdict(list)
     w_order: dict[int, list[int]] = defaultdict(list)
+    again = recomputed(acts)
 
     def fail(i: int, a: Action, rule: str) -> None:
         raise ScheduleError(f"rank {r}, action #{i} {a}: {rule}")
@@ -209,11 +216,18 @@ def _check_rank(r: int, acts: list[Action], owner: dict[int, int], last: int, m:
                 fail(i, a, "a second backward of the same microbatch and stage")
             if not has("F", mb, s):
                 fail(i, a, "backward before its forward")
+            if (mb, s) in again and not has("R", mb, s):
+                fail(i, a, f"backward before its recompute R({mb}, stage {s})")
             if s < last and not (backward_done(mb, s + 1) if owner[s + 1] == r else has("RECV_B", mb, s)):
                 fail(i, a, f"its output grad is not there yet: needs the backward of stage {s + 1} "
                            f"on this rank or RECV_B({mb}, stage {s}) first")
             if a.kind == "B":
                 b_order[s].append(mb)
+        elif a.kind == "R":
+            if forward_only:
+                fail(i, a, "a forward-only list has no recompute")
+            if not has("F", mb, s):
+                fail(i, a, "recompute before its forward")
         elif a.kind == "W":
             if not has("B", mb, s):
                 fail(i, a, "W before its B")
