@@ -86,7 +86,7 @@ class Trainer:
             self.chunks, self.ddp, self.optimizer, self.scheduler = build_model_and_optimizer(cfg, ctx)
         if ctx.rank == 0:
             run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / "config.toml").write_text(to_toml(cfg))
+            (run_dir / "config.toml").write_text(to_toml(cfg), encoding="utf-8")
         self.writer = MetricsWriter(run_dir, ctx.rank == 0, cfg.logging.tensorboard)
         self.state = TrainState(cfg, ctx, self.chunks, self.optimizer, self.scheduler, run_dir)
         self.callbacks = CallbackList(builtin_callbacks(cfg, ctx, self.state) +
