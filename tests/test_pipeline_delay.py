@@ -79,3 +79,22 @@ def test_link_time():
     c = Costs(latency=0.5, link_latency=(0.0, 2.0), link_bandwidth=(10.0, 1.0), message_size=4.0)
     assert c.link_time(0, 1) == pytest.approx(0.5 + 0.4) and c.link_time(2, 1) == pytest.approx(0.5 + 2 + 4)
     assert c.link_time(2, 3) == 0.5
+
+
+class _DoneWork:
+    """A receive that has already arrived."""
+
+    def is_completed(self):
+        return True
+
+    def wait(self):
+        return True
+
+
+def test_link_delay_holds_a_receive_for_its_seconds():
+    assert DELAY.applies(1, 2) and DELAY.applies(2, 1) and not DELAY.applies(0, 1)
+    watched = DELAY.watch(_DoneWork())
+    watched.poll()  # the runtime notes the arrival between actions
+    arrived = watched.arrived
+    watched.wait()
+    assert time.perf_counter() - arrived >= DELAY.seconds  # a lower bound only: sleep never returns early
