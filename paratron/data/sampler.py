@@ -83,14 +83,36 @@ class PretrainingSampler:
             out[sel] = self.epoch_order(int(e))[pos[sel] % self.total_samples]
         return out
 
-    def step(self, consumed_samples: int) -> list[np.ndarray]:
+    def step(self, consumed_samples: int, counts: Sequence[int] | None = None) -> list[np.ndarray]:
         """This rank's microbatches for the step starting at ``consumed_samples``:
-        ``num_microbatches`` arrays of ``micro_batch_size`` sample ids."""
+        ``num_microbatches`` arrays of ``micro_batch_size`` sample ids.
+
+        ``counts`` (one per DP rank, summing to ``num_microbatches * dp_size``) splits the global
+        batch unevenly, e.g. to give a slow replica fewer microbatches (fail-slow mitigation). The
+        step's samples are the same; each DP rank's even-split microbatches are listed rank after
+        rank and rank ``r`` takes the next ``counts[r]`` of that list, so equal counts give the even
+        split exactly.
+
+        Raises:
+            ValueError: ``counts`` of the wrong length, with an entry < 1, or the wrong sum.
+        """
         ids = self.stream(consumed_samples, self.global_batch_size)
-        per_micro = self.micro_batch_size * self.dp_size
-        lo = self.dp_rank * self.micro_batch_size
-        return [ids[k * per_micro + lo: k * per_micro + lo + self.micro_batch_size]
-                for k in range(self.num_microbatches)]
+        per_micro, mbs = self.micro_batch_size * self.dp_size, self.micro_batch_size
+        if counts is None:
+            lo = self.dp_rank * mbs
+            return [ids[k * per_micro + lo: k * per_micro + lo + mbs] for k in range(self.num_microbatches)]
+        self.check_counts(counts)
+        rank_major = [ids[k * per_micro + r * mbs: k * per_micro + (r + 1) * mbs]
+                      for r in range(self.dp_size) for k in range(self.num_microbatches)]
+        first = sum(counts[:self.dp_rank])
+        return rank_major[first: first + counts[self.dp_rank]]
+
+    def check_counts(self, counts: Sequence[int]) -> None:
+        """Raise ValueError unless ``counts`` is a valid uneven split (see :meth:`step`)."""
+        total = self.num_microbatches * self.dp_size
+        if len(counts) != self.dp_size or min(counts) < 1 or sum(counts) != total:
+            raise ValueError(f"microbatches per DP rank {list(counts)} must have {self.dp_size} entries, "
+                             f"each >= 1, summing to global_batch_size/micro_batch_size = {total}")
 
     def steps(self, consumed_samples: int = 0) -> Iterator[list[np.ndarray]]:
         """:meth:`step` for ``consumed_samples``, then each following step, without end."""

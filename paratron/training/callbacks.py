@@ -36,6 +36,11 @@ class TrainState:
     metrics: list[dict] = field(default_factory=list)
     should_stop: bool = False
     """A callback may set this to end training after the current step (a save follows)."""
+    dp_microbatches: list[int] | None = None
+    """Microbatches per DP rank for the next steps (None: the even split). A callback may set it,
+    the same on every rank, summing to ``global_batch_size / micro_batch_size``: the data loader
+    then hands each DP replica that many microbatches of the same global batch, and the loss stays
+    the global token mean (e.g. fail-slow mitigation, :mod:`paratron.plugins.failslow`)."""
 
 
 class Callback:

@@ -36,9 +36,11 @@ class TrainingData:
     def has_validation(self) -> bool:
         return self.valid_sampler is not None
 
-    def train_microbatches(self, consumed: int) -> list[dict]:
+    def train_microbatches(self, consumed: int, counts: list[int] | None = None) -> list[dict]:
+        """This DP rank's microbatches of the step at ``consumed`` samples; ``counts``: an uneven
+        split, microbatches per DP rank (:meth:`PretrainingSampler.step`)."""
         return [self.prepare(collate([self.train_ds[int(i)] for i in ids]))
-                for ids in self.train_sampler.step(consumed)]
+                for ids in self.train_sampler.step(consumed, counts)]
 
     def valid_microbatches(self, consumed: int) -> list[dict]:
         return [self.prepare(collate([self.valid_ds[int(i)] for i in ids]))

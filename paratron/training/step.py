@@ -156,7 +156,8 @@ def _scale_aux_losses(cfg, ctx, chunks, microbatches: list[dict], loss_scale: fl
 
         set_aux_loss_scale(chunks, loss_scale / count_global_sequences(microbatches, ctx))
     else:
-        set_aux_loss_scale(chunks, loss_scale / (len(microbatches) * ctx.dp.size))
+        # Every DP rank's count of the global batch (the split may be uneven: TrainState.dp_microbatches).
+        set_aux_loss_scale(chunks, loss_scale / (cfg.train.global_batch_size // cfg.train.micro_batch_size))
 
 
 def _global_stats(ctx, chunks, lm_losses: list[torch.Tensor], global_tokens: torch.Tensor) -> torch.Tensor:

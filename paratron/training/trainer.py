@@ -82,13 +82,14 @@ class Trainer:
         self.chunks, self.ddp, self.optimizer, self.scheduler = build_model_and_optimizer(cfg, ctx)
         if ctx.rank == 0:
             run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / "config.toml").write_text(to_toml(cfg))
+            (run_dir / "config.toml").write_text(to_toml(cfg), encoding="utf-8")
         self.writer = MetricsWriter(run_dir, ctx.rank == 0, cfg.logging.tensorboard)
         self.state = TrainState(cfg, ctx, self.chunks, self.optimizer, self.scheduler, run_dir)
         self.callbacks = CallbackList(builtin_callbacks(cfg, ctx, self.state) +
                                       [load_callback(s, self.state) for s in cfg.train.callbacks])
         self.ckpt = build_checkpoint_manager(cfg, ctx)
         self.actions = rank_actions(cfg, ctx, self.data.num_microbatches)  # the same every step
+        self._actions = {self.data.num_microbatches: self.actions}
         self.evaluator = Evaluator(cfg, ctx, self.chunks, self.data, self.actions)
         self.guard = NonFiniteGuard(cfg.train.nonfinite, cfg.train.max_consecutive_skips)
         self.timer = PhaseTimer(ctx.device)
@@ -134,9 +135,9 @@ class Trainer:
         self.callbacks.on_step_start(s)
         t0 = time.perf_counter()
         with timer.phase("data"):
-            microbatches = self.data.train_microbatches(s.consumed_train_samples)
+            microbatches = self.data.train_microbatches(s.consumed_train_samples, s.dp_microbatches)
         out, result, lr = train_batch(self.cfg, self.ctx, self.chunks, self.ddp, self.optimizer,
-                                      self.scheduler, microbatches, self.actions, timer)
+                                      self.scheduler, microbatches, self.actions_for(len(microbatches)), timer)
         warning = self.guard.check(s.iteration + 1, result.nonfinite, self.first_nonfinite)
         if warning:
             log(self.ctx, "warning: " + warning)
@@ -145,6 +146,12 @@ class Trainer:
         s.consumed_train_samples += self.cfg.train.global_batch_size
         record = self.step_log.record(s, out, result, lr, step_time)
         return record, dict(timer.last_host, step=step_time)
+
+    def actions_for(self, m: int) -> list:
+        """This rank's schedule for ``m`` microbatches (an uneven DP split changes ``m``; cached)."""
+        if m not in self._actions:
+            self._actions[m] = rank_actions(self.cfg, self.ctx, m)
+        return self._actions[m]
 
     def log(self, record: dict, timings: dict) -> None:
         """Callbacks, the in-memory and on-disk records, and the console line."""
