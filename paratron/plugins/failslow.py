@@ -171,7 +171,7 @@ class FailSlowDetector(Callback):
         cfg, ctx = state.config, state.ctx
         p = cfg.parallel
         self.clock = ComputeClock(state.chunks)
-        self.par, self.pp_size = p, ctx.pp.size
+        self.par, self.pp_size, self.dp_size = p, ctx.pp.size, ctx.dp.size
         self.sizes = stage_sizes(cfg.model.num_layers, ctx.pp.size, p.virtual_pipeline, p.pipeline_layout)
         self.coords: list[dict] | None = None
         self.streak = [0] * ctx.world_size
@@ -264,7 +264,7 @@ class FailSlow(FailSlowDetector):
         ctx = state.ctx
         if ctx.dp.size > 1:
             split = self.dp_split(state) if self.flagged else None
-            if split != state.dp_microbatches:
+            if split != state.dp_microbatches and not self.marginal(split, state.dp_microbatches):
                 state.dp_microbatches = split
                 metrics["failslow_dp_microbatches"] = split
                 self.say(state, f"microbatches per DP rank from the next step: {split or 'even'}")
@@ -276,6 +276,19 @@ class FailSlow(FailSlowDetector):
                                 f"(now {proposal['current']}; the simulator predicts "
                                 f"{proposal['predicted_ratio']:.2f}x the step time): set it at the next restart")
 
+    def marginal(self, new: list[int] | None, current: list[int] | None) -> bool:
+        """Whether moving from one uneven split to another gains under 5% of the predicted step
+        (measurement noise would otherwise move a microbatch back and forth)."""
+        if new is None or current is None:
+            return False
+        t = self.replica_seconds()
+        return max(n * x for n, x in zip(new, t)) > 0.95 * max(n * x for n, x in zip(current, t))
+
+    def replica_seconds(self) -> list[float]:
+        """Each DP replica's compute per microbatch: its slowest rank's recent median."""
+        per_mb = self.median_per_mb()
+        return [max(x for r, x in enumerate(per_mb) if self.coords[r]["dp"] == d) for d in range(self.dp_size)]
+
     def median_per_mb(self) -> list[float]:
         """Each rank's compute seconds per microbatch, median over the last ``window`` steps."""
         return [statistics.median(col) for col in zip(*self.history)]
@@ -285,9 +298,7 @@ class FailSlow(FailSlowDetector):
         rank), or None when the schedule cannot run the balanced counts."""
         from paratron.pipeline.registry import get_schedule
 
-        per_mb = self.median_per_mb()
-        dp = state.ctx.dp.size
-        t = [max(x for r, x in enumerate(per_mb) if self.coords[r]["dp"] == d) for d in range(dp)]
+        t = self.replica_seconds()
         check = get_schedule(self.par.schedule).check
 
         def feasible(m: int) -> bool:
@@ -300,7 +311,7 @@ class FailSlow(FailSlowDetector):
                 return False
             return True
 
-        return balance_microbatches(t, self.even * dp, feasible)
+        return balance_microbatches(t, self.even * self.dp_size, feasible)
 
     def layout_proposal(self) -> dict | None:
         """The layout :func:`propose_layout` finds for the measured per-layer costs per stage."""
