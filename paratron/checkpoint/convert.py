@@ -3,7 +3,8 @@
     paratron convert hf-to-paratron SRC_DIR DST_DIR [--config run.toml] [--set section.key=value ...]
     paratron convert paratron-to-hf SRC_DIR DST_DIR [--step N]
 
-``hf-to-paratron`` reads a ``LlamaForCausalLM`` or ``GPT2LMHeadModel`` folder (config.json and
+``hf-to-paratron`` reads a ``LlamaForCausalLM``, ``GPT2LMHeadModel``, ``MixtralForCausalLM`` or
+``Qwen2MoeForCausalLM`` folder (config.json and
 safetensors) and writes a layout-free paratron checkpoint directory (loadable under any TP/PP
 layout); the run sections other than ``[model]`` come from ``--config`` (default: the defaults),
 with ``--set`` overrides on top. A ``tokenizer.json`` next to the weights is copied and selected
@@ -61,7 +62,9 @@ def _paratron_to_hf(args) -> str:
     cfg, tensors = load_model_full(resolve(args.src, args.step))
     out = paratron_to_hf(cfg.model, tensors, args.dst)
     _export_tokenizer(cfg, out)
-    arch = {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel"}[hf_architecture_for(cfg.model)]
+    from paratron.checkpoint.hf_moe import FAMILIES
+
+    arch = {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel", **FAMILIES}[hf_architecture_for(cfg.model)]
     return f"{len(tensors)} tensors as a {cfg.model.num_layers}-layer {arch}"
 
 

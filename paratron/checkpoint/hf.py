@@ -1,5 +1,7 @@
 """Hugging Face import and export for ``LlamaForCausalLM`` and ``GPT2LMHeadModel`` folders
-(``config.json`` plus ``model.safetensors`` or a sharded ``model.safetensors.index.json``).
+(``config.json`` plus ``model.safetensors`` or a sharded ``model.safetensors.index.json``), and
+through :mod:`.hf_moe` the MoE families ``MixtralForCausalLM`` and ``Qwen2MoeForCausalLM``
+(Llama blocks with MoE MLPs).
 
 Both directions work on *full* logical tensors keyed by paratron's layout-independent names
 (``layers.3.attention.qkv.weight``, ...), so an imported model loads into any TP/PP layout with
@@ -80,14 +82,19 @@ def _read_safetensors(hf_dir: Path) -> Tensors:
 
 
 def _architecture(hf: dict, where: str) -> str:
+    from .hf_moe import moe_family
+
     kind = hf.get("model_type")
     archs = hf.get("architectures") or []
+    family = moe_family(hf, where)
+    if family is not None:
+        return family
     if kind == "llama" or "LlamaForCausalLM" in archs:
         return "llama"
     if kind == "gpt2" or "GPT2LMHeadModel" in archs:
         return "gpt2"
-    raise ConfigError(f"{where}: model_type={kind!r}, architectures={archs}: only LlamaForCausalLM "
-                      "and GPT2LMHeadModel are supported")
+    raise ConfigError(f"{where}: model_type={kind!r}, architectures={archs}: supported: LlamaForCausalLM, "
+                      "GPT2LMHeadModel, MixtralForCausalLM, Qwen2MoeForCausalLM")
 
 
 def _llama_config(hf: dict, where: str) -> ModelConfig:
@@ -146,8 +153,12 @@ def _take(src: Tensors, name: str, where: str) -> torch.Tensor:
     return src.pop(name)
 
 
-def _llama_tensors(cfg: ModelConfig, src: Tensors, where: str) -> Tensors:
-    heads, groups, bias = cfg.num_attention_heads, model_shape.query_groups(cfg), cfg.add_bias_linear
+def _kinds(bias: bool) -> tuple[str, ...]:
+    return ("weight", "bias") if bias else ("weight",)
+
+
+def _llama_tensors(cfg: ModelConfig, src: Tensors, where: str, family: str = "llama") -> Tensors:
+    heads, groups = cfg.num_attention_heads, model_shape.query_groups(cfg)
     out: Tensors = {"embedding.word_embeddings.weight": _take(src, "model.embed_tokens.weight", where),
                     "final_norm.weight": _take(src, "model.norm.weight", where)}
     if not cfg.tie_embeddings:
@@ -158,10 +169,17 @@ def _llama_tensors(cfg: ModelConfig, src: Tensors, where: str) -> Tensors:
         h, p = f"model.layers.{i}", f"layers.{i}"
         out[f"{p}.input_norm.weight"] = _take(src, f"{h}.input_layernorm.weight", where)
         out[f"{p}.post_attention_norm.weight"] = _take(src, f"{h}.post_attention_layernorm.weight", where)
-        for kind in ("weight", "bias") if bias else ("weight",):
+        for kind in _kinds(model_shape.qkv_bias(cfg)):
             q, k, v = (_take(src, f"{h}.self_attn.{x}_proj.{kind}", where) for x in "qkv")
             out[f"{p}.attention.qkv.{kind}"] = fuse_qkv(q, k, v, heads, groups)
+        for kind in _kinds(cfg.add_bias_linear):
             out[f"{p}.attention.proj.{kind}"] = _take(src, f"{h}.self_attn.o_proj.{kind}", where)
+        if family != "llama":
+            from .hf_moe import import_moe_mlp
+
+            out.update(import_moe_mlp(cfg, family, lambda name: _take(src, name, where), h, p))
+            continue
+        for kind in _kinds(cfg.add_bias_linear):
             gate, up = (_take(src, f"{h}.mlp.{x}_proj.{kind}", where) for x in ("gate", "up"))
             out[f"{p}.mlp.fc1.{kind}"] = torch.cat([gate, up])  # the fused [gate; up] of models.mlp
             out[f"{p}.mlp.fc2.{kind}"] = _take(src, f"{h}.mlp.down_proj.{kind}", where)
@@ -195,23 +213,32 @@ def _gpt2_tensors(cfg: ModelConfig, src: Tensors, where: str) -> Tensors:
 
 
 def hf_config_to_model(hf: dict, where: str = "config.json") -> ModelConfig:
-    """A :class:`ModelConfig` from a Hugging Face ``config.json`` dict (Llama or GPT-2).
+    """A :class:`ModelConfig` from a Hugging Face ``config.json`` dict (Llama, GPT-2, Mixtral,
+    Qwen2-MoE).
 
     Raises:
         ConfigError: another architecture, or a feature paratron does not model (named).
     """
     arch = _architecture(hf, where)
-    return _llama_config(hf, where) if arch == "llama" else _gpt2_config(hf, where)
+    if arch == "gpt2":
+        return _gpt2_config(hf, where)
+    cfg = _llama_config(hf, where)
+    if arch == "llama":
+        return cfg
+    from .hf_moe import moe_config
+
+    return moe_config(cfg, hf, arch, where)
 
 
 def hf_to_paratron(hf_dir: str | Path) -> tuple[ModelConfig, Tensors]:
-    """Read a Hugging Face ``LlamaForCausalLM`` or ``GPT2LMHeadModel`` folder.
+    """Read a Hugging Face ``LlamaForCausalLM``, ``GPT2LMHeadModel``, ``MixtralForCausalLM`` or
+    ``Qwen2MoeForCausalLM`` folder.
 
     Returns:
         ``(model config, {logical name: full tensor})``, tensors in the checkpoint's dtype.
     Raises:
         FileNotFoundError: no config.json or safetensors file.
-        ConfigError: an unsupported architecture or feature.
+        ConfigError: an unsupported architecture or feature (DeepSeek's MLA included).
         KeyError: a tensor the config calls for is missing.
         ValueError: the checkpoint holds tensors this mapping does not know (named).
     """
@@ -223,8 +250,9 @@ def hf_to_paratron(hf_dir: str | Path) -> tuple[ModelConfig, Tensors]:
     cfg = hf_config_to_model(hf, str(cfg_path))
     src = _read_safetensors(hf_dir)
     where = str(hf_dir)
-    if _architecture(hf, where) == "llama":
-        tensors = _llama_tensors(cfg, src, where)
+    arch = _architecture(hf, where)
+    if arch != "gpt2":
+        tensors = _llama_tensors(cfg, src, where, arch)
     else:
         # Checkpoints saved by GPT2LMHeadModel prefix "transformer."; the original ones do not.
         src = {k.removeprefix("transformer."): v for k, v in src.items()}
@@ -240,13 +268,19 @@ def hf_to_paratron(hf_dir: str | Path) -> tuple[ModelConfig, Tensors]:
 # Writing a Hugging Face folder
 # ------------------------------------------------------------------------------------------
 def hf_architecture_for(cfg: ModelConfig) -> str:
-    """``"llama"`` or ``"gpt2"``: the Hugging Face architecture that computes exactly this model.
+    """``"llama"``, ``"gpt2"``, ``"mixtral"`` or ``"qwen2_moe"``: the Hugging Face architecture
+    that computes exactly this model.
 
     Raises:
         ConfigError: no supported architecture matches; the message names the fields.
     """
     if cfg.num_experts > 0:
-        raise ConfigError(f"model.num_experts={cfg.num_experts}: MoE models have no Llama/GPT-2 export")
+        from .hf_moe import export_family
+
+        return export_family(cfg)
+    if cfg.add_qkv_bias is not None and cfg.add_qkv_bias != cfg.add_bias_linear:
+        raise ConfigError(f"model.add_qkv_bias={cfg.add_qkv_bias} differs from model.add_bias_linear: "
+                          "no dense export target")
     if (cfg.normalization, cfg.position_embedding_type, cfg.activation) == ("rmsnorm", "rope", "swiglu"):
         return "llama"
     if (cfg.normalization, cfg.position_embedding_type) == ("layernorm", "learned") and \
@@ -267,7 +301,7 @@ def _dtype_name(tensors: Tensors) -> str:
     return {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(dt, "float32")
 
 
-def _llama_export(cfg: ModelConfig, t: Tensors) -> tuple[dict, Tensors]:
+def _llama_export(cfg: ModelConfig, t: Tensors, family: str = "llama") -> tuple[dict, Tensors]:
     heads, groups = cfg.num_attention_heads, model_shape.query_groups(cfg)
     hf = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
           "hidden_size": cfg.hidden_size, "intermediate_size": model_shape.ffn_size(cfg),
@@ -285,11 +319,18 @@ def _llama_export(cfg: ModelConfig, t: Tensors) -> tuple[dict, Tensors]:
         h, p = f"model.layers.{i}", f"layers.{i}"
         out[f"{h}.input_layernorm.weight"] = t[f"{p}.input_norm.weight"]
         out[f"{h}.post_attention_layernorm.weight"] = t[f"{p}.post_attention_norm.weight"]
-        for kind in ("weight", "bias") if cfg.add_bias_linear else ("weight",):
+        for kind in _kinds(model_shape.qkv_bias(cfg)):
             q, k, v = split_qkv(t[f"{p}.attention.qkv.{kind}"], heads, groups)
             out.update({f"{h}.self_attn.q_proj.{kind}": q, f"{h}.self_attn.k_proj.{kind}": k,
-                        f"{h}.self_attn.v_proj.{kind}": v,
-                        f"{h}.self_attn.o_proj.{kind}": t[f"{p}.attention.proj.{kind}"]})
+                        f"{h}.self_attn.v_proj.{kind}": v})
+        for kind in _kinds(cfg.add_bias_linear):
+            out[f"{h}.self_attn.o_proj.{kind}"] = t[f"{p}.attention.proj.{kind}"]
+        if family != "llama":
+            from .hf_moe import export_moe
+
+            out.update(export_moe(cfg, family, hf, t, h, p))
+            continue
+        for kind in _kinds(cfg.add_bias_linear):
             gate, up = t[f"{p}.mlp.fc1.{kind}"].chunk(2)
             out.update({f"{h}.mlp.gate_proj.{kind}": gate, f"{h}.mlp.up_proj.{kind}": up,
                         f"{h}.mlp.down_proj.{kind}": t[f"{p}.mlp.fc2.{kind}"]})
@@ -325,7 +366,8 @@ def _gpt2_export(cfg: ModelConfig, t: Tensors) -> tuple[dict, Tensors]:
 
 def paratron_to_hf(cfg: ModelConfig, tensors: Tensors, out_dir: str | Path) -> Path:
     """Write ``config.json`` and ``model.safetensors`` that ``transformers`` loads as
-    ``LlamaForCausalLM`` or ``GPT2LMHeadModel`` (chosen by :func:`hf_architecture_for`).
+    ``LlamaForCausalLM``, ``GPT2LMHeadModel``, ``MixtralForCausalLM`` or ``Qwen2MoeForCausalLM``
+    (chosen by :func:`hf_architecture_for`).
 
     Args:
         cfg: the model config (``vocab_size`` set).
@@ -341,7 +383,7 @@ def paratron_to_hf(cfg: ModelConfig, tensors: Tensors, out_dir: str | Path) -> P
 
     arch = hf_architecture_for(cfg)
     try:
-        hf, out = (_llama_export if arch == "llama" else _gpt2_export)(cfg, tensors)
+        hf, out = _gpt2_export(cfg, tensors) if arch == "gpt2" else _llama_export(cfg, tensors, arch)
     except KeyError as e:
         raise KeyError(f"paratron_to_hf: tensor {e.args[0]!r} is missing") from None
     hf["dtype"] = hf["torch_dtype"] = _dtype_name(tensors)

@@ -24,6 +24,11 @@ def query_groups(cfg: ModelConfig) -> int:
     return cfg.num_query_groups if cfg.num_query_groups is not None else cfg.num_attention_heads
 
 
+def qkv_bias(cfg: ModelConfig) -> bool:
+    """Whether the fused QKV projection has a bias: ``add_qkv_bias``, else ``add_bias_linear``."""
+    return cfg.add_bias_linear if cfg.add_qkv_bias is None else cfg.add_qkv_bias
+
+
 def ffn_size(cfg: ModelConfig) -> int:
     """MLP inner width: ``ffn_hidden_size``, else 4h (GELU) or Llama's 8h/3 rounded up to 256 (SwiGLU)."""
     if cfg.ffn_hidden_size is not None:
@@ -133,6 +138,8 @@ def check_moe(cfg: ModelConfig, *, tp: int, ep: int, expert_tp: int) -> None:
         raise ConfigError(f"model.{field}={width} (the expert width) is not divisible by "
                           f"parallel.expert_tensor={expert_tp}")
     shared = cfg.moe_shared_expert_ffn_hidden_size
+    if cfg.moe_shared_expert_gate and not shared:
+        raise ConfigError("model.moe_shared_expert_gate=true needs model.moe_shared_expert_ffn_hidden_size")
     if shared is not None and shared % tp:
         raise ConfigError(f"model.moe_shared_expert_ffn_hidden_size={shared} is not divisible by "
                           f"parallel.tensor={tp}")

@@ -35,6 +35,8 @@ class ModelConfig:
     """gelu (erf), gelu_tanh (the tanh approximation GPT-2 uses), or swiglu (gated, Llama)."""
     add_bias_linear: bool = True
     """Biases in the attention and MLP linears."""
+    add_qkv_bias: Optional[bool] = None
+    """Bias on the fused QKV projection; None follows ``add_bias_linear`` (Qwen2: only QKV)."""
     tie_embeddings: bool = True
     """Share the input embedding with the output layer."""
     hidden_dropout: float = 0.0
@@ -75,6 +77,11 @@ class ModelConfig:
     """DeepSeek-V3's auxiliary-loss-free balancing: a per-expert bias added to the scores for the
     top-k choice only, moved by ``moe_router_bias_update_rate`` against the load error each step."""
     moe_router_bias_update_rate: float = 1e-3
+    moe_router_norm_topk_prob: bool = True
+    """With top-k > 1, renormalise the chosen experts' scores to sum to 1 (Mixtral); false keeps
+    the raw softmax probabilities (Qwen1.5/2-MoE's ``norm_topk_prob = false``)."""
+    moe_shared_expert_gate: bool = False
+    """Scale the shared expert's output by ``sigmoid(x . w)``, one learned gate per token (Qwen2-MoE)."""
     moe_router_num_groups: Optional[int] = None
     """Group-limited routing (DeepSeek-V2/V3): experts in this many equal groups (e.g. one per
     node); each token picks among the experts of its ``moe_router_group_topk`` best groups."""

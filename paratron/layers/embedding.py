@@ -17,7 +17,7 @@ from ..parallel.mappings import (check_sequence_divisible, copy_to_tp_region,
                                  gather_from_sequence_parallel_region, reduce_from_tp_region,
                                  reduce_scatter_to_sequence_parallel_region)
 from ..parallel.params import ShardSpec, mark
-from .init import InitMethod, draw_full
+from .init import InitMethod, init_shard_
 from .linear import _ColumnFn
 
 __all__ = ["pad_vocab_size", "vocab_range", "VocabParallelEmbedding", "ParallelLMHead",
@@ -53,14 +53,11 @@ def _make_vocab_weight(module: nn.Module, vocab_size, hidden_size, ctx, logical_
     module.vocab_start, module.vocab_end = vocab_range(module.padded_vocab_size, tp, r)
     per = module.vocab_end - module.vocab_start
     n_valid = max(0, min(module.vocab_size - module.vocab_start, per))
-    full = draw_full(init_method, (module.vocab_size, module.hidden_size), seed, f"{logical_name}.weight")
-    local = torch.zeros(per, module.hidden_size, dtype=torch.float32)
-    local[:n_valid] = full[module.vocab_start:module.vocab_start + n_valid]
-    module.weight = nn.Parameter(local.to(device=ctx.device, dtype=params_dtype))
-    mark(module.weight, f"{logical_name}.weight",
-         ShardSpec((module.vocab_size, module.hidden_size),
-                   (min(module.vocab_start, module.vocab_size), 0), (n_valid, module.hidden_size)),
-         partition_dim=0)
+    spec = ShardSpec((module.vocab_size, module.hidden_size),
+                     (min(module.vocab_start, module.vocab_size), 0), (n_valid, module.hidden_size))
+    local = torch.zeros(per, module.hidden_size, device=ctx.device, dtype=params_dtype)  # padding rows stay 0
+    module.weight = nn.Parameter(init_shard_(local, init_method, spec, seed, f"{logical_name}.weight"))
+    mark(module.weight, f"{logical_name}.weight", spec, partition_dim=0)
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -23,7 +23,7 @@ from ..parallel.comm import Group
 from ..parallel.grads import accumulate_grad
 from ..parallel.mappings import check_sequence_divisible, gather_from_tp_region, scatter_to_tp_region
 from ..parallel.params import ShardSpec, mark
-from .init import InitMethod, draw_full
+from .init import InitMethod, init_shard_
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "divide"]
 
@@ -191,16 +191,12 @@ class ColumnParallelLinear(nn.Module):
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
         self.skip_bias_add = skip_bias_add
         self.weight_grad_store = None
-        if block_names is not None:
-            full = torch.cat([draw_full(init_method, (block, self.in_features), seed, f"{name}.weight")
-                              for name in block_names])
-        else:
-            full = draw_full(init_method, (self.out_features, self.in_features), seed, f"{logical_name}.weight")
-        mine = torch.cat([full[k * block + r * n:k * block + (r + 1) * n] for k in range(stride)])
-        self.weight = nn.Parameter(mine.to(device=ctx.device, dtype=params_dtype).contiguous())
-        mark(self.weight, f"{logical_name}.weight",
-             ShardSpec((self.out_features, self.in_features), (r * n, 0), (self.out_per_rank, self.in_features),
-                       stride), partition_dim=0)
+        spec = ShardSpec((self.out_features, self.in_features), (r * n, 0), (self.out_per_rank, self.in_features),
+                         stride)
+        weight = torch.empty(self.out_per_rank, self.in_features, device=ctx.device, dtype=params_dtype)
+        names = tuple(f"{name}.weight" for name in block_names) if block_names is not None else None
+        self.weight = nn.Parameter(init_shard_(weight, init_method, spec, seed, f"{logical_name}.weight", names))
+        mark(self.weight, f"{logical_name}.weight", spec, partition_dim=0)
         if bias:
             self.bias = nn.Parameter(torch.zeros(self.out_per_rank, device=ctx.device, dtype=params_dtype))
             mark(self.bias, f"{logical_name}.bias",
@@ -261,13 +257,11 @@ class RowParallelLinear(nn.Module):
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
         self.skip_bias_add = skip_bias_add
         self.weight_grad_store = None
-        lo, hi = r * self.in_per_rank, (r + 1) * self.in_per_rank
-        full = draw_full(init_method, (self.out_features, self.in_features), seed,
-                         f"{logical_name}.weight")
-        self.weight = nn.Parameter(full[:, lo:hi].to(device=ctx.device, dtype=params_dtype).contiguous())
-        mark(self.weight, f"{logical_name}.weight",
-             ShardSpec((self.out_features, self.in_features), (0, lo), (self.out_features, self.in_per_rank)),
-             partition_dim=1)
+        lo = r * self.in_per_rank
+        spec = ShardSpec((self.out_features, self.in_features), (0, lo), (self.out_features, self.in_per_rank))
+        weight = torch.empty(self.out_features, self.in_per_rank, device=ctx.device, dtype=params_dtype)
+        self.weight = nn.Parameter(init_shard_(weight, init_method, spec, seed, f"{logical_name}.weight"))
+        mark(self.weight, f"{logical_name}.weight", spec, partition_dim=1)
         if bias:
             self.bias = nn.Parameter(torch.zeros(self.out_features, device=ctx.device, dtype=params_dtype))
             mark(self.bias, f"{logical_name}.bias", sequence_parallel=sequence_parallel,

@@ -82,7 +82,7 @@ class SelfAttention(nn.Module):
         prefix = f"layers.{layer_number}.attention"
         self.qkv = ColumnParallelLinear(
             cfg.hidden_size, (heads + 2 * groups) * self.head_dim, ctx, logical_name=f"{prefix}.qkv",
-            seed=seed, bias=cfg.add_bias_linear, sequence_parallel=sequence_parallel,
+            seed=seed, bias=model_shape.qkv_bias(cfg), sequence_parallel=sequence_parallel,
             init_method=normal_(cfg.init_method_std), params_dtype=params_dtype)
         self.proj = RowParallelLinear(
             heads * self.head_dim, cfg.hidden_size, ctx, logical_name=f"{prefix}.proj", seed=seed,

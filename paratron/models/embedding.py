@@ -10,7 +10,7 @@ from torch import nn
 
 from paratron.config import ModelConfig, model_shape
 from paratron.layers.dropout import dropout
-from paratron.parallel.params import mark
+from paratron.parallel.params import ShardSpec, mark
 
 WORD_EMBEDDINGS = "embedding.word_embeddings"
 POSITION_EMBEDDINGS = "embedding.position_embeddings"
@@ -29,7 +29,7 @@ class Embedding(nn.Module):
     def __init__(self, cfg: ModelConfig, ctx, *, seed: int, sequence_parallel: bool, params_dtype: torch.dtype,
                  rng_tracker=None):
         from paratron.layers import VocabParallelEmbedding
-        from paratron.layers.init import full_init, normal_
+        from paratron.layers.init import init_shard_, normal_
 
         super().__init__()
         self.tp = ctx.tp
@@ -43,8 +43,10 @@ class Embedding(nn.Module):
             params_dtype=params_dtype)
         if cfg.position_embedding_type == "learned":
             name = f"{POSITION_EMBEDDINGS}.weight"
-            full = full_init((model_shape.max_positions(cfg), cfg.hidden_size), seed, name, cfg.init_method_std)
-            self.position_embeddings = nn.Parameter(full.to(device=ctx.device, dtype=params_dtype))
+            shape = (model_shape.max_positions(cfg), cfg.hidden_size)
+            weight = torch.empty(shape, device=ctx.device, dtype=params_dtype)
+            self.position_embeddings = nn.Parameter(init_shard_(
+                weight, normal_(cfg.init_method_std), ShardSpec.replicated(shape), seed, name))
             mark(self.position_embeddings, name, sequence_parallel=self.sequence_parallel)
         else:
             self.register_parameter("position_embeddings", None)

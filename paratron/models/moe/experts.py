@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from paratron.config import ModelConfig, model_shape
-from paratron.layers.init import InitMethod, draw_full, normal_, scaled_normal_
+from paratron.layers.init import InitMethod, init_shard_, normal_, scaled_normal_
 from paratron.parallel.comm import Group
 from paratron.parallel.params import ShardSpec, mark
 
@@ -68,16 +68,16 @@ class _Proj(nn.Module):
         super().__init__()
         etp, r = ctx.expert_tp.size, ctx.expert_tp.rank
         self.split, self.first = split if etp > 1 else None, r == 0
-        full = draw_full(init, (out_f, in_f), seed, f"{logical_name}.weight")
         if self.split == "out":
             n = out_f // etp
-            weight, spec = full[r * n:(r + 1) * n], ShardSpec((out_f, in_f), (r * n, 0), (n, in_f))
+            spec = ShardSpec((out_f, in_f), (r * n, 0), (n, in_f))
         elif self.split == "in":
             n = in_f // etp
-            weight, spec = full[:, r * n:(r + 1) * n], ShardSpec((out_f, in_f), (0, r * n), (out_f, n))
+            spec = ShardSpec((out_f, in_f), (0, r * n), (out_f, n))
         else:
-            weight, spec = full, None
-        self.weight = nn.Parameter(weight.to(device=ctx.device, dtype=params_dtype).contiguous())
+            spec = ShardSpec.replicated((out_f, in_f))
+        weight = torch.empty(spec.local_shape, device=ctx.device, dtype=params_dtype)
+        self.weight = nn.Parameter(init_shard_(weight, init, spec, seed, f"{logical_name}.weight"))
         mark(self.weight, f"{logical_name}.weight", spec, partition_dim={"out": 0, "in": 1}.get(self.split, -1),
              is_expert=True)
         if bias:

@@ -33,10 +33,12 @@ microbatch aux-loss grad, the same under every layout.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from paratron.config import ModelConfig, model_shape
-from paratron.layers.init import scaled_normal_
+from paratron.layers.init import init_shard_, normal_, scaled_normal_
+from paratron.parallel.params import ShardSpec, mark
 
 from ..mlp import MLP
 from .collectives import gather_rows, split_rows
@@ -68,7 +70,9 @@ class MoELayer(nn.Module):
             ``moe_aux_loss_coeff``, ``moe_z_loss_coeff``, ``moe_capacity_factor`` (None:
             dropless), ``moe_token_drop_policy``, ``moe_pad_to_capacity``, the router options
             (expert bias, groups), ``moe_ffn_hidden_size``,
-            ``moe_shared_expert_ffn_hidden_size``, ``moe_token_dispatcher``, plus the dense sizes.
+            ``moe_shared_expert_ffn_hidden_size``, ``moe_shared_expert_gate`` (``y += sigmoid(x .
+            w_gate) * shared(x)``, weight ``layers.{i}.mlp.shared_expert_gate.weight`` ``[1, h]``),
+            ``moe_token_dispatcher``, plus the dense sizes.
         ctx: the parallel context (groups ``tp``, ``ep``; expert params reduce over ``expert_dp``).
         layer_number: the global (0-based) layer index; params are named ``layers.{i}.mlp.*``.
         seed: the run's seed (full tensors drawn from ``(seed, logical name)``).
@@ -116,6 +120,15 @@ class MoELayer(nn.Module):
                                      ffn=cfg.moe_shared_expert_ffn_hidden_size, seed=seed,
                                      sequence_parallel=self.sequence_parallel, params_dtype=params_dtype,
                                      output_init=scaled_normal_(cfg.init_method_std, max(cfg.num_layers, 1)))
+        self.shared_expert_gate = None
+        if cfg.moe_shared_expert_gate:
+            # Qwen2-MoE's per-token gate on the shared expert: weight [1, h], replicated like the router.
+            shape, name = (1, cfg.hidden_size), f"{prefix}.shared_expert_gate.weight"
+            gate = torch.empty(shape, device=ctx.device, dtype=params_dtype)
+            self.shared_expert_gate = nn.Parameter(init_shard_(gate, normal_(cfg.init_method_std),
+                                                               ShardSpec.replicated(shape), seed, name))
+            mark(self.shared_expert_gate, f"{prefix}.shared_expert_gate.weight",
+                 sequence_parallel=self.sequence_parallel)
         self.aux_loss_scale = 1.0
         self.last_aux_loss: torch.Tensor | None = None
         self.last_z_loss: torch.Tensor | None = None
@@ -190,7 +203,10 @@ class MoELayer(nn.Module):
             y = _AttachAuxLoss.apply(y, ca * routing.aux_loss + cz * routing.z_loss, float(self.aux_loss_scale))
         y = y.view(s, b, h)
         if self.shared_expert is not None:
-            y = y + self.shared_expert(x)
+            shared = self.shared_expert(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(F.linear(x, self.shared_expert_gate)) * shared
+            y = y + shared
         return y
 
 

@@ -35,9 +35,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from paratron.config import ModelConfig
-from paratron.layers.init import normal_, draw_full
+from paratron.layers.init import init_shard_, normal_
 from paratron.parallel.comm import Group
-from paratron.parallel.params import mark
+from paratron.parallel.params import ShardSpec, mark
 
 from .seq_aux import sequence_balance_loss
 
@@ -123,9 +123,11 @@ class TopKRouter(nn.Module):
                  params_dtype: torch.dtype = torch.float32):
         super().__init__()
         self.num_experts, self.k, self.score = cfg.num_experts, cfg.moe_top_k, cfg.moe_router_score
-        full = draw_full(normal_(cfg.init_method_std), (cfg.num_experts, cfg.hidden_size), seed,
-                         f"{logical_name}.weight")
-        self.weight = nn.Parameter(full.to(device=ctx.device, dtype=params_dtype))
+        self.norm_topk = cfg.moe_router_norm_topk_prob
+        shape = (cfg.num_experts, cfg.hidden_size)
+        weight = torch.empty(shape, device=ctx.device, dtype=params_dtype)
+        self.weight = nn.Parameter(init_shard_(weight, normal_(cfg.init_method_std), ShardSpec.replicated(shape),
+                                               seed, f"{logical_name}.weight"))
         mark(self.weight, f"{logical_name}.weight", sequence_parallel=sequence_parallel)
         self.sequence_parallel = sequence_parallel
         self.num_groups, self.group_topk = cfg.moe_router_num_groups, cfg.moe_router_group_topk
@@ -181,7 +183,7 @@ class TopKRouter(nn.Module):
         chosen = scores.gather(1, indices)
         # Renormalise only for k > 1: with k = 1 the weight would be exactly 1 and the router
         # would get no gradient from the LM loss (Switch keeps the raw probability).
-        probs = chosen / chosen.sum(dim=-1, keepdim=True) if self.k > 1 else chosen
+        probs = chosen / chosen.sum(dim=-1, keepdim=True) if self.k > 1 and self.norm_topk else chosen
 
         E, T = self.num_experts, tokens.shape[0]
         counts = torch.bincount(indices.reshape(-1), minlength=E).to(torch.float32)

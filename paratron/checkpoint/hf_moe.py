@@ -1,0 +1,144 @@
+"""Hugging Face mixture-of-experts families: ``MixtralForCausalLM`` and ``Qwen2MoeForCausalLM``.
+
+Their attention, norms, RoPE and embeddings are Llama's (:mod:`.hf` maps those); this module maps
+the config's MoE fields and the MoE blocks, in the per-expert layout transformers writes to disk:
+
+* Mixtral (Jiang et al. 2024): ``block_sparse_moe.gate`` (router ``[E, h]``, softmax, top-k
+  renormalised) and ``block_sparse_moe.experts.{e}.w1/w3/w2`` (gate/up/down).
+* Qwen2-MoE (Qwen1.5-MoE / Qwen2-57B-A14B): ``mlp.gate``, ``mlp.experts.{e}.gate_proj/up_proj/
+  down_proj``, a shared expert ``mlp.shared_expert.*`` scaled by ``sigmoid(mlp.shared_expert_gate
+  (x))``; ``norm_topk_prob`` chooses renormalised or raw top-k probabilities; a bias on Q, K, V only.
+
+paratron's expert tensors keep one logical name per expert (``layers.{i}.mlp.experts.{e}.gate|up|
+fc2.weight``), so the mapping is a rename; the shared expert's gate and up are fused into the dense
+MLP's ``fc1 = [gate; up]``.
+
+DeepSeek-V2/V3 models use multi-head latent attention (MLA), which paratron does not implement:
+they are refused with a clear error rather than imported wrongly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Callable
+
+import torch
+
+from paratron.config import ConfigError, ModelConfig, model_shape
+
+Tensors = dict[str, torch.Tensor]
+FAMILIES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
+_EXPERT_NAMES = {"mixtral": ("w1", "w3", "w2"), "qwen2_moe": ("gate_proj", "up_proj", "down_proj")}
+
+
+def moe_family(hf: dict, where: str) -> str | None:
+    """``"mixtral"``, ``"qwen2_moe"`` or None (not an MoE family) for a ``config.json`` dict.
+
+    Raises:
+        ConfigError: a DeepSeek model (MLA attention is out of scope).
+    """
+    kind = hf.get("model_type") or ""
+    archs = hf.get("architectures") or []
+    if kind.startswith("deepseek") or any(a.lower().startswith("deepseek") for a in archs):
+        raise ConfigError(f"{where}: model_type={kind!r}: DeepSeek models use multi-head latent attention "
+                          "(MLA, kv_lora_rank / q_lora_rank), which paratron does not implement; MoE import "
+                          "supports MixtralForCausalLM and Qwen2MoeForCausalLM")
+    for family, arch in FAMILIES.items():
+        if kind == family or arch in archs:
+            return family
+    return None
+
+
+def moe_config(base: ModelConfig, hf: dict, family: str, where: str) -> ModelConfig:
+    """``base`` (the Llama-style fields) with the MoE fields of ``hf``.
+
+    Raises:
+        ConfigError: a feature paratron does not model (sliding-window attention, router jitter,
+            dense layers between MoE layers), named with its field.
+    """
+    if hf.get("sliding_window") is not None and (family == "mixtral" or hf.get("use_sliding_window")):
+        raise ConfigError(f"{where}: sliding_window={hf['sliding_window']}: sliding-window attention is not supported")
+    if float(hf.get("router_jitter_noise", 0.0) or 0.0) != 0.0:
+        raise ConfigError(f"{where}: router_jitter_noise={hf['router_jitter_noise']}: paratron's router has no jitter")
+    common = dict(num_experts=hf["num_local_experts" if family == "mixtral" else "num_experts"],
+                  moe_top_k=hf["num_experts_per_tok"], moe_router_score="softmax",
+                  moe_aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.0)), moe_capacity_factor=None)
+    if family == "mixtral":
+        return replace(base, moe_ffn_hidden_size=hf["intermediate_size"], **common)
+    if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers"):
+        raise ConfigError(f"{where}: decoder_sparse_step={hf.get('decoder_sparse_step')}, mlp_only_layers="
+                          f"{hf.get('mlp_only_layers')}: only every layer being MoE is supported")
+    shared = hf.get("shared_expert_intermediate_size") or 0
+    if shared <= 0:
+        raise ConfigError(f"{where}: shared_expert_intermediate_size={shared}: Qwen2-MoE needs a shared expert")
+    return replace(base, moe_ffn_hidden_size=hf["moe_intermediate_size"], moe_shared_expert_ffn_hidden_size=shared,
+                   moe_shared_expert_gate=True, moe_router_norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                   add_qkv_bias=bool(hf.get("qkv_bias", True)), **common)
+
+
+def import_moe_mlp(cfg: ModelConfig, family: str, take: Callable[[str], torch.Tensor], h: str, p: str) -> Tensors:
+    """Layer ``p`` (``layers.{i}``)'s MoE tensors from Hugging Face layer ``h`` (``model.layers.{i}``)."""
+    block = f"{h}.block_sparse_moe" if family == "mixtral" else f"{h}.mlp"
+    out = {f"{p}.mlp.router.weight": take(f"{block}.gate.weight")}
+    for e in range(cfg.num_experts):
+        for ours, theirs in zip(("gate", "up", "fc2"), _EXPERT_NAMES[family]):
+            out[f"{p}.mlp.experts.{e}.{ours}.weight"] = take(f"{block}.experts.{e}.{theirs}.weight")
+    if cfg.moe_shared_expert_ffn_hidden_size:
+        gate, up, down = (take(f"{block}.shared_expert.{n}.weight") for n in _EXPERT_NAMES["qwen2_moe"])
+        out[f"{p}.mlp.shared_expert.fc1.weight"] = torch.cat([gate, up])  # the fused [gate; up] of models.mlp
+        out[f"{p}.mlp.shared_expert.fc2.weight"] = down
+        out[f"{p}.mlp.shared_expert_gate.weight"] = take(f"{block}.shared_expert_gate.weight")
+    return out
+
+
+def export_family(cfg: ModelConfig) -> str:
+    """The Hugging Face MoE family that computes exactly this model.
+
+    Raises:
+        ConfigError: no family matches; the message names the fields.
+    """
+    rules = [(cfg.moe_router_score == "softmax", f"model.moe_router_score={cfg.moe_router_score!r} (softmax)"),
+             (not cfg.add_bias_linear, "model.add_bias_linear=true (no MLP/output biases)"),
+             (cfg.moe_layer_freq == 1, f"model.moe_layer_freq={cfg.moe_layer_freq} (every layer MoE)"),
+             (cfg.moe_capacity_factor is None, "model.moe_capacity_factor set (dropless only)"),
+             (not cfg.moe_router_enable_expert_bias and cfg.moe_router_num_groups is None,
+              "expert bias / group-limited routing"),
+             (cfg.activation == "swiglu" and cfg.normalization == "rmsnorm" and cfg.position_embedding_type == "rope",
+              "Llama-style blocks (swiglu, rmsnorm, rope)")]
+    broken = [why for ok, why in rules if not ok]
+    if broken:
+        raise ConfigError(f"MoE export needs: {'; '.join(broken)}")
+    if cfg.moe_shared_expert_ffn_hidden_size and cfg.moe_shared_expert_gate:
+        return "qwen2_moe"
+    qkv = model_shape.qkv_bias(cfg)
+    if not cfg.moe_shared_expert_ffn_hidden_size and cfg.moe_router_norm_topk_prob and not qkv:
+        return "mixtral"
+    raise ConfigError("MoE export: Mixtral needs no shared expert, renormalised top-k and no QKV bias; "
+                      "Qwen2-MoE needs a gated shared expert (model.moe_shared_expert_gate)")
+
+
+def export_moe(cfg: ModelConfig, family: str, hf: dict, t: Tensors, h: str, p: str) -> Tensors:
+    """Layer ``p``'s MoE tensors under Hugging Face names (inverse of :func:`import_moe_mlp`), and
+    the family's config fields written into ``hf`` (the Llama-style dict)."""
+    hf.update(architectures=[FAMILIES[family]], model_type=family, num_experts_per_tok=cfg.moe_top_k,
+              router_aux_loss_coef=cfg.moe_aux_loss_coeff, output_router_logits=False)
+    if family == "mixtral":
+        hf.update(num_local_experts=cfg.num_experts, intermediate_size=t[f"{p}.mlp.experts.0.gate.weight"].shape[0],
+                  sliding_window=None, router_jitter_noise=0.0)
+        block = f"{h}.block_sparse_moe"
+    else:
+        hf.update(num_experts=cfg.num_experts, moe_intermediate_size=t[f"{p}.mlp.experts.0.gate.weight"].shape[0],
+                  shared_expert_intermediate_size=cfg.moe_shared_expert_ffn_hidden_size, decoder_sparse_step=1,
+                  mlp_only_layers=[], norm_topk_prob=cfg.moe_router_norm_topk_prob, use_sliding_window=False,
+                  qkv_bias=model_shape.qkv_bias(cfg))
+        block = f"{h}.mlp"
+    out = {f"{block}.gate.weight": t[f"{p}.mlp.router.weight"]}
+    for e in range(cfg.num_experts):
+        for ours, theirs in zip(("gate", "up", "fc2"), _EXPERT_NAMES[family]):
+            out[f"{block}.experts.{e}.{theirs}.weight"] = t[f"{p}.mlp.experts.{e}.{ours}.weight"]
+    if family == "qwen2_moe":
+        gate, up = t[f"{p}.mlp.shared_expert.fc1.weight"].chunk(2)
+        out.update({f"{block}.shared_expert.gate_proj.weight": gate, f"{block}.shared_expert.up_proj.weight": up,
+                    f"{block}.shared_expert.down_proj.weight": t[f"{p}.mlp.shared_expert.fc2.weight"],
+                    f"{block}.shared_expert_gate.weight": t[f"{p}.mlp.shared_expert_gate.weight"]})
+    return out
