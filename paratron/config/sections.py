@@ -63,7 +63,7 @@ class ModelConfig:
     moe_shared_expert_ffn_hidden_size: Optional[int] = None
     """Inner width of the shared expert; None means no shared expert."""
     moe_token_dispatcher: str = "alltoall"
-    """Token dispatcher registry name: alltoall or allgather."""
+    """Token dispatcher registry name: alltoall, allgather or alltoall_chunked."""
     moe_pad_to_capacity: bool = False
     """With a capacity factor, pad every expert's rows to its capacity (static shapes)."""
     moe_aux_loss_type: Literal["micro_batch", "seq"] = "micro_batch"
