@@ -169,3 +169,13 @@ def test_cli_reports_config_error_without_launching(tmp_path):
     assert r.returncode == 2
     assert "world size 3 is not divisible by parallel.tensor*parallel.context*parallel.pipeline" in r.stderr
     assert "torch.distributed.run" not in r.stderr
+
+
+def test_toml_round_trip_of_strings_with_control_characters(tmp_path):
+    """A prompt with a newline used to be written raw into a one-line TOML string: the run's and the
+    checkpoint's config.toml could not be read back."""
+    cfg = cfg_with('train.sample_prompt="ROMEO:\\nJULIET:\\t\\"hi\\" \\\\ \\u007f é"')
+    assert cfg.train.sample_prompt == 'ROMEO:\nJULIET:\t"hi" \\ \x7f é'
+    p = tmp_path / "c.toml"
+    p.write_text(to_toml(cfg), encoding="utf-8")
+    assert load_config(p) == cfg

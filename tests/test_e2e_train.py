@@ -122,6 +122,23 @@ def test_sigterm_saves_and_exits_cleanly(tiny_data, tmp_path):
     assert "stop requested: saved and exiting" in out
     latest = (ckpt / "latest").read_text().strip()
     assert latest, out
+    check_startup_record(metrics)
+
+
+def check_startup_record(metrics: Path) -> None:
+    """One ``startup`` record with every part (spawn and import_torch come from the launcher's
+    and the rank's stamps), whose rank-0 parts add up to within 10% of the measured wall time."""
+    from paratron.training.startup import PARTS
+
+    records = [json.loads(l) for l in metrics.read_text().splitlines()]
+    startup = [r for r in records if r.get("record") == "startup"]
+    assert len(startup) == 1, records
+    rec = startup[0]
+    assert list(rec["parts"]) == list(PARTS)
+    assert all(v["slowest"] >= v["rank0"] >= 0 for v in rec["parts"].values()), rec
+    total, wall = sum(v["rank0"] for v in rec["parts"].values()), rec["wall"]["rank0"]
+    assert rec["parts"]["spawn"]["rank0"] > 0 and rec["parts"]["import_torch"]["rank0"] > 0, rec
+    assert abs(total - wall) <= 0.1 * wall, (total, wall, rec)
 
 
 @pytest.mark.parametrize("overrides,msg", [

@@ -113,7 +113,8 @@ def _train_converted(path, ep: int) -> list[float]:
     rows = 4 // ctx.dp.size
     losses = []
     for step in range(2):
-        ids = torch.randint(0, VOCAB, (4, SEQ + 1), generator=torch.Generator().manual_seed(5))  # same batch: loss falls
+        # The same batch each step, so the loss must fall.
+        ids = torch.randint(0, VOCAB, (4, SEQ + 1), generator=torch.Generator().manual_seed(5))
         mine = ids[ctx.dp.rank * rows:(ctx.dp.rank + 1) * rows]
         mbs = [{"tokens": mine[i:i + 1, :-1], "labels": mine[i:i + 1, 1:]} for i in range(rows)]
         optimizer.zero_grad()

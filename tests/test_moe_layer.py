@@ -165,6 +165,8 @@ def test_tp_without_ep_parity():
     (2, 1, 1, False, dict()),
     (2, 1, 1, False, dict(activation="swiglu", add_bias_linear=False)),
     (4, 2, 2, True, dict()),
+    (2, 1, 1, False, dict(moe_expert_gemm="grouped_mm")),  # bias added once over expert-TP (RowBias)
+    (2, 1, 1, False, dict(moe_expert_gemm="bmm", activation="swiglu")),
 ])
 def test_expert_tp_parity(world, tp, ep, sp, kw):
     """Expert-TP=2 (experts split over the expert-TP group, biases included): grads and params of
@@ -405,3 +407,22 @@ def test_registered_dispatcher_is_selected_by_name():
     y = _layer(moe_token_dispatcher="test-observing")(x)
     assert seen == [(S * B, 2)]
     torch.testing.assert_close(y, _layer()(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("world,tp,sp", [(2, 1, False), (4, 2, True)])
+def test_chunked_dispatcher_matches_plain(world, tp, sp):
+    """The chunked, overlapped all-to-all dispatcher against the plain one at EP=2 and EP=2 x TP=2
+    (SP): every grad, param, input grad and aux value over 3 steps to 1e-6."""
+    plain = run_ranks(_rank_fn, world, tp, 2, sp, dict(moe_token_dispatcher="alltoall"), 3, None, timeout=180)
+    chunked = run_ranks(_rank_fn, world, tp, 2, sp, dict(moe_token_dispatcher="alltoall_chunked"), 3, None,
+                        timeout=180)
+    tol = dict(rtol=1e-6, atol=1e-6)
+    for a, b in zip(plain, chunked):
+        for ga, gb in zip(a["grads"], b["grads"]):
+            for name in ga:
+                torch.testing.assert_close(gb[name], ga[name], **tol, msg=lambda m: f"grad {name}: {m}")
+        for name in a["params"]:
+            torch.testing.assert_close(b["params"][name], a["params"][name], **tol)
+        for xa, xb in zip(a["xgrad"], b["xgrad"]):
+            torch.testing.assert_close(xb, xa, **tol)
+        assert [v for pair in a["aux"] for v in pair] == pytest.approx([v for pair in b["aux"] for v in pair], rel=1e-6)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import sys
 import types
 import typing
@@ -202,4 +203,6 @@ def _toml_value(v: Any) -> str:
         return repr(v)
     if isinstance(v, list):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
+    # A TOML basic string: JSON's escapes (\n, \t, \uXXXX for other control characters) are
+    # TOML's, except that TOML also forbids a raw DEL.
+    return json.dumps(str(v), ensure_ascii=False).replace("\x7f", "\\u007f")

@@ -63,7 +63,7 @@ class ModelConfig:
     moe_shared_expert_ffn_hidden_size: Optional[int] = None
     """Inner width of the shared expert; None means no shared expert."""
     moe_token_dispatcher: str = "alltoall"
-    """Token dispatcher registry name: alltoall or allgather."""
+    """Token dispatcher registry name: alltoall, allgather or alltoall_chunked."""
     moe_pad_to_capacity: bool = False
     """With a capacity factor, pad every expert's rows to its capacity (static shapes)."""
     moe_aux_loss_type: Literal["micro_batch", "seq"] = "micro_batch"
@@ -77,6 +77,9 @@ class ModelConfig:
     """DeepSeek-V3's auxiliary-loss-free balancing: a per-expert bias added to the scores for the
     top-k choice only, moved by ``moe_router_bias_update_rate`` against the load error each step."""
     moe_router_bias_update_rate: float = 1e-3
+    moe_expert_gemm: Literal["auto", "grouped_mm", "bmm", "loop"] = "auto"
+    """How the local experts run: grouped GEMMs (torch._grouped_mm, padded bmm), one GEMM per
+    expert (loop), or auto (grouped on CUDA, the loop on CPU where it measured faster)."""
     moe_router_norm_topk_prob: bool = True
     """With top-k > 1, renormalise the chosen experts' scores to sum to 1 (Mixtral); false keeps
     the raw softmax probabilities (Qwen1.5/2-MoE's ``norm_topk_prob = false``)."""
@@ -117,6 +120,9 @@ class ParallelConfig:
     """Pipeline schedule registry name: gpipe, 1f1b, interleaved, zb-h1, zbv, or a registered one."""
     pipeline_layout: Optional[list[int]] = None
     """Transformer layers per pipeline stage (virtual stages in order); None splits evenly."""
+    pipeline_link_latency_ms: Optional[list[float]] = None
+    """Extra latency (ms) of each link between pipeline ranks k and k+1 (pipeline-1 entries), for
+    the simulator and the ``1f1b-delay`` schedule's warm-ups (CrossPipe); None: all links equal."""
     order: str = "tp-cp-ep-dp-pp"
     """Rank order, fastest-varying axis first."""
     overlap_grad_reduce: bool = True

@@ -198,16 +198,18 @@ class Group:
         return self._end(e, dist.reduce_scatter_single(out, t, op=op, group=self.pg, async_op=async_op))
 
     def all_to_all(self, out: torch.Tensor, t: torch.Tensor, out_splits: list[int] | None = None,
-                   in_splits: list[int] | None = None):
-        """``all_to_all_single`` with optional uneven splits along dim 0."""
+                   in_splits: list[int] | None = None, async_op: bool = False):
+        """``all_to_all_single`` with optional uneven splits along dim 0. Returns ``out``, or with
+        ``async_op`` a work handle (None for a size-1 group: the copy is done)."""
         self._check("all_to_all", out, t)
         if self.size == 1:
             out.copy_(t)
-            return out
+            return None if async_op else out
         self.ledger.record("all_to_all", self.name, _nbytes(t))
         e = self._begin("all_to_all", t)
-        self._end(e, dist.all_to_all_single(out, t, out_splits, in_splits, group=self.pg))
-        return out
+        work = self._end(e, dist.all_to_all_single(out, t, out_splits, in_splits, group=self.pg,
+                                                   async_op=async_op))
+        return work if async_op else out
 
     def broadcast(self, t: torch.Tensor, src_group_rank: int = 0):
         """Copy ``t`` of group rank ``src_group_rank`` into ``t`` on every rank."""

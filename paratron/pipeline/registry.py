@@ -17,7 +17,7 @@ from typing import Callable
 
 from paratron.registry import Registry
 
-from . import schedules
+from . import delay, schedules
 from .actions import Action, stages_of
 from .placement import Placement, loop_placement, v_placement
 from .validate import validate
@@ -58,6 +58,7 @@ SCHEDULES.register("1f1b", schedules.one_f_one_b, check=schedules.check_1f1b)
 SCHEDULES.register("interleaved", schedules.interleaved, check=schedules.check_interleaved)
 SCHEDULES.register("zb-h1", schedules.zb_h1, check=schedules.check_zb_h1)
 SCHEDULES.register("zbv", schedules.zbv, placement=v_placement, check=schedules.check_zbv, virtual_stages=2)
+SCHEDULES.register("1f1b-delay", delay.one_f_one_b_delay, check=schedules.check_1f1b)
 
 
 def register_schedule(name: str, fn: ScheduleFn, **kwargs) -> ScheduleSpec:
@@ -80,9 +81,11 @@ def default_microbatches(p: int) -> int:
     return 2 * p
 
 
-def build_schedule(name: str, p: int, m: int, v: int = 1, *, check: bool = True) -> list[list[Action]]:
+def build_schedule(name: str, p: int, m: int, v: int = 1, *, check: bool = True,
+                   **options) -> list[list[Action]]:
     """Build the action lists of schedule ``name`` for ``p`` ranks, ``m`` microbatches and ``v``
-    virtual stages per rank, and (``check=True``) prove them with
+    virtual stages per rank (``options`` go to schedules that take keywords, e.g. ``1f1b-delay``'s
+    link costs), and (``check=True``) prove them with
     :func:`~paratron.pipeline.validate.validate`, so that a faulty custom schedule fails here
     instead of hanging the runtime (about a millisecond for p=8, m=16).
 
@@ -98,7 +101,7 @@ def build_schedule(name: str, p: int, m: int, v: int = 1, *, check: bool = True)
             raise ValueError(f"schedule {name!r}: {field}={value!r} must be a positive integer")
     if spec.check is not None:
         spec.check(p, m, v)
-    lists = spec.fn(p, m, v)
+    lists = spec.fn(p, m, v, **options)
     expected = spec.placement(p, v)
     if len(lists) != p:
         raise ValueError(f"schedule {name!r} returned {len(lists)} action lists for pipeline size p={p}")

@@ -61,7 +61,7 @@ def attach_weight_grad_stores(chunks: Sequence[nn.Module]) -> list[WeightGradSto
 def run_pipeline(actions: list[Action], chunks: Sequence[nn.Module], ctx, microbatches: Sequence[Any],
                  forward_step: ForwardStep, tensor_shape: Sequence[int], dtype: torch.dtype, *,
                  forward_only: bool = False, timeline: list[TraceEvent] | None = None,
-                 grad_sync=None) -> list[torch.Tensor]:
+                 grad_sync=None, link_delay=None) -> list[torch.Tensor]:
     """Run this rank's part of one pipelined step.
 
     Args:
@@ -84,6 +84,8 @@ def run_pipeline(actions: list[Action], chunks: Sequence[nn.Module], ctx, microb
         grad_sync: an object with a ``last_backward(chunk_ids)`` context manager (DDP), told
             which backward is the last of each local chunk; None: nobody is told (grads are then
             reduced when the caller finalizes them).
+        link_delay: a :class:`~paratron.pipeline.delay.LinkDelay` (tests and benchmarks): receives
+            over its link complete its ``seconds`` after they arrived; None: no injected delay.
 
     Returns:
         On the rank holding the last stage, the detached losses in microbatch order; else ``[]``.
@@ -106,6 +108,7 @@ def run_pipeline(actions: list[Action], chunks: Sequence[nn.Module], ctx, microb
         run.grad_sync, run.last_backward = grad_sync, last_backward_actions(actions)
     if not forward_only:
         run.again = recomputed(actions)
+    run.link_delay = link_delay
     run.execute(strip_backward(actions) if forward_only else actions)
     return [run.losses[mb] for mb in sorted(run.losses)]
 
@@ -132,6 +135,7 @@ class _Run:
         self.prefetched: dict[int, list[tuple[Action, torch.Tensor, Any]]] = {}  # step index -> posted recvs
         self.next_p2p: dict[int, int] = {}
         self.grad_sync, self.last_backward = None, {}
+        self.link_delay = None
         self.again: set[tuple[int, int]] = set()  # (mb, stage) whose F is recomputed by an R
         self.rng_at_forward: dict[tuple[int, int], Any] = {}
         self.tracker = next((m.rng_tracker for c in chunks for m in c.modules()
@@ -151,6 +155,8 @@ class _Run:
                     self.p2p(i, step, steps)
                 else:
                     self.compute(step[0])
+                if self.link_delay is not None:
+                    self.poll_delayed()
                 if self.timeline is not None:
                     end = time.perf_counter() - self.t0
                     self.timeline.extend(TraceEvent(self.ctx.pp.rank, a.kind, a.microbatch, a.stage,
@@ -266,7 +272,17 @@ class _Run:
         if not recvs:
             return []
         works = self.ctx.pp.batch_isend_irecv([self.ctx.pp.p2p_op("recv", buf, a.peer) for a, buf in recvs])
+        if self.link_delay is not None:
+            works = [self.link_delay.watch(w) if self.link_delay.applies(self.ctx.pp.rank, a.peer) else w
+                     for (a, _), w in zip(recvs, works)]
         return [(a, buf, work) for (a, buf), work in zip(recvs, works)]
+
+    def poll_delayed(self) -> None:
+        """Let the injected link delay note which watched receives have arrived."""
+        for recvs in self.prefetched.values():
+            for _, _, work in recvs:
+                if hasattr(work, "poll"):
+                    work.poll()
 
     def p2p(self, index: int, step: list[Action], steps: list[list[Action]]) -> None:
         ops, sends = [], []

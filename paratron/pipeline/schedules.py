@@ -120,9 +120,15 @@ def one_f_one_b(p: int, m: int, v: int = 1) -> list[list[Action]]:
     forwards, then alternate one forward and one backward (steady state), then the remaining
     backwards (cool-down). Bubble fraction ``(p-1)/(m+p-1)``; peak in-flight on rank r ``min(p-r, m)``."""
     check_1f1b(p, m, v)
+    return one_f_one_b_with_warmup(m, [p - r - 1 for r in range(p)])
+
+
+def one_f_one_b_with_warmup(m: int, warmups: list[int]) -> list[list[Action]]:
+    """1F1B on ``len(warmups)`` ranks where rank r runs ``min(warmups[r], m)`` warm-up forwards
+    (plain 1F1B: ``p-r-1``); peak in-flight on rank r is one more than its warm-up."""
     ranks = []
-    for r in range(p):
-        warmup = min(p - r - 1, m)
+    for r in range(len(warmups)):
+        warmup = min(warmups[r], m)
         acts = [F(i, r) for i in range(warmup)]
         for i in range(m - warmup):
             acts += [F(warmup + i, r), BW(i, r)]

@@ -24,7 +24,10 @@ from .validate import Span, execute
 class Costs:
     """Durations of compute actions (any unit: seconds, or abstract units) and p2p latency.
 
-    ``BW`` defaults to ``B + W`` and ``R`` (a recomputed forward) to ``F``. ``stage_scale`` optionally multiplies the cost of every action
+    ``BW`` defaults to ``B + W`` and ``R`` (a recomputed forward) to ``F``. Per-link costs
+    (CrossPipe, issue 22): ``link_latency[k]`` and ``link_bandwidth[k]`` (message size per time
+    unit) for the link between pipeline ranks ``k`` and ``k+1``, with ``message_size`` the size of
+    one activation; see :meth:`link_time`. ``stage_scale`` optionally multiplies the cost of every action
     of a stage (e.g. a stage holding the embedding or the loss), indexed by stage.
     """
 
@@ -35,6 +38,22 @@ class Costs:
     latency: float = 0.0
     stage_scale: tuple[float, ...] | None = None
     R: float | None = None
+    link_latency: tuple[float, ...] | None = None
+    link_bandwidth: tuple[float, ...] | None = None
+    message_size: float = 0.0
+
+    def link_time(self, src: int, dst: int) -> float:
+        """Time of one message from pipeline rank ``src`` to ``dst``: ``latency``, plus, on link
+        ``k`` (between ranks ``k`` and ``k+1``; ``k = p-1`` is the wrap-around link between rank
+        ``p-1`` and rank 0 that interleaved schedules use), ``link_latency[k]`` and
+        ``message_size / link_bandwidth[k]``; a link not listed adds nothing."""
+        k = min(src, dst) if abs(src - dst) == 1 else max(src, dst)
+        extra = 0.0
+        if self.link_latency is not None and k < len(self.link_latency):
+            extra += self.link_latency[k]
+        if self.link_bandwidth is not None and k < len(self.link_bandwidth) and self.message_size:
+            extra += self.message_size / self.link_bandwidth[k]
+        return self.latency + extra
 
     def __call__(self, a: Action) -> float:
         base = {"F": self.F, "B": self.B, "W": self.W,
@@ -81,13 +100,14 @@ def simulate(schedule: list[list[Action]], costs: Costs | Callable[[Action], flo
     Args:
         schedule: one action list per pipeline rank (as built by a registered schedule).
         costs: a :class:`Costs`, or any ``action -> duration`` function.
-        latency: p2p latency; defaults to ``costs.latency`` (0 for a plain function).
+        latency: p2p latency, or ``(src, dst) -> time``; defaults to ``costs.link_time`` for a
+            :class:`Costs` (its ``latency`` plus the per-link costs), 0 for a plain function.
 
     Raises:
         ScheduleError: the lists deadlock or their messages do not match (see :func:`execute`).
     """
     if latency is None:
-        latency = getattr(costs, "latency", 0.0)
+        latency = costs.link_time if isinstance(costs, Costs) else getattr(costs, "latency", 0.0)
     spans = execute(schedule, costs, latency)
     makespan = max((s.end for rank in spans for s in rank), default=0.0)
     busy = [sum(s.end - s.start for s in rank if not s.action.is_p2p) for rank in spans]

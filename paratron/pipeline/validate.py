@@ -48,13 +48,14 @@ def _message_key(a: Action) -> tuple[str, int, int]:
 
 
 def execute(schedule: list[list[Action]], cost: Callable[[Action], float] = lambda a: 0.0,
-            latency: float = 0.0) -> list[list[Span]]:
+            latency: float | Callable[[int, int], float] = 0.0) -> list[list[Span]]:
     """Run the lists under the batched p2p semantics above and time every action.
 
     Args:
         schedule: one action list per pipeline rank.
         cost: duration of a compute action (p2p actions take no rank time of their own).
-        latency: time from posting a send until the message can be received.
+        latency: time from posting a send until the message can be received; or a function
+            ``(src_rank, dst_rank) -> time`` for a cost per link.
 
     Returns:
         For each rank, its actions as :class:`Span` in execution order. A batch's actions all span
@@ -64,6 +65,7 @@ def execute(schedule: list[list[Action]], cost: Callable[[Action], float] = lamb
         ScheduleError: a deadlock (naming each stuck rank and the receive it waits for), a message
             whose content differs from what the receiver expects, or sends never received.
     """
+    link = latency if callable(latency) else (lambda src, dst: latency)
     steps = [batches(acts) for acts in schedule]
     ptr = [0] * len(schedule)
     clock = [0.0] * len(schedule)
@@ -104,7 +106,7 @@ def execute(schedule: list[list[Action]], cost: Callable[[Action], float] = lamb
                             f"rank {r}: {a} is matched with message #{idx} from rank {a.peer}, which carries "
                             f"{key[0]} of microbatch {key[1]} from stage {key[2]}; sends and receives between "
                             "two ranks must come in the same order")
-                    arrivals.append(t + latency)
+                    arrivals.append(t + link(a.peer, r))
                 else:
                     end = max([clock[r]] + arrivals)
                     spans[r].extend(Span(r, a, clock[r], end) for a in step)

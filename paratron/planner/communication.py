@@ -3,7 +3,8 @@
 Byte counts follow :class:`paratron.parallel.comm.CommLedger`: per call, the *local input payload*
 (all-reduce: the tensor; all-gather: the local shard; reduce-scatter: the full local input;
 all-to-all: all bytes sent; p2p: the bytes sent), keyed by ledger op and group name, so the
-planner's volumes can be compared with a recorded run (``tests/test_planner_comm.py``).
+planner's volumes can be compared with a recorded run
+(``tests/test_planner.py::test_communication_bytes_are_the_ledgers``).
 
 Volumes per axis (T = b s / cp tokens of one microbatch, a = bytes per activation element):
 
@@ -110,6 +111,8 @@ def embedding_and_head(shape: Shape, lay: Layout, b: int, act_bytes: int, first:
     out = []
     if first and not backward:
         out.append(Transfer("tp", "reduce_scatter" if lay.sp else "all_reduce", x))
+    if first and backward and lay.sp:  # the reduce-scatter's backward gathers the grad
+        out.append(Transfer("tp", "all_gather", x / lay.tp))
     if last and not backward:
         if lay.sp:
             out.append(Transfer("tp", "all_gather", x / lay.tp))

@@ -28,6 +28,10 @@ from .layout import Layout, apply
 ZERO_LEVELS = (0, 1, 2, 3)
 RECOMPUTE = ("none", "selective", "full")
 CONTEXT_ALGORITHMS = ("ring", "all2all")
+CHOICE_FIELDS = ("parallel.virtual_pipeline", "parallel.schedule", "virtual stages", "parallel.zero",
+                 "parallel.sequence_parallel", "parallel.context_algorithm", "train.micro_batch_size",
+                 "model.recompute")
+"""The choices below the axis sizes, as rule messages name them (the last five: below the schedule)."""
 DEFERRED_RULES = ("_schedule",)
 """Validator rules run lazily by the search (they build the schedule's lists)."""
 
@@ -67,21 +71,35 @@ def enumerate_layouts(base: Config, world: int, global_batch_size: int, seq_leng
                       precision: str) -> tuple[list[Layout], dict[str, tuple[int, int]]]:
     """(accepted layouts, {rule's first 160 characters: (rules passed before it, candidates refused)}).
 
-    ``base`` supplies the model and everything the planner does not choose.
+    ``base`` supplies the model and everything the planner does not choose. Choices are made level
+    by level (axis sizes; chunks and schedule; the rest); a level's candidate is first tried with
+    the simplest remaining choices, and dropped with all of them when the rule it breaks names
+    none of the remaining fields (every rule message names its fields), which keeps the search
+    fast on thousands of ranks without a rule of the planner's own.
     """
     scratch = copy.deepcopy(base)
     layouts, refused = [], {}
+
+    def check(lay: Layout, later: tuple[str, ...]) -> bool:
+        why = accepted(apply(scratch, lay, global_batch_size, seq_length, precision), world)
+        if why is None:
+            return True
+        if not later or not any(f in why[1] for f in later):
+            refused[why[1][:160]] = (why[0], refused.get(why[1][:160], (why[0], 0))[1] + 1)
+            return False
+        return True
+
     for tp, cp, pp, dp, ep in _axes(base, world):
-        choices = itertools.product(divisors(max(base.model.num_layers // pp, 1)), ZERO_LEVELS, SCHEDULES.names(),
-                                    (False, True) if tp > 1 else (False,),
-                                    CONTEXT_ALGORITHMS if cp > 1 else ("ring",),
-                                    divisors(max(global_batch_size // dp, 1)), RECOMPUTE)
-        for vpp, zero, schedule, sp, algo, mbs, rc in choices:
-            lay = Layout(tp, pp, vpp, dp, cp, ep, zero, schedule, mbs, rc, sp, algo)
-            why = accepted(apply(scratch, lay, global_batch_size, seq_length, precision), world)
-            if why is None:
-                layouts.append(lay)
-            else:
-                stage, rule = why
-                refused[rule[:160]] = (stage, refused.get(rule[:160], (stage, 0))[1] + 1)
+        if not check(Layout(tp, pp, 1, dp, cp, ep, 0, "1f1b", 1, "none", False), CHOICE_FIELDS):
+            continue
+        for vpp, schedule in itertools.product(divisors(max(base.model.num_layers // pp, 1)), SCHEDULES.names()):
+            if not check(Layout(tp, pp, vpp, dp, cp, ep, 0, schedule, 1, "none", False), CHOICE_FIELDS[3:]):
+                continue
+            rest = itertools.product(ZERO_LEVELS, (False, True) if tp > 1 else (False,),
+                                     CONTEXT_ALGORITHMS if cp > 1 else ("ring",),
+                                     divisors(max(global_batch_size // dp, 1)), RECOMPUTE)
+            for zero, sp, algo, mbs, rc in rest:
+                lay = Layout(tp, pp, vpp, dp, cp, ep, zero, schedule, mbs, rc, sp, algo)
+                if check(lay, ()):
+                    layouts.append(lay)
     return layouts, refused

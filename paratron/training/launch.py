@@ -26,6 +26,7 @@ from pathlib import Path
 
 from paratron.training.failures import collect, read_records, summarize, torchrun_exit_codes
 from paratron.training.hang import diagnose, load_dumps
+from paratron.training.startup import LAUNCH_ENV
 from paratron.training.rankproc import LOG_DIR_ENV, PR_SET_PDEATHSIG
 
 POLL_S = 0.1
@@ -109,6 +110,7 @@ def run_torchrun(cmd: list[str], run_dir: Path | None = None) -> int:
         env[LOG_DIR_ENV] = str(log_dir)
         stderr = open(log_dir / "torchrun.log", "wb")  # this job's messages only
     try:
+        env[LAUNCH_ENV] = repr(time.time())  # the start-up breakdown's "spawn" starts here
         proc = subprocess.Popen(cmd, env=env, stderr=stderr, preexec_fn=_agent_dies_with_us)
     finally:
         if stderr is not None:

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from paratron.config import Config
 from paratron.training.setup import build_model_and_optimizer  # noqa: F401  (public here too)
+from paratron.training.startup import StartupClock
 from paratron.training.step_log import log
 from paratron.training.trainer import NonFiniteStop, Trainer
 
@@ -35,9 +36,11 @@ def run_training(cfg: Config, run_dir: str | None = None) -> int:
     run_dir = Path(run_dir or os.environ.get("PARATRON_RUN_DIR") or "runs/latest")
     if cfg.train.deterministic:
         torch.use_deterministic_algorithms(True)
-    ctx = build_context(cfg)
+    clock = StartupClock()
+    with clock.part("rendezvous"):
+        ctx = build_context(cfg)
     try:
-        return Trainer(cfg, ctx, run_dir).train()
+        return Trainer(cfg, ctx, run_dir, clock=clock).train()
     except NonFiniteStop as exc:
         log(ctx, f"error: {exc}")
         return 1

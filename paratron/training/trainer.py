@@ -34,6 +34,7 @@ from paratron.training.nonfinite import NonFiniteGuard, NonFiniteStop
 from paratron.training.setup import (build_checkpoint_manager, build_model_and_optimizer, builtin_callbacks,
                                      count_params, print_sample, seed_everything, warn_if_saving_over)
 from paratron.training.step import rank_actions, run_global_batch
+from paratron.training.startup import StartupClock
 from paratron.training.step_log import StepLog, log
 from paratron.training.timers import PhaseTimer
 
@@ -71,23 +72,27 @@ class Trainer:
             ``loss.png``.
     """
 
-    def __init__(self, cfg: Config, ctx, run_dir: Path) -> None:
+    def __init__(self, cfg: Config, ctx, run_dir: Path, clock: StartupClock | None = None) -> None:
         from paratron.training.data_iter import TrainingData  # builds the data pipeline: lazy
 
         seed_everything(cfg.train.seed, ctx)
         self.cfg, self.ctx, self.run_dir = cfg, ctx, run_dir
-        self.data = TrainingData.build(cfg, ctx)
+        self.clock = clock if clock is not None else StartupClock()
+        with self.clock.part("data_index"):
+            self.data = TrainingData.build(cfg, ctx)
         if cfg.model.vocab_size is None:
             cfg.model.vocab_size = self.data.tokenizer.vocab_size
-        self.chunks, self.ddp, self.optimizer, self.scheduler = build_model_and_optimizer(cfg, ctx)
+        with self.clock.part("model"):
+            self.chunks, self.ddp, self.optimizer, self.scheduler = build_model_and_optimizer(cfg, ctx)
         if ctx.rank == 0:
             run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / "config.toml").write_text(to_toml(cfg))
+            (run_dir / "config.toml").write_text(to_toml(cfg), encoding="utf-8")
         self.writer = MetricsWriter(run_dir, ctx.rank == 0, cfg.logging.tensorboard)
         self.state = TrainState(cfg, ctx, self.chunks, self.optimizer, self.scheduler, run_dir)
         self.callbacks = CallbackList(builtin_callbacks(cfg, ctx, self.state) +
                                       [load_callback(s, self.state) for s in cfg.train.callbacks])
-        self.ckpt = build_checkpoint_manager(cfg, ctx)
+        with self.clock.part("checkpoint_load"):
+            self.ckpt = build_checkpoint_manager(cfg, ctx)
         self.actions = rank_actions(cfg, ctx, self.data.num_microbatches)  # the same every step
         self._actions = {self.data.num_microbatches: self.actions}
         self.evaluator = Evaluator(cfg, ctx, self.chunks, self.data, self.actions)
@@ -104,12 +109,15 @@ class Trainer:
         Raises:
             NonFiniteStop: a non-finite step under ``train.nonfinite`` (the same on every rank).
         """
-        self.resume()
+        with self.clock.part("checkpoint_load"):
+            self.resume()
         self.callbacks.on_train_start(self.state)
         with StopFlag() as stop:
             try:
                 while not self.stopping and self.state.iteration < self.cfg.train.train_iters:
                     record, timings = self.train_step()
+                    if not self.clock.reported:
+                        self.log_startup(timings["step"])
                     self.log(record, timings)
                     last = self.state.iteration >= self.cfg.train.train_iters
                     self.maybe_evaluate(last)
@@ -146,6 +154,13 @@ class Trainer:
         s.consumed_train_samples += self.cfg.train.global_batch_size
         record = self.step_log.record(s, out, result, lr, step_time)
         return record, dict(timer.last_host, step=step_time)
+
+    def log_startup(self, first_step_s: float) -> None:
+        """Write the ``startup`` record (:mod:`.startup`) once, after the first step (collective)."""
+        self.clock.seconds["first_step"] = first_step_s
+        record = self.clock.record(self.ctx)
+        self.writer.write(record)
+        log(self.ctx, StartupClock.line(record))
 
     def actions_for(self, m: int) -> list:
         """This rank's schedule for ``m`` microbatches (an uneven DP split changes ``m``; cached)."""

@@ -55,6 +55,47 @@ def all_to_all(x: torch.Tensor, group: Group, out_splits: list[int], in_splits: 
     return _AllToAll.apply(x, group, list(out_splits), list(in_splits))
 
 
+class InFlight:
+    """An all-to-all started by :func:`start_all_to_all`: the receive buffer, the work handle, and
+    the send buffer kept alive until the exchange is done."""
+
+    def __init__(self, out, work, send, group: Group, out_splits: list[int], in_splits: list[int]):
+        self.out, self.work, self.send = out, work, send
+        self.group, self.out_splits, self.in_splits = group, out_splits, in_splits
+
+
+def start_all_to_all(x: torch.Tensor, group: Group, out_splits: list[int], in_splits: list[int]) -> InFlight:
+    """Launch the all-to-all of :func:`all_to_all` asynchronously (``async_op``); the rows are
+    usable, with their gradient, after :func:`finish_all_to_all`."""
+    if sum(in_splits) != x.shape[0]:
+        raise ValueError(f"start_all_to_all: in_splits sum to {sum(in_splits)}, but x has {x.shape[0]} rows")
+    send = x.detach().contiguous()
+    out = _rows_like(x, sum(out_splits))
+    work = group.all_to_all(out, send, list(out_splits), list(in_splits), async_op=True)
+    return InFlight(out, work, send, group, list(out_splits), list(in_splits))
+
+
+class _Landed(torch.autograd.Function):
+    @staticmethod
+    def forward(fctx, x, flight: InFlight):
+        if flight.work is not None:
+            flight.work.wait()
+        fctx.group, fctx.out_splits, fctx.in_splits = flight.group, flight.out_splits, flight.in_splits
+        return flight.out
+
+    @staticmethod
+    def backward(fctx, grad):
+        back = _rows_like(grad, sum(fctx.in_splits))
+        fctx.group.all_to_all(back, grad.contiguous(), fctx.in_splits, fctx.out_splits)
+        return back, None
+
+
+def finish_all_to_all(x: torch.Tensor, flight: InFlight) -> torch.Tensor:
+    """Wait for ``flight`` (started from ``x``) and return the received rows, differentiable with
+    respect to ``x`` (backward: the swapped all-to-all, run synchronously)."""
+    return _Landed.apply(x, flight)
+
+
 class _GatherRows(torch.autograd.Function):
     @staticmethod
     def forward(fctx, x, group: Group, grad_is_partial: bool):

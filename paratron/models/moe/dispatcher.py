@@ -28,7 +28,7 @@ import torch
 
 from paratron.registry import Registry
 
-from .collectives import all_to_all, gather_rows, reduce_scatter_rows
+from .collectives import all_to_all, finish_all_to_all, gather_rows, reduce_scatter_rows, start_all_to_all
 
 
 def _expert_major(indices: torch.Tensor, lo: int, hi: int):
@@ -83,6 +83,28 @@ class TokenDispatcher(ABC):
     def combine(self, expert_output: torch.Tensor, plan) -> torch.Tensor:
         """Bring expert outputs ``[N, h]`` back to their tokens' ranks: ``[T, k, h]``."""
 
+    def run(self, tokens: torch.Tensor, indices: torch.Tensor, experts) -> torch.Tensor:
+        """Dispatch, run ``experts(rows, tokens_per_expert)``, combine: ``[T, k, h]``. A
+        dispatcher that overlaps communication with the experts overrides this."""
+        expert_input, tokens_per_expert, plan = self.dispatch(tokens, indices)
+        return self.combine(experts(expert_input, tokens_per_expert), plan)
+
+
+@dataclass
+class _Pending:
+    """A dispatch up to its row all-to-all (see :meth:`AllToAllDispatcher._start`)."""
+
+    num_slots: int
+    k: int
+    slot_ids: torch.Tensor
+    real_rows: torch.Tensor
+    buf: torch.Tensor            # every row to send, own block included, in expert order
+    send: torch.Tensor           # buf without the own block
+    local_range: tuple[int, int]
+    in_splits: list[int]
+    out_splits: list[int]
+    recv_counts: torch.Tensor    # [ep, E_local]
+
 
 @dataclass
 class _AllToAllPlan:
@@ -119,7 +141,8 @@ class AllToAllDispatcher(TokenDispatcher):
         self.group.all_to_all(recv, send_counts.contiguous())
         return recv
 
-    def dispatch(self, tokens: torch.Tensor, indices: torch.Tensor):
+    def _start(self, tokens: torch.Tensor, indices: torch.Tensor) -> "_Pending":
+        """Everything before the row all-to-all: sort by expert, pad, exchange the counts."""
         T, k = indices.shape
         h = tokens.shape[-1]
         ep, me, E, El = self.group.size, self.group.rank, self.num_experts, self.num_local
@@ -143,23 +166,30 @@ class AllToAllDispatcher(TokenDispatcher):
         send_counts = send_counts.view(ep, El)
         recv_counts = self._exchange_counts(send_counts)
         per_rank = send_counts.sum(dim=1).tolist()
-        recv_per_rank = recv_counts.sum(dim=1).tolist()
         lo = sum(per_rank[:me])
         local_range = (lo, lo + per_rank[me])
         in_splits = list(per_rank)
         in_splits[me] = 0
-        out_splits = list(recv_per_rank)
+        out_splits = recv_counts.sum(dim=1).tolist()
         out_splits[me] = 0
         send = torch.cat([buf[:local_range[0]], buf[local_range[1]:]])
-        received = all_to_all(send, self.group, out_splits, in_splits)
-        at = sum(out_splits[:me])
-        source_major = torch.cat([received[:at], buf[local_range[0]:local_range[1]], received[at:]])
+        return _Pending(T * k, k, slot_ids, real_rows, buf, send, local_range, in_splits, out_splits, recv_counts)
+
+    def _finish(self, p: "_Pending", received: torch.Tensor):
+        """Everything after the row all-to-all: own rows back in, source-major -> expert-major."""
+        at = sum(p.out_splits[:self.group.rank])
+        lo, hi = p.local_range
+        source_major = torch.cat([received[:at], p.buf[lo:hi], received[at:]])
         # Rows arrive as [source rank][local expert]; experts run on [local expert][source rank].
-        to_expert_major = source_to_expert_major(recv_counts)
+        to_expert_major = source_to_expert_major(p.recv_counts)
         expert_input = source_major.index_select(0, to_expert_major)
-        plan = _AllToAllPlan(T * k, k, slot_ids, real_rows, in_splits, out_splits, local_range, at,
-                             to_expert_major)
-        return expert_input, recv_counts.sum(dim=0).tolist(), plan
+        plan = _AllToAllPlan(p.num_slots, p.k, p.slot_ids, p.real_rows, p.in_splits, p.out_splits, p.local_range,
+                             at, to_expert_major)
+        return expert_input, p.recv_counts.sum(dim=0).tolist(), plan
+
+    def dispatch(self, tokens: torch.Tensor, indices: torch.Tensor):
+        p = self._start(tokens, indices)
+        return self._finish(p, all_to_all(p.send, self.group, p.out_splits, p.in_splits))
 
     def combine(self, expert_output: torch.Tensor, plan: _AllToAllPlan) -> torch.Tensor:
         h = expert_output.shape[-1]
@@ -210,10 +240,52 @@ class AllGatherDispatcher(TokenDispatcher):
         return mine.view(mine.shape[0] // plan.k, plan.k, h)
 
 
+class ChunkedAllToAllDispatcher(AllToAllDispatcher):
+    """All-to-all dispatch in ``num_chunks`` chunks of tokens, each chunk's row exchange running
+    while the previous chunk's experts compute (the chunked overlap of Megatron-LM's / DeepSpeed's
+    EP communication overlap; FarSkip-Collective and DeepSeek-V3 overlap across microbatches).
+
+    Chunk ``j + 1``'s all-to-all is launched asynchronously (``Group`` work handle) before chunk
+    ``j``'s experts run, and waited for after them. Per token the result is the plain
+    dispatcher's: the experts see the same rows, only in smaller groups. What is overlapped: the
+    forward dispatch. Not overlapped (run as in the plain dispatcher): the combine, the count
+    exchanges (small, one per chunk, before the first launch) and the backward all-to-alls.
+    ``pad_to_capacity`` is refused (per-chunk padding would change the shapes).
+
+    Raises:
+        ValueError: ``pad_to_capacity`` set.
+    """
+
+    num_chunks = 2
+
+    def __init__(self, ctx, num_experts: int, *, capacity: int | None = None, pad_to_capacity: bool = False):
+        if pad_to_capacity:
+            raise ValueError("model.moe_token_dispatcher=alltoall_chunked does not take "
+                             "model.moe_pad_to_capacity=true")
+        super().__init__(ctx, num_experts, capacity=capacity, pad_to_capacity=False)
+
+    def _launch(self, p: _Pending):
+        return start_all_to_all(p.send, self.group, p.out_splits, p.in_splits)
+
+    def run(self, tokens: torch.Tensor, indices: torch.Tensor, experts) -> torch.Tensor:
+        n = -(-tokens.shape[0] // self.num_chunks)  # ceil; every EP rank makes the same chunks
+        bounds = [(j * n, min((j + 1) * n, tokens.shape[0])) for j in range(self.num_chunks)]
+        pending = [self._start(tokens[a:max(a, b)], indices[a:max(a, b)]) for a, b in bounds]
+        flights = [self._launch(pending[0])]
+        outs = []
+        for j, p in enumerate(pending):
+            if j + 1 < len(pending):
+                flights.append(self._launch(pending[j + 1]))  # in flight while chunk j computes
+            expert_input, tokens_per_expert, plan = self._finish(p, finish_all_to_all(p.send, flights[j]))
+            outs.append(self.combine(experts(expert_input, tokens_per_expert), plan))
+        return torch.cat(outs)
+
+
 DISPATCHERS: Registry[Callable[..., TokenDispatcher]] = Registry("token dispatcher",
                                                                 "model.moe_token_dispatcher")
 DISPATCHERS.register("alltoall", AllToAllDispatcher)
 DISPATCHERS.register("allgather", AllGatherDispatcher)
+DISPATCHERS.register("alltoall_chunked", ChunkedAllToAllDispatcher)
 
 
 def register_dispatcher(name: str, cls: Callable[..., TokenDispatcher]) -> None:

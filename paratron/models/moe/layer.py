@@ -109,7 +109,7 @@ class MoELayer(nn.Module):
                                  sequence_parallel=self.sequence_parallel, params_dtype=params_dtype)
         num_local = E // ep
         self.experts = LocalExperts(cfg, ctx, prefix=prefix, seed=seed, first_expert=ctx.ep.rank * num_local,
-                                    num_local=num_local, params_dtype=params_dtype)
+                                    num_local=num_local, params_dtype=params_dtype, gemm=cfg.moe_expert_gemm)
         self.pad_to_capacity = bool(cfg.moe_pad_to_capacity)
         self.dispatcher_cls = get_dispatcher(cfg.moe_token_dispatcher)
         self.shared_expert = None
@@ -190,9 +190,7 @@ class MoELayer(nn.Module):
             d_tokens, d_indices = tokens, indices
 
         dispatcher = self._dispatcher(capacity)
-        expert_in, tokens_per_expert, plan = dispatcher.dispatch(d_tokens, d_indices)
-        expert_out = self.experts(expert_in, tokens_per_expert)
-        slots = dispatcher.combine(expert_out, plan)  # [T_d, k, h]
+        slots = dispatcher.run(d_tokens, d_indices, self.experts)  # [T_d, k, h]
         if replicated:
             slots = gather_rows(slots, tp, grad_is_partial=False)
         y = (slots.float() * routing.probs.unsqueeze(-1)).sum(dim=1).to(x.dtype)

@@ -1,0 +1,105 @@
+"""Delay-aware 1F1B for a slow pipeline link (CrossPipe; USENIX ATC 2025), and a p2p delay
+injector for tests and benchmarks.
+
+When one link between pipeline ranks (say, between two data centres) has a latency ``d``, 1F1B's
+ranks upstream of it stall: each of their backwards waits for a grad that crossed the link twice
+(the activation going down, the grad coming back), ``2d`` later than 1F1B's warm-up assumes.
+CrossPipe keeps those ranks busy by letting more microbatches be in flight there: each rank at
+or before the slow link runs ``ceil(2 d / t)`` more warm-up forwards, with ``t`` the time of one
+microbatch's forward and backward on a stage, so the round trip overlaps compute. The cost is
+that many more activations held on those ranks.
+
+:class:`LinkDelay` adds a fixed latency to one link of a real run: the receiving rank watches
+each receive from the other end between actions to note when the message arrived, and the
+runtime's wait returns no earlier than that arrival plus the delay.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from .actions import Action
+from .schedules import check_1f1b, one_f_one_b_with_warmup
+
+
+def link_latency_seconds(parallel_cfg) -> tuple[float, ...] | None:
+    """``parallel.pipeline_link_latency_ms`` in seconds, for ``Costs(link_latency=...)`` and
+    ``build_schedule("1f1b-delay", ..., link_latency=...)``; None when unset."""
+    lat = parallel_cfg.pipeline_link_latency_ms
+    return None if lat is None else tuple(x / 1e3 for x in lat)
+
+
+def delay_warmups(p: int, link_latency: Sequence[float] | None, microbatch_time: float) -> list[int]:
+    """Warm-up forwards per rank for 1F1B over links with the given extra latencies.
+
+    Args:
+        p: pipeline ranks.
+        link_latency: ``link_latency[k]``: extra latency of the link between ranks ``k`` and
+            ``k+1`` (``p-1`` entries; None: none), in the unit of ``microbatch_time``.
+        microbatch_time: forward plus backward of one microbatch on one stage (> 0).
+
+    Returns:
+        ``p-r-1 + sum over links k >= r of ceil(2 link_latency[k] / microbatch_time)`` per rank.
+
+    Raises:
+        ValueError: a negative latency, a list of another length than ``p-1``, or
+            ``microbatch_time <= 0``.
+    """
+    lat = list(link_latency or [0.0] * (p - 1))
+    if len(lat) != p - 1 or any(x < 0 for x in lat):
+        raise ValueError(f"link_latency={lat} must list p-1={p - 1} latencies >= 0 (link k joins ranks k and k+1)")
+    if microbatch_time <= 0:
+        raise ValueError(f"microbatch_time={microbatch_time} must be > 0")
+    extra = [math.ceil(2 * x / microbatch_time - 1e-9) for x in lat]
+    return [p - r - 1 + sum(extra[r:]) for r in range(p)]
+
+
+def one_f_one_b_delay(p: int, m: int, v: int = 1, link_latency: Sequence[float] | None = None,
+                      microbatch_time: float = 1.0) -> list[list[Action]]:
+    """``1f1b-delay``: 1F1B whose warm-up counts come from the link costs (:func:`delay_warmups`);
+    without ``link_latency`` it is plain 1F1B. Peak in-flight on rank r: its warm-up + 1
+    (at most m). Pass the options through ``build_schedule("1f1b-delay", p, m,
+    link_latency=..., microbatch_time=...)``."""
+    check_1f1b(p, m, v)
+    return one_f_one_b_with_warmup(m, delay_warmups(p, link_latency, microbatch_time))
+
+
+@dataclass(frozen=True)
+class LinkDelay:
+    """Fixed extra latency on the pipeline link between ranks ``link[0]`` and ``link[1]``, both
+    directions, in ``seconds``; give the same object to every rank's ``run_pipeline``."""
+
+    link: tuple[int, int]
+    seconds: float
+
+    def applies(self, rank: int, peer: int) -> bool:
+        return {rank, peer} == set(self.link)
+
+    def watch(self, work: Any) -> "Watched":
+        """Wrap ``work`` (a posted receive over the link) so its ``wait`` honours the delay."""
+        return Watched(work, self.seconds)
+
+
+class Watched:
+    """A receive whose ``wait()`` returns ``seconds`` after it arrived. The arrival is seen by
+    :meth:`poll`, which the runtime calls between actions (so it is known to within one action;
+    no thread touches the process group), or at the latest when the wait begins."""
+
+    def __init__(self, work: Any, seconds: float):
+        self.work, self.seconds, self.arrived = work, seconds, None
+
+    def poll(self) -> None:
+        if self.arrived is None and self.work.is_completed():
+            self.arrived = time.perf_counter()
+
+    def wait(self) -> None:
+        self.poll()
+        if self.arrived is None:
+            self.work.wait()
+            self.arrived = time.perf_counter()
+        left = self.arrived + self.seconds - time.perf_counter()
+        if left > 0:
+            time.sleep(left)

@@ -1,0 +1,127 @@
+"""Delay-aware 1F1B (CrossPipe, issue 22): per-link costs in the simulator, the ``1f1b-delay``
+schedule's warm-ups from link costs, and the runtime's p2p delay injector: with 40 ms injected on
+the link between stages 1 and 2 at PP=4, ``1f1b-delay`` gives 1F1B's losses and grads to 1e-6
+(fp32). Its makespan against 1F1B under delay is measured in benchmarks/, not asserted here.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from paratron.models.gpt import build_model_chunks
+from paratron.optim import finalize_grads
+from paratron.parallel.context import ParallelContext
+from paratron.pipeline.delay import LinkDelay, delay_warmups
+from paratron.pipeline.partition import stage_layers
+from paratron.pipeline.registry import build_schedule
+from paratron.pipeline.runtime import run_pipeline
+from paratron.pipeline.simulator import Costs, simulate
+from paratron.testing import run_ranks
+
+from helpers import perturb_1d_params_
+from test_pipeline_runtime import GLOBAL_BATCH, HIDDEN, LAYERS, SEED, SEQ, _cfg, _forward_step, _global_batch
+
+TOL = 1e-6
+DELAY = LinkDelay((1, 2), 0.040)
+
+
+def _run(p, m):
+    ctx = ParallelContext.build(pp=p)
+    ids, labels = _global_batch()
+    total = (labels != -100).sum()
+    mbs = GLOBAL_BATCH // m
+    micro = [(ids[i * mbs:(i + 1) * mbs], labels[i * mbs:(i + 1) * mbs]) for i in range(m)]
+    out = {}
+    for name, options in (("1f1b", {}), ("1f1b-delay", {"link_latency": [0, 0.04, 0], "microbatch_time": 0.02})):
+        chunks = build_model_chunks(_cfg(), ctx, seed=SEED, stage_layers=stage_layers(LAYERS, p, 1, None, "1f1b"))
+        perturb_1d_params_(chunks)
+        lists = build_schedule(name, p, m, 1, **options)
+        start = time.perf_counter()
+        losses = run_pipeline(lists[ctx.pp.rank], chunks, ctx, micro, _forward_step(total), (SEQ, mbs, HIDDEN),
+                              torch.float32, link_delay=DELAY)
+        elapsed = time.perf_counter() - start
+        finalize_grads(chunks, ctx)
+        out[name] = ([x.item() for x in losses], {q.logical_name: q.grad.clone() for c in chunks for q in c.parameters()},
+                     elapsed)
+    return out
+
+
+def test_delay_schedule_matches_1f1b_under_injected_delay():
+    results = run_ranks(_run, 4, 4, 8, timeout=300)
+    for rank_out in results:
+        ref_losses, ref_grads, _ = rank_out["1f1b"]
+        losses, grads, _ = rank_out["1f1b-delay"]
+        assert losses == pytest.approx(ref_losses, abs=TOL)
+        for name, g in ref_grads.items():
+            assert (grads[name] - g).abs().max().item() < TOL, name
+    # the injector really delays: 1F1B's step crosses the link (2 ways) at least once per microbatch
+    assert all(rank_out["1f1b"][2] > 2 * DELAY.seconds for rank_out in results)
+
+
+def test_warmups_from_link_costs_and_simulated_gain():
+    assert delay_warmups(4, None, 1.0) == [3, 2, 1, 0]
+    assert delay_warmups(4, [0, 2.5, 0], 1.0) == [3 + 5, 2 + 5, 1, 0]
+    with pytest.raises(ValueError, match="p-1=3"):
+        delay_warmups(4, [1.0], 1.0)
+    assert build_schedule("1f1b-delay", 4, 8) == build_schedule("1f1b", 4, 8)
+    costs = Costs(F=1, B=1, W=1, link_latency=(0, 2.5, 0))
+    plain = simulate(build_schedule("1f1b", 4, 8), costs).makespan
+    aware = simulate(build_schedule("1f1b-delay", 4, 8, link_latency=[0, 2.5, 0], microbatch_time=3), costs)
+    assert aware.makespan < plain
+    assert simulate(build_schedule("1f1b", 4, 8), Costs(F=1, B=1, W=1)).makespan == (8 + 3) * 3
+    assert plain > (8 + 3) * 3 + 4 * 2.5 - 1e-9  # the slow link is on the critical path twice per round trip
+
+
+def test_link_time():
+    c = Costs(latency=0.5, link_latency=(0.0, 2.0), link_bandwidth=(10.0, 1.0), message_size=4.0)
+    assert c.link_time(0, 1) == pytest.approx(0.5 + 0.4) and c.link_time(2, 1) == pytest.approx(0.5 + 2 + 4)
+    assert c.link_time(2, 3) == 0.5
+
+
+class _DoneWork:
+    """A receive that has already arrived."""
+
+    def is_completed(self):
+        return True
+
+    def wait(self):
+        return True
+
+
+def test_link_delay_holds_a_receive_for_its_seconds():
+    assert DELAY.applies(1, 2) and DELAY.applies(2, 1) and not DELAY.applies(0, 1)
+    watched = DELAY.watch(_DoneWork())
+    watched.poll()  # the runtime notes the arrival between actions
+    arrived = watched.arrived
+    watched.wait()
+    assert time.perf_counter() - arrived >= DELAY.seconds  # a lower bound only: sleep never returns early
+
+
+def test_link_latency_config():
+    from paratron.config import Config, ConfigError, apply_overrides, validate
+    from paratron.pipeline.delay import link_latency_seconds
+
+    cfg = Config()
+    apply_overrides(cfg, ["parallel.pipeline=4", "parallel.pipeline_link_latency_ms=[0, 40, 0]",
+                          "model.num_layers=4"])
+    validate(cfg)
+    assert link_latency_seconds(cfg.parallel) == (0.0, 0.04, 0.0)
+    assert link_latency_seconds(Config().parallel) is None
+    cfg.parallel.pipeline_link_latency_ms = [0.0, 40.0]
+    with pytest.raises(ConfigError, match="parallel.pipeline_link_latency_ms"):
+        validate(cfg)
+
+
+def test_simulate_command_link_latency(capsys):
+    from paratron.cli import main
+
+    spans = {}
+    for name in ("1f1b", "1f1b-delay"):
+        assert main(["simulate", "--schedule", name, "--pipeline", "4", "--microbatches", "8",
+                     "--link-latency", "0,2.5,0"]) == 0
+        spans[name] = float(capsys.readouterr().out.split("makespan ")[1].split()[0])
+    assert spans["1f1b-delay"] < spans["1f1b"]
+    assert main(["simulate", "--pipeline", "4", "--link-latency", "0,1"]) == 2
