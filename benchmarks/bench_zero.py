@@ -89,11 +89,46 @@ def _data(args, step, rank):
     return toks[:, :-1], toks[:, 1:]
 
 
-def _rank(args):
+def deepspeed_engine(args, kw: dict, cfg: OptimizerConfig, stage: int):
+    """A fresh ``TinyGPT(**kw)`` wrapped by ``deepspeed.initialize`` at ZeRO ``stage`` (fp32,
+    ``torch.optim.AdamW`` as the client optimizer, clipping and buckets as ``cfg`` / ``args``)."""
     import deepspeed
     from deepspeed.utils import logger
 
     logger.setLevel("ERROR")
+    model = TinyGPT(**kw)
+    decay = [p for p in model.parameters() if p.dim() > 1]
+    nodecay = [p for p in model.parameters() if p.dim() == 1]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                             {"params": nodecay, "weight_decay": 0.0}], lr=cfg.lr,
+                            betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
+    bucket = int(args.bucket_mb * 2**20 / 4)
+    zero = {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket,
+            "overlap_comm": False, "contiguous_gradients": True}
+    if stage == 3:  # prefetch one bucket ahead, as paratron's ZeRO-3 prefetches one unit
+        zero.update(stage3_prefetch_bucket_size=bucket, stage3_param_persistence_threshold=0)
+    ds_cfg = {
+        "train_micro_batch_size_per_gpu": args.micro_batch, "gradient_accumulation_steps": args.microbatches,
+        "train_batch_size": args.micro_batch * args.microbatches * torch.distributed.get_world_size(),
+        "gradient_clipping": cfg.clip_grad, "zero_optimization": zero,
+        "zero_allow_untested_optimizer": True, "steps_per_print": 10**9, "wall_clock_breakdown": False,
+    }
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_cfg, dist_init_required=False)
+    return engine
+
+
+def deepspeed_step(engine, args, step: int) -> None:
+    """One optimizer step of ``engine``: ``args.microbatches`` forward/backward passes (DeepSpeed
+    steps the optimizer at the last one)."""
+    tokens, labels = _data(args, step, torch.distributed.get_rank())
+    mb = args.micro_batch
+    for i in range(args.microbatches):
+        loss = engine(tokens[i * mb:(i + 1) * mb], labels[i * mb:(i + 1) * mb])
+        engine.backward(loss)
+        engine.step()
+
+
+def _rank(args):
     from paratron.optim import DistributedDataParallel, build_optimizer, finalize_grads
     from paratron.parallel.context import ParallelContext
 
@@ -104,29 +139,8 @@ def _rank(args):
     cfg = OptimizerConfig(name="adamw", lr=1e-3, weight_decay=0.1, clip_grad=1.0)
 
     # DeepSpeed ZeRO-1.
-    ds_model = TinyGPT(**kw)
-    decay = [p for p in ds_model.parameters() if p.dim() > 1]
-    nodecay = [p for p in ds_model.parameters() if p.dim() == 1]
-    ds_opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                                {"params": nodecay, "weight_decay": 0.0}], lr=cfg.lr,
-                               betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
-    bucket = int(args.bucket_mb * 2**20 / 4)
-    ds_cfg = {
-        "train_micro_batch_size_per_gpu": mb, "gradient_accumulation_steps": m,
-        "train_batch_size": mb * m * dp, "gradient_clipping": cfg.clip_grad,
-        "zero_optimization": {"stage": 1, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket,
-                              "overlap_comm": False, "contiguous_gradients": True},
-        "zero_allow_untested_optimizer": True, "steps_per_print": 10**9, "wall_clock_breakdown": False,
-    }
-    engine, *_ = deepspeed.initialize(model=ds_model, optimizer=ds_opt, config=ds_cfg,
-                                      dist_init_required=False)
-
-    def ds_step(step):
-        tokens, labels = _data(args, step, rank)
-        for i in range(m):
-            loss = engine(tokens[i * mb:(i + 1) * mb], labels[i * mb:(i + 1) * mb])
-            engine.backward(loss)
-            engine.step()
+    engine = deepspeed_engine(args, kw, cfg, stage=1)
+    ds_model = engine.module
 
     # paratron ZeRO-1, overlap on and off.
     ctx = ParallelContext.build()
@@ -151,7 +165,8 @@ def _rank(args):
         opt.step()
 
     times = time_in_turn(["deepspeed", "paratron", "paratron_no_overlap"], args.steps,
-                         lambda name, step: ds_step(step) if name == "deepspeed" else paratron_step(name, step))
+                         lambda name, step: deepspeed_step(engine, args, step) if name == "deepspeed"
+                         else paratron_step(name, step))
     ds_params = dict(engine.module.named_parameters())
     diffs = {}
     for name, (model, _) in runs.items():

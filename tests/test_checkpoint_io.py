@@ -200,3 +200,18 @@ def test_resolve_latest_and_step(tmp_path):
         resolve(tmp_path / "root", 5)
     _, t = load_model_full(tmp_path / "root")
     assert torch.equal(t["w"], torch.ones(2))
+
+
+def test_checkpoint_older_than_a_model_field_still_loads():
+    """A checkpoint saved before a model field existed does not record it: the field counts as
+    its default (a run at the default resumes; one that changes it is refused). Fields that only
+    choose how the experts compute (GEMM method, bias update rate, drop policy) never refuse."""
+    old = Config().to_dict()["model"]
+    for k in ("moe_router_norm_topk_prob", "moe_shared_expert_gate", "moe_expert_gemm"):
+        del old[k]
+    now = Config()
+    assert model_config_differences(old, now.to_dict()["model"]) == []
+    now.model.moe_shared_expert_gate = True
+    now.model.moe_expert_gemm = "bmm"
+    assert model_config_differences(old, now.to_dict()["model"]) == [
+        "model.moe_shared_expert_gate: checkpoint False, this run True"]

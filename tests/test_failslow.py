@@ -1,7 +1,8 @@
 """Fail-slow plugin (paratron/plugins/failslow.py): rank 1 of DP=2 slowed 2x by sleep injection
 is detected within 5 steps; moving microbatches off it leaves the losses equal to the
 unmitigated run's (1e-6); an uneven DP split reads the same global batch; a slowed pipeline stage
-gets a layout the simulator predicts >= 15% faster. (Step-time ratio: benchmarks/failslow.py.)"""
+gets a layout the simulator predicts >= 15% faster, in the planner function and through a PP=2
+run with stage 1 slowed. (Step-time ratio: benchmarks/bench_failslow.py.)"""
 
 from __future__ import annotations
 
@@ -98,3 +99,18 @@ def test_a_slow_stage_gets_a_layout_predicted_15_percent_faster(schedule, v, siz
     assert after == simulated_step(layout, per_layer, p, v, schedule, 8)
     slow_stages = [s for s in range(len(sizes)) if (s % p) == 1]  # the interleaved placement
     assert sum(layout[s] for s in slow_stages) < sum(sizes[s] for s in slow_stages)
+
+
+def test_a_slowed_pipeline_stage_is_flagged_and_gets_a_layout(tmp_path, tiny_corpus):
+    cbs = 'train.callbacks=["paratron.plugins.failslow:FailSlow", "paratron.plugins.failslow_inject:SlowRank"]'
+    over = [x for x in TINY if not x.startswith(("model.num_layers", "train.global_batch_size"))]
+    over += ["model.num_layers=4", "train.global_batch_size=4", "parallel.pipeline=2", cbs]
+    out = run_ranks(_train, 2, over + tiny_corpus, str(tmp_path / "pp"), "1:2", timeout=300)
+    assert out[0][0] == 0, out[0][1]
+    records = [json.loads(x) for x in (tmp_path / "pp" / "metrics.jsonl").read_text().splitlines()]
+    flags = [e for r in records for e in r.get("failslow", [])]
+    assert flags and flags[0]["rank"] == 1 and flags[0]["pp"] == 1 and flags[0]["iteration"] <= 5, flags
+    proposal = next(r["failslow_layout"] for r in records if "failslow_layout" in r)
+    assert proposal["current"] == [2, 2] and proposal["pipeline_layout"][1] < 2, proposal
+    assert proposal["predicted_ratio"] <= 0.85, proposal
+    assert "proposed parallel.pipeline_layout=" in out[0][1]

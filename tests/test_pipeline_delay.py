@@ -98,3 +98,30 @@ def test_link_delay_holds_a_receive_for_its_seconds():
     arrived = watched.arrived
     watched.wait()
     assert time.perf_counter() - arrived >= DELAY.seconds  # a lower bound only: sleep never returns early
+
+
+def test_link_latency_config():
+    from paratron.config import Config, ConfigError, apply_overrides, validate
+    from paratron.pipeline.delay import link_latency_seconds
+
+    cfg = Config()
+    apply_overrides(cfg, ["parallel.pipeline=4", "parallel.pipeline_link_latency_ms=[0, 40, 0]",
+                          "model.num_layers=4"])
+    validate(cfg)
+    assert link_latency_seconds(cfg.parallel) == (0.0, 0.04, 0.0)
+    assert link_latency_seconds(Config().parallel) is None
+    cfg.parallel.pipeline_link_latency_ms = [0.0, 40.0]
+    with pytest.raises(ConfigError, match="parallel.pipeline_link_latency_ms"):
+        validate(cfg)
+
+
+def test_simulate_command_link_latency(capsys):
+    from paratron.cli import main
+
+    spans = {}
+    for name in ("1f1b", "1f1b-delay"):
+        assert main(["simulate", "--schedule", name, "--pipeline", "4", "--microbatches", "8",
+                     "--link-latency", "0,2.5,0"]) == 0
+        spans[name] = float(capsys.readouterr().out.split("makespan ")[1].split()[0])
+    assert spans["1f1b-delay"] < spans["1f1b"]
+    assert main(["simulate", "--pipeline", "4", "--link-latency", "0,1"]) == 2

@@ -11,6 +11,7 @@ make the directory refused outright.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import io
@@ -164,8 +165,16 @@ class SafeFileSystemReader(FileSystemReader):
 EXECUTION_ONLY_MODEL_FIELDS = frozenset({
     "recompute", "hidden_dropout", "attention_dropout", "make_vocab_size_divisible_by",
     "moe_token_dispatcher", "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_capacity_factor",
-    "init_method_std", "seq_length",
+    "init_method_std", "seq_length", "moe_expert_gemm", "moe_router_bias_update_rate",
+    "moe_token_drop_policy",
 })
+
+
+def _model_field_defaults() -> dict[str, Any]:
+    from paratron.config import ModelConfig
+
+    return {f.name: f.default for f in dataclasses.fields(ModelConfig)
+            if f.default is not dataclasses.MISSING}
 
 
 def _effective(model: dict[str, Any]) -> dict[str, Any]:
@@ -183,8 +192,12 @@ def model_config_differences(saved: dict[str, Any], current: dict[str, Any]) -> 
     """``model.<field>: saved X, now Y`` for every weight-relevant model field that differs.
 
     Args:
-        saved, current: the ``model`` sections of two configs, as dicts.
+        saved, current: the ``model`` sections of two configs, as dicts; a field missing from
+            ``saved`` (a checkpoint older than the field) counts as its default.
     """
+    # A field the checkpoint does not record was added to paratron after it was saved; its default
+    # is what that run did (new fields default to the old behaviour).
+    saved = {**{k: v for k, v in _model_field_defaults().items() if k not in saved}, **saved}
     a, b = _effective(saved), _effective(current)
     out = []
     for k in sorted(set(a) | set(b)):

@@ -120,6 +120,9 @@ class ParallelConfig:
     """Pipeline schedule registry name: gpipe, 1f1b, interleaved, zb-h1, zbv, or a registered one."""
     pipeline_layout: Optional[list[int]] = None
     """Transformer layers per pipeline stage (virtual stages in order); None splits evenly."""
+    pipeline_link_latency_ms: Optional[list[float]] = None
+    """Extra latency (ms) of each link between pipeline ranks k and k+1 (pipeline-1 entries), for
+    the simulator and the ``1f1b-delay`` schedule's warm-ups (CrossPipe); None: all links equal."""
     order: str = "tp-cp-ep-dp-pp"
     """Rank order, fastest-varying axis first."""
     overlap_grad_reduce: bool = True

@@ -158,6 +158,14 @@ def check_schedule(cfg: Config, world: int | None, *, build: bool = True) -> Non
             f"({t.micro_batch_size} * {dp})): {e}") from None
 
 
+def _link_latency(cfg: Config, world: int | None) -> None:
+    p = cfg.parallel
+    lat = p.pipeline_link_latency_ms
+    if lat is not None and (len(lat) != p.pipeline - 1 or not all(math.isfinite(x) and x >= 0 for x in lat)):
+        raise ConfigError(f"parallel.pipeline_link_latency_ms={lat} must list parallel.pipeline-1={p.pipeline - 1} "
+                          "finite latencies >= 0 (entry k: the link between pipeline ranks k and k+1)")
+
+
 def _schedule(cfg: Config, world: int | None) -> None:
     check_schedule(cfg, world, build=True)
 
@@ -198,7 +206,7 @@ def _lr_schedule(cfg: Config, world: int | None) -> None:
         raise ConfigError(f"optimizer.min_lr={o.min_lr} must be <= optimizer.lr={o.lr}")
 
 
-VALIDATORS = [_finite, _positive, _nonfinite_policy, _lr_schedule, _grid, _model, _batch, _sequence, _schedule, _pipeline_layers,
+VALIDATORS = [_finite, _positive, _nonfinite_policy, _lr_schedule, _grid, _model, _batch, _sequence, _schedule, _link_latency, _pipeline_layers,
               _experts, _zero, _split, check_context]
 """Every config rule, in order. Each takes ``(cfg, world_size_or_None)`` and raises ConfigError."""
 

@@ -25,6 +25,13 @@ from .actions import Action
 from .schedules import check_1f1b, one_f_one_b_with_warmup
 
 
+def link_latency_seconds(parallel_cfg) -> tuple[float, ...] | None:
+    """``parallel.pipeline_link_latency_ms`` in seconds, for ``Costs(link_latency=...)`` and
+    ``build_schedule("1f1b-delay", ..., link_latency=...)``; None when unset."""
+    lat = parallel_cfg.pipeline_link_latency_ms
+    return None if lat is None else tuple(x / 1e3 for x in lat)
+
+
 def delay_warmups(p: int, link_latency: Sequence[float] | None, microbatch_time: float) -> list[int]:
     """Warm-up forwards per rank for 1F1B over links with the given extra latencies.
 

@@ -31,6 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cost-b", type=float, default=1.0, help="input-grad backward (B) cost")
     parser.add_argument("--cost-w", type=float, default=1.0, help="weight-grad backward (W) cost; BW = B + W")
     parser.add_argument("--latency", type=float, default=0.0, help="p2p latency, in the same unit")
+    parser.add_argument("--link-latency", default=None,
+                        help="extra latency per link between ranks k and k+1, comma-separated (p-1 values, same "
+                             "unit); 1f1b-delay takes its warm-ups from it")
     parser.add_argument("--output", default=None, help="timeline file: .png or .json (Chrome trace)")
 
 
@@ -39,12 +42,19 @@ def run(args: argparse.Namespace) -> int:
     m = args.microbatches if args.microbatches is not None else default_microbatches(p)
     v = args.virtual if args.virtual is not None else (2 if args.schedule in ("interleaved", "zbv") else 1)
     try:
-        schedule = build_schedule(args.schedule, p, m, v)
+        links = None if args.link_latency is None else tuple(float(x) for x in args.link_latency.split(","))
+        if links is not None and (len(links) != p - 1 or min(links) < 0):
+            raise ValueError(f"--link-latency={args.link_latency} must give p-1={p - 1} values >= 0")
+        options = {}
+        if args.schedule == "1f1b-delay" and links is not None:
+            options = {"link_latency": links, "microbatch_time": args.cost_f + args.cost_b + args.cost_w}
+        schedule = build_schedule(args.schedule, p, m, v, **options)
         validate(schedule, m)
     except ValueError as e:
         print(f"paratron simulate: {e}", file=sys.stderr)
         return 2
-    result = simulate(schedule, Costs(F=args.cost_f, B=args.cost_b, W=args.cost_w, latency=args.latency))
+    result = simulate(schedule, Costs(F=args.cost_f, B=args.cost_b, W=args.cost_w, latency=args.latency,
+                                     link_latency=links))
     print(f"schedule {args.schedule}: p={p} m={m} v={v}")
     print(result.summary())
     if args.output:

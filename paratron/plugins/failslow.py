@@ -12,12 +12,15 @@ mitigation) or ``"paratron.plugins.failslow:FailSlowDetector"`` (detection only)
 chunk's forward start to its end, and from the first grad of a chunk's output to the last
 parameter grad accumulated in that backward) and its wait, ``forward_backward - compute`` (the
 rest of the step's device work: collectives and p2p). Once a step, one host all-reduce of
-``[world, 3]`` floats shares ``(compute per microbatch, compute, wait)``. A rank's load is its
+``[world, 3]`` floats shares ``(compute per microbatch, compute, wait)``; compute per microbatch
+is the shortest forward plus the shortest backward of the step (per chunk), which load from
+other processes on the host cannot inflate. A rank's load is its
 compute per microbatch per transformer layer of its pipeline stage (the predicted cost); its
 peers are the ranks of the same pipeline stage (over DP, TP, CP), or with ``DP = 1`` every
 other stage. A rank is flagged when its load exceeds ``threshold x`` the median of its peers'
 for ``window`` consecutive steps: one ``[failslow]`` line, and a ``failslow`` entry in that
-step's ``metrics.jsonl`` record naming the rank, its coordinates and the slowdown.
+step's ``metrics.jsonl`` record naming the rank, its coordinates and the slowdown. The flag is
+cleared after ``window`` consecutive steps below the threshold.
 
 **Mitigate over DP** (:class:`FailSlow`). While a rank is flagged, each DP replica's speed is
 the slowest of its ranks (compute per microbatch, median of the last ``window`` steps), and the
@@ -52,17 +55,19 @@ class ComputeClock:
     chunk's output grad (the start of that chunk's backward) to the last parameter's
     post-accumulate-grad hook before the next forward or backward starts. Collectives inside a
     chunk (TP, ZeRO-3 gathers) count as compute; the pipeline's p2p and DP's grad sync do not.
+    Each span is also kept per (chunk, forward or backward), for :meth:`take`'s per-microbatch
+    figure.
     """
 
     def __init__(self, chunks) -> None:
-        self.total = 0.0
+        self.spans: dict[tuple[int, str], list[float]] = {}
         self._fwd_start: float | None = None
-        self._bwd_start: float | None = None
+        self._bwd: tuple[int, float] | None = None  # (chunk index, start) of the open backward
         self._last_grad = 0.0
         self.handles = []
-        for chunk in chunks:
+        for i, chunk in enumerate(chunks):
             self.handles.append(chunk.register_forward_pre_hook(self._forward_begins))
-            self.handles.append(chunk.register_forward_hook(self._forward_ends))
+            self.handles.append(chunk.register_forward_hook(self._forward_ends(i)))
             for p in chunk.parameters():
                 if p.requires_grad:
                     self.handles.append(p.register_post_accumulate_grad_hook(self._grad_done))
@@ -71,30 +76,42 @@ class ComputeClock:
         self._close_backward()
         self._fwd_start = time.perf_counter()
 
-    def _forward_ends(self, module, args, out) -> None:
-        if self._fwd_start is not None:
-            self.total += time.perf_counter() - self._fwd_start
-            self._fwd_start = None
-        if isinstance(out, torch.Tensor) and out.requires_grad:
-            out.register_hook(self._backward_begins)
+    def _forward_ends(self, i: int):
+        def hook(module, args, out) -> None:
+            if self._fwd_start is not None:
+                self.spans.setdefault((i, "F"), []).append(time.perf_counter() - self._fwd_start)
+                self._fwd_start = None
+            if isinstance(out, torch.Tensor) and out.requires_grad:
+                out.register_hook(lambda grad: self._backward_begins(i))
 
-    def _backward_begins(self, grad):
+        return hook
+
+    def _backward_begins(self, i: int) -> None:
         self._close_backward()
-        self._bwd_start = self._last_grad = time.perf_counter()
+        self._last_grad = time.perf_counter()
+        self._bwd = (i, self._last_grad)
 
     def _grad_done(self, param) -> None:
         self._last_grad = time.perf_counter()
 
     def _close_backward(self) -> None:
-        if self._bwd_start is not None:
-            self.total += max(0.0, self._last_grad - self._bwd_start)
-            self._bwd_start = None
+        if self._bwd is not None:
+            i, start = self._bwd
+            self.spans.setdefault((i, "B"), []).append(max(0.0, self._last_grad - start))
+            self._bwd = None
 
-    def take(self) -> float:
-        """Compute seconds since the last call (and restart counting)."""
+    def take(self) -> tuple[float, float]:
+        """``(compute seconds, seconds per microbatch)`` since the last call, and restart.
+
+        Per microbatch: the sum over chunks and directions of the *shortest* span. On a shared
+        host, preemption only ever adds time, so the minimum is the rank's speed; a rank that is
+        slow for good is slow in every span (Greyhound's fail-slow is sustained).
+        """
         self._close_backward()
-        out, self.total = self.total, 0.0
-        return out
+        total = sum(sum(v) for v in self.spans.values())
+        per_mb = sum(min(v) for v in self.spans.values())
+        self.spans = {}
+        return total, per_mb
 
     def remove(self) -> None:
         for h in self.handles:
@@ -171,10 +188,11 @@ class FailSlowDetector(Callback):
         cfg, ctx = state.config, state.ctx
         p = cfg.parallel
         self.clock = ComputeClock(state.chunks)
-        self.par, self.pp_size = p, ctx.pp.size
+        self.par, self.pp_size, self.dp_size = p, ctx.pp.size, ctx.dp.size
         self.sizes = stage_sizes(cfg.model.num_layers, ctx.pp.size, p.virtual_pipeline, p.pipeline_layout)
         self.coords: list[dict] | None = None
-        self.streak = [0] * ctx.world_size
+        self.streak = [0] * ctx.world_size  # consecutive steps above the threshold, per rank
+        self.calm = [0] * ctx.world_size  # consecutive steps below it
         self.history: deque = deque(maxlen=self.window)  # per step: [world] compute per microbatch
         self.flagged: set[int] = set()
         self.even = cfg.train.global_batch_size // (cfg.train.micro_batch_size * ctx.dp.size)
@@ -192,14 +210,15 @@ class FailSlowDetector(Callback):
 
     def on_step_end(self, state: TrainState, metrics: dict, timings: dict[str, float]) -> None:
         ctx = state.ctx
-        mine = state.dp_microbatches[ctx.dp.rank] if state.dp_microbatches else self.even
-        compute = self.clock.take()
+        compute, per_mb = self.clock.take()
         wait = max(0.0, timings.get("forward_backward", compute) - compute)
         t = torch.zeros(ctx.world_size, 3, dtype=torch.float64)
-        t[ctx.rank] = torch.tensor([compute / mine, compute, wait], dtype=torch.float64)
+        t[ctx.rank] = torch.tensor([per_mb, compute, wait], dtype=torch.float64)
         ctx.world.host_all_reduce(t, op=dist.ReduceOp.SUM)
         rows = t.tolist()
-        self.history.append([r[0] for r in rows])
+        # What a microbatch costs on average (the balance needs the throughput, not the best case).
+        counts = state.dp_microbatches or [self.even] * self.dp_size
+        self.history.append([r[1] / counts[self.coords[i]["dp"]] for i, r in enumerate(rows)])
         new = self.update_flags(state, rows)
         if new:
             metrics["failslow"] = new
@@ -228,12 +247,14 @@ class FailSlowDetector(Callback):
         for r in range(len(rows)):
             others = [load[j] for j in self.peers(r)]
             ratio = load[r] / max(statistics.median(others), 1e-12) if others else 1.0
-            self.streak[r] = self.streak[r] + 1 if ratio > self.threshold else 0
+            slow = ratio > self.threshold
+            self.streak[r] = self.streak[r] + 1 if slow else 0
+            self.calm[r] = 0 if slow else self.calm[r] + 1
             if self.streak[r] >= self.window and r not in self.flagged:
                 self.flagged.add(r)
                 new.append({"rank": r, **self.coords[r], "slowdown": round(ratio, 3), "iteration": state.iteration,
                             "compute_s": rows[r][1], "wait_s": rows[r][2], "window": self.window})
-            elif self.streak[r] == 0 and r in self.flagged:
+            elif self.calm[r] >= self.window and r in self.flagged:  # recovered: as many steps back
                 self.flagged.discard(r)
         for e in new:
             self.say(state, f"rank {e['rank']} (dp {e['dp']}, pp {e['pp']}, tp {e['tp']}, cp {e['cp']}) is "
@@ -264,7 +285,7 @@ class FailSlow(FailSlowDetector):
         ctx = state.ctx
         if ctx.dp.size > 1:
             split = self.dp_split(state) if self.flagged else None
-            if split != state.dp_microbatches:
+            if split != state.dp_microbatches and not self.marginal(split, state.dp_microbatches):
                 state.dp_microbatches = split
                 metrics["failslow_dp_microbatches"] = split
                 self.say(state, f"microbatches per DP rank from the next step: {split or 'even'}")
@@ -276,8 +297,21 @@ class FailSlow(FailSlowDetector):
                                 f"(now {proposal['current']}; the simulator predicts "
                                 f"{proposal['predicted_ratio']:.2f}x the step time): set it at the next restart")
 
+    def marginal(self, new: list[int] | None, current: list[int] | None) -> bool:
+        """Whether moving from one uneven split to another gains under 5% of the predicted step
+        (measurement noise would otherwise move a microbatch back and forth)."""
+        if new is None or current is None:
+            return False
+        t = self.replica_seconds()
+        return max(n * x for n, x in zip(new, t)) > 0.95 * max(n * x for n, x in zip(current, t))
+
+    def replica_seconds(self) -> list[float]:
+        """Each DP replica's compute per microbatch: its slowest rank's recent median."""
+        per_mb = self.median_per_mb()
+        return [max(x for r, x in enumerate(per_mb) if self.coords[r]["dp"] == d) for d in range(self.dp_size)]
+
     def median_per_mb(self) -> list[float]:
-        """Each rank's compute seconds per microbatch, median over the last ``window`` steps."""
+        """Each rank's mean compute seconds per microbatch, median over the last ``window`` steps."""
         return [statistics.median(col) for col in zip(*self.history)]
 
     def dp_split(self, state: TrainState) -> list[int] | None:
@@ -285,9 +319,7 @@ class FailSlow(FailSlowDetector):
         rank), or None when the schedule cannot run the balanced counts."""
         from paratron.pipeline.registry import get_schedule
 
-        per_mb = self.median_per_mb()
-        dp = state.ctx.dp.size
-        t = [max(x for r, x in enumerate(per_mb) if self.coords[r]["dp"] == d) for d in range(dp)]
+        t = self.replica_seconds()
         check = get_schedule(self.par.schedule).check
 
         def feasible(m: int) -> bool:
@@ -300,7 +332,7 @@ class FailSlow(FailSlowDetector):
                 return False
             return True
 
-        return balance_microbatches(t, self.even * dp, feasible)
+        return balance_microbatches(t, self.even * self.dp_size, feasible)
 
     def layout_proposal(self) -> dict | None:
         """The layout :func:`propose_layout` finds for the measured per-layer costs per stage."""
