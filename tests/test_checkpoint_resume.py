@@ -61,7 +61,9 @@ class Probe(Callback):
 
 
 def _train(overrides: list[str], run_dir: str, stop_at: int = 0):
-    """One rank of a run; returns the token batches it fed to training and to validation."""
+    """One rank of a run; returns the token batches it fed to training and to validation, and
+    how many init tiles it drew (``"draws"``)."""
+    import paratron.layers.init as init
     import paratron.training.evaluator as evaluator
     import paratron.training.runner as runner
     import paratron.training.trainer as trainer
@@ -69,8 +71,15 @@ def _train(overrides: list[str], run_dir: str, stop_at: int = 0):
 
     if stop_at:
         os.environ[STOP_AT] = str(stop_at)
-    seen = {"train": [], "valid": []}
+    seen = {"train": [], "valid": [], "draws": 0}
     real = trainer.run_global_batch
+    real_fill = init._fill_tiles_
+
+    def count_fill(*args, **kw):
+        seen["draws"] += 1
+        return real_fill(*args, **kw)
+
+    init._fill_tiles_ = count_fill  # this forked rank only
 
     def spy(cfg, ctx, chunks, microbatches, *, forward_only, **kw):
         seen["valid" if forward_only else "train"].append(torch.cat([mb["tokens"] for mb in microbatches]))
@@ -102,6 +111,9 @@ def test_exact_resume_in_a_new_process(tiny_data, tmp_path):
     resumed, resumed_val, seen_b2, dir_b2 = _run(
         tmp_path, "resumed", base + [f"checkpoint.load={ck}", "train.callbacks=test_checkpoint_resume:Probe"], 2)
     assert sorted(resumed) == [4, 5, 6]
+    # no init before a load: the resumed run draws nothing for the params the checkpoint holds
+    assert all(s["draws"] > 0 for s in seen_a) and all(s["draws"] == 0 for s in seen_b2), \
+        ([s["draws"] for s in seen_a], [s["draws"] for s in seen_b2])
     for it in (4, 5, 6):
         assert resumed[it] == straight[it], f"iteration {it}: {resumed[it]!r} vs {straight[it]!r}"
     assert resumed_val == {k: v for k, v in straight_val.items() if k > 3}

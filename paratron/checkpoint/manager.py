@@ -42,9 +42,9 @@ import torch.distributed as dist
 
 from . import integrity, rng, storage
 from .async_save import BackgroundWriter, Staging
-from .io import (LATEST, MANIFEST, read_items, read_json, resolve, verify_directory, write_items,
+from .io import (LATEST, MANIFEST, read_items, read_json, resolve, saved_tensors, verify_directory, write_items,
                  write_json_atomic, write_manifest, write_text_atomic)
-from .items import (CheckpointError, StateItems, iter_params, merge, model_items, optimizer_items,
+from .items import (MODEL_PREFIX, CheckpointError, StateItems, iter_params, merge, model_items, optimizer_items,
                     shared_embedding_names)
 from .plainjson import decode, encode
 from .finite import refuse_nonfinite
@@ -353,6 +353,25 @@ class CheckpointManager:
             rng.restore(chunks, decode(read_json(path)["rng"]))
         else:
             rng.rederive(chunks, self.ctx, self.config.train.seed, int(manifest.get("step") or 0))
+
+
+def params_to_load(cfg) -> frozenset[str]:
+    """The logical names of the params that :meth:`CheckpointManager.load` will fill under the
+    checkpoint config ``cfg`` (``checkpoint.load``/``load_step``), read from the DCP metadata alone
+    (the load verifies the directory); empty when there is nothing to load, or when the metadata
+    cannot be read: the params are then drawn as usual and the load itself reports the problem
+    with its own checks and message. The model is built without drawing these
+    (:func:`paratron.layers.init.skip_draws`)."""
+    if not cfg.load:
+        return frozenset()
+    root = Path(cfg.load)
+    try:
+        if cfg.load_step is None and CheckpointManager._empty(root):
+            return frozenset()
+        keys = saved_tensors(resolve(root, cfg.load_step), verified=True)
+    except Exception:  # noqa: BLE001 - any fault here is the load's to report, after its checks
+        return frozenset()
+    return frozenset(k[len(MODEL_PREFIX):] for k in keys if k.startswith(MODEL_PREFIX))
 
 
 def full_params(optimizer, writeback: bool = False):

@@ -26,13 +26,33 @@ from __future__ import annotations
 
 import hashlib
 import math
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Callable, Union
 
 import torch
 
 __all__ = ["seed_for", "generator_for", "full_init", "NormalInit", "normal_", "scaled_normal_",
-           "draw_full", "init_shard_", "InitMethod", "TILE"]
+           "draw_full", "init_shard_", "InitMethod", "TILE", "skip_draws"]
+
+#: Logical names whose random draw :func:`init_shard_` skips (see :func:`skip_draws`). A context
+#: variable, not an argument, so that the names need not be threaded through every layer's
+#: constructor; its default is empty and only :func:`skip_draws` sets it, for one block.
+_SKIPPED: ContextVar[frozenset] = ContextVar("paratron_init_skipped", default=frozenset())
+
+
+@contextmanager
+def skip_draws(logical_names):
+    """Inside the block, :func:`init_shard_` leaves the params named in ``logical_names``
+    uninitialised (``torch.empty``): a checkpoint load is about to fill them (issue 20, "no init
+    before a load"). Draws of every other param are unchanged."""
+    token = _SKIPPED.set(frozenset(logical_names))
+    try:
+        yield
+    finally:
+        _SKIPPED.reset(token)
+
 
 #: ``(rows, cols)`` of one init tile in the matrix view (256 KiB of fp32). Changing it changes
 #: every initial value, so it is fixed.
@@ -204,9 +224,13 @@ def init_shard_(out: torch.Tensor, init_method: InitMethod | None, spec, seed: i
         logical_name: the parameter's logical name (e.g. ``layers.0.mlp.fc1.weight``).
         block_names: with a strided ``spec``, one logical name per fused block whose tiles draw
             that block (SwiGLU's ``gate``/``up``); None draws the fused tensor as one.
+    Inside :func:`skip_draws` naming ``logical_name``, ``out`` is returned as it is.
+
     Raises:
         ValueError: ``block_names`` does not match ``spec.stride``; see :func:`normal_slice_`.
     """
+    if logical_name in _SKIPPED.get():
+        return out
     method = init_method if init_method is not None else normal_()
     if block_names is not None and len(block_names) != spec.stride:
         raise ValueError(f"{logical_name}: {len(block_names)} block names for stride {spec.stride}")

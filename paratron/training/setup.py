@@ -58,15 +58,19 @@ def warn_if_saving_over(cfg: Config, ctx) -> None:
 
 def build_model_and_optimizer(cfg: Config, ctx):
     """Model chunks of this rank, wrapped for data parallelism, with optimizer and LR schedule."""
+    from paratron.checkpoint.manager import params_to_load
+    from paratron.layers.init import skip_draws
     from paratron.models.gpt import build_model_chunks
     from paratron.optim import DistributedDataParallel, build_lr_scheduler, build_optimizer, precision_dtype
     from paratron.pipeline.partition import stage_layers
 
     p = cfg.parallel
     layout = stage_layers(cfg.model.num_layers, p.pipeline, p.virtual_pipeline, p.pipeline_layout, p.schedule)
-    chunks = build_model_chunks(cfg.model, ctx, seed=cfg.train.seed, sequence_parallel=p.sequence_parallel,
-                                params_dtype=precision_dtype(cfg.train.precision), stage_layers=layout,
-                                context_algorithm=p.context_algorithm)
+    # A param the checkpoint will fill is left uninitialised: no draw to overwrite (issue 20).
+    with skip_draws(params_to_load(cfg.checkpoint)):
+        chunks = build_model_chunks(cfg.model, ctx, seed=cfg.train.seed, sequence_parallel=p.sequence_parallel,
+                                    params_dtype=precision_dtype(cfg.train.precision), stage_layers=layout,
+                                    context_algorithm=p.context_algorithm)
     for c in chunks:
         c.to(ctx.device)
     if chunks and chunks[0].rng_tracker is not None:
