@@ -103,7 +103,8 @@ def main() -> None:
              for k in ("unmitigated", "mitigated")}
     splits = sorted({tuple(x["failslow_dp_microbatches"] or ()) for x in recs if "failslow_dp_microbatches" in x})
     med = {k: statistics.median(v) for k, v in kinds.items()}
-    med["even"] = statistics.median(x["step_time_s"] for x in even if "step_time_s" in x)
+    kinds["even"] = [x["step_time_s"] for x in even if "step_time_s" in x]
+    med["even"] = statistics.median(kinds["even"])
     print(f"detection delay (steps, window 3): {flags[0]['iteration'] if flags else None}; splits seen: {splits}")
     print("median step time: " + ", ".join(f"{k} {v:.4f} s (n={len(kinds.get(k, []))})" for k, v in med.items()))
     print(f"mitigated / unmitigated = {med['mitigated'] / med['unmitigated']:.3f} (ideal 0.667); "

@@ -57,7 +57,7 @@ def test_dp_slow_rank_is_detected_and_mitigation_keeps_the_losses(tmp_path, tiny
     mitigated, text = _run(tmp_path, tiny_corpus, "mitigate", "FailSlow")
     assert "[failslow] rank 1 (dp 1" in text, text
     splits = [r["failslow_dp_microbatches"] for r in mitigated if "failslow_dp_microbatches" in r]
-    assert splits and splits[0][1] < splits[0][0] and sum(splits[0]) == 12, splits
+    assert any(s and s[1] < s[0] for s in splits) and all(sum(s) == 12 for s in splits if s), splits
     assert len(mitigated) == len(plain) == 6
     for a, b in zip(plain, mitigated):
         assert abs(a["loss"] - b["loss"]) <= 1e-6, (a["iteration"], a["loss"], b["loss"])
