@@ -197,6 +197,12 @@ def test_unknown_gpu_is_refused(capsys):
     assert "--gpu='v100' is not a known device type" in err and "h100" in err and "cpu" in err
 
 
+def test_zero_gpus_per_node_is_refused(capsys):
+    # 0 is falsy: it must not fall back to the default of 8 devices per node.
+    assert plan_run(_args("--gpu", "h100", "--gpus-per-node", "0")) == 2
+    assert "--gpus-per-node=0 must be a positive integer" in capsys.readouterr().err
+
+
 def test_global_batch_no_layout_can_split():
     # One layer, one head, an odd sequence: tp = pp = cp = 1, so dp = 4 must divide the batch.
     cfg = Config(model=ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=1, seq_length=15,

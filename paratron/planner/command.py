@@ -89,7 +89,7 @@ def problem(args: argparse.Namespace, cfg: Config):
     from .hardware import Cluster, device
     from .shape import Shape
 
-    gpn = args.gpus_per_node or (4 if args.gpu == "cpu" else 8)
+    gpn = (4 if args.gpu == "cpu" else 8) if args.gpus_per_node is None else args.gpus_per_node
     for name, v in (("--nodes", args.nodes), ("--gpus-per-node", gpn), ("--top-k", args.top_k)):
         if v < 1:
             raise ConfigError(f"{name}={v} must be a positive integer (>= 1)")
