@@ -147,3 +147,22 @@ def test_checkpoint_save_refuses_a_nonfinite_state(tmp_path):
     mgr.wait()
     assert (tmp_path / "latest").read_text().strip() == "step_1"
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step_")) == ["step_1"]
+
+
+def test_a_nonfinite_stop_is_named_in_the_launcher_summary(tmp_path, monkeypatch):
+    """The rank ends on a stop with exit code 1 and no exception: its error record must still
+    reach the launcher's summary (not "exited with code 1 without a Python error")."""
+    import time
+
+    from paratron.training.failures import collect, summarize
+    from paratron.training.nonfinite import NonFiniteStop
+    from paratron.training.rankproc import LOG_DIR_ENV, record_failure
+
+    monkeypatch.setenv(LOG_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv("RANK", "1")
+    try:
+        raise NonFiniteStop("iteration 2: non-finite loss or grads")
+    except NonFiniteStop as exc:
+        record_failure(exc)
+    lines = summarize(collect(tmp_path, {1: time.time()}, {1: 1}), tmp_path)
+    assert lines[0] == "rank 1 failed first: NonFiniteStop: iteration 2: non-finite loss or grads", lines

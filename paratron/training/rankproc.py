@@ -128,6 +128,15 @@ def write_error_record(log_dir: Path, rank: int, exc: BaseException) -> None:
     write_json_atomic(log_dir / f"rank_{rank}.error.json", record)
 
 
+def record_failure(exc: BaseException) -> None:
+    """The error record of a failure the rank ends on by itself with a non-zero exit (a
+    non-finite stop), so that the launcher's summary names it like a raised exception.
+    Does nothing outside the launcher (no log directory)."""
+    log_dir = os.environ.get(LOG_DIR_ENV)
+    if log_dir:
+        write_error_record(Path(log_dir), int(os.environ.get("RANK", 0)), exc)
+
+
 @contextmanager
 def rank_session():
     """Around a rank's work: the parent-death signal (under torchrun); under the launcher also

@@ -18,6 +18,7 @@ from paratron.config import Config
 from paratron.training.setup import build_model_and_optimizer  # noqa: F401  (public here too)
 from paratron.training.startup import StartupClock
 from paratron.training.step_log import log
+from paratron.training.rankproc import record_failure
 from paratron.training.trainer import NonFiniteStop, Trainer
 
 
@@ -43,6 +44,7 @@ def run_training(cfg: Config, run_dir: str | None = None) -> int:
         return Trainer(cfg, ctx, run_dir, clock=clock).train()
     except NonFiniteStop as exc:
         log(ctx, f"error: {exc}")
+        record_failure(exc)
         return 1
     finally:
         if dist.is_initialized():
