@@ -175,7 +175,8 @@ def test_hang_names_the_rank_the_op_and_the_group(tiny_corpus, tmp_path):
 
 @pytest.mark.parametrize("fault,rank", [("raise:2:3", 2),
                                         pytest.param("kill:2:3", 2, marks=pytest.mark.slow),
-                                        pytest.param("raise:1:2", 1, marks=pytest.mark.slow)])
+                                        pytest.param("raise:1:2", 1, marks=pytest.mark.slow),
+                                        pytest.param("kill:1:2", 1, marks=pytest.mark.slow)])
 def test_failed_rank_is_named_first_in_a_short_summary(tiny_corpus, tmp_path, fault, rank):
     r, run_dir, ended = _run_fault(tmp_path, tiny_corpus, fault)
     out = (r.stdout + r.stderr).strip().splitlines()
