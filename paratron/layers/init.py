@@ -99,6 +99,16 @@ def _matrix_region(shape, offsets, sizes) -> tuple[int, int, int, int]:
     return offsets[0], offsets[0] + sizes[0], offsets[1] * inner, (offsets[1] + sizes[1]) * inner
 
 
+def _tile_generator(device: torch.device) -> torch.Generator:
+    """A generator on ``device``; on the CPU for a device that has none (the device audit's
+    PrivateUse1 stand-in), whose tiles are then drawn on the CPU and moved (``.to`` is a no-op
+    where the devices agree)."""
+    try:
+        return torch.Generator(device=device)
+    except (RuntimeError, NotImplementedError):
+        return torch.Generator()
+
+
 def _fill_tiles_(out2d: torch.Tensor, region, full_rows_cols, seed: int, logical_name: str,
                  std: float) -> None:
     """Write the ``region`` (``r0, r1, c0, c1``) of the tiled N(0, std^2) matrix into ``out2d``
@@ -106,8 +116,8 @@ def _fill_tiles_(out2d: torch.Tensor, region, full_rows_cols, seed: int, logical
     r0, r1, c0, c1 = region
     rows, cols = full_rows_cols
     tr, tc = TILE
-    gen = torch.Generator(device=out2d.device)
-    buf = torch.empty(min(tr, rows) * min(tc, cols), dtype=torch.float32, device=out2d.device)
+    gen = _tile_generator(out2d.device)
+    buf = torch.empty(min(tr, rows) * min(tc, cols), dtype=torch.float32, device=gen.device)
     for i in range(r0 // tr, -(-r1 // tr)):
         h = min(tr, rows - i * tr)
         for j in range(c0 // tc, -(-c1 // tc)):
@@ -116,7 +126,8 @@ def _fill_tiles_(out2d: torch.Tensor, region, full_rows_cols, seed: int, logical
             tile = buf[:h * w].view(h, w).normal_(0.0, std, generator=gen)
             a, b = max(r0, i * tr), min(r1, i * tr + h)
             c, d = max(c0, j * tc), min(c1, j * tc + w)
-            out2d[a - r0:b - r0, c - c0:d - c0] = tile[a - i * tr:b - i * tr, c - j * tc:d - j * tc]
+            piece = tile[a - i * tr:b - i * tr, c - j * tc:d - j * tc]
+            out2d[a - r0:b - r0, c - c0:d - c0] = piece.to(out2d.device)
 
 
 def normal_slice_(out: torch.Tensor, full_shape, offsets, seed: int, logical_name: str,
