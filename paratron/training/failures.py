@@ -13,11 +13,12 @@ of any other kind, or a death without a Python error (SIGKILL, the OOM killer, a
 
 from __future__ import annotations
 
-import json
 import re
 import signal
 from dataclasses import dataclass
 from pathlib import Path
+
+from paratron.training.hang import load_dumps
 
 CONSEQUENCE_TYPES = {"DistBackendError", "DistNetworkError", "DistStoreError"}
 CONSEQUENCE_TEXT = ("closed by peer", "reset by peer", "broken pipe", "timed out", "timeout",
@@ -35,14 +36,8 @@ class Failure:
 
 
 def read_records(log_dir: Path, suffix: str) -> dict[int, dict]:
-    out = {}
-    for p in Path(log_dir).glob(f"rank_*.{suffix}.json"):
-        try:
-            d = json.loads(p.read_text())
-            out[int(d["rank"])] = d
-        except (OSError, ValueError, KeyError):
-            continue
-    return out
+    """The ranks' ``rank_N.<suffix>.json`` records (``error`` or ``status``), by rank."""
+    return load_dumps(log_dir, f"rank_*.{suffix}.json")
 
 
 def torchrun_exit_codes(text: str) -> dict[int, int]:

@@ -22,10 +22,12 @@ import json
 from pathlib import Path
 
 
-def load_dumps(directory: Path | str) -> dict[int, dict]:
-    """Every readable ``rank_N.json`` in ``directory``, by rank (unreadable files are skipped)."""
+def load_dumps(directory: Path | str, pattern: str = "rank_*.json") -> dict[int, dict]:
+    """Every readable JSON record matching ``pattern`` in ``directory`` (each holds its
+    ``"rank"``), by rank; unreadable or partial files are skipped. Also reads the launcher's
+    error and status records (:func:`paratron.training.failures.read_records`)."""
     out = {}
-    for p in sorted(Path(directory).glob("rank_*.json")):
+    for p in sorted(Path(directory).glob(pattern)):
         try:
             d = json.loads(p.read_text())
             out[int(d["rank"])] = d
