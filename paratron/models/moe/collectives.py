@@ -63,6 +63,12 @@ class InFlight:
         self.out, self.work, self.send = out, work, send
         self.group, self.out_splits, self.in_splits = group, out_splits, in_splits
 
+    def wait(self) -> None:
+        """Block until the rows have arrived (again: no-op)."""
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+
 
 def start_all_to_all(x: torch.Tensor, group: Group, out_splits: list[int], in_splits: list[int]) -> InFlight:
     """Launch the all-to-all of :func:`all_to_all` asynchronously (``async_op``); the rows are
@@ -78,8 +84,7 @@ def start_all_to_all(x: torch.Tensor, group: Group, out_splits: list[int], in_sp
 class _Landed(torch.autograd.Function):
     @staticmethod
     def forward(fctx, x, flight: InFlight):
-        if flight.work is not None:
-            flight.work.wait()
+        flight.wait()
         fctx.group, fctx.out_splits, fctx.in_splits = flight.group, flight.out_splits, flight.in_splits
         return flight.out
 
