@@ -18,6 +18,7 @@ import math
 
 from . import model_shape
 from .context_rules import check_context
+from .token_rules import check_microbatch_tokens, token_balanced
 from .errors import ConfigError
 from .sections import Config
 
@@ -100,6 +101,8 @@ def _data_parallel_size(cfg: Config, world: int | None) -> int | None:
 
 def _batch(cfg: Config, world: int | None) -> None:
     t, dp = cfg.train, _data_parallel_size(cfg, world)
+    if token_balanced(cfg):
+        return  # the global batch counts documents (token_rules)
     unit = t.micro_batch_size * (dp or 1)
     if t.global_batch_size % unit:
         where = f"train.micro_batch_size*dp = {t.micro_batch_size}*{dp}" if dp else \
@@ -142,6 +145,8 @@ def check_schedule(cfg: Config, world: int | None, *, build: bool = True) -> Non
                           f"but parallel.virtual_pipeline={p.virtual_pipeline} was given: leave it unset "
                           f"or set parallel.virtual_pipeline={spec.virtual_stages}")
     dp = _data_parallel_size(cfg, world)
+    if token_balanced(cfg):
+        return  # the microbatch count varies per step: token_rules checks the schedule for every count
     if dp is None or t.global_batch_size % (t.micro_batch_size * dp):
         return  # the microbatch count is not known yet
     m = t.global_batch_size // (t.micro_batch_size * dp)
@@ -207,7 +212,7 @@ def _lr_schedule(cfg: Config, world: int | None) -> None:
 
 
 VALIDATORS = [_finite, _positive, _nonfinite_policy, _lr_schedule, _grid, _model, _batch, _sequence, _schedule, _link_latency, _pipeline_layers,
-              _experts, _zero, _split, check_context]
+              _experts, _zero, _split, check_context, check_microbatch_tokens]
 """Every config rule, in order. Each takes ``(cfg, world_size_or_None)`` and raises ConfigError."""
 
 
