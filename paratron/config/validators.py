@@ -136,7 +136,7 @@ def check_schedule(cfg: Config, world: int | None, *, build: bool = True) -> Non
     Raises:
         ConfigError: naming the fields, the microbatch count and the schedule's rule.
     """
-    from paratron.pipeline.registry import build_schedule, get_schedule
+    from paratron.pipeline.registry import build_schedule, config_options, get_schedule
 
     p, t = cfg.parallel, cfg.train
     spec = get_schedule(p.schedule)  # ConfigError with did-you-mean for an unknown name
@@ -152,7 +152,8 @@ def check_schedule(cfg: Config, world: int | None, *, build: bool = True) -> Non
     m = t.global_batch_size // (t.micro_batch_size * dp)
     try:
         if build:
-            build_schedule(p.schedule, p.pipeline, m, p.virtual_pipeline)
+            options = config_options(p.schedule, p) or {}  # 1f1b-delay: the configured link costs
+            build_schedule(p.schedule, p.pipeline, m, p.virtual_pipeline, **options)
         elif spec.check is not None:
             spec.check(p.pipeline, m, p.virtual_pipeline)
     except ValueError as e:
@@ -169,6 +170,10 @@ def _link_latency(cfg: Config, world: int | None) -> None:
     if lat is not None and (len(lat) != p.pipeline - 1 or not all(math.isfinite(x) and x >= 0 for x in lat)):
         raise ConfigError(f"parallel.pipeline_link_latency_ms={lat} must list parallel.pipeline-1={p.pipeline - 1} "
                           "finite latencies >= 0 (entry k: the link between pipeline ranks k and k+1)")
+    t = p.pipeline_microbatch_time_ms
+    if t is not None and not (math.isfinite(t) and t > 0):
+        raise ConfigError(f"parallel.pipeline_microbatch_time_ms={t} must be a finite time > 0 (ms), or unset "
+                          "to measure it over the first step")
 
 
 def _schedule(cfg: Config, world: int | None) -> None:
@@ -211,7 +216,7 @@ def _lr_schedule(cfg: Config, world: int | None) -> None:
         raise ConfigError(f"optimizer.min_lr={o.min_lr} must be <= optimizer.lr={o.lr}")
 
 
-VALIDATORS = [_finite, _positive, _nonfinite_policy, _lr_schedule, _grid, _model, _batch, _sequence, _schedule, _link_latency, _pipeline_layers,
+VALIDATORS = [_finite, _positive, _nonfinite_policy, _lr_schedule, _grid, _model, _batch, _sequence, _link_latency, _schedule, _pipeline_layers,
               _experts, _zero, _split, check_context, check_microbatch_tokens]
 """Every config rule, in order. Each takes ``(cfg, world_size_or_None)`` and raises ConfigError."""
 

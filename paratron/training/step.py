@@ -76,16 +76,28 @@ def count_global_tokens(microbatches: list[dict], ctx) -> torch.Tensor:
     return t
 
 
-def rank_actions(cfg, ctx, num_microbatches: int) -> list:
-    """This rank's action list of the configured pipeline schedule (build once, reuse every step)."""
-    from paratron.pipeline.registry import build_schedule
+def rank_actions(cfg, ctx, num_microbatches: int, microbatch_time: float | None = None) -> list:
+    """This rank's action list of the configured pipeline schedule (build once, reuse every step),
+    with the keywords the schedule takes from the config (``1f1b-delay``: the link latencies of
+    ``parallel.pipeline_link_latency_ms``) and ``microbatch_time`` (s, measured; see
+    :func:`paratron.pipeline.registry.config_options`)."""
+    from paratron.pipeline.registry import build_schedule, config_options
 
     p = cfg.parallel
-    return build_schedule(p.schedule, ctx.pp.size, num_microbatches, p.virtual_pipeline)[ctx.pp.rank]
+    options = config_options(p.schedule, p, microbatch_time) or {}
+    return build_schedule(p.schedule, ctx.pp.size, num_microbatches, p.virtual_pipeline, **options)[ctx.pp.rank]
+
+
+def needs_microbatch_time(cfg) -> bool:
+    """The configured schedule needs a measured microbatch time (``1f1b-delay`` with link
+    latencies but no ``parallel.pipeline_microbatch_time_ms``): the first step is recorded."""
+    from paratron.pipeline.registry import config_options
+
+    return config_options(cfg.parallel.schedule, cfg.parallel) is None
 
 
 def run_global_batch(cfg, ctx, chunks, microbatches: list[dict], *, forward_only: bool,
-                     loss_scale: float = 1.0, actions: list | None = None, ddp=None) -> StepOutput:
+                     loss_scale: float = 1.0, actions: list | None = None, ddp=None, timeline=None) -> StepOutput:
     """Run forward (and backward unless ``forward_only``) of every microbatch of one global batch.
 
     With backward, the grads are final on return (:func:`paratron.optim.finalize_grads`, once):
@@ -97,8 +109,8 @@ def run_global_batch(cfg, ctx, chunks, microbatches: list[dict], *, forward_only
             (``s`` may differ between microbatches: token-balanced rows, ``b = 1``).
         loss_scale: multiplies the loss fed to backward (fp16 dynamic loss scaling).
         actions: this rank's schedule (:func:`rank_actions`); built here when None.
-        ddp: the chunks' :class:`~paratron.optim.ddp.DistributedDataParallel` (None: plain
-            ``.grad`` params).
+        ddp: the chunks' :class:`~paratron.optim.ddp.DistributedDataParallel` (None: plain ``.grad``).
+        timeline: a list: the pipeline runtime appends one event per action to it (``run_pipeline``).
 
     Returns:
         :class:`StepOutput` with the global-batch loss, known on every rank.
@@ -133,7 +145,8 @@ def run_global_batch(cfg, ctx, chunks, microbatches: list[dict], *, forward_only
     varied = any(shape != shapes[0] for shape in shapes)  # token-balanced rows (data.microbatch_tokens)
     run_pipeline(actions, chunks, ctx, microbatches, forward_step, tensor_shape=shapes[0],
                  tensor_shapes=shapes if varied else None,
-                 dtype=precision_dtype(cfg.train.precision), forward_only=forward_only, grad_sync=ddp)
+                 dtype=precision_dtype(cfg.train.precision), forward_only=forward_only, grad_sync=ddp,
+                 timeline=timeline)
     if not forward_only:
         finalize_grads(chunks, ctx, ddp)
         update_expert_bias(chunks, ctx)  # DeepSeek-V3 router bias; no-op without one
