@@ -22,6 +22,7 @@ from paratron.models.moe.layer import MoELayer
 from paratron.parallel.context import ParallelContext
 from paratron.parallel.intervals import Interval, hidden_fraction, overlaps, recording, timed
 from paratron.pipeline.actions import Action
+from paratron.pipeline.delay import measured_microbatch_time
 from paratron.pipeline.runtime import run_pipeline
 from paratron.pipeline.timeline import read_chrome_trace, write_chrome_trace
 from paratron.testing import run_ranks
@@ -136,6 +137,8 @@ def test_pipeline_timeline_carries_recorded_intervals(tmp_path):
     assert f.start <= fwd.start <= fwd.end <= f.end and bw.start <= bwd.start <= bwd.end <= bw.end
     back = read_chrome_trace(write_chrome_trace(events, tmp_path / "t.json"))
     assert [(e.lane, e.kind) for e in back] == [(e.lane, e.kind) for e in events]
+    # Consumers of the actions' durations skip the recorded intervals (no double count).
+    assert measured_microbatch_time(events, 1) == pytest.approx((f.end - f.start) + (bw.end - bw.start))
 
 
 def test_chunked_dispatcher_refuses_padding_at_validation():
