@@ -217,6 +217,12 @@ class DataConfig:
     documents (Megatron's --reset-attention-mask)."""
     eod_mask_loss: bool = False
     """No loss where the input token is the end-of-document token (Megatron's --eod-mask-loss)."""
+    microbatch_tokens: Optional[int] = None
+    """Token-balanced variable-length microbatches (FlexPipe): each microbatch is one packed row of
+    whole documents holding at most this many positions, and ``train.global_batch_size`` counts
+    documents (``train.micro_batch_size`` is unused). Documents longer than ``model.seq_length``
+    positions are split. Rule and layout: :mod:`paratron.data.token_batches`. None: fixed-length
+    samples."""
 
 
 @dataclass

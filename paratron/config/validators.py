@@ -7,7 +7,8 @@ A rule owned by another module is called, not written again here: the model shap
 (:mod:`.model_shape`, also run by the model constructors), the rank grid
 (:func:`paratron.parallel.grid.build_grid`), the pipeline split
 (:func:`paratron.pipeline.partition.stage_sizes`) and the schedule's own check
-(:func:`paratron.pipeline.registry.build_schedule`). Those imports sit inside the rules, so that
+(:func:`paratron.pipeline.registry.build_schedule`), the token dispatcher's
+(:func:`paratron.models.moe.dispatcher.check_dispatcher_config`). Those imports sit inside the rules, so that
 importing the config loads neither numpy nor the pipeline package.
 """
 
@@ -18,6 +19,7 @@ import math
 
 from . import model_shape
 from .context_rules import check_context
+from .token_rules import check_microbatch_tokens, token_balanced
 from .errors import ConfigError
 from .sections import Config
 
@@ -100,6 +102,8 @@ def _data_parallel_size(cfg: Config, world: int | None) -> int | None:
 
 def _batch(cfg: Config, world: int | None) -> None:
     t, dp = cfg.train, _data_parallel_size(cfg, world)
+    if token_balanced(cfg):
+        return  # the global batch counts documents (token_rules)
     unit = t.micro_batch_size * (dp or 1)
     if t.global_batch_size % unit:
         where = f"train.micro_batch_size*dp = {t.micro_batch_size}*{dp}" if dp else \
@@ -142,6 +146,8 @@ def check_schedule(cfg: Config, world: int | None, *, build: bool = True) -> Non
                           f"but parallel.virtual_pipeline={p.virtual_pipeline} was given: leave it unset "
                           f"or set parallel.virtual_pipeline={spec.virtual_stages}")
     dp = _data_parallel_size(cfg, world)
+    if token_balanced(cfg):
+        return  # the microbatch count varies per step: token_rules checks the schedule for every count
     if dp is None or t.global_batch_size % (t.micro_batch_size * dp):
         return  # the microbatch count is not known yet
     m = t.global_batch_size // (t.micro_batch_size * dp)
@@ -178,6 +184,11 @@ def _schedule(cfg: Config, world: int | None) -> None:
 def _experts(cfg: Config, world: int | None) -> None:
     p = cfg.parallel
     model_shape.check_moe(cfg.model, tp=p.tensor, ep=p.expert, expert_tp=p.expert_tensor)
+    if cfg.model.num_experts:
+        # The token dispatcher's own rules (e.g. alltoall_chunked refuses padding to capacity).
+        from paratron.models.moe.dispatcher import check_dispatcher_config
+
+        check_dispatcher_config(cfg.model)
 
 
 def _zero(cfg: Config, world: int | None) -> None:
@@ -212,7 +223,7 @@ def _lr_schedule(cfg: Config, world: int | None) -> None:
 
 
 VALIDATORS = [_finite, _positive, _nonfinite_policy, _lr_schedule, _grid, _model, _batch, _sequence, _link_latency, _schedule, _pipeline_layers,
-              _experts, _zero, _split, check_context]
+              _experts, _zero, _split, check_context, check_microbatch_tokens]
 """Every config rule, in order. Each takes ``(cfg, world_size_or_None)`` and raises ConfigError."""
 
 

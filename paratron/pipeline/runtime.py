@@ -32,15 +32,17 @@ rules:
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
 
 from ..parallel.grads import WeightGradStore
+from ..parallel.intervals import IntervalRecorder
 from ..parallel.random import capture_default_states, restore_default_states
 from .actions import Action, batches, forward_only as strip_backward, last_backward_actions, recomputed, stages_of
-from .timeline import TraceEvent
+from .timeline import TraceEvent, from_intervals
 
 ForwardStep = Callable[[int, nn.Module, "torch.Tensor | None", Any], torch.Tensor]
 
@@ -61,7 +63,8 @@ def attach_weight_grad_stores(chunks: Sequence[nn.Module]) -> list[WeightGradSto
 def run_pipeline(actions: list[Action], chunks: Sequence[nn.Module], ctx, microbatches: Sequence[Any],
                  forward_step: ForwardStep, tensor_shape: Sequence[int], dtype: torch.dtype, *,
                  forward_only: bool = False, timeline: list[TraceEvent] | None = None,
-                 grad_sync=None, link_delay=None) -> list[torch.Tensor]:
+                 grad_sync=None, link_delay=None,
+                 tensor_shapes: Sequence[Sequence[int]] | None = None) -> list[torch.Tensor]:
     """Run this rank's part of one pipelined step.
 
     Args:
@@ -78,9 +81,16 @@ def run_pipeline(actions: list[Action], chunks: Sequence[nn.Module], ctx, microb
         tensor_shape: shape of every activation and grad sent between stages, e.g. ``[s, b, h]``
             (``[s/tp, b, h]`` under sequence parallelism).
         dtype: their dtype.
+        tensor_shapes: per microbatch, the shape of its activations and grads (variable-length
+            microbatches, e.g. token-balanced packed rows), overriding ``tensor_shape``. Every
+            rank computes them from the microbatches it holds (all stages of a pipeline hold the
+            same microbatches), so a receiver sizes its buffer without a header message; None:
+            every microbatch has ``tensor_shape``.
         forward_only: evaluation: run the forwards without autograd, skip backward and grad sends.
         timeline: if given, one :class:`TraceEvent` per action is appended (seconds since the
-            start of this call; p2p actions span their batch), for comparison with the plan.
+            start of this call; p2p actions span their batch), for comparison with the plan,
+            followed by the intervals the action recorded (lanes ``compute``/``comm``, e.g. the
+            MoE dispatcher's all-to-alls and expert compute; :mod:`paratron.parallel.intervals`).
         grad_sync: an object with a ``last_backward(chunk_ids)`` context manager (DDP), told
             which backward is the last of each local chunk; None: nobody is told (grads are then
             reduced when the caller finalizes them).
@@ -93,7 +103,8 @@ def run_pipeline(actions: list[Action], chunks: Sequence[nn.Module], ctx, microb
     Raises:
         ValueError: the chunk count does not match the list's stages, a microbatch index is out of
             range, a last-stage output is not a scalar, or an activation to send has another shape
-            than ``tensor_shape`` (checked before sending: a wrong shape would hang the receiver).
+            than its ``tensor_shape`` / ``tensor_shapes`` entry (checked before sending: a wrong
+            shape would hang the receiver), or ``tensor_shapes`` has too few entries.
         RuntimeError: weight grads are still deferred at the end (a list missing W actions).
     """
     stages = stages_of(actions)
@@ -102,8 +113,12 @@ def run_pipeline(actions: list[Action], chunks: Sequence[nn.Module], ctx, microb
     if actions and max(a.microbatch for a in actions) >= len(microbatches):
         raise ValueError(f"the action list uses microbatch {max(a.microbatch for a in actions)} but only "
                          f"{len(microbatches)} microbatches were given")
+    if tensor_shapes is not None and len(tensor_shapes) < len(microbatches):
+        raise ValueError(f"tensor_shapes has {len(tensor_shapes)} entries for {len(microbatches)} microbatches")
     run = _Run(ctx, chunks, stages, ctx.pp.size * len(chunks) - 1, microbatches, forward_step,
                tuple(tensor_shape), dtype, forward_only, timeline)
+    if tensor_shapes is not None:
+        run.shapes = [tuple(s) for s in tensor_shapes]
     if grad_sync is not None and not forward_only:
         run.grad_sync, run.last_backward = grad_sync, last_backward_actions(actions)
     if not forward_only:
@@ -122,6 +137,7 @@ class _Run:
         self.local = {s: c for c, s in enumerate(stages)}
         self.microbatches, self.forward_step = microbatches, forward_step
         self.shape, self.dtype, self.forward_only, self.timeline = shape, dtype, forward_only, timeline
+        self.shapes: list[tuple[int, ...]] | None = None  # per microbatch, when they differ
         self.device = next((p.device for c in chunks for p in c.parameters()), torch.device(ctx.device))
         self.stores = [] if forward_only else attach_weight_grad_stores(chunks)
         self.received: dict[tuple[int, int], torch.Tensor] = {}   # RECV_F: input of (mb, stage)
@@ -146,22 +162,8 @@ class _Run:
         steps = batches(actions)
         p2p_at = [i for i, step in enumerate(steps) if step[0].is_p2p]
         self.next_p2p = dict(zip(p2p_at, p2p_at[1:]))
-        try:
-            if p2p_at:
-                self.prefetched[p2p_at[0]] = self.post_recvs(steps[p2p_at[0]])
-            for i, step in enumerate(steps):
-                start = time.perf_counter()
-                if step[0].is_p2p:
-                    self.p2p(i, step, steps)
-                else:
-                    self.compute(step[0])
-                if self.timeline is not None:
-                    end = time.perf_counter() - self.t0
-                    self.timeline.extend(TraceEvent(self.ctx.pp.rank, a.kind, a.microbatch, a.stage,
-                                                    start - self.t0, end) for a in step)
-        finally:
-            for store in self.stores:
-                store.deferring = False
+        with self.recording_intervals():
+            self.run_steps(steps, p2p_at)
         for work, _ in self.pending_sends:
             work.wait()
         self.pending_sends.clear()
@@ -170,7 +172,59 @@ class _Run:
                 raise RuntimeError(f"pipeline chunk {c}: {len(store)} deferred weight-grad groups are still "
                                    "queued after the schedule; every B needs a W")
 
+    def run_steps(self, steps: list[list[Action]], p2p_at: list[int]) -> None:
+        try:
+            if p2p_at:
+                self.prefetched[p2p_at[0]] = self.post_recvs(steps[p2p_at[0]])
+            for i, step in enumerate(steps):
+                start = time.perf_counter()
+                if step[0].is_p2p:
+                    self.p2p(i, step, steps)
+                else:
+                    self.compute_recorded(step[0])
+                if self.timeline is not None:
+                    end = time.perf_counter() - self.t0
+                    self.timeline.extend(TraceEvent(self.ctx.pp.rank, a.kind, a.microbatch, a.stage,
+                                                    start - self.t0, end) for a in step)
+        finally:
+            for store in self.stores:
+                store.deferring = False
+
     # ---- compute ---------------------------------------------------------------------------
+    def compute_recorded(self, a: Action) -> None:
+        """:meth:`compute`, with the interval recorder (if any) stamped with the action's
+        (microbatch, stage)."""
+        rec = self.ctx.ledger.intervals if self.timeline is not None else None
+        if rec is None:
+            self.compute(a)
+            return
+        scope, rec.scope = rec.scope, (a.microbatch, a.stage)
+        try:
+            self.compute(a)
+        finally:
+            rec.scope = scope
+
+    @contextmanager
+    def recording_intervals(self):
+        """While recording a timeline: an interval recorder on the comm ledger (the caller's, if
+        one is installed) for the whole run; what was recorded in it during the run is appended
+        to the timeline at the end (lanes ``compute``/``comm``), so an op issued by one action
+        and waited for by a later one is complete."""
+        ledger = self.ctx.ledger
+        if self.timeline is None:
+            yield
+            return
+        own = ledger.intervals is None
+        if own:
+            ledger.intervals = IntervalRecorder()
+        rec, first = ledger.intervals, len(ledger.intervals.intervals)
+        try:
+            yield
+        finally:
+            if own:
+                ledger.intervals = None
+        self.timeline.extend(from_intervals(rec.intervals[first:], self.ctx.pp.rank, self.t0))
+
     def compute(self, a: Action) -> None:
         run = getattr(self, "do_" + a.kind)
         if self.grad_sync is None or self.last_backward.get(a.stage) != a:
@@ -258,6 +312,10 @@ class _Run:
         self.stores[self.local[a.stage]].flush()
 
     # ---- p2p ---------------------------------------------------------------------------------
+    def shape_of(self, microbatch: int) -> tuple[int, ...]:
+        """The shape of the activations (and their grads) of ``microbatch`` sent between stages."""
+        return self.shape if self.shapes is None else self.shapes[microbatch]
+
     def post_recvs(self, step: list[Action]) -> list[tuple[Action, torch.Tensor, Any]]:
         """Post the receives of a batch now; they are waited for when the batch is reached.
 
@@ -265,8 +323,8 @@ class _Run:
         list order) nor any wait, so the validator's guarantees hold; it lets the transfer run
         while this rank computes instead of after it reaches the batch.
         """
-        recvs = [(a, torch.empty(self.shape, dtype=self.dtype, device=self.device)) for a in step
-                 if a.kind.startswith("RECV")]
+        recvs = [(a, torch.empty(self.shape_of(a.microbatch), dtype=self.dtype, device=self.device))
+                 for a in step if a.kind.startswith("RECV")]
         if not recvs:
             return []
         ops, stamps = [], []
@@ -288,9 +346,10 @@ class _Run:
         for a in step:
             if a.kind.startswith("SEND"):
                 t = self.to_send.pop((a.kind[-1], a.microbatch, a.stage)).contiguous()
-                if tuple(t.shape) != self.shape or t.dtype != self.dtype:
+                if tuple(t.shape) != self.shape_of(a.microbatch) or t.dtype != self.dtype:
                     raise ValueError(f"{a}: the tensor to send has shape {tuple(t.shape)} and dtype {t.dtype}; "
-                                     f"the receiver expects tensor_shape={list(self.shape)}, dtype={self.dtype}")
+                                     f"the receiver expects tensor_shape={list(self.shape_of(a.microbatch))}, "
+                                     f"dtype={self.dtype}")
                 ops.append(self.ctx.pp.p2p_op("send", t, a.peer))
                 sends.append(t)
                 if self.delayed(a.peer):

@@ -105,7 +105,8 @@ def run_global_batch(cfg, ctx, chunks, microbatches: list[dict], *, forward_only
     reduced while the rest of the schedule runs.
 
     Args:
-        microbatches: this DP rank's microbatches, each ``{"tokens": [b, s], "labels": [b, s]}``.
+        microbatches: this DP rank's microbatches, each ``{"tokens": [b, s], "labels": [b, s]}``
+            (``s`` may differ between microbatches: token-balanced rows, ``b = 1``).
         loss_scale: multiplies the loss fed to backward (fp16 dynamic loss scaling).
         actions: this rank's schedule (:func:`rank_actions`); built here when None.
         ddp: the chunks' :class:`~paratron.optim.ddp.DistributedDataParallel` (None: plain ``.grad``).
@@ -135,16 +136,15 @@ def run_global_batch(cfg, ctx, chunks, microbatches: list[dict], *, forward_only
         lm_losses.append(loss.detach())
         return loss * loss_scale if loss_scale != 1.0 else loss
 
-    p = cfg.parallel
     m = len(microbatches)
     if cfg.model.num_experts > 0:
         _scale_aux_losses(cfg, ctx, chunks, microbatches, loss_scale)
     if actions is None:
         actions = rank_actions(cfg, ctx, m)
-    mb_size, seq = microbatches[0]["tokens"].shape
-    s_local = seq // ctx.tp.size if p.sequence_parallel else seq
-    run_pipeline(actions, chunks, ctx, microbatches, forward_step,
-                 tensor_shape=(s_local, mb_size, cfg.model.hidden_size),
+    shapes = [_activation_shape(cfg, ctx, mb) for mb in microbatches]
+    varied = any(shape != shapes[0] for shape in shapes)  # token-balanced rows (data.microbatch_tokens)
+    run_pipeline(actions, chunks, ctx, microbatches, forward_step, tensor_shape=shapes[0],
+                 tensor_shapes=shapes if varied else None,
                  dtype=precision_dtype(cfg.train.precision), forward_only=forward_only, grad_sync=ddp,
                  timeline=timeline)
     if not forward_only:
@@ -158,6 +158,13 @@ def run_global_batch(cfg, ctx, chunks, microbatches: list[dict], *, forward_only
     return StepOutput(stats, has_aux, {"forward_backward": t1 - t0})
 
 
+def _activation_shape(cfg, ctx, mb: dict) -> tuple[int, int, int]:
+    """``[s, b, h]`` (``[s/tp, b, h]`` under SP) of the activations a microbatch sends between
+    pipeline stages; every stage holds the microbatch, so each knows every shape (no header)."""
+    b, seq = mb["tokens"].shape
+    return (seq // ctx.tp.size if cfg.parallel.sequence_parallel else seq, b, cfg.model.hidden_size)
+
+
 def _scale_aux_losses(cfg, ctx, chunks, microbatches: list[dict], loss_scale: float) -> None:
     """MoE aux-loss grads: coeff x the mean over every microbatch (or, for the sequence-level
     loss, every sequence) of the global batch, scaled like the LM loss (see
@@ -168,6 +175,9 @@ def _scale_aux_losses(cfg, ctx, chunks, microbatches: list[dict], loss_scale: fl
         from paratron.models.moe.seq_aux import count_global_sequences
 
         set_aux_loss_scale(chunks, loss_scale / count_global_sequences(microbatches, ctx))
+    elif cfg.data.microbatch_tokens is not None:
+        # Token-balanced: every DP rank holds the same count, set by the data (token_batches).
+        set_aux_loss_scale(chunks, loss_scale / (len(microbatches) * ctx.dp.size))
     else:
         # Every DP rank's count of the global batch (the split may be uneven: TrainState.dp_microbatches).
         set_aux_loss_scale(chunks, loss_scale / (cfg.train.global_batch_size // cfg.train.micro_batch_size))

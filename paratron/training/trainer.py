@@ -96,9 +96,10 @@ class Trainer:
             self.ckpt = build_checkpoint_manager(cfg, ctx)
         # 1f1b-delay without a configured microbatch time: plain warm-ups until step 1 is measured.
         self.microbatch_time, self.measure_step = None, needs_microbatch_time(cfg)
-        self.actions = rank_actions(cfg, ctx, self.data.num_microbatches)  # the same every step
-        self._actions = {self.data.num_microbatches: self.actions}
-        self.evaluator = Evaluator(cfg, ctx, self.chunks, self.data, self.actions)
+        self._actions: dict[int, list] = {}  # per microbatch count (token-balanced steps vary it)
+        if self.data.num_microbatches is not None:
+            self.actions_for(self.data.num_microbatches)  # fixed-length runs: built once, up front
+        self.evaluator = Evaluator(cfg, ctx, self.chunks, self.data, self.actions_for)
         self.guard = NonFiniteGuard(cfg.train.nonfinite, cfg.train.max_consecutive_skips)
         self.timer = PhaseTimer(ctx.device)
         self.step_log = StepLog(cfg, ctx, *peak_flops_per_device(cfg.train.peak_flops_per_device,
@@ -169,7 +170,8 @@ class Trainer:
         log(self.ctx, StartupClock.line(record))
 
     def actions_for(self, m: int) -> list:
-        """This rank's schedule for ``m`` microbatches (an uneven DP split changes ``m``; cached)."""
+        """This rank's schedule for ``m`` microbatches (an uneven DP split or token-balanced
+        microbatches change ``m``; cached)."""
         if m not in self._actions:
             self._actions[m] = rank_actions(self.cfg, self.ctx, m, self.microbatch_time)
         return self._actions[m]
@@ -181,7 +183,8 @@ class Trainer:
         t = torch.tensor([measured_microbatch_time(timeline, m)], dtype=torch.float64)
         self.ctx.world.host_all_reduce(t, op=dist.ReduceOp.MAX)
         self.microbatch_time, self.measure_step, self._actions = t.item(), False, {}
-        self.actions = self.evaluator.actions = self.actions_for(self.data.num_microbatches)
+        if self.data.num_microbatches is not None:  # the evaluator asks actions_for: rebuilt too
+            self.actions_for(self.data.num_microbatches)
         log(self.ctx, f"{self.cfg.parallel.schedule}: measured {self.microbatch_time * 1e3:.1f} ms per microbatch "
                       "and stage; schedule rebuilt with the link latencies")
 
@@ -227,8 +230,9 @@ class Trainer:
             s.consumed_train_samples = int(extra.get("consumed_train_samples", 0))
             s.consumed_valid_samples = int(extra.get("consumed_valid_samples", 0))
             log(self.ctx, f"resumed from {cfg.checkpoint.load} at iteration {s.iteration}")
+        per_step = self.data.num_microbatches or f"token-balanced (data.microbatch_tokens={cfg.data.microbatch_tokens})"
         log(self.ctx, f"layout: {self.ctx.describe()} | schedule {cfg.parallel.schedule} | microbatches/step "
-                      f"{self.data.num_microbatches} | params {count_params(self.chunks, self.ctx):,}")
+                      f"{per_step} | params {count_params(self.chunks, self.ctx):,}")
         self.step_log.header(self.data.unigram_entropy)
 
     def first_nonfinite(self) -> str:
