@@ -32,6 +32,39 @@ def link_latency_seconds(parallel_cfg) -> tuple[float, ...] | None:
     return None if lat is None else tuple(x / 1e3 for x in lat)
 
 
+def config_options(parallel_cfg, measured_microbatch_time: float | None = None) -> dict | None:
+    """``1f1b-delay``'s keywords from the config, for the training step's ``build_schedule``.
+
+    ``link_latency`` comes from ``parallel.pipeline_link_latency_ms``; ``microbatch_time`` (s)
+    from ``parallel.pipeline_microbatch_time_ms``, else from ``measured_microbatch_time``
+    (:func:`measured_microbatch_time` of a run).
+
+    Returns:
+        The keywords (``{}`` without link latencies: plain 1F1B), or None when the latencies are
+        set but no microbatch time is known yet: the caller builds plain 1F1B meanwhile, measures
+        a step, and asks again.
+    """
+    lat = link_latency_seconds(parallel_cfg)
+    if lat is None or not any(lat):
+        return {}
+    ms = parallel_cfg.pipeline_microbatch_time_ms
+    t = ms / 1e3 if ms is not None else measured_microbatch_time
+    return None if t is None else {"link_latency": lat, "microbatch_time": t}
+
+
+def measured_microbatch_time(timeline: Sequence[Any], num_microbatches: int) -> float:
+    """Seconds of compute per microbatch per stage on one rank, from a recorded step
+    (``run_pipeline(timeline=)``): the summed duration of its compute actions (F, B, W, BW, R)
+    over ``num_microbatches`` times its stages. Take the max over ranks so every rank builds the
+    same lists. Raises ValueError for a timeline without compute."""
+    compute = [e for e in timeline if not e.kind.startswith(("SEND", "RECV"))]
+    if not compute or num_microbatches < 1:
+        raise ValueError(f"no compute actions in the timeline ({len(timeline)} events) or "
+                         f"num_microbatches={num_microbatches} < 1")
+    stages = len({e.stage for e in compute})
+    return sum(e.end - e.start for e in compute) / (num_microbatches * stages)
+
+
 def delay_warmups(p: int, link_latency: Sequence[float] | None, microbatch_time: float) -> list[int]:
     """Warm-up forwards per rank for 1F1B over links with the given extra latencies.
 

@@ -61,7 +61,8 @@ def attach_weight_grad_stores(chunks: Sequence[nn.Module]) -> list[WeightGradSto
 def run_pipeline(actions: list[Action], chunks: Sequence[nn.Module], ctx, microbatches: Sequence[Any],
                  forward_step: ForwardStep, tensor_shape: Sequence[int], dtype: torch.dtype, *,
                  forward_only: bool = False, timeline: list[TraceEvent] | None = None,
-                 grad_sync=None, link_delay=None) -> list[torch.Tensor]:
+                 grad_sync=None, link_delay=None,
+                 tensor_shapes: Sequence[Sequence[int]] | None = None) -> list[torch.Tensor]:
     """Run this rank's part of one pipelined step.
 
     Args:
@@ -78,6 +79,11 @@ def run_pipeline(actions: list[Action], chunks: Sequence[nn.Module], ctx, microb
         tensor_shape: shape of every activation and grad sent between stages, e.g. ``[s, b, h]``
             (``[s/tp, b, h]`` under sequence parallelism).
         dtype: their dtype.
+        tensor_shapes: per microbatch, the shape of its activations and grads (variable-length
+            microbatches, e.g. token-balanced packed rows), overriding ``tensor_shape``. Every
+            rank computes them from the microbatches it holds (all stages of a pipeline hold the
+            same microbatches), so a receiver sizes its buffer without a header message; None:
+            every microbatch has ``tensor_shape``.
         forward_only: evaluation: run the forwards without autograd, skip backward and grad sends.
         timeline: if given, one :class:`TraceEvent` per action is appended (seconds since the
             start of this call; p2p actions span their batch), for comparison with the plan.
@@ -93,7 +99,8 @@ def run_pipeline(actions: list[Action], chunks: Sequence[nn.Module], ctx, microb
     Raises:
         ValueError: the chunk count does not match the list's stages, a microbatch index is out of
             range, a last-stage output is not a scalar, or an activation to send has another shape
-            than ``tensor_shape`` (checked before sending: a wrong shape would hang the receiver).
+            than its ``tensor_shape`` / ``tensor_shapes`` entry (checked before sending: a wrong
+            shape would hang the receiver), or ``tensor_shapes`` has too few entries.
         RuntimeError: weight grads are still deferred at the end (a list missing W actions).
     """
     stages = stages_of(actions)
@@ -102,8 +109,12 @@ def run_pipeline(actions: list[Action], chunks: Sequence[nn.Module], ctx, microb
     if actions and max(a.microbatch for a in actions) >= len(microbatches):
         raise ValueError(f"the action list uses microbatch {max(a.microbatch for a in actions)} but only "
                          f"{len(microbatches)} microbatches were given")
+    if tensor_shapes is not None and len(tensor_shapes) < len(microbatches):
+        raise ValueError(f"tensor_shapes has {len(tensor_shapes)} entries for {len(microbatches)} microbatches")
     run = _Run(ctx, chunks, stages, ctx.pp.size * len(chunks) - 1, microbatches, forward_step,
                tuple(tensor_shape), dtype, forward_only, timeline)
+    if tensor_shapes is not None:
+        run.shapes = [tuple(s) for s in tensor_shapes]
     if grad_sync is not None and not forward_only:
         run.grad_sync, run.last_backward = grad_sync, last_backward_actions(actions)
     if not forward_only:
@@ -122,6 +133,7 @@ class _Run:
         self.local = {s: c for c, s in enumerate(stages)}
         self.microbatches, self.forward_step = microbatches, forward_step
         self.shape, self.dtype, self.forward_only, self.timeline = shape, dtype, forward_only, timeline
+        self.shapes: list[tuple[int, ...]] | None = None  # per microbatch, when they differ
         self.device = next((p.device for c in chunks for p in c.parameters()), torch.device(ctx.device))
         self.stores = [] if forward_only else attach_weight_grad_stores(chunks)
         self.received: dict[tuple[int, int], torch.Tensor] = {}   # RECV_F: input of (mb, stage)
@@ -260,6 +272,10 @@ class _Run:
         self.stores[self.local[a.stage]].flush()
 
     # ---- p2p ---------------------------------------------------------------------------------
+    def shape_of(self, microbatch: int) -> tuple[int, ...]:
+        """The shape of the activations (and their grads) of ``microbatch`` sent between stages."""
+        return self.shape if self.shapes is None else self.shapes[microbatch]
+
     def post_recvs(self, step: list[Action]) -> list[tuple[Action, torch.Tensor, Any]]:
         """Post the receives of a batch now; they are waited for when the batch is reached.
 
@@ -267,8 +283,8 @@ class _Run:
         list order) nor any wait, so the validator's guarantees hold; it lets the transfer run
         while this rank computes instead of after it reaches the batch.
         """
-        recvs = [(a, torch.empty(self.shape, dtype=self.dtype, device=self.device)) for a in step
-                 if a.kind.startswith("RECV")]
+        recvs = [(a, torch.empty(self.shape_of(a.microbatch), dtype=self.dtype, device=self.device))
+                 for a in step if a.kind.startswith("RECV")]
         if not recvs:
             return []
         works = self.ctx.pp.batch_isend_irecv([self.ctx.pp.p2p_op("recv", buf, a.peer) for a, buf in recvs])
@@ -289,9 +305,10 @@ class _Run:
         for a in step:
             if a.kind.startswith("SEND"):
                 t = self.to_send.pop((a.kind[-1], a.microbatch, a.stage)).contiguous()
-                if tuple(t.shape) != self.shape or t.dtype != self.dtype:
+                if tuple(t.shape) != self.shape_of(a.microbatch) or t.dtype != self.dtype:
                     raise ValueError(f"{a}: the tensor to send has shape {tuple(t.shape)} and dtype {t.dtype}; "
-                                     f"the receiver expects tensor_shape={list(self.shape)}, dtype={self.dtype}")
+                                     f"the receiver expects tensor_shape={list(self.shape_of(a.microbatch))}, "
+                                     f"dtype={self.dtype}")
                 ops.append(self.ctx.pp.p2p_op("send", t, a.peer))
                 sends.append(t)
         if ops:
