@@ -57,7 +57,9 @@ def measured_microbatch_time(timeline: Sequence[Any], num_microbatches: int) -> 
     (``run_pipeline(timeline=)``): the summed duration of its compute actions (F, B, W, BW, R)
     over ``num_microbatches`` times its stages. Take the max over ranks so every rank builds the
     same lists. Raises ValueError for a timeline without compute."""
-    compute = [e for e in timeline if not e.kind.startswith(("SEND", "RECV"))]
+    # Only the actions: the intervals recorded inside them (lanes "compute"/"comm", e.g. MoE
+    # experts and all-to-alls) would count their time twice.
+    compute = [e for e in timeline if getattr(e, "lane", "") == "" and not e.kind.startswith(("SEND", "RECV"))]
     if not compute or num_microbatches < 1:
         raise ValueError(f"no compute actions in the timeline ({len(timeline)} events) or "
                          f"num_microbatches={num_microbatches} < 1")

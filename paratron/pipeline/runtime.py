@@ -32,15 +32,17 @@ rules:
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
 
 from ..parallel.grads import WeightGradStore
+from ..parallel.intervals import IntervalRecorder
 from ..parallel.random import capture_default_states, restore_default_states
 from .actions import Action, batches, forward_only as strip_backward, last_backward_actions, recomputed, stages_of
-from .timeline import TraceEvent
+from .timeline import TraceEvent, from_intervals
 
 ForwardStep = Callable[[int, nn.Module, "torch.Tensor | None", Any], torch.Tensor]
 
@@ -86,7 +88,9 @@ def run_pipeline(actions: list[Action], chunks: Sequence[nn.Module], ctx, microb
             every microbatch has ``tensor_shape``.
         forward_only: evaluation: run the forwards without autograd, skip backward and grad sends.
         timeline: if given, one :class:`TraceEvent` per action is appended (seconds since the
-            start of this call; p2p actions span their batch), for comparison with the plan.
+            start of this call; p2p actions span their batch), for comparison with the plan,
+            followed by the intervals the action recorded (lanes ``compute``/``comm``, e.g. the
+            MoE dispatcher's all-to-alls and expert compute; :mod:`paratron.parallel.intervals`).
         grad_sync: an object with a ``last_backward(chunk_ids)`` context manager (DDP), told
             which backward is the last of each local chunk; None: nobody is told (grads are then
             reduced when the caller finalizes them).
@@ -158,6 +162,17 @@ class _Run:
         steps = batches(actions)
         p2p_at = [i for i, step in enumerate(steps) if step[0].is_p2p]
         self.next_p2p = dict(zip(p2p_at, p2p_at[1:]))
+        with self.recording_intervals():
+            self.run_steps(steps, p2p_at)
+        for work, _ in self.pending_sends:
+            work.wait()
+        self.pending_sends.clear()
+        for c, store in enumerate(self.stores):
+            if len(store):
+                raise RuntimeError(f"pipeline chunk {c}: {len(store)} deferred weight-grad groups are still "
+                                   "queued after the schedule; every B needs a W")
+
+    def run_steps(self, steps: list[list[Action]], p2p_at: list[int]) -> None:
         try:
             if p2p_at:
                 self.prefetched[p2p_at[0]] = self.post_recvs(steps[p2p_at[0]])
@@ -166,7 +181,7 @@ class _Run:
                 if step[0].is_p2p:
                     self.p2p(i, step, steps)
                 else:
-                    self.compute(step[0])
+                    self.compute_recorded(step[0])
                 if self.link_delay is not None:
                     self.poll_delayed()
                 if self.timeline is not None:
@@ -176,15 +191,42 @@ class _Run:
         finally:
             for store in self.stores:
                 store.deferring = False
-        for work, _ in self.pending_sends:
-            work.wait()
-        self.pending_sends.clear()
-        for c, store in enumerate(self.stores):
-            if len(store):
-                raise RuntimeError(f"pipeline chunk {c}: {len(store)} deferred weight-grad groups are still "
-                                   "queued after the schedule; every B needs a W")
 
     # ---- compute ---------------------------------------------------------------------------
+    def compute_recorded(self, a: Action) -> None:
+        """:meth:`compute`, with the interval recorder (if any) stamped with the action's
+        (microbatch, stage)."""
+        rec = self.ctx.ledger.intervals if self.timeline is not None else None
+        if rec is None:
+            self.compute(a)
+            return
+        scope, rec.scope = rec.scope, (a.microbatch, a.stage)
+        try:
+            self.compute(a)
+        finally:
+            rec.scope = scope
+
+    @contextmanager
+    def recording_intervals(self):
+        """While recording a timeline: an interval recorder on the comm ledger (the caller's, if
+        one is installed) for the whole run; what was recorded in it during the run is appended
+        to the timeline at the end (lanes ``compute``/``comm``), so an op issued by one action
+        and waited for by a later one is complete."""
+        ledger = self.ctx.ledger
+        if self.timeline is None:
+            yield
+            return
+        own = ledger.intervals is None
+        if own:
+            ledger.intervals = IntervalRecorder()
+        rec, first = ledger.intervals, len(ledger.intervals.intervals)
+        try:
+            yield
+        finally:
+            if own:
+                ledger.intervals = None
+        self.timeline.extend(from_intervals(rec.intervals[first:], self.ctx.pp.rank, self.t0))
+
     def compute(self, a: Action) -> None:
         run = getattr(self, "do_" + a.kind)
         if self.grad_sync is None or self.last_backward.get(a.stage) != a:
