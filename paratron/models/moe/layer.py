@@ -137,6 +137,9 @@ class MoELayer(nn.Module):
             mark(self.shared_expert_gate, f"{prefix}.shared_expert_gate.weight",
                  sequence_parallel=self.sequence_parallel)
         self.aux_loss_scale = 1.0
+        # Set by the pipeline runtime during the forward half of an FB pair: the dispatcher calls
+        # it after launching each all-to-all asynchronously (see TokenDispatcher.while_in_flight).
+        self.while_in_flight = None
         self.last_aux_loss: torch.Tensor | None = None
         self.last_z_loss: torch.Tensor | None = None
 
@@ -197,6 +200,7 @@ class MoELayer(nn.Module):
             d_tokens, d_indices = tokens, indices
 
         dispatcher = self._dispatcher(capacity)
+        dispatcher.while_in_flight = self.while_in_flight
         slots = dispatcher.run(d_tokens, d_indices, self.experts)  # [T_d, k, h]
         if replicated:
             slots = gather_rows(slots, tp, grad_is_partial=False)
