@@ -94,6 +94,12 @@ class InFlight:
         out, self.out, self.send, self.work = self.out, None, None, None
         return out
 
+    def arrive(self) -> None:
+        """Block until the forward exchange has completed, leaving its rows to :meth:`wait`
+        (the pipeline runtime's FB hook waits here, so that its next step starts after it)."""
+        if self.work is not None:
+            self.work.wait()
+
     def launch_back(self, grad: torch.Tensor) -> torch.Tensor:
         """Launch the swapped all-to-all of ``grad`` [sum(out_splits), ...]; the buffer it fills."""
         self.back_send = grad.contiguous()
@@ -168,7 +174,8 @@ def finish_all_to_all(flight: InFlight) -> torch.Tensor:
     """Wait for ``flight`` and return the received rows ``[sum(out_splits), ...]``,
     differentiable with respect to the ``x`` it was started from (backward: see
     :func:`start_all_to_all`)."""
-    return _Landed.apply(flight.src, flight)
+    src, flight.src = flight.src, None  # the graph holds it now; a flight holding it would make a cycle
+    return _Landed.apply(src, flight)
 
 
 class _GatherRows(torch.autograd.Function):

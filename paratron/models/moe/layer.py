@@ -114,6 +114,11 @@ class MoELayer(nn.Module):
         self.pad_to_capacity = bool(cfg.moe_pad_to_capacity)
         check_dispatcher_config(cfg)
         self.dispatcher_cls = get_dispatcher(cfg.moe_token_dispatcher)
+        calls = getattr(self.dispatcher_cls, "expert_calls", lambda: 1)()
+        for p in self.experts.parameters():
+            # The experts' weights get one grad per call in backward: DDP waits for all of them
+            # before reducing inside the last backward (paratron.optim.ddp, grad_uses).
+            p.grad_uses = calls
         self.shared_expert = None
         if cfg.moe_shared_expert_ffn_hidden_size:
             # DeepSpeed-MoE's residual expert (Rajbhandari et al. 2022, section 4.1): a dense MLP
@@ -132,6 +137,9 @@ class MoELayer(nn.Module):
             mark(self.shared_expert_gate, f"{prefix}.shared_expert_gate.weight",
                  sequence_parallel=self.sequence_parallel)
         self.aux_loss_scale = 1.0
+        # Set by the pipeline runtime during the forward half of an FB pair: the dispatcher calls
+        # it after launching each all-to-all asynchronously (see TokenDispatcher.while_in_flight).
+        self.while_in_flight = None
         self.last_aux_loss: torch.Tensor | None = None
         self.last_z_loss: torch.Tensor | None = None
 
@@ -192,6 +200,7 @@ class MoELayer(nn.Module):
             d_tokens, d_indices = tokens, indices
 
         dispatcher = self._dispatcher(capacity)
+        dispatcher.while_in_flight = self.while_in_flight
         slots = dispatcher.run(d_tokens, d_indices, self.experts)  # [T_d, k, h]
         if replicated:
             slots = gather_rows(slots, tp, grad_is_partial=False)
