@@ -192,7 +192,8 @@ class MoELayer(nn.Module):
             d_tokens, d_indices = tokens, indices
 
         dispatcher = self._dispatcher(capacity)
-        slots = dispatcher.run(d_tokens, d_indices, self.experts)  # [T_d, k, h]
+        with self.experts.counting_calls():  # a dispatcher may run them once per chunk
+            slots = dispatcher.run(d_tokens, d_indices, self.experts)  # [T_d, k, h]
         if replicated:
             slots = gather_rows(slots, tp, grad_is_partial=False)
         y = (slots.float() * routing.probs.unsqueeze(-1)).sum(dim=1).to(x.dtype)
