@@ -94,8 +94,8 @@ def run_pipeline(actions: list[Action], chunks: Sequence[nn.Module], ctx, microb
         grad_sync: an object with a ``last_backward(chunk_ids)`` context manager (DDP), told
             which backward is the last of each local chunk; None: nobody is told (grads are then
             reduced when the caller finalizes them).
-        link_delay: a :class:`~paratron.pipeline.delay.LinkDelay` (tests and benchmarks): receives
-            over its link complete its ``seconds`` after they arrived; None: no injected delay.
+        link_delay: a :class:`~paratron.pipeline.delay.LinkDelay` (tests and benchmarks, gloo):
+            a message over its link is received its ``seconds`` after it was sent; None: none.
 
     Returns:
         On the rank holding the last stage, the detached losses in microbatch order; else ``[]``.
@@ -182,8 +182,6 @@ class _Run:
                     self.p2p(i, step, steps)
                 else:
                     self.compute_recorded(step[0])
-                if self.link_delay is not None:
-                    self.poll_delayed()
                 if self.timeline is not None:
                     end = time.perf_counter() - self.t0
                     self.timeline.extend(TraceEvent(self.ctx.pp.rank, a.kind, a.microbatch, a.stage,
@@ -329,18 +327,19 @@ class _Run:
                  for a in step if a.kind.startswith("RECV")]
         if not recvs:
             return []
-        works = self.ctx.pp.batch_isend_irecv([self.ctx.pp.p2p_op("recv", buf, a.peer) for a, buf in recvs])
-        if self.link_delay is not None:
-            works = [self.link_delay.watch(w) if self.link_delay.applies(self.ctx.pp.rank, a.peer) else w
-                     for (a, _), w in zip(recvs, works)]
-        return [(a, buf, work) for (a, buf), work in zip(recvs, works)]
+        ops, stamps = [], []
+        for a, buf in recvs:
+            ops.append(self.ctx.pp.p2p_op("recv", buf, a.peer))
+            stamps.append(self.link_delay.stamp_buffer(self.device) if self.delayed(a.peer) else None)
+            if stamps[-1] is not None:  # the injected delay's send time follows the message
+                ops.append(self.ctx.pp.p2p_op("recv", stamps[-1], a.peer))
+        works = iter(self.ctx.pp.batch_isend_irecv(ops))
+        return [(a, buf, next(works) if stamp is None else self.link_delay.delayed(next(works), next(works), stamp))
+                for (a, buf), stamp in zip(recvs, stamps)]
 
-    def poll_delayed(self) -> None:
-        """Let the injected link delay note which watched receives have arrived."""
-        for recvs in self.prefetched.values():
-            for _, _, work in recvs:
-                if hasattr(work, "poll"):
-                    work.poll()
+    def delayed(self, peer: int) -> bool:
+        """The link to ``peer`` has an injected delay (:class:`~paratron.pipeline.delay.LinkDelay`)."""
+        return self.link_delay is not None and self.link_delay.applies(self.ctx.pp.rank, peer)
 
     def p2p(self, index: int, step: list[Action], steps: list[list[Action]]) -> None:
         ops, sends = [], []
@@ -353,6 +352,9 @@ class _Run:
                                      f"dtype={self.dtype}")
                 ops.append(self.ctx.pp.p2p_op("send", t, a.peer))
                 sends.append(t)
+                if self.delayed(a.peer):
+                    sends.append(self.link_delay.stamp(self.device))
+                    ops.append(self.ctx.pp.p2p_op("send", sends[-1], a.peer))
         if ops:
             for work, t in zip(self.ctx.pp.batch_isend_irecv(ops), sends):
                 self.pending_sends.append((work, t))
