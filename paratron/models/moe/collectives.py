@@ -94,6 +94,12 @@ class InFlight:
         out, self.out, self.send, self.work = self.out, None, None, None
         return out
 
+    def arrive(self) -> None:
+        """Block until the forward exchange has completed, leaving its rows to :meth:`wait`
+        (the pipeline runtime's FB hook waits here, so that its next step starts after it)."""
+        if self.work is not None:
+            self.work.wait()
+
     def launch_back(self, grad: torch.Tensor) -> torch.Tensor:
         """Launch the swapped all-to-all of ``grad`` [sum(out_splits), ...]; the buffer it fills."""
         self.back_send = grad.contiguous()

@@ -67,7 +67,15 @@ class TokenDispatcher(ABC):
     shapes are static; dropped pairs must already be marked -1). The capacity counts the whole
     microbatch, so under sequence parallelism each TP rank pads its own rows to it. The
     arguments obey :func:`paratron.config.model_shape.check_moe` (the MoE layer runs it).
+
+    ``while_in_flight`` (None, or set by the MoE layer from the pipeline runtime for the forward
+    half of an ``FB`` pair): ``hook(what, wait)`` with ``what`` ``"dispatch"`` or ``"combine"``.
+    The all-to-all dispatcher then launches each row exchange asynchronously and calls the hook,
+    which runs other work (another microbatch's backward) and then ``wait()``; the rows and
+    their grads are the synchronous exchange's.
     """
+
+    while_in_flight = None
 
     def __init__(self, ctx, num_experts: int, *, capacity: int | None = None, pad_to_capacity: bool = False):
         ep = ctx.ep.size
@@ -225,9 +233,17 @@ class AllToAllDispatcher(TokenDispatcher):
                              at, to_expert_major)
         return expert_input, p.recv_counts.sum(dim=0).tolist(), plan
 
+    def _exchange(self, x: torch.Tensor, out_splits: list[int], in_splits: list[int], what: str) -> torch.Tensor:
+        """The row all-to-all; with :attr:`while_in_flight` set, launched async around the hook."""
+        if self.while_in_flight is None:
+            return all_to_all(x, self.group, out_splits, in_splits, kind=what)
+        flight = start_all_to_all(x, self.group, out_splits, in_splits, kind=what)
+        self.while_in_flight(what, flight.arrive)
+        return finish_all_to_all(flight)
+
     def dispatch(self, tokens: torch.Tensor, indices: torch.Tensor):
         p = self._start(tokens, indices)
-        return self._finish(p, all_to_all(p.send, self.group, p.out_splits, p.in_splits, kind="dispatch"))
+        return self._finish(p, self._exchange(p.send, p.out_splits, p.in_splits, "dispatch"))
 
     @staticmethod
     def _split_back(expert_output: torch.Tensor, plan: _AllToAllPlan):
@@ -249,7 +265,7 @@ class AllToAllDispatcher(TokenDispatcher):
 
     def combine(self, expert_output: torch.Tensor, plan: _AllToAllPlan) -> torch.Tensor:
         own, back = self._split_back(expert_output, plan)
-        return self._to_slots(all_to_all(back, self.group, plan.in_splits, plan.out_splits, kind="combine"), own, plan)
+        return self._to_slots(self._exchange(back, plan.in_splits, plan.out_splits, "combine"), own, plan)
 
 
 @dataclass

@@ -186,11 +186,15 @@ class LocalExperts(nn.Module):
     def counting_calls(self):
         """Count the forward calls inside the block (one per dispatch chunk) and declare that many
         grads per backward pass on the params, so DDP starts their bucket reduction only after
-        the last one (``grads_per_backward``, :mod:`paratron.parallel.params`)."""
-        self.calls = 0
-        yield
-        for p in self.parameters():
-            p.grads_per_backward = max(self.calls, 1)
+        the last one (``grads_per_backward``, :mod:`paratron.parallel.params`). Blocks may nest
+        (an F/B pair recomputes one microbatch's forward inside another's): each counts its own."""
+        outer, self.calls = self.calls, 0
+        try:
+            yield
+            for p in self.parameters():
+                p.grads_per_backward = max(self.calls, 1)
+        finally:
+            self.calls = outer
 
     def forward(self, x: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
         self.calls += 1

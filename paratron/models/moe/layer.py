@@ -132,6 +132,9 @@ class MoELayer(nn.Module):
             mark(self.shared_expert_gate, f"{prefix}.shared_expert_gate.weight",
                  sequence_parallel=self.sequence_parallel)
         self.aux_loss_scale = 1.0
+        # Set by the pipeline runtime during the forward half of an FB pair: the dispatcher calls
+        # it after launching each all-to-all asynchronously (see TokenDispatcher.while_in_flight).
+        self.while_in_flight = None
         self.last_aux_loss: torch.Tensor | None = None
         self.last_z_loss: torch.Tensor | None = None
 
@@ -192,6 +195,7 @@ class MoELayer(nn.Module):
             d_tokens, d_indices = tokens, indices
 
         dispatcher = self._dispatcher(capacity)
+        dispatcher.while_in_flight = self.while_in_flight
         with self.experts.counting_calls():  # a dispatcher may run them once per chunk
             slots = dispatcher.run(d_tokens, d_indices, self.experts)  # [T_d, k, h]
         if replicated:
