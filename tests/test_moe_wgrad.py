@@ -15,7 +15,7 @@ update, params after 2 steps, losses); at EP=2 x DP=4 (expert-DP 2) every expert
 its reduction inside the last backward action of the step with overlap on, and the params are
 bitwise equal to overlap off (ZeRO-2's expert buckets flush during backward too, equal to 1e-6).
 Both also with the chunked dispatcher, which runs the experts twice per microbatch (their params
-declare ``grads_per_backward = 2``, so DDP waits for the second grad before reducing).
+declare ``grad_uses = 2``, so DDP waits for the second grad before reducing).
 """
 
 from __future__ import annotations

@@ -36,8 +36,6 @@ dense linears (:func:`~paratron.parallel.grads.run_or_defer`). Biases of the gro
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import torch
 from torch import nn
 
@@ -176,28 +174,12 @@ class LocalExperts(nn.Module):
         self.first_expert, self.gemm, self.activation = first_expert, gemm, cfg.activation
         self.etp: Group = ctx.expert_tp
         self.weight_grad_store = None  # set by the pipeline runtime (zero-bubble W actions)
-        self.calls = 0  # forward calls inside counting_calls
         self.local = nn.ModuleList(
             ExpertMLP(cfg, ctx, logical_name=f"{prefix}.experts.{first_expert + i}", seed=seed,
                       params_dtype=params_dtype)
             for i in range(num_local))
 
-    @contextmanager
-    def counting_calls(self):
-        """Count the forward calls inside the block (one per dispatch chunk) and declare that many
-        grads per backward pass on the params, so DDP starts their bucket reduction only after
-        the last one (``grads_per_backward``, :mod:`paratron.parallel.params`). Blocks may nest
-        (an F/B pair recomputes one microbatch's forward inside another's): each counts its own."""
-        outer, self.calls = self.calls, 0
-        try:
-            yield
-            for p in self.parameters():
-                p.grads_per_backward = max(self.calls, 1)
-        finally:
-            self.calls = outer
-
     def forward(self, x: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
-        self.calls += 1
         if len(tokens_per_expert) != len(self.local) or sum(tokens_per_expert) != x.shape[0]:
             raise ValueError(f"LocalExperts: tokens_per_expert={tokens_per_expert} does not match "
                              f"{len(self.local)} local experts and {x.shape[0]} rows")
