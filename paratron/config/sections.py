@@ -123,6 +123,9 @@ class ParallelConfig:
     pipeline_link_latency_ms: Optional[list[float]] = None
     """Extra latency (ms) of each link between pipeline ranks k and k+1 (pipeline-1 entries), for
     the simulator and the ``1f1b-delay`` schedule's warm-ups (CrossPipe); None: all links equal."""
+    pipeline_microbatch_time_ms: Optional[float] = None
+    """Forward plus backward of one microbatch on one stage (ms), which ``1f1b-delay`` divides the
+    link latencies by; None: measured over the first training step (which runs plain 1F1B)."""
     order: str = "tp-cp-ep-dp-pp"
     """Rank order, fastest-varying axis first."""
     overlap_grad_reduce: bool = True
@@ -214,6 +217,12 @@ class DataConfig:
     documents (Megatron's --reset-attention-mask)."""
     eod_mask_loss: bool = False
     """No loss where the input token is the end-of-document token (Megatron's --eod-mask-loss)."""
+    microbatch_tokens: Optional[int] = None
+    """Token-balanced variable-length microbatches (FlexPipe): each microbatch is one packed row of
+    whole documents holding at most this many positions, and ``train.global_batch_size`` counts
+    documents (``train.micro_batch_size`` is unused). Documents longer than ``model.seq_length``
+    positions are split. Rule and layout: :mod:`paratron.data.token_batches`. None: fixed-length
+    samples."""
 
 
 @dataclass

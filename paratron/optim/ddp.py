@@ -27,9 +27,12 @@ backward pass of its chunk (a linear module applied twice in one forward) after 
 launched. That raises, naming the param, rather than reducing a partial sum.
 
 Buckets of a buffer are launched strictly in index order, so every rank issues the same
-collectives in the same order whatever the timing of its backward. Expert buffers are reduced
-at :meth:`finish_grad_sync` only: an expert that receives no tokens on one rank produces no grad
-events there, and an early launch on the other ranks would then mismatch the collective order.
+collectives in the same order whatever the timing of its backward. Expert buffers (reduced over
+``ctx.expert_dp``) follow the same rule as dense ones: every local expert produces a grad event in
+every backward pass, zero for an expert that got no tokens
+(:class:`~paratron.models.moe.experts.LocalExperts`), so the sequence of grad events, and with it
+the launch order, is the same on every rank of the expert-DP group. Where that group has the same
+ranks as the dense DP group the two share one communicator, which the same argument keeps in step.
 Tied-embedding and sequence-parallel params sit in deferred buckets, launched by
 :meth:`finish_grad_sync` after their model-parallel all-reduce (:mod:`paratron.optim.finalize`).
 
@@ -277,7 +280,7 @@ class DistributedDataParallel:
 
     def _launch_ready(self, i: int) -> None:
         buf, states = self.buffers[i], self._states[i]
-        if buf.is_expert or not self.overlap_grad_reduce or self.zero >= 2:
+        if not self.overlap_grad_reduce or self.zero >= 2:
             return
         n = self._next[i]
         while n < len(buf.buckets) and states[n].pending == 0 and not buf.buckets[n].deferred:
