@@ -53,6 +53,22 @@ def test_simulated_step_is_shorter_with_comm(name, p, m, v):
     assert simulate(lists, Costs()).makespan >= simulate(plain, Costs()).makespan
 
 
+def test_config_rule_and_megatron_switch():
+    from paratron.config import ConfigError
+    from paratron.config.aliases import MEGATRON_SWITCHES
+
+    assert MEGATRON_SWITCHES["--overlap-moe-expert-parallel-comm"][0] == "parallel.overlap_moe_expert_parallel_comm"
+    cfg = _config()
+    cfg.parallel.overlap_moe_expert_parallel_comm = True
+    validate_config(cfg, 1)
+    cfg.model.moe_token_dispatcher = "alltoall_chunked"
+    with pytest.raises(ConfigError, match="moe_token_dispatcher='alltoall_chunked' does not"):
+        validate_config(cfg, 1)
+    cfg.model.num_experts = 0
+    with pytest.raises(ConfigError, match="num_experts=0 has none"):
+        validate_config(cfg, 1)
+
+
 def test_pair_cost_rule():
     c = Costs(F=1.0, B=2.0, W=1.0, comm_F=0.25, comm_B=0.5)
     assert c(FB(F(1, 0), BW(0, 0))) == pytest.approx(1.0 + 3.0 - 0.75)
@@ -105,7 +121,7 @@ def _config(tp=1, ep=1, pp=1, sp=False, world=1, gbs=GBS) -> Config:
     return validate_config(cfg, world)
 
 
-def _train(cfg: Config, ctx, lists, timeline=None) -> dict:
+def _train(cfg: Config, ctx, actions, timeline=None) -> dict:
     from paratron.training.setup import build_model_and_optimizer
     from paratron.training.step import run_global_batch
 
@@ -122,7 +138,7 @@ def _train(cfg: Config, ctx, lists, timeline=None) -> dict:
         if timeline is not None:
             timeline.clear()  # keep the last step's
         out = run_global_batch(cfg, ctx, chunks, mbs, forward_only=False, loss_scale=optimizer.loss_scale,
-                               ddp=ddp, actions=lists[ctx.pp.rank], timeline=timeline)
+                               ddp=ddp, actions=actions, timeline=timeline)
         optimizer.step()
         losses.append(out.loss)
     params = {p.logical_name: p.detach().clone() for c in chunks for p in c.parameters()}
@@ -130,16 +146,22 @@ def _train(cfg: Config, ctx, lists, timeline=None) -> dict:
 
 
 def _plain_and_overlapped(schedule, kw, world):
+    """Train 3 steps with the plain list, then (fresh model, same seed) with the overlapped one
+    that ``parallel.overlap_moe_expert_parallel_comm`` makes the training step build."""
+    from paratron.training.step import rank_actions
+
     cfg = _config(world=world, **kw)
+    cfg.parallel.schedule = schedule
     p = cfg.parallel
     ctx = (ParallelContext.build(tp=p.tensor, ep=p.expert, pp=p.pipeline) if world > 1
            else ParallelContext.single())
     m = cfg.train.global_batch_size // ctx.dp.size
-    plain = build_schedule(schedule, p.pipeline, m)
-    lists = overlap_fb(plain, COMM)
-    assert any(a.kind == "FB" for a in lists[ctx.pp.rank])
+    plain = rank_actions(cfg, ctx, m)
+    p.overlap_moe_expert_parallel_comm = True
+    paired = rank_actions(cfg, ctx, m)
+    assert any(a.kind == "FB" for a in paired) and not any(a.kind == "FB" for a in plain)
     timeline = []
-    return {"plain": _train(cfg, ctx, plain), "overlap": _train(cfg, ctx, lists, timeline),
+    return {"plain": _train(cfg, ctx, plain), "overlap": _train(cfg, ctx, paired, timeline),
             "timeline": timeline, "pp_rank": ctx.pp.rank}
 
 
