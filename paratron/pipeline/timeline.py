@@ -125,7 +125,7 @@ def draw_png(events: list[TraceEvent], path: str | Path, title: str = "", unit: 
         alpha = (1.0, 0.65, 0.4)[min(max(e.stage, 0) // len(ranks), 2)]
         ax.barh(y, e.end - e.start, left=e.start, height=0.8, color=COLOURS.get(e.kind, "#999999"),
                 alpha=alpha, edgecolor="black", linewidth=0.3)
-        if (e.end - e.start) / end > 0.008:
+        if (e.end - e.start) / end > 0.008 and e.microbatch >= 0:
             ax.text((e.start + e.end) / 2, y, str(e.microbatch), ha="center", va="center", fontsize=6,
                     color="white")
     ax.set_yticks(range(len(rows)), [f"rank {r} {LANES[lane]}".rstrip() for r, lane in rows])

@@ -174,7 +174,8 @@ def finish_all_to_all(flight: InFlight) -> torch.Tensor:
     """Wait for ``flight`` and return the received rows ``[sum(out_splits), ...]``,
     differentiable with respect to the ``x`` it was started from (backward: see
     :func:`start_all_to_all`)."""
-    return _Landed.apply(flight.src, flight)
+    src, flight.src = flight.src, None  # the graph holds it now; a flight holding it would make a cycle
+    return _Landed.apply(src, flight)
 
 
 class _GatherRows(torch.autograd.Function):

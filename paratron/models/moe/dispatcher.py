@@ -108,6 +108,12 @@ class TokenDispatcher(ABC):
         return timed(self.group.ledger, "experts", experts, rows, tokens_per_expert, chunk=chunk)
 
     @classmethod
+    def expert_calls(cls) -> int:
+        """How many times :meth:`run` calls the experts per forward (each call gives every local
+        expert weight one grad event in backward; DDP is told through ``param.grad_uses``)."""
+        return 1
+
+    @classmethod
     def check_config(cls, cfg) -> None:
         """Rules this dispatcher puts on the model config (``cfg``: a ModelConfig with experts),
         run by config validation before any process group and by the MoE layer. None here.
@@ -343,6 +349,10 @@ class ChunkedAllToAllDispatcher(AllToAllDispatcher):
     def __init__(self, ctx, num_experts: int, *, capacity: int | None = None, pad_to_capacity: bool = False):
         self._refuse_padding(pad_to_capacity)
         super().__init__(ctx, num_experts, capacity=capacity, pad_to_capacity=False)
+
+    @classmethod
+    def expert_calls(cls) -> int:
+        return cls.num_chunks
 
     @staticmethod
     def _refuse_padding(pad_to_capacity: bool) -> None:

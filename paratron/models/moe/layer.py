@@ -114,6 +114,11 @@ class MoELayer(nn.Module):
         self.pad_to_capacity = bool(cfg.moe_pad_to_capacity)
         check_dispatcher_config(cfg)
         self.dispatcher_cls = get_dispatcher(cfg.moe_token_dispatcher)
+        calls = getattr(self.dispatcher_cls, "expert_calls", lambda: 1)()
+        for p in self.experts.parameters():
+            # The experts' weights get one grad per call in backward: DDP waits for all of them
+            # before reducing inside the last backward (paratron.optim.ddp, grad_uses).
+            p.grad_uses = calls
         self.shared_expert = None
         if cfg.moe_shared_expert_ffn_hidden_size:
             # DeepSpeed-MoE's residual expert (Rajbhandari et al. 2022, section 4.1): a dense MLP
