@@ -198,6 +198,12 @@ def _moe_fb_overlap(cfg: Config, world: int | None) -> None:
     if not cfg.model.num_experts:
         raise ConfigError("parallel.overlap_moe_expert_parallel_comm=true overlaps one microbatch's MoE "
                           "all-to-alls with another's backward, but model.num_experts=0 has none")
+    if cfg.parallel.zero == 3:
+        # ZeRO-3 frees a layer's gathered params after its forward and after its backward, which
+        # assumes one microbatch at a time in a layer; a pair runs another's backward mid-forward.
+        raise ConfigError("parallel.overlap_moe_expert_parallel_comm=true runs one microbatch's backward "
+                          "in the middle of another's forward, but parallel.zero=3 frees each layer's "
+                          "params after its forward and backward: use parallel.zero <= 2")
     from paratron.models.moe.dispatcher import get_dispatcher
 
     if not getattr(get_dispatcher(name), "overlaps_microbatches", False):
