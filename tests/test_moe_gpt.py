@@ -98,6 +98,9 @@ LAYOUTS = {
     "ep2-pp2": (4, dict(ep=2, pp=2)),
     "ep2-dp4-zero1": (4, dict(ep=2, zero=1)),
     "ep2-allgather": (2, dict(ep=2, dispatcher="allgather")),
+    # Experts run once per token chunk: DDP must wait for every chunk's grad (param.grad_uses).
+    "ep2-chunked": (2, dict(ep=2, dispatcher="alltoall_chunked")),
+    "ep2-pp2-chunked": (4, dict(ep=2, pp=2, dispatcher="alltoall_chunked")),
     "ep2-recompute": (2, dict(ep=2, recompute="full")),
     "ep2-etp2-tp2-sp": (4, dict(ep=2, etp=2, tp=2, sp=True)),
 }

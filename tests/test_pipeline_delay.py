@@ -71,6 +71,9 @@ def test_warmups_from_link_costs_and_simulated_gain():
     plain = simulate(build_schedule("1f1b", 4, 8), costs).makespan
     aware = simulate(build_schedule("1f1b-delay", 4, 8, link_latency=[0, 2.5, 0], microbatch_time=3), costs)
     assert aware.makespan < plain
+    # more microbatches in flight upstream of the slow link (ranks 0 and 1), as many downstream
+    assert aware.peak_in_flight == [6, 5, 2, 1]  # warm-ups 3+2 and 2+2: ceil(2 * 2.5 / 3) = 2 more
+    assert simulate(build_schedule("1f1b", 4, 8), costs).peak_in_flight == [4, 3, 2, 1]
     assert simulate(build_schedule("1f1b", 4, 8), Costs(F=1, B=1, W=1)).makespan == (8 + 3) * 3
     assert plain > (8 + 3) * 3 + 4 * 2.5 - 1e-9  # the slow link is on the critical path twice per round trip
 
@@ -84,20 +87,20 @@ def test_link_time():
 class _DoneWork:
     """A receive that has already arrived."""
 
-    def is_completed(self):
-        return True
-
     def wait(self):
         return True
 
 
-def test_link_delay_holds_a_receive_for_its_seconds():
+def test_link_delay_counts_from_the_send_not_from_the_receive(monkeypatch):
+    """The wait sleeps until the sender's stamp + the delay: a message sent long enough ago is not
+    held at all (a late receive does not restart the latency), a fresh one for the delay."""
     assert DELAY.applies(1, 2) and DELAY.applies(2, 1) and not DELAY.applies(0, 1)
-    watched = DELAY.watch(_DoneWork())
-    watched.poll()  # the runtime notes the arrival between actions
-    arrived = watched.arrived
-    watched.wait()
-    assert time.perf_counter() - arrived >= DELAY.seconds  # a lower bound only: sleep never returns early
+    slept = []
+    monkeypatch.setattr(time, "sleep", slept.append)
+    DELAY.delayed(_DoneWork(), _DoneWork(), DELAY.stamp() - 2 * DELAY.seconds).wait()
+    assert slept == []
+    DELAY.delayed(_DoneWork(), _DoneWork(), DELAY.stamp()).wait()
+    assert len(slept) == 1 and 0 < slept[0] <= DELAY.seconds
 
 
 def test_link_latency_config():

@@ -7,7 +7,8 @@ A rule owned by another module is called, not written again here: the model shap
 (:mod:`.model_shape`, also run by the model constructors), the rank grid
 (:func:`paratron.parallel.grid.build_grid`), the pipeline split
 (:func:`paratron.pipeline.partition.stage_sizes`) and the schedule's own check
-(:func:`paratron.pipeline.registry.build_schedule`). Those imports sit inside the rules, so that
+(:func:`paratron.pipeline.registry.build_schedule`), the token dispatcher's
+(:func:`paratron.models.moe.dispatcher.check_dispatcher_config`). Those imports sit inside the rules, so that
 importing the config loads neither numpy nor the pipeline package.
 """
 
@@ -183,6 +184,11 @@ def _schedule(cfg: Config, world: int | None) -> None:
 def _experts(cfg: Config, world: int | None) -> None:
     p = cfg.parallel
     model_shape.check_moe(cfg.model, tp=p.tensor, ep=p.expert, expert_tp=p.expert_tensor)
+    if cfg.model.num_experts:
+        # The token dispatcher's own rules (e.g. alltoall_chunked refuses padding to capacity).
+        from paratron.models.moe.dispatcher import check_dispatcher_config
+
+        check_dispatcher_config(cfg.model)
 
 
 def _zero(cfg: Config, world: int | None) -> None:

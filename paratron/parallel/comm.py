@@ -4,7 +4,9 @@ Every collective paratron issues goes through a :class:`Group` method, so that o
 calls and bytes per operation and per group (docs/DESIGN.md principle 8). The ledger is off by default;
 when off, recording costs one attribute check. When ``ledger.flight`` holds a
 :class:`~paratron.parallel.flight.FlightRecorder`, each call is also entered in that ring buffer
-with its start and end times (the hang watchdog reads it).
+with its start and end times (the hang watchdog reads it). ``ledger.intervals`` (an
+:class:`~paratron.parallel.intervals.IntervalRecorder`, or None) is where code that overlaps
+communication with compute records both (:mod:`paratron.parallel.intervals`).
 
 Groups of size 1 short-circuit: their collectives return the input without calling
 ``torch.distributed``, so model code written for N ranks runs unchanged on one process.
@@ -45,6 +47,7 @@ class CommLedger:
         self.enabled = False
         self.entries: dict[tuple[str, str], LedgerEntry] = defaultdict(LedgerEntry)
         self.flight = None  # a FlightRecorder while the hang watchdog runs
+        self.intervals = None  # an IntervalRecorder (paratron.parallel.intervals) while timing overlap
 
     def record(self, op: str, group: str, nbytes: int) -> None:
         if self.enabled:

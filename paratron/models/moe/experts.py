@@ -20,22 +20,30 @@ per-expert weights are stacked ``[E_local, in, out]`` at the start of the forwar
 and up side by side, ``[E_local, h, 2f]``) and the expert-major rows go through one grouped or
 batched matmul. The parameters themselves stay one per expert and projection: they are the
 source of truth for logical names, shard specs, checkpoints (old ones load unchanged, EP
-resharding is unchanged) and the optimizer; autograd routes the stacked weight's grad back to
-them. The stack is a copy of the local expert weights per forward (``E_local * h * f`` elements
+resharding is unchanged) and the optimizer. The stack is a constant to autograd: the backward of
+the grouped GEMM returns the input grad only and its weight grad goes to the params through
+:func:`~paratron.parallel.grads.accumulate_grad`, like a linear layer's. The stack is a copy of the local expert weights per forward (``E_local * h * f`` elements
 per projection), small next to the ``N * h * f`` multiply-adds of the rows once experts hold more
 than a handful of tokens. An expert that gets no rows receives zero grads (not None), so every rank
-reports the same params to DDP.
+reports the same params to DDP (which lets DDP reduce expert buckets during backward).
+
+Weight grads, in both the loop (:func:`~paratron.layers.linear.local_linear` per projection) and
+the grouped paths, are computed in the backward or, while the module's ``weight_grad_store`` is
+deferring, queued for the zero-bubble W action (Qi et al. 2023, section 2), by the same rule as the
+dense linears (:func:`~paratron.parallel.grads.run_or_defer`). Biases of the grouped path and of
+``fc2`` under expert TP keep their autograd grads (row sums, no GEMM).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from paratron.config import ModelConfig, model_shape
 from paratron.layers.init import InitMethod, init_shard_, normal_, scaled_normal_
+from paratron.layers.linear import local_linear
 from paratron.parallel.comm import Group
+from paratron.parallel.grads import accumulate_grad, run_or_defer
 from paratron.parallel.params import ShardSpec, mark
 
 from ..mlp import gelu, swiglu
@@ -56,6 +64,17 @@ class _BiasOnce(torch.autograd.Function):
     @staticmethod
     def backward(fctx, grad):
         return grad, grad.sum(dim=0), None
+
+
+def _unstack(projs: list[list["_Proj"]], grad: torch.Tensor) -> None:
+    """Hand the stacked weight grad ``[E_local, in, sum(out)]`` of the projections ``projs[e]``
+    (side by side along ``out``) to each param, in its ``[out, in]`` layout."""
+    for e, ps in enumerate(projs):
+        start = 0
+        for p in ps:
+            n = p.weight.shape[0]
+            accumulate_grad(p.weight, grad[e, :, start:start + n].t().contiguous())
+            start += n
 
 
 class _Proj(nn.Module):
@@ -89,10 +108,12 @@ class _Proj(nn.Module):
         else:
             self.register_parameter("bias", None)
 
+        self.weight_grad_store = None  # set by the pipeline runtime (zero-bubble W actions)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.split == "in" and self.bias is not None:
-            return _BiasOnce.apply(F.linear(x, self.weight), self.bias, self.first)
-        return F.linear(x, self.weight, self.bias)
+            return _BiasOnce.apply(local_linear(x, self.weight, None, self), self.bias, self.first)
+        return local_linear(x, self.weight, self.bias, self)
 
 
 class ExpertMLP(nn.Module):
@@ -152,6 +173,7 @@ class LocalExperts(nn.Module):
             raise ValueError(f"LocalExperts: unknown gemm {gemm!r}; one of {METHODS}")
         self.first_expert, self.gemm, self.activation = first_expert, gemm, cfg.activation
         self.etp: Group = ctx.expert_tp
+        self.weight_grad_store = None  # set by the pipeline runtime (zero-bubble W actions)
         self.local = nn.ModuleList(
             ExpertMLP(cfg, ctx, logical_name=f"{prefix}.experts.{first_expert + i}", seed=seed,
                       params_dtype=params_dtype)
@@ -170,8 +192,11 @@ class LocalExperts(nn.Module):
         """The projections ``names`` of every local expert (side by side along the output) on
         their rows: weights stacked ``[E_local, in, sum(out)]``, one grouped GEMM."""
         projs = [[getattr(e, n) for n in names] for e in self.local]
-        weight = torch.stack([torch.cat([p.weight for p in ps]) for ps in projs]).transpose(1, 2)
-        y = grouped_linear(x, weight, counts, method)
+        with torch.no_grad():  # a constant to autograd: its grad goes to the params themselves
+            weight = torch.stack([torch.cat([p.weight for p in ps]) for ps in projs]).transpose(1, 2)
+        # The stacked weight grad is computed in B, or queued for the W action, like a linear's.
+        y = grouped_linear(x, weight, counts, method,
+                           weight_grad=lambda compute: run_or_defer(self, lambda: _unstack(projs, compute())))
         first = projs[0][0]
         if first.bias is None:
             return y
