@@ -80,9 +80,9 @@ class _Probe:
              ShardedGrads._flush) = saved
 
 
-def _cfg(world, schedule="1f1b", overlap=True, **kw):
+def _cfg(world, schedule="1f1b", overlap=True, gemm="auto", **kw):
     cfg = _config(world=world, **kw)
-    cfg.model.num_layers = LAYERS
+    cfg.model.num_layers, cfg.model.moe_expert_gemm = LAYERS, gemm
     cfg.parallel.schedule, cfg.parallel.overlap_grad_reduce = schedule, overlap
     cfg.parallel.virtual_pipeline = 2 if schedule == "zbv" else 1
     return validate(cfg, world)
@@ -101,8 +101,10 @@ CHUNKED = "alltoall_chunked"  # runs the experts once per dispatch chunk: 2 grad
 
 
 def _rank_zero_bubble(world):
-    return {(s, d): _run(_cfg(world, s, ep=2, pp=2, dispatcher=d))
-            for s, d in (("zb-h1", "alltoall"), ("zbv", "alltoall"), ("zb-h1", CHUNKED))}
+    # zbv runs the experts as grouped GEMMs (the CPU default is the per-expert loop).
+    return {(s, d, z): _run(_cfg(world, s, ep=2, pp=2, dispatcher=d, zero=z, gemm="bmm" if s == "zbv" else "auto"))
+            for s, d, z in (("zb-h1", "alltoall", 0), ("zbv", "alltoall", 0), ("zb-h1", CHUNKED, 0),
+                            ("zb-h1", "alltoall", 3))}
 
 
 def _rank_overlap(world):
@@ -131,16 +133,17 @@ def _expert_weights(res) -> int:
 
 
 def test_zero_bubble_defers_expert_weight_grads():
-    """PP=2 x EP=2 (DP=2), zb-h1 and zbv (and zb-h1 with the chunked dispatcher, which runs the
-    experts twice per microbatch), 2 microbatches per rank: every expert weight grad of every
-    microbatch arrives in a W action (none in B), every expert bucket starts its reduction inside
-    the stage's last W, and grads, params and losses match one process to 1e-5."""
+    """PP=2 x EP=2 (DP=2), 2 microbatches per rank: zb-h1, zbv with grouped expert GEMMs, zb-h1
+    with the chunked dispatcher (the experts run twice per microbatch) and zb-h1 with ZeRO-3 (its W
+    actions run with the layer's params freed). Every expert weight grad of every microbatch
+    arrives in a W action (none in B), every expert bucket starts its reduction inside the stage's
+    last W, and grads, params and losses match one process to 1e-5."""
     results = run_ranks(_rank_zero_bubble, 4, 4, timeout=300)
     ref = _reference()
     microbatches = 2
     for rank, per_schedule in enumerate(results):
-        for (schedule, dispatcher), res in per_schedule.items():
-            where = f"{schedule} {dispatcher} rank {rank}"
+        for (schedule, dispatcher, zero), res in per_schedule.items():
+            where = f"{schedule} {dispatcher} zero={zero} rank {rank}"
             grads, launches = res["probe"]
             calls = 2 if dispatcher == CHUNKED else 1
             want = _expert_weights(res) * microbatches * STEPS * calls
