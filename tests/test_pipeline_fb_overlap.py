@@ -74,6 +74,22 @@ def test_config_rule_and_megatron_switch():
         validate_config(cfg, 1)
 
 
+def test_memory_budget_and_simulate_command(capsys):
+    from paratron.cli import main
+    from paratron.pipeline.actions import activation_peak
+
+    plain = build_schedule("zb-h1", 4, 8)
+    free = overlap_fb(plain, COMM)
+    assert max(activation_peak(acts) for acts in free) == 5  # a pair holds both halves' activations
+    bounded = overlap_fb(plain, COMM, memory_budget=4)
+    assert max(activation_peak(acts) for acts in bounded) == 4
+    assert any(a.kind == "FB" for acts in bounded for a in acts)
+    assert main(["simulate", "--schedule", "zb-h1", "--pipeline", "4", "--microbatches", "8", "--comm-f", "0.5",
+                 "--comm-b", "0.5", "--overlap-fb"]) == 0
+    out = capsys.readouterr().out
+    assert "without FB pairs: makespan 27" in out and "makespan 23" in out
+
+
 def test_pair_cost_rule():
     c = Costs(F=1.0, B=2.0, W=1.0, comm_F=0.25, comm_B=0.5)
     assert c(FB(F(1, 0), BW(0, 0))) == pytest.approx(1.0 + 3.0 - 0.75)
