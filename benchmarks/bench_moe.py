@@ -201,7 +201,7 @@ def main_overlap(rounds: int, steps: int, png: str | None) -> None:
     hidden = {n: {"fwd": [0.0, 0.0], "bwd": [0.0, 0.0]} for n in names}
     last = None
     for r in range(rounds):
-        for n in names:
+        for n in names[::-1] if r % 2 else names:  # alternate which one goes first
             t, c, _, recorded = measure(2, n, steps, intervals=True)
             wall[n].append(t)
             cpu[n].append(c)
