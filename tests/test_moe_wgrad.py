@@ -14,6 +14,8 @@ action, never in ``B``, and the run matches one process to 1e-5 (grads through t
 update, params after 2 steps, losses); at EP=2 x DP=4 (expert-DP 2) every expert bucket starts
 its reduction inside the last backward action of the step with overlap on, and the params are
 bitwise equal to overlap off (ZeRO-2's expert buckets flush during backward too, equal to 1e-6).
+Both also with the chunked dispatcher, which runs the experts twice per microbatch (their params
+declare ``grad_uses = 2``, so DDP waits for the second grad before reducing).
 """
 
 from __future__ import annotations
@@ -78,9 +80,9 @@ class _Probe:
              ShardedGrads._flush) = saved
 
 
-def _cfg(world, schedule="1f1b", overlap=True, **kw):
+def _cfg(world, schedule="1f1b", overlap=True, gemm="auto", **kw):
     cfg = _config(world=world, **kw)
-    cfg.model.num_layers = LAYERS
+    cfg.model.num_layers, cfg.model.moe_expert_gemm = LAYERS, gemm
     cfg.parallel.schedule, cfg.parallel.overlap_grad_reduce = schedule, overlap
     cfg.parallel.virtual_pipeline = 2 if schedule == "zbv" else 1
     return validate(cfg, world)
@@ -95,13 +97,20 @@ def _run(cfg):
     return out
 
 
+CHUNKED = "alltoall_chunked"  # runs the experts once per dispatch chunk: 2 grads per backward
+
+
 def _rank_zero_bubble(world):
-    return {s: _run(_cfg(world, s, ep=2, pp=2)) for s in ("zb-h1", "zbv")}
+    # zbv runs the experts as grouped GEMMs (the CPU default is the per-expert loop).
+    return {(s, d, z): _run(_cfg(world, s, ep=2, pp=2, dispatcher=d, zero=z, gemm="bmm" if s == "zbv" else "auto"))
+            for s, d, z in (("zb-h1", "alltoall", 0), ("zbv", "alltoall", 0), ("zb-h1", CHUNKED, 0),
+                            ("zb-h1", "alltoall", 3))}
 
 
 def _rank_overlap(world):
-    return {(zero, overlap): _run(_cfg(world, overlap=overlap, ep=2, zero=zero))
-            for zero, overlap in ((0, True), (0, False), (2, True))}
+    return {(zero, overlap, d): _run(_cfg(world, overlap=overlap, ep=2, zero=zero, dispatcher=d))
+            for zero, overlap, d in ((0, True, "alltoall"), (0, False, "alltoall"), (2, True, "alltoall"),
+                                     (0, True, CHUNKED))}
 
 
 def _reference():
@@ -124,17 +133,20 @@ def _expert_weights(res) -> int:
 
 
 def test_zero_bubble_defers_expert_weight_grads():
-    """PP=2 x EP=2 (DP=2), zb-h1 and zbv, 2 microbatches per rank: every expert weight grad of
-    every microbatch arrives in a W action (none in B), every expert bucket starts its reduction
-    inside the stage's last W, and grads, params and losses match one process to 1e-5."""
+    """PP=2 x EP=2 (DP=2), 2 microbatches per rank: zb-h1, zbv with grouped expert GEMMs, zb-h1
+    with the chunked dispatcher (the experts run twice per microbatch) and zb-h1 with ZeRO-3 (its W
+    actions run with the layer's params freed). Every expert weight grad of every microbatch
+    arrives in a W action (none in B), every expert bucket starts its reduction inside the stage's
+    last W, and grads, params and losses match one process to 1e-5."""
     results = run_ranks(_rank_zero_bubble, 4, 4, timeout=300)
     ref = _reference()
     microbatches = 2
     for rank, per_schedule in enumerate(results):
-        for schedule, res in per_schedule.items():
-            where = f"{schedule} rank {rank}"
+        for (schedule, dispatcher, zero), res in per_schedule.items():
+            where = f"{schedule} {dispatcher} zero={zero} rank {rank}"
             grads, launches = res["probe"]
-            want = _expert_weights(res) * microbatches * STEPS
+            calls = 2 if dispatcher == CHUNKED else 1
+            want = _expert_weights(res) * microbatches * STEPS * calls
             assert want > 0 and grads == {"W": want}, f"{where}: expert weight grads by action {grads}"
             expert = [action for is_expert, action in launches if is_expert]
             assert expert and set(expert) == {"W"}, f"{where}: expert buckets launched in {expert}"
@@ -145,16 +157,18 @@ def test_expert_buckets_reduce_during_backward_bitwise():
     """EP=2 x DP=4 (expert-DP 2), 1 microbatch per rank: with overlap on every expert bucket
     starts its reduction inside the step's backward action (BW), with overlap off at
     finalisation; the params after 2 steps are bitwise equal and match one process to 1e-5.
-    ZeRO-2 flushes its expert buckets during backward too, equal to plain DDP to 1e-6."""
+    ZeRO-2 flushes its expert buckets during backward too, and so does DDP under the chunked
+    dispatcher (two grads per expert param per backward), both equal to plain DDP to 1e-6."""
     results = run_ranks(_rank_overlap, 4, 4, timeout=300)
     ref = _reference()
     for rank, runs in enumerate(results):
-        for (zero, overlap), res in runs.items():
-            where = f"zero={zero} overlap={overlap} rank {rank}"
+        for (zero, overlap, dispatcher), res in runs.items():
+            where = f"zero={zero} overlap={overlap} {dispatcher} rank {rank}"
             expert = [action for is_expert, action in res["probe"][1] if is_expert]
             assert expert and set(expert) == ({"BW"} if overlap else {None}), f"{where}: {expert}"
             _assert_matches(res, ref, where)
-        on, off, zero2 = runs[(0, True)], runs[(0, False)], runs[(2, True)]
+        on, off = runs[(0, True, "alltoall")], runs[(0, False, "alltoall")]
         for n, (p, _) in on["params"].items():
             assert torch.equal(p, off["params"][n][0]), f"rank {rank}: {n} differs with overlap off"
-            torch.testing.assert_close(zero2["params"][n][0], p, rtol=1e-6, atol=1e-6)
+            for other in (runs[(2, True, "alltoall")], runs[(0, True, CHUNKED)]):
+                torch.testing.assert_close(other["params"][n][0], p, rtol=1e-6, atol=1e-6)

@@ -103,8 +103,6 @@ BASE = ["model.seq_length=512", "parallel.pipeline=2", "model.num_layers=4"]
 @pytest.mark.parametrize("overrides,world,msg", [
     (["data.microbatch_tokens=0"], 2, r"data.microbatch_tokens=0 must be a positive integer"),
     (["data.microbatch_tokens=256"], 2, r"data.microbatch_tokens=256 is below model.seq_length=512"),
-    (["data.microbatch_tokens=512", "parallel.context=2", "parallel.pipeline=1"], 2,
-     r"with parallel.context=2: context parallelism"),
     (["data.microbatch_tokens=512", "model.attention_dropout=0.1"], 2, r"model.attention_dropout=0.1"),
     (["data.microbatch_tokens=512", "model.num_experts=4", "model.moe_capacity_factor=1.0"], 2,
      r"moe_capacity_factor=1.0.*dropless"),

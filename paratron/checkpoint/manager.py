@@ -7,7 +7,7 @@ A save of step N (on every rank):
    (consumed train/valid samples, ...); with an async save also copy the tensors to CPU buffers;
 2. write the tensors with DCP into ``ROOT/tmp.step_N.<pid of rank 0>/`` (replicated chunks once,
    spread over the ranks that hold them), and each rank's ``rank_<r>.json``; each rank checksums
-   the files it wrote (:mod:`~paratron.checkpoint.integrity`);
+   its payload as it writes it, and its ``rank_<r>.json`` (:mod:`~paratron.checkpoint.checksummed`);
 3. rank 0 writes ``paratron.json`` (the manifest, holding the sha256 of ``.metadata`` and every
    file's checksum), renames the
    directory to ``ROOT/step_N/``, then rewrites ``ROOT/latest`` (temp file + ``os.replace``), and
@@ -249,11 +249,12 @@ class CheckpointManager:
         write_json_atomic(tmp / f"rank_{self.ctx.rank:05d}.json", rank_state)
         # DCP's save ends with a collective after every rank's writes, so once it returns on rank 0
         # every rank's files (its rank_<r>.json included) are complete.
-        write_items(tmp, items, process_group=g.pg, single_process=g.size == 1, needed=needed,
-                    space_dir=tmp.parent)
+        mine = write_items(tmp, items, process_group=g.pg, single_process=g.size == 1, needed=needed,
+                           space_dir=tmp.parent)
         self._phase("tensors_written", tmp)
+        mine.update(integrity.checksum_files(tmp, [f"rank_{self.ctx.rank:05d}.json"]))
         sums: dict[str, list] = {}
-        for part in g.all_gather_object(integrity.checksum_files(tmp, integrity.own_files(tmp, self.ctx.rank))):
+        for part in g.all_gather_object(mine):
             sums.update(part)
         return sums
 

@@ -129,6 +129,12 @@ class ParallelConfig:
     pipeline_microbatch_time_ms: Optional[float] = None
     """Forward plus backward of one microbatch on one stage (ms), which ``1f1b-delay`` divides the
     link latencies by; None: measured over the first training step (which runs plain 1F1B)."""
+    overlap_moe_expert_parallel_comm: bool = False
+    """Pair forward and backward actions of different microbatches on each pipeline rank (``FB``,
+    :func:`paratron.pipeline.overlap.overlap_fb`; one rank without PP pairs them all), so that each
+    MoE all-to-all of one microbatch's forward runs while a layer of another microbatch's backward
+    computes (DeepSeek-V3's DualPipe overlap). Needs MoE layers and a dispatcher that calls the
+    in-flight hook (``alltoall``)."""
     order: str = "tp-cp-ep-dp-pp"
     """Rank order, fastest-varying axis first."""
     overlap_grad_reduce: bool = True

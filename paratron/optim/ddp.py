@@ -15,8 +15,9 @@ guesses that from grad counts. Whoever runs the backward passes declares the *la
 each model chunk in the step with :meth:`last_backward` (the pipeline runtime does it for the
 last ``B``/``W``/``BW`` action of each stage in its action list; a plain loop wraps the backward of
 its last microbatch). Inside that block, the first grad a param receives makes it *ready* (the
-usual case: one grad per param per backward pass); when the block ends every param of the chunk
-is ready, including params that received no grad at all this step. A bucket's reduction starts
+usual case: one grad per param per backward pass; a param that declares ``grad_uses = n``, see
+below, at its n-th); when the block ends every param of the chunk is ready, including params
+that received no grad at all this step. A bucket's reduction starts
 (an async work handle) once all its params are ready. Params that get no grad in some steps, get
 grads only from a later step on, or get a different number of grads per step therefore need no
 special handling. Without any :meth:`last_backward` block (or with ``overlap_grad_reduce=False``)
@@ -268,9 +269,9 @@ class DistributedDataParallel:
             raise RuntimeError(
                 f"{p.logical_name} received a grad after its bucket's DP reduction started: the "
                 "backward that produced it came after the one declared the last of its chunk "
-                "(DistributedDataParallel.last_backward), or the param got a second grad inside "
-                "that last backward pass (a module applied twice in one forward: set "
-                "parallel.overlap_grad_reduce=false for such a model)")
+                "(DistributedDataParallel.last_backward), or the param got more grads inside that "
+                "last backward pass than its grad_uses (a module applied twice in one forward: "
+                "declare param.grad_uses, or set parallel.overlap_grad_reduce=false)")
         if self._closing and id(p) not in self._ready:
             if all(o in self._closing or o in self._closed for o in self._owners[id(p)]):
                 uses = self._uses[id(p)] = self._uses.get(id(p), 0) + 1

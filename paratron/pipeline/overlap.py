@@ -91,13 +91,13 @@ def overlap_fb(schedule: list[list[Action]], costs: Costs | None = None) -> list
                 break
             i, j, pair = found
             trial = orders[:r] + [_fused(orders[r], i, j, pair)] + orders[r + 1:]
-            lists = with_p2p(trial)
-            try:
-                validate(lists, m)
-                span = simulate(lists, costs).makespan
+            try:  # the halves' own-rank rules hold by construction; a deadlock raises here
+                span = simulate(with_p2p(trial), costs).makespan
             except ScheduleError:
                 span = None
             if span is not None and span <= best:
                 orders, best = trial, span
             start = i + 1
-    return with_p2p(orders)
+    lists = with_p2p(orders)
+    validate(lists, m)
+    return lists

@@ -85,7 +85,12 @@ def rank_actions(cfg, ctx, num_microbatches: int, microbatch_time: float | None 
 
     p = cfg.parallel
     options = config_options(p.schedule, p, microbatch_time) or {}
-    return build_schedule(p.schedule, ctx.pp.size, num_microbatches, p.virtual_pipeline, **options)[ctx.pp.rank]
+    lists = build_schedule(p.schedule, ctx.pp.size, num_microbatches, p.virtual_pipeline, **options)
+    if p.overlap_moe_expert_parallel_comm:
+        from paratron.pipeline.overlap import overlap_fb
+
+        lists = overlap_fb(lists)  # F/B pairs (DeepSeek-V3 DualPipe overlap of the MoE all-to-alls)
+    return lists[ctx.pp.rank]
 
 
 def needs_microbatch_time(cfg) -> bool:

@@ -76,6 +76,9 @@ class TokenDispatcher(ABC):
     """
 
     while_in_flight = None
+    overlaps_microbatches = False
+    """True for a dispatcher whose all-to-alls call ``while_in_flight`` (config validation
+    refuses ``parallel.overlap_moe_expert_parallel_comm`` with any other)."""
 
     def __init__(self, ctx, num_experts: int, *, capacity: int | None = None, pad_to_capacity: bool = False):
         ep = ctx.ep.size
@@ -178,6 +181,8 @@ class AllToAllDispatcher(TokenDispatcher):
     ledger's all-to-all bytes are exactly the off-rank volume: per MoE layer and direction,
     ``h * itemsize`` per off-rank row, plus ``E * 8`` bytes of counts.
     """
+
+    overlaps_microbatches = True
 
     def _exchange_counts(self, send_counts: torch.Tensor) -> torch.Tensor:
         """``send_counts`` [ep, E_local] rows for each rank's local experts -> the same from
@@ -342,6 +347,8 @@ class ChunkedAllToAllDispatcher(AllToAllDispatcher):
     so the grads match it up to fp32 summation order (tests: 1e-6). ``pad_to_capacity`` is
     refused (:meth:`check_config`): per-chunk padding would change the shapes.
     """
+
+    overlaps_microbatches = False  # its own run() launches and waits; it never calls the hook
 
     def __init__(self, ctx, num_experts: int, *, capacity: int | None = None, pad_to_capacity: bool = False,
                  num_chunks: int = 2):

@@ -22,10 +22,11 @@ batched matmul. The parameters themselves stay one per expert and projection: th
 source of truth for logical names, shard specs, checkpoints (old ones load unchanged, EP
 resharding is unchanged) and the optimizer. The stack is a constant to autograd: the backward of
 the grouped GEMM returns the input grad only and its weight grad goes to the params through
-:func:`~paratron.parallel.grads.accumulate_grad`, like a linear layer's. The stack is a copy of the local expert weights per forward (``E_local * h * f`` elements
-per projection), small next to the ``N * h * f`` multiply-adds of the rows once experts hold more
-than a handful of tokens. An expert that gets no rows receives zero grads (not None), so every rank
-reports the same params to DDP (which lets DDP reduce expert buckets during backward).
+:func:`~paratron.parallel.grads.accumulate_grad`, like a linear layer's. The stack is a copy of
+the local expert weights per forward (``E_local * h * f`` elements per projection), small next to
+the ``N * h * f`` multiply-adds of the rows once experts hold more than a handful of tokens. An
+expert that gets no rows receives zero grads (not None), so every rank reports the same params to
+DDP (which lets DDP reduce expert buckets during backward).
 
 Weight grads, in both the loop (:func:`~paratron.layers.linear.local_linear` per projection) and
 the grouped paths, are computed in the backward or, while the module's ``weight_grad_store`` is
