@@ -33,6 +33,12 @@ def _incompatible(cfg: Config) -> None:
         raise ConfigError(f"{name} with model.moe_capacity_factor={m.moe_capacity_factor}: which tokens are "
                           "dropped would depend on how documents are grouped (which depends on the DP size); "
                           "leave it unset (dropless)")
+    if m.num_experts and (m.moe_aux_loss_coeff > 0 or m.moe_z_loss_coeff > 0):
+        raise ConfigError(f"{name} with model.moe_aux_loss_coeff={m.moe_aux_loss_coeff} / moe_z_loss_coeff="
+                          f"{m.moe_z_loss_coeff}: the router losses are means over each microbatch (or count "
+                          "its padding segment), which would depend on how documents are grouped and padded, "
+                          "i.e. on the DP/TP/CP layout; set both to 0 (model.moe_router_enable_expert_bias "
+                          "balances without a loss)")
     prefixes = [x for x in d.data_path if not _is_number(x)]
     if len(prefixes) > 1:
         raise ConfigError(f"{name} with {len(prefixes)} data.data_path prefixes: token-balanced microbatches read "
@@ -79,7 +85,7 @@ def _schedule(cfg: Config, world: int | None) -> None:
 
 def check_microbatch_tokens(cfg: Config, world: int | None) -> None:
     """``data.microbatch_tokens``: a positive integer ``>= model.seq_length``; not with attention
-    dropout, MoE capacity dropping or a blend of prefixes; a schedule that
+    dropout, MoE capacity dropping, MoE aux/z losses or a blend of prefixes; a schedule that
     takes any microbatch count; at least one document per DP rank.
 
     Raises:

@@ -180,9 +180,6 @@ def _scale_aux_losses(cfg, ctx, chunks, microbatches: list[dict], loss_scale: fl
         from paratron.models.moe.seq_aux import count_global_sequences
 
         set_aux_loss_scale(chunks, loss_scale / count_global_sequences(microbatches, ctx))
-    elif cfg.data.microbatch_tokens is not None:
-        # Token-balanced: every DP rank holds the same count, set by the data (token_batches).
-        set_aux_loss_scale(chunks, loss_scale / (len(microbatches) * ctx.dp.size))
     else:
         # Every DP rank's count of the global batch (the split may be uneven: TrainState.dp_microbatches).
         set_aux_loss_scale(chunks, loss_scale / (cfg.train.global_batch_size // cfg.train.micro_batch_size))
