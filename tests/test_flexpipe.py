@@ -1,8 +1,10 @@
 """Token-balanced variable-length microbatches (``data.microbatch_tokens``) against one process,
 on the lognormal corpus (:mod:`paratron.data.lognormal`): a tiny Llama-style GPT trained for 3
 AdamW steps through the real stack (DDP, the pipeline runtime with a different activation shape
-per microbatch, the training step). PP=2 (1F1B) and DP=2 match one process reading the same
-documents (grouped into other microbatches: the plan depends on DP) to 1e-5 relative, fp32.
+per microbatch, the training step). PP=2 (1F1B), DP=2, TP=2 with sequence parallelism and CP=2
+(ring and all2all; rows padded to a multiple of the split) match one process reading the same
+documents (grouped into other microbatches under DP: the plan depends on DP) to 1e-5 relative,
+fp32.
 Exact resume through ``run_training`` at PP=2: tests/test_flexpipe_resume.py."""
 
 from __future__ import annotations
@@ -27,14 +29,15 @@ def corpus(tmp_path_factory) -> str:
     return prefix
 
 
-def _config(pp: int = 1, world: int = 1) -> Config:
+def _config(pp: int = 1, world: int = 1, tp: int = 1, cp: int = 1, algorithm: str = "ring") -> Config:
     cfg = Config()
     m, p, t, o = cfg.model, cfg.parallel, cfg.train, cfg.optimizer
     m.num_layers, m.vocab_size, m.seq_length, m.make_vocab_size_divisible_by = 2, VOCAB, S, 8
     m.hidden_size, m.num_attention_heads, m.num_query_groups = 32, 4, 2
     m.normalization, m.position_embedding_type, m.activation = "rmsnorm", "rope", "swiglu"
     m.add_bias_linear, m.tie_embeddings = False, False
-    p.pipeline, p.bucket_size_mb = pp, 0.001
+    p.pipeline, p.tensor, p.sequence_parallel, p.bucket_size_mb = pp, tp, tp > 1, 0.001
+    p.context, p.context_algorithm = cp, algorithm
     t.global_batch_size, t.seed, cfg.data.microbatch_tokens = G, 1234, N
     o.name, o.lr, o.weight_decay, o.clip_grad, o.lr_decay_style = "adamw", 1e-2, 0.1, 0.0, "constant"
     o.adam_eps = 1e-5  # as in tests/test_cp_parity.py: round-off-sized grads do not take whole Adam steps
@@ -43,7 +46,9 @@ def _config(pp: int = 1, world: int = 1) -> Config:
 
 def _train(cfg: Config, ctx, prefix: str) -> dict:
     from paratron.data.indexed import IndexedDataset
+    from paratron.config.token_rules import row_multiple
     from paratron.data.token_batches import DocumentSource, TokenBudgetSampler, collate_pieces
+    from paratron.training.data_iter import microbatch_preparer
     from paratron.training.runner import build_model_and_optimizer
     from paratron.training.step import run_global_batch
 
@@ -51,23 +56,30 @@ def _train(cfg: Config, ctx, prefix: str) -> dict:
     chunks, ddp, optimizer, _ = build_model_and_optimizer(cfg, ctx)
     src = DocumentSource(IndexedDataset(prefix), np.arange(DOCS))
     sampler = TokenBudgetSampler(src.lengths, G, N, S, ctx.dp.rank, ctx.dp.size, seed=1)
+    prepare = microbatch_preparer(cfg, ctx, eod=0)
     history, rows = [], []
     for step in range(STEPS):
-        mbs = [collate_pieces(pieces, src.read) for pieces in sampler.step(step * G)]
+        # rows padded for the SP / CP splits, then this CP rank's chunks (as the data loader does)
+        mbs = [prepare(collate_pieces(pieces, src.read, row_multiple(cfg.parallel))) for pieces in sampler.step(step * G)]
         rows.append([mb["tokens"].shape[1] for mb in mbs])
         optimizer.zero_grad()
         out = run_global_batch(cfg, ctx, chunks, mbs, forward_only=False, ddp=ddp)
         res = optimizer.step()
         history.append((out.loss, res.grad_norm, out.num_tokens))
-    params = {p.logical_name: (p.detach().clone(), p.shard.slices()) for c in chunks for p in c.parameters()}
+    params = {p.logical_name: (p.shard.valid(p).detach().clone(), p.shard.slices())
+              for c in chunks for p in c.parameters()}
     return {"history": history, "rows": rows, "params": params}
+
+
+LAYOUTS = {"pp=2": dict(pp=2), "dp=2": dict(pp=1), "tp=2+sp": dict(tp=2), "cp=2 ring": dict(cp=2),
+           "cp=2 all2all": dict(cp=2, algorithm="all2all")}
 
 
 def _rank(prefix: str):
     outs = []
-    for pp in (2, 1):  # PP=2, then DP=2
-        ctx = ParallelContext.build(tp=1, cp=1, ep=1, pp=pp)
-        outs.append(_train(_config(pp, 2), ctx, prefix))
+    for kw in LAYOUTS.values():
+        ctx = ParallelContext.build(tp=kw.get("tp", 1), cp=kw.get("cp", 1), ep=1, pp=kw.get("pp", 1))
+        outs.append(_train(_config(world=2, **kw), ctx, prefix))
     return outs
 
 
@@ -81,7 +93,7 @@ def test_pp2_and_dp2_match_one_process(corpus):
     for step, (_, _, n) in enumerate(ref["history"]):  # every label of the step's documents counts
         assert n == int((lengths[stream(step * G, G)] - 1).sum())
     results = run_ranks(_rank, 2, corpus, timeout=300)
-    for i, layout in enumerate(("pp=2", "dp=2")):
+    for i, layout in enumerate(LAYOUTS):
         for rank_out in results:
             res = rank_out[i]
             assert any(len(set(r)) > 1 for r in res["rows"]), f"{layout}: every microbatch had one shape"

@@ -43,11 +43,12 @@ def _batch(step: int):
             torch.randint(0, VOCAB, (GBS, SEQ), generator=g))
 
 
-def _snapshot(chunks) -> dict[str, tuple[torch.Tensor, tuple]]:
+def _snapshot(chunks, ddp) -> dict[str, tuple[torch.Tensor, tuple]]:
     out = {}
-    for c in chunks:
-        for p in c.parameters():
-            out[p.logical_name] = (p.shard.valid(p).detach().clone(), p.shard.slices())
+    with ddp.full_params():  # ZeRO-3 keeps only param shards between uses
+        for c in chunks:
+            for p in c.parameters():
+                out[p.logical_name] = (p.shard.valid(p).detach().clone(), p.shard.slices())
     return out
 
 
@@ -59,7 +60,7 @@ def _train(cfg: Config, ctx) -> dict:
     chunks, ddp, optimizer, _ = build_model_and_optimizer(cfg, ctx)
     dp, r, mbs = ctx.dp.size, ctx.dp.rank, cfg.train.micro_batch_size
     rows = GBS // dp
-    before = _snapshot(chunks)
+    before = _snapshot(chunks, ddp)
     history = []
     for step in range(STEPS):
         tokens, labels = _batch(step)
@@ -71,9 +72,9 @@ def _train(cfg: Config, ctx) -> dict:
         optimizer.step()
         history.append((out.loss, out.aux_loss))
         if step == 0:
-            after1 = _snapshot(chunks)
+            after1 = _snapshot(chunks, ddp)
     first_update = {n: ((before[n][0] - after1[n][0]) / LR, before[n][1]) for n in before}
-    return {"update": first_update, "params": _snapshot(chunks), "history": history}
+    return {"update": first_update, "params": _snapshot(chunks, ddp), "history": history}
 
 
 def _rank(kw, world):

@@ -4,7 +4,8 @@ Lists: :func:`overlap_fb` keeps every schedule valid and the same work; the vali
 malformed pairs; the simulator's makespan drops when the all-to-all cost is nonzero.
 Runtime: a tiny MoE GPT (4 experts, top-2, MoE in every layer) trained 3 steps with SGD under
 the overlapped list matches the plain list at the same layout to 1e-6 (fp32): one process
-(1F1B and ZB-H1, split backward), EP=2, EP=2 x TP=2 (SP), EP=2 x PP=2; at EP=2 x PP=2 the
+(1F1B, ZB-H1 with split backward, full recompute), EP=2, EP=2 x TP=2 (with and without SP),
+EP=2 x PP=2; at EP=2 x PP=2 the
 recorded timeline holds a dispatch all-to-all of one microbatch inside the backward of another.
 """
 
@@ -53,6 +54,42 @@ def test_simulated_step_is_shorter_with_comm(name, p, m, v):
     assert simulate(lists, Costs()).makespan >= simulate(plain, Costs()).makespan
 
 
+def test_config_rule_and_megatron_switch():
+    from paratron.config import ConfigError
+    from paratron.config.aliases import MEGATRON_SWITCHES
+
+    assert MEGATRON_SWITCHES["--overlap-moe-expert-parallel-comm"][0] == "parallel.overlap_moe_expert_parallel_comm"
+    cfg = _config()
+    cfg.parallel.overlap_moe_expert_parallel_comm = True
+    validate_config(cfg, 1)
+    cfg.parallel.zero = 3
+    with pytest.raises(ConfigError, match="parallel.zero=3 frees"):
+        validate_config(cfg, 1)
+    cfg.parallel.zero = 0
+    cfg.model.moe_token_dispatcher = "alltoall_chunked"
+    with pytest.raises(ConfigError, match="moe_token_dispatcher='alltoall_chunked' does not"):
+        validate_config(cfg, 1)
+    cfg.model.num_experts = 0
+    with pytest.raises(ConfigError, match="num_experts=0 has none"):
+        validate_config(cfg, 1)
+
+
+def test_memory_budget_and_simulate_command(capsys):
+    from paratron.cli import main
+    from paratron.pipeline.actions import activation_peak
+
+    plain = build_schedule("zb-h1", 4, 8)
+    free = overlap_fb(plain, COMM)
+    assert max(activation_peak(acts) for acts in free) == 5  # a pair holds both halves' activations
+    bounded = overlap_fb(plain, COMM, memory_budget=4)
+    assert max(activation_peak(acts) for acts in bounded) == 4
+    assert any(a.kind == "FB" for acts in bounded for a in acts)
+    assert main(["simulate", "--schedule", "zb-h1", "--pipeline", "4", "--microbatches", "8", "--comm-f", "0.5",
+                 "--comm-b", "0.5", "--overlap-fb"]) == 0
+    out = capsys.readouterr().out
+    assert "without FB pairs: makespan 27" in out and "makespan 23" in out
+
+
 def test_pair_cost_rule():
     c = Costs(F=1.0, B=2.0, W=1.0, comm_F=0.25, comm_B=0.5)
     assert c(FB(F(1, 0), BW(0, 0))) == pytest.approx(1.0 + 3.0 - 0.75)
@@ -92,12 +129,13 @@ def test_with_p2p_receives_before_and_sends_after_a_pair():
 
 
 # ---- runtime -----------------------------------------------------------------------------------
-def _config(tp=1, ep=1, pp=1, sp=False, world=1, gbs=GBS) -> Config:
+def _config(tp=1, ep=1, pp=1, sp=False, world=1, gbs=GBS, recompute="none") -> Config:
     cfg = Config()
     m, p, t, o = cfg.model, cfg.parallel, cfg.train, cfg.optimizer
     m.num_layers, m.hidden_size, m.num_attention_heads, m.ffn_hidden_size = 4, 16, 2, 32
     m.vocab_size, m.seq_length, m.make_vocab_size_divisible_by = VOCAB, SEQ, 8
     m.num_experts, m.moe_top_k, m.moe_aux_loss_coeff, m.moe_z_loss_coeff = 4, 2, 0.01, 0.001
+    m.recompute = recompute
     p.tensor, p.expert, p.pipeline, p.sequence_parallel = tp, ep, pp, sp
     p.bucket_size_mb = 0.001
     t.micro_batch_size, t.global_batch_size, t.seed = 1, gbs, 1234
@@ -105,7 +143,7 @@ def _config(tp=1, ep=1, pp=1, sp=False, world=1, gbs=GBS) -> Config:
     return validate_config(cfg, world)
 
 
-def _train(cfg: Config, ctx, lists, timeline=None) -> dict:
+def _train(cfg: Config, ctx, actions, timeline=None) -> dict:
     from paratron.training.setup import build_model_and_optimizer
     from paratron.training.step import run_global_batch
 
@@ -122,7 +160,7 @@ def _train(cfg: Config, ctx, lists, timeline=None) -> dict:
         if timeline is not None:
             timeline.clear()  # keep the last step's
         out = run_global_batch(cfg, ctx, chunks, mbs, forward_only=False, loss_scale=optimizer.loss_scale,
-                               ddp=ddp, actions=lists[ctx.pp.rank], timeline=timeline)
+                               ddp=ddp, actions=actions, timeline=timeline)
         optimizer.step()
         losses.append(out.loss)
     params = {p.logical_name: p.detach().clone() for c in chunks for p in c.parameters()}
@@ -130,16 +168,22 @@ def _train(cfg: Config, ctx, lists, timeline=None) -> dict:
 
 
 def _plain_and_overlapped(schedule, kw, world):
+    """Train 3 steps with the plain list, then (fresh model, same seed) with the overlapped one
+    that ``parallel.overlap_moe_expert_parallel_comm`` makes the training step build."""
+    from paratron.training.step import rank_actions
+
     cfg = _config(world=world, **kw)
+    cfg.parallel.schedule = schedule
     p = cfg.parallel
     ctx = (ParallelContext.build(tp=p.tensor, ep=p.expert, pp=p.pipeline) if world > 1
            else ParallelContext.single())
     m = cfg.train.global_batch_size // ctx.dp.size
-    plain = build_schedule(schedule, p.pipeline, m)
-    lists = overlap_fb(plain, COMM)
-    assert any(a.kind == "FB" for a in lists[ctx.pp.rank])
+    plain = rank_actions(cfg, ctx, m)
+    p.overlap_moe_expert_parallel_comm = True
+    paired = rank_actions(cfg, ctx, m)
+    assert any(a.kind == "FB" for a in paired) and not any(a.kind == "FB" for a in plain)
     timeline = []
-    return {"plain": _train(cfg, ctx, plain), "overlap": _train(cfg, ctx, lists, timeline),
+    return {"plain": _train(cfg, ctx, plain), "overlap": _train(cfg, ctx, paired, timeline),
             "timeline": timeline, "pp_rank": ctx.pp.rank}
 
 
@@ -151,9 +195,11 @@ def _assert_same(res, what):
                                    msg=lambda msg: f"{what} param {n}: {msg}")
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
-def test_one_process_overlap_matches_plain(schedule):
-    _assert_same(_plain_and_overlapped(schedule, {}, 1), schedule)
+@pytest.mark.parametrize("schedule,kw", [("1f1b", {}), ("zb-h1", {}), ("1f1b", dict(recompute="full"))])
+def test_one_process_overlap_matches_plain(schedule, kw):
+    """Split backward (zb-h1: W's after the pairs), and full recompute (a backward segment re-runs
+    a layer's forward, whose MoE layer must not call the pair's hook again)."""
+    _assert_same(_plain_and_overlapped(schedule, kw, 1), f"{schedule} {kw}")
 
 
 LAYOUTS = {"ep2": (2, dict(ep=2)), "ep2-tp2": (4, dict(ep=2, tp=2)), "ep2-tp2-sp": (4, dict(ep=2, tp=2, sp=True)),

@@ -103,11 +103,11 @@ BASE = ["model.seq_length=512", "parallel.pipeline=2", "model.num_layers=4"]
 @pytest.mark.parametrize("overrides,world,msg", [
     (["data.microbatch_tokens=0"], 2, r"data.microbatch_tokens=0 must be a positive integer"),
     (["data.microbatch_tokens=256"], 2, r"data.microbatch_tokens=256 is below model.seq_length=512"),
-    (["data.microbatch_tokens=512", "parallel.context=2", "parallel.pipeline=1"], 2,
-     r"with parallel.context=2: context parallelism"),
     (["data.microbatch_tokens=512", "model.attention_dropout=0.1"], 2, r"model.attention_dropout=0.1"),
     (["data.microbatch_tokens=512", "model.num_experts=4", "model.moe_capacity_factor=1.0"], 2,
      r"moe_capacity_factor=1.0.*dropless"),
+    (["data.microbatch_tokens=512", "model.num_experts=4", "model.moe_aux_loss_coeff=0.01"], 2,
+     r"moe_aux_loss_coeff=0.01 / moe_z_loss_coeff=0.0: the router losses"),
     (["data.microbatch_tokens=512", 'data.data_path=["0.5", "a", "0.5", "b"]'], 2, r"2 data.data_path prefixes"),
     (["data.microbatch_tokens=512", "parallel.schedule=interleaved", "parallel.virtual_pipeline=2"], 2,
      r"varies per step, but parallel.schedule='interleaved'.*refuses 1 microbatches"),

@@ -64,6 +64,9 @@ class ModelConfig:
     """Inner width of the shared expert; None means no shared expert."""
     moe_token_dispatcher: str = "alltoall"
     """Token dispatcher registry name: alltoall, allgather or alltoall_chunked."""
+    moe_dispatch_chunks: int = 2
+    """alltoall_chunked: token chunks per microbatch (k >= 1); chunk i+1's dispatch and chunk
+    i-1's combine are in flight while chunk i's experts compute."""
     moe_pad_to_capacity: bool = False
     """With a capacity factor, pad every expert's rows to its capacity (static shapes)."""
     moe_aux_loss_type: Literal["micro_batch", "seq"] = "micro_batch"
@@ -126,6 +129,12 @@ class ParallelConfig:
     pipeline_microbatch_time_ms: Optional[float] = None
     """Forward plus backward of one microbatch on one stage (ms), which ``1f1b-delay`` divides the
     link latencies by; None: measured over the first training step (which runs plain 1F1B)."""
+    overlap_moe_expert_parallel_comm: bool = False
+    """Pair forward and backward actions of different microbatches on each pipeline rank (``FB``,
+    :func:`paratron.pipeline.overlap.overlap_fb`; one rank without PP pairs them all), so that each
+    MoE all-to-all of one microbatch's forward runs while a layer of another microbatch's backward
+    computes (DeepSeek-V3's DualPipe overlap). Needs MoE layers and a dispatcher that calls the
+    in-flight hook (``alltoall``)."""
     order: str = "tp-cp-ep-dp-pp"
     """Rank order, fastest-varying axis first."""
     overlap_grad_reduce: bool = True

@@ -26,9 +26,6 @@ def _budget(cfg: Config) -> None:
 def _incompatible(cfg: Config) -> None:
     p, m, d = cfg.parallel, cfg.model, cfg.data
     name = f"data.microbatch_tokens={d.microbatch_tokens}"
-    if p.context > 1:
-        raise ConfigError(f"{name} with parallel.context={p.context}: context parallelism splits fixed-length "
-                          "sequences; use one or the other")
     if m.attention_dropout > 0:
         raise ConfigError(f"{name} with model.attention_dropout={m.attention_dropout}: packed documents use "
                           "per-document attention, which has no attention dropout; set it to 0")
@@ -36,10 +33,24 @@ def _incompatible(cfg: Config) -> None:
         raise ConfigError(f"{name} with model.moe_capacity_factor={m.moe_capacity_factor}: which tokens are "
                           "dropped would depend on how documents are grouped (which depends on the DP size); "
                           "leave it unset (dropless)")
+    if m.num_experts and (m.moe_aux_loss_coeff > 0 or m.moe_z_loss_coeff > 0):
+        raise ConfigError(f"{name} with model.moe_aux_loss_coeff={m.moe_aux_loss_coeff} / moe_z_loss_coeff="
+                          f"{m.moe_z_loss_coeff}: the router losses are means over each microbatch (or count "
+                          "its padding segment), which would depend on how documents are grouped and padded, "
+                          "i.e. on the DP/TP/CP layout; set both to 0 (model.moe_router_enable_expert_bias "
+                          "balances without a loss)")
     prefixes = [x for x in d.data_path if not _is_number(x)]
     if len(prefixes) > 1:
         raise ConfigError(f"{name} with {len(prefixes)} data.data_path prefixes: token-balanced microbatches read "
                           "whole documents of one dataset; merge them (paratron preprocess) or use one prefix")
+
+
+def row_multiple(p) -> int:
+    """Positions a token-balanced row is padded to a multiple of: the context-parallel split
+    (ring: 2C chunks, all2all: C) times TP under sequence parallelism (the rules of
+    :mod:`.context_rules` and ``_sequence`` for ``seq_length``, applied to each row)."""
+    split = 2 * p.context if p.context > 1 and p.context_algorithm == "ring" else p.context
+    return split * (p.tensor if p.sequence_parallel else 1)
 
 
 def _is_number(text: str) -> bool:
@@ -73,8 +84,8 @@ def _schedule(cfg: Config, world: int | None) -> None:
 
 
 def check_microbatch_tokens(cfg: Config, world: int | None) -> None:
-    """``data.microbatch_tokens``: a positive integer ``>= model.seq_length``; not with context
-    parallelism, attention dropout, MoE capacity dropping or a blend of prefixes; a schedule that
+    """``data.microbatch_tokens``: a positive integer ``>= model.seq_length``; not with attention
+    dropout, MoE capacity dropping, MoE aux/z losses or a blend of prefixes; a schedule that
     takes any microbatch count; at least one document per DP rank.
 
     Raises:

@@ -191,6 +191,27 @@ def _experts(cfg: Config, world: int | None) -> None:
         check_dispatcher_config(cfg.model)
 
 
+def _moe_fb_overlap(cfg: Config, world: int | None) -> None:
+    if not cfg.parallel.overlap_moe_expert_parallel_comm:
+        return
+    name = cfg.model.moe_token_dispatcher
+    if not cfg.model.num_experts:
+        raise ConfigError("parallel.overlap_moe_expert_parallel_comm=true overlaps one microbatch's MoE "
+                          "all-to-alls with another's backward, but model.num_experts=0 has none")
+    if cfg.parallel.zero == 3:
+        # ZeRO-3 frees a layer's gathered params after its forward and after its backward, which
+        # assumes one microbatch at a time in a layer; a pair runs another's backward mid-forward.
+        raise ConfigError("parallel.overlap_moe_expert_parallel_comm=true runs one microbatch's backward "
+                          "in the middle of another's forward, but parallel.zero=3 frees each layer's "
+                          "params after its forward and backward: use parallel.zero <= 2")
+    from paratron.models.moe.dispatcher import get_dispatcher
+
+    if not getattr(get_dispatcher(name), "overlaps_microbatches", False):
+        raise ConfigError(f"parallel.overlap_moe_expert_parallel_comm=true needs a token dispatcher that runs "
+                          f"the other microbatch's work while its all-to-alls are in flight; "
+                          f"model.moe_token_dispatcher={name!r} does not (use 'alltoall')")
+
+
 def _zero(cfg: Config, world: int | None) -> None:
     if cfg.parallel.zero not in (0, 1, 2, 3):
         raise ConfigError(f"parallel.zero={cfg.parallel.zero} must be 0 (DDP), 1 (optimizer state "
@@ -223,7 +244,7 @@ def _lr_schedule(cfg: Config, world: int | None) -> None:
 
 
 VALIDATORS = [_finite, _positive, _nonfinite_policy, _lr_schedule, _grid, _model, _batch, _sequence, _link_latency, _schedule, _pipeline_layers,
-              _experts, _zero, _split, check_context, check_microbatch_tokens]
+              _experts, _moe_fb_overlap, _zero, _split, check_context, check_microbatch_tokens]
 """Every config rule, in order. Each takes ``(cfg, world_size_or_None)`` and raises ConfigError."""
 
 

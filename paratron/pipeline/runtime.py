@@ -17,6 +17,10 @@ rules:
   ``forward_step`` returns a loss already divided by the global token count, and the runtime
   backpropagates it with grad 1.
 * Stages on the same rank pass activations and grads locally, without p2p.
+* Shapes: every activation (and its grad) has ``tensor_shape``, or with ``tensor_shapes`` the
+  shape of its microbatch (variable-length microbatches, :mod:`paratron.data.token_batches`).
+  A receiver sizes its buffer from the microbatch index of the action: every stage of a pipeline
+  holds the same microbatches, so no shape header travels and fixed-shape runs send nothing more.
 * Recompute: when the list has an ``R(mb, s)``, ``F(mb, s)`` runs without autograd and keeps
   only its input and the RNG states it started from; ``R`` restores those states (so dropout
   draws the same masks), runs the forward again with autograd and keeps the graph for the

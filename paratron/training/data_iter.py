@@ -40,7 +40,8 @@ class TrainingData:
         return self.valid_sampler is not None
 
     pad_multiple: int = 1
-    """Token-balanced rows are padded to a multiple of this (TP under sequence parallelism)."""
+    """Token-balanced rows are padded to a multiple of this (the CP split, TP under sequence
+    parallelism: :func:`paratron.config.token_rules.row_multiple`)."""
 
     def train_microbatches(self, consumed: int, counts: list[int] | None = None) -> list[dict]:
         """This DP rank's microbatches of the step at ``consumed`` samples; ``counts``: an uneven
@@ -109,7 +110,7 @@ class TrainingData:
     def build_token_balanced(cls, cfg, ctx) -> "TrainingData":
         """Whole documents of the train and valid splits, in token-balanced microbatches
         (``data.microbatch_tokens``; :mod:`paratron.data.token_batches`)."""
-        from paratron.data.packing import pack_microbatch
+        from paratron.config.token_rules import row_multiple
         from paratron.data.prepare import prepare_run_data, validation_prompt
         from paratron.data.token_batches import TokenBudgetSampler, document_splits
 
@@ -128,14 +129,9 @@ class TrainingData:
                 src.lengths, t.global_batch_size, d.microbatch_tokens, cfg.model.seq_length,
                 ctx.dp.rank, ctx.dp.size, seed=t.seed)
 
-        # The rows already hold positions and segments; only the loss mask may apply.
-        def prepare(mb):
-            return pack_microbatch(mb, tok.eod, eod_mask_loss=d.eod_mask_loss)
-
         entropy = unigram_entropy(prefixes) if ctx.rank == 0 else None
-        return cls(tok, train, valid, sampler(train), sampler(valid), entropy, prepare,
-                   validation_prompt(prefixes, d.split, tok),
-                   ctx.tp.size if cfg.parallel.sequence_parallel else 1)
+        return cls(tok, train, valid, sampler(train), sampler(valid), entropy, microbatch_preparer(cfg, ctx, tok.eod),
+                   validation_prompt(prefixes, d.split, tok), row_multiple(cfg.parallel))
 
 
 def microbatch_preparer(cfg, ctx, eod: int) -> Callable[[dict], dict]:
@@ -143,15 +139,17 @@ def microbatch_preparer(cfg, ctx, eod: int) -> Callable[[dict], dict]:
     packed-document fields of ``data.reset_position_ids`` / ``reset_attention_mask`` /
     ``eod_mask_loss`` (:func:`paratron.data.packing.pack_microbatch`), then this CP rank's chunks
     (:func:`paratron.models.context_parallel.shard_microbatch`; the data loader hands each CP rank
-    only its tokens)."""
+    only its tokens). Token-balanced rows (``data.microbatch_tokens``) already hold their
+    positions and segments: only the loss mask and the CP split apply to them."""
     from paratron.data.packing import pack_microbatch
     from paratron.models.context_parallel import shard_microbatch
 
     d, p = cfg.data, cfg.parallel
+    fixed = d.microbatch_tokens is None
 
     def prepare(mb: dict) -> dict:
-        mb = pack_microbatch(mb, eod, reset_position_ids=d.reset_position_ids,
-                             reset_attention_mask=d.reset_attention_mask, eod_mask_loss=d.eod_mask_loss)
+        mb = pack_microbatch(mb, eod, reset_position_ids=d.reset_position_ids and fixed,
+                             reset_attention_mask=d.reset_attention_mask and fixed, eod_mask_loss=d.eod_mask_loss)
         return shard_microbatch(mb, ctx.cp.rank, ctx.cp.size, p.context_algorithm)
 
     return prepare

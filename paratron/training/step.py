@@ -85,7 +85,12 @@ def rank_actions(cfg, ctx, num_microbatches: int, microbatch_time: float | None 
 
     p = cfg.parallel
     options = config_options(p.schedule, p, microbatch_time) or {}
-    return build_schedule(p.schedule, ctx.pp.size, num_microbatches, p.virtual_pipeline, **options)[ctx.pp.rank]
+    lists = build_schedule(p.schedule, ctx.pp.size, num_microbatches, p.virtual_pipeline, **options)
+    if p.overlap_moe_expert_parallel_comm:
+        from paratron.pipeline.overlap import overlap_fb
+
+        lists = overlap_fb(lists)  # F/B pairs (DeepSeek-V3 DualPipe overlap of the MoE all-to-alls)
+    return lists[ctx.pp.rank]
 
 
 def needs_microbatch_time(cfg) -> bool:
@@ -175,9 +180,6 @@ def _scale_aux_losses(cfg, ctx, chunks, microbatches: list[dict], loss_scale: fl
         from paratron.models.moe.seq_aux import count_global_sequences
 
         set_aux_loss_scale(chunks, loss_scale / count_global_sequences(microbatches, ctx))
-    elif cfg.data.microbatch_tokens is not None:
-        # Token-balanced: every DP rank holds the same count, set by the data (token_batches).
-        set_aux_loss_scale(chunks, loss_scale / (len(microbatches) * ctx.dp.size))
     else:
         # Every DP rank's count of the global batch (the split may be uneven: TrainState.dp_microbatches).
         set_aux_loss_scale(chunks, loss_scale / (cfg.train.global_batch_size // cfg.train.micro_batch_size))

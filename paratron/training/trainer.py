@@ -159,6 +159,7 @@ class Trainer:
         step_time = time.perf_counter() - t0
         s.iteration += 1
         s.consumed_train_samples += self.cfg.train.global_batch_size
+        s.consumed_train_tokens += out.num_tokens  # read with the optimizer's one transfer
         record = self.step_log.record(s, out, result, lr, step_time)
         return record, dict(timer.last_host, step=step_time)
 
@@ -215,7 +216,8 @@ class Trainer:
         self.callbacks.on_save_start(s, path)
         self.ckpt.save(s.iteration, self.chunks, self.optimizer, self.scheduler,
                        {"iteration": s.iteration, "consumed_train_samples": s.consumed_train_samples,
-                        "consumed_valid_samples": s.consumed_valid_samples})
+                        "consumed_valid_samples": s.consumed_valid_samples,
+                        "consumed_train_tokens": s.consumed_train_tokens})
         self.callbacks.on_save_end(s, path)
 
     # ---- around the loop -----------------------------------------------------------------
@@ -229,6 +231,7 @@ class Trainer:
             s.iteration = int(extra.get("iteration", 0))
             s.consumed_train_samples = int(extra.get("consumed_train_samples", 0))
             s.consumed_valid_samples = int(extra.get("consumed_valid_samples", 0))
+            s.consumed_train_tokens = int(extra.get("consumed_train_tokens", 0))
             log(self.ctx, f"resumed from {cfg.checkpoint.load} at iteration {s.iteration}")
         per_step = self.data.num_microbatches or f"token-balanced (data.microbatch_tokens={cfg.data.microbatch_tokens})"
         log(self.ctx, f"layout: {self.ctx.describe()} | schedule {cfg.parallel.schedule} | microbatches/step "
