@@ -14,6 +14,7 @@ from paratron.checkpoint.finite import all_finite
 from paratron.checkpoint.io import MANIFEST, load_model_full, save_model_full
 from paratron.checkpoint.items import CheckpointError
 from paratron.checkpoint.manager import CheckpointManager
+from paratron.checkpoint.safety import METADATA_FILE, read_metadata_safely
 from paratron.config import CheckpointConfig, Config
 from paratron.parallel.context import ParallelContext
 from paratron.parallel.params import ShardSpec, mark
@@ -88,6 +89,8 @@ def test_block_checksums_written_equal_the_files_and_catch_a_flipped_byte(tmp_pa
     (payload,) = (tmp_path / "ck").glob("*.distcp")
     assert sums[payload.name] == integrity.file_checksum(payload)
     assert len(integrity.entry_blocks(sums[payload.name])[1]) > 10
+    storage = read_metadata_safely(tmp_path / "ck" / METADATA_FILE).storage_data
+    assert sorted(i.fqn for i in storage) == [f"model/{k}" for k in sorted(tensors)]  # sums not stored
     _, back = load_model_full(tmp_path / "ck")
     assert all(torch.equal(back[k], v) for k, v in tensors.items())
     data = payload.read_bytes()

@@ -34,6 +34,9 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
 
 from . import integrity
 from .items import CheckpointError
@@ -130,24 +133,48 @@ class _ChecksumFileSystem(FileSystem):
 class ChecksummingWriter(FileSystemWriter):
     """DCP's ``FileSystemWriter`` whose payload files are checksummed as they are written.
 
+    Each rank's checksums reach the coordinator with DCP's own gathering of the write results (one
+    extra ``WriteResult`` under a reserved key, taken out again before ``.metadata`` is written),
+    so no collective of ours is needed for them.
+
     Args:
         path: the checkpoint directory.
         thread_count: DCP's writer threads per rank (one file each).
+        other_sums: manifest entries of this rank's other files of the checkpoint (its
+            ``rank_<r>.json``), to travel with its payloads' entries.
 
     Attributes:
-        sums: after the save, ``{payload file name: manifest entry}`` for this rank's payloads
-            (:func:`paratron.checkpoint.integrity.block_entry`).
+        sums: after the save, ``{file name: manifest entry}`` of this rank's payloads and
+            ``other_sums`` (:func:`paratron.checkpoint.integrity.block_entry`).
+        all_sums: after the save, on the coordinator only: every rank's :attr:`sums` merged
+            (None elsewhere).
     """
 
-    def __init__(self, path: str | os.PathLike, thread_count: int = 1) -> None:
+    SUMS_KEY = "paratron/checksums"
+
+    def __init__(self, path: str | os.PathLike, thread_count: int = 1, other_sums: dict | None = None) -> None:
         super().__init__(str(path), single_file_per_rank=True, sync_files=True, thread_count=thread_count,
                          overwrite=True)
-        self.sums: dict[str, list] = {}
+        self.sums: dict[str, list] = dict(other_sums or {})
+        self.all_sums: dict[str, list] | None = None
         self.fs = _ChecksumFileSystem(self.sums, integrity.BLOCK)
 
     def write_data(self, plan, planner):
         with no_record_crc32():
-            return super().write_data(plan, planner)
+            results = super().write_data(plan, planner).value()
+        done: Future = Future()
+        done.set_result(results + [WriteResult(MetadataIndex(self.SUMS_KEY), 0, dict(self.sums))])
+        return done
+
+    def finish(self, metadata, results) -> None:
+        self.all_sums = {}
+        kept = []
+        for per_rank in results:
+            for r in per_rank:
+                if r.index.fqn == self.SUMS_KEY:
+                    self.all_sums.update(r.storage_data)
+            kept.append([r for r in per_rank if r.index.fqn != self.SUMS_KEY])
+        super().finish(metadata, kept)
 
 
 class BlockReader:
