@@ -1,7 +1,11 @@
-"""Checkpoint save/load throughput against a raw numpy write of the same bytes, the training
-stall of an async save against a sync save, and the cost of the per-file checksums.
+"""Checkpoint save/load throughput against a raw numpy write of the same bytes, and the training
+stall of an async save against a sync save.
 
-    .venv/bin/python benchmarks/bench_checkpoint.py [--mb 200] [--repeats 3] [--dir /tmp]
+    .venv/bin/python benchmarks/bench_checkpoint.py [--mb 256] [--repeats 3] [--dir /tmp] [--paratron DIR]
+
+``--paratron DIR`` measures the paratron package of another checkout (e.g. an older commit,
+``git archive <commit> | tar -x -C DIR``) with this script, so two versions can be run in turn
+under the same load and compared by their ratios to the raw write measured in the same run.
 
 Model state: 20 fp32 tensors, ``--mb`` MB in all, marked as parameters of their full logical
 tensors. Cases:
@@ -11,15 +15,17 @@ tensors. Cases:
 * 4 ranks, replicated: every rank holds everything (pure DP); the save writes each tensor once,
   spread over the ranks.
 
-Save = ``CheckpointManager.save`` (DCP files with fsync, manifest, rename, ``latest``); load =
-``CheckpointManager.load`` into the same layout. Baseline: each rank writes its share of the
-bytes (all on one rank; a quarter on each of 4 ranks, in the replicated case every 4th tensor)
-with ``ndarray.tofile`` + fsync, and reads them back with ``np.fromfile``. Reads hit the page
-cache on both sides. GB/s = state bytes / seconds; median of ``--repeats`` runs, slowest rank.
-
-Checksums (:mod:`paratron.checkpoint.integrity`): the same 1-rank save and load with the CRC-32
-of every file computed and verified, against the same code with checksumming switched off,
-alternating in one loop; and zlib's CRC-32 speed over the state bytes in memory.
+Save = ``CheckpointManager.save`` (inf/NaN check, DCP files with fsync, checksums, manifest,
+rename, ``latest``); load = ``CheckpointManager.load`` into the same layout (checksums verified).
+Deleting the previous checkpoint (``keep_last``) runs in the manager's background thread and is
+waited for outside the timing, as the raw side's file is deleted outside its timing. Baseline:
+each rank writes its share of the bytes into one file (all on one rank; a quarter on each of 4
+ranks, in the replicated case every 4th tensor) with ``ndarray.tofile`` + fsync: one payload file
+per rank and one fsync each, as the save. The raw read reads the bytes the load needs (its own
+file; with replicated state all 4 files, since every rank loads the whole state) into the
+module's tensors with ``readinto``. Reads hit the page cache on both sides. GB/s = state bytes / seconds; median of ``--repeats`` runs, slowest
+rank; ratios: median over the repeats of each repeat's raw / checkpoint. Also printed: zlib's
+CRC-32 speed over the state bytes in memory (the checksums' cost).
 """
 
 from __future__ import annotations
@@ -33,10 +39,12 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if __name__ == "__main__" and "--paratron" in sys.argv:  # before paratron is imported
+    sys.path.insert(0, str(Path(sys.argv[sys.argv.index("--paratron") + 1]).resolve()))
+else:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from paratron.checkpoint.manager import CheckpointManager  # noqa: E402
 from paratron.config import CheckpointConfig, Config  # noqa: E402
@@ -64,8 +72,8 @@ def state_bytes(m: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in m.parameters())
 
 
-def raw_write_read(m: torch.nn.Module, path: Path, share: tuple[int, int] = (0, 1)) -> tuple[float, float]:
-    """Seconds to write the module's bytes with numpy (+ fsync) and to read them back; with
+def raw_write(m: torch.nn.Module, path: Path, share: tuple[int, int] = (0, 1)) -> float:
+    """Seconds to write the module's bytes into one file with numpy, then fsync; with
     ``share=(i, n)`` only every n-th tensor from the i-th (this rank's part of replicated state)."""
     i, n = share
     arrays = [p.detach().numpy() for p in list(m.parameters())[i::n]]
@@ -75,17 +83,26 @@ def raw_write_read(m: torch.nn.Module, path: Path, share: tuple[int, int] = (0, 
             a.tofile(f)
         f.flush()
         os.fsync(f.fileno())
-    t_write = time.perf_counter() - t0
+    return time.perf_counter() - t0
+
+
+def raw_read(m: torch.nn.Module, files: list[tuple[Path, int, int]]) -> float:
+    """Seconds to read files written by :func:`raw_write` (``(path, i, n)``: its share) back
+    into the module's tensors, as a load fills them."""
+    params = list(m.parameters())
     t0 = time.perf_counter()
-    back = np.fromfile(path, dtype=np.float32)
-    t_read = time.perf_counter() - t0
-    assert back.size == sum(a.size for a in arrays)
-    return t_write, t_read
+    for path, i, n in files:
+        with open(path, "rb", buffering=0) as f:
+            for p in params[i::n]:
+                view = memoryview(p.detach().numpy()).cast("B")
+                assert f.readinto(view) == len(view)
+    return time.perf_counter() - t0
 
 
 def measure(ctx, m: torch.nn.Module, workdir: Path, tag: str, repeats: int, sync_group=None,
             share: tuple[int, int] = (0, 1)) -> dict:
-    """Median save/load/raw times on this rank; ``sync_group`` lines the ranks up between phases."""
+    """Save/load/raw seconds on this rank, one per repeat; ``sync_group`` lines the ranks up
+    between phases."""
     barrier = (lambda: sync_group.barrier()) if sync_group is not None else (lambda: None)
     cfg = Config()
     root = workdir / f"ck-{tag}"
@@ -99,16 +116,35 @@ def measure(ctx, m: torch.nn.Module, workdir: Path, tag: str, repeats: int, sync
         t0 = time.perf_counter()
         mgr.save(step, [m], None, None, {})
         res["save"].append(time.perf_counter() - t0)
+        mgr.wait()  # the previous checkpoint's deletion, which overlaps training in a real run
         barrier()
         t0 = time.perf_counter()
         loader.load([m], None, None)
         res["load"].append(time.perf_counter() - t0)
         barrier()
-        w, r = raw_write_read(m, workdir / f"raw-{tag}-{ctx.rank}.bin", share)
-        res["raw_write"].append(w)
-        res["raw_read"].append(r)
-        os.remove(workdir / f"raw-{tag}-{ctx.rank}.bin")
-    return {k: statistics.median(v) for k, v in res.items()}
+        raw = workdir / f"raw-{tag}-{ctx.rank}.bin"
+        res["raw_write"].append(raw_write(m, raw, share))
+        barrier()
+        # The raw read takes the bytes the load needs: the rank's own file, or with replicated
+        # state every rank's file (a replicated load reads the whole state on every rank).
+        n = share[1]
+        files = [(workdir / f"raw-{tag}-{j}.bin", j, n) for j in range(n)] if n > 1 else [(raw, 0, 1)]
+        res["raw_read"].append(raw_read(m, files))
+        barrier()
+        os.remove(raw)
+    return res
+
+
+def summarise(per_rank: list[dict]) -> dict:
+    """Per repeat the slowest rank's seconds; their medians, and the medians of the per-repeat
+    ratios raw / checkpoint (save and raw write of one repeat ran back to back, under about the
+    same load)."""
+    n = len(per_rank[0]["save"])
+    slowest = {k: [max(r[k][i] for r in per_rank) for i in range(n)] for k in per_rank[0]}
+    out = {k: statistics.median(v) for k, v in slowest.items()}
+    out["save_ratio"] = statistics.median(w / s for w, s in zip(slowest["raw_write"], slowest["save"]))
+    out["load_ratio"] = statistics.median(r / t for r, t in zip(slowest["raw_read"], slowest["load"]))
+    return out
 
 
 def _ranks(kind: str, mb: float, workdir: str, repeats: int):
@@ -153,29 +189,15 @@ def stall(workdir: Path, mb: float, repeats: int) -> dict:
     return {k: statistics.median(v) for k, v in out.items()}
 
 
-def checksum_cost(workdir: Path, mb: float, repeats: int) -> dict:
-    """Median 1-rank save and load seconds with and without the checksums, alternating."""
+def crc_speed(mb: float) -> float:
+    """Seconds for zlib's CRC-32 over the state bytes in memory."""
     import zlib
 
-    from paratron.checkpoint import integrity
-
-    ctx = ParallelContext.single()
     m = state_module(mb, 1, 0)
-    real = (integrity.checksum_files, integrity.verify_files, integrity.check_manifest)
-    off = (lambda d, names: {n: ["0" * 8, 0] for n in names}, lambda *a: None, lambda *a: None)
-    out: dict[str, list] = {"save_on": [], "save_off": [], "load_on": [], "load_off": [], "crc": []}
-    for i in range(repeats):
-        for mode, funcs in (("on", real), ("off", off)):
-            integrity.checksum_files, integrity.verify_files, integrity.check_manifest = funcs
-            r = measure(ctx, m, workdir, f"crc-{mode}-{i}", 1)
-            out[f"save_{mode}"].append(r["save"])
-            out[f"load_{mode}"].append(r["load"])
-        integrity.checksum_files, integrity.verify_files, integrity.check_manifest = real
-        t0 = time.perf_counter()
-        for p in m.parameters():
-            zlib.crc32(p.detach().numpy().data)
-        out["crc"].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) for k, v in out.items()}
+    t0 = time.perf_counter()
+    for p in m.parameters():
+        zlib.crc32(p.detach().numpy().data)
+    return time.perf_counter() - t0
 
 
 def main(args) -> None:
@@ -185,18 +207,22 @@ def main(args) -> None:
         gb = state_module(args.mb, 1, 0)
         total = state_bytes(gb) / 1e9
         del gb
+        import paratron
+
+        print(f"paratron from {Path(paratron.__file__).parent}; load average {os.getloadavg()[0]:.1f}")
         print(f"state: {total * 1e3:.0f} MB fp32 in {N_TENSORS} tensors; median of {args.repeats}")
-        print("| case | save GB/s | raw write GB/s | save / raw | load GB/s | raw read GB/s |")
-        print("|---|---|---|---|---|---|")
+        print("| case | save GB/s | raw write GB/s | save / raw | load GB/s | raw read GB/s | load / raw |")
+        print("|---|---|---|---|---|---|---|")
         one = measure(ParallelContext.single(), state_module(args.mb, 1, 0), workdir, "one", args.repeats)
-        rows = [("1 rank", one)]
+        rows = [("1 rank", summarise([one]))]
         for kind in ("sharded", "replicated"):
             per_rank = run_ranks(_ranks, 4, kind, args.mb, str(workdir), args.repeats, timeout=1800)
-            slowest = {k: max(r[k] for r in per_rank) for k in per_rank[0]}
-            rows.append((f"4 ranks, {kind}", slowest))
+            rows.append((f"4 ranks, {kind}", summarise(per_rank)))
         for name, r in rows:
-            print(f"| {name} | {total / r['save']:.2f} | {total / r['raw_write']:.2f} | "
-                  f"**{r['raw_write'] / r['save']:.2f}** | {total / r['load']:.2f} | {total / r['raw_read']:.2f} |")
+            print(f"| {name} | {total / r['save']:.2f} | {total / r['raw_write']:.2f} | **{r['save_ratio']:.2f}** | "
+                  f"{total / r['load']:.2f} | {total / r['raw_read']:.2f} | {r['load_ratio']:.2f} |")
+        if args.no_stall:
+            return
         s = stall(workdir, args.mb, args.repeats)
         print()
         print("| save mode | training stall (s) | write until committed (s) |")
@@ -206,20 +232,17 @@ def main(args) -> None:
         print(f"async stall / sync stall: **{s['async'] / s['sync']:.2f}**; a compute step takes "
               f"{s['step_idle'] * 1e3:.1f} ms idle, {s['step_during'] * 1e3:.1f} ms while the async write runs "
               f"({s['step_during'] / s['step_idle']:.2f}x)")
-        c = checksum_cost(workdir, args.mb, args.repeats)
-        print()
-        print("| 1 rank | with checksums (s) | without (s) | ratio |")
-        print("|---|---|---|---|")
-        for op in ("save", "load"):
-            print(f"| {op} | {c[op + '_on']:.3f} | {c[op + '_off']:.3f} | **{c[op + '_on'] / c[op + '_off']:.2f}** |")
-        print(f"zlib CRC-32 over the state in memory: {total / c['crc']:.2f} GB/s")
+        print(f"zlib CRC-32 over the state in memory: {total / crc_speed(args.mb):.2f} GB/s; "
+              f"load average at the end {os.getloadavg()[0]:.1f}")
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--mb", type=float, default=200.0)
+    parser.add_argument("--mb", type=float, default=256.0)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dir", default=None, help="where to write (default: the system temp dir)")
+    parser.add_argument("--paratron", default=None, help="the checkout whose paratron package to measure")
+    parser.add_argument("--no-stall", action="store_true", help="only the throughput table")
     main(parser.parse_args())

@@ -19,7 +19,15 @@ rows spread over the experts at random) as grouped GEMMs (``gemm="grouped_mm"``,
 ``ExpertMLP`` on its own rows, the code before grouped GEMMs), with 8 and 32 local experts, one
 process. The variants alternate within each iteration; the median over ``--iters`` is reported.
 
+Part ``overlap`` (``--part overlap``): the plain against the chunked all-to-all at EP=2 with
+``--chunks`` k token chunks (default 2 and 4), same model: step time (as above), and the share of the EP all-to-all time (dispatch and combine,
+forward and backward) hidden behind expert compute, measured from the intervals recorded in
+``--steps`` more steps (:mod:`paratron.parallel.intervals`: each all-to-all from issue to
+completion, each expert forward / backward; ``hidden_fraction``), against FarSkip-Collective's
+reported 88.4 %. ``--png`` draws the last recorded step.
+
 Run: ``.venv/bin/python benchmarks/bench_moe.py [--rounds 3] [--steps 6]``;
+``.venv/bin/python benchmarks/bench_moe.py --part overlap [--rounds 3] [--steps 4] [--png /tmp/o.png]``;
 ``.venv/bin/python benchmarks/bench_moe.py --part experts [--rows 4096] [--iters 20]``.
 """
 
@@ -46,7 +54,11 @@ GBS, MBS, SEQ, VOCAB = 8, 2, 128, 512
 
 
 def _config(ep: int, dispatcher: str, world: int) -> Config:
+    """``dispatcher``: a registry name, ``alltoall_chunked:K`` for K token chunks."""
+    dispatcher, _, chunks = dispatcher.partition(":")
     cfg = Config()
+    if chunks:
+        cfg.model.moe_dispatch_chunks = int(chunks)
     m, p, t, o = cfg.model, cfg.parallel, cfg.train, cfg.optimizer
     m.num_layers, m.hidden_size, m.num_attention_heads = 2, 128, 4
     m.vocab_size, m.seq_length, m.activation, m.add_bias_linear = VOCAB, SEQ, "swiglu", False
@@ -59,10 +71,12 @@ def _config(ep: int, dispatcher: str, world: int) -> Config:
     return validate(cfg, world)
 
 
-def _step_times(ep: int, dispatcher: str, world: int, steps: int):
-    """Runs on every rank: median step seconds and the ledger's bytes per step."""
+def _step_times(ep: int, dispatcher: str, world: int, steps: int, intervals: bool = False):
+    """Runs on every rank: median step seconds, median CPU seconds, the ledger's EP bytes per step
+    and, with ``intervals``, the intervals recorded in ``steps`` more steps (else None)."""
     from paratron.models.moe.layer import set_aux_loss_scale
     from paratron.optim import finalize_grads
+    from paratron.parallel.intervals import recording
     from paratron.training.runner import build_model_and_optimizer
 
     cfg = _config(ep, dispatcher, world)
@@ -76,31 +90,43 @@ def _step_times(ep: int, dispatcher: str, world: int, steps: int):
     mine = slice(ctx.dp.rank * rows, (ctx.dp.rank + 1) * rows)
     micro = [(tokens[mine][i:i + MBS], labels[mine][i:i + MBS]) for i in range(0, rows, MBS)]
     set_aux_loss_scale(chunk, 1.0 / (len(micro) * ctx.dp.size))
+
+    def one_step():
+        optimizer.zero_grad()
+        for tok, lab in micro:
+            (chunk(tok, labels=lab).sum() / (GBS * SEQ)).backward()
+        finalize_grads(chunks, ctx, optimizer.ddp)
+        optimizer.step()
+
     times, cpu, nbytes = [], [], {}
     for step in range(steps + 2):
         record = step == steps + 1
         with ctx.ledger.recording() if record else contextlib.nullcontext():
             t0, c0 = time.perf_counter(), time.process_time()
-            optimizer.zero_grad()
-            for tok, lab in micro:
-                (chunk(tok, labels=lab).sum() / (GBS * SEQ)).backward()
-            finalize_grads(chunks, ctx, optimizer.ddp)
-            optimizer.step()
+            one_step()
             dt, dc = time.perf_counter() - t0, time.process_time() - c0
             if record:
                 nbytes = {k: v["bytes"] for k, v in ctx.ledger.summary().items() if k.endswith("@ep")}
         if 2 <= step < steps + 2:
             times.append(dt)
             cpu.append(dc)
-    return statistics.median(times), statistics.median(cpu), nbytes
+    recorded = None
+    if intervals:  # separate steps: the recorder's callbacks and marks stay out of the timings
+        with recording(ctx.ledger) as rec:
+            for _ in range(steps):
+                one_step()
+        recorded = rec.take()
+    return statistics.median(times), statistics.median(cpu), nbytes, recorded
 
 
-def measure(ep: int, dispatcher: str, steps: int):
-    """(wall s/step of the slowest rank, CPU s/step of the busiest rank, rank 0's EP-group bytes)."""
+def measure(ep: int, dispatcher: str, steps: int, intervals: bool = False):
+    """(wall s/step of the slowest rank, CPU s/step of the busiest rank, rank 0's EP-group bytes,
+    the recorded intervals of each rank or None)."""
     if ep == 1:
-        return _step_times(1, dispatcher, 1, steps)
-    res = run_ranks(_step_times, ep, ep, dispatcher, ep, steps, timeout=900)
-    return max(r[0] for r in res), max(r[1] for r in res), res[0][2]
+        t, c, nbytes, rec = _step_times(1, dispatcher, 1, steps, intervals)
+        return t, c, nbytes, [rec]
+    res = run_ranks(_step_times, ep, ep, dispatcher, ep, steps, intervals, timeout=900)
+    return max(r[0] for r in res), max(r[1] for r in res), res[0][2], [r[3] for r in res]
 
 
 def _expert_times(num_local: int, rows: int, iters: int) -> dict[str, float]:
@@ -146,9 +172,74 @@ def main_experts(rows: int, iters: int) -> None:
     print(f"load average: {os.getloadavg()}")
 
 
+FORWARD, BACKWARD = ("dispatch", "combine"), ("dispatch_grad", "combine_grad")
+FARSKIP_OVERLAP = 0.884  # FarSkip-Collective (MLSys'26): share of EP communication overlapped
+
+
+def _hidden(per_rank, kinds) -> tuple[float, float]:
+    """(hidden, total) all-to-all seconds of ``kinds``, summed over the ranks' recorded steps."""
+    from paratron.parallel.intervals import hidden_fraction
+
+    pairs = [hidden_fraction(ivs, kinds) for ivs in per_rank]
+    return sum(h for h, _ in pairs), sum(t for _, t in pairs)
+
+
+def _draw_overlap(per_rank, steps: int, path: str) -> None:
+    """The last recorded step's intervals of each rank (compute and comm lanes) as a PNG."""
+    from paratron.pipeline.timeline import draw_png, from_intervals
+
+    per_rank = [ivs[-len(ivs) // steps:] for ivs in per_rank]  # about the last step
+    t0 = min(iv.start for ivs in per_rank for iv in ivs)
+    events = [e for r, ivs in enumerate(per_rank) for e in from_intervals(ivs, r, t0)]
+    events = [e for e in events if e.kind in FORWARD + BACKWARD + ("experts", "experts_grad")]
+    print(f"wrote {draw_png(events, path, title='alltoall_chunked, EP=2, about one step', unit='s')}")
+
+
+def main_overlap(rounds: int, steps: int, png: str | None, chunks: list[int]) -> None:
+    """Plain against chunked all-to-all at EP=2: step time, and the share of the EP all-to-all
+    time hidden behind expert compute (from the intervals recorded in ``steps`` extra steps)."""
+    print(f"load average: {os.getloadavg()}")
+    names = ("alltoall",) + tuple(f"alltoall_chunked:{k}" for k in chunks)
+    wall = {n: [] for n in names}
+    cpu = {n: [] for n in names}
+    hidden = {n: {"fwd": [0.0, 0.0], "bwd": [0.0, 0.0]} for n in names}
+    last = None
+    for r in range(rounds):
+        for n in names[::-1] if r % 2 else names:  # alternate which one goes first
+            t, c, _, recorded = measure(2, n, steps, intervals=True)
+            wall[n].append(t)
+            cpu[n].append(c)
+            for part, kinds in (("fwd", FORWARD), ("bwd", BACKWARD)):
+                h, tot = _hidden(recorded, kinds)
+                hidden[n][part][0] += h
+                hidden[n][part][1] += tot
+            last = recorded if n == names[1] else last
+            print(f"round {r}: {n}: wall {t * 1e3:.1f} ms/step, cpu {c * 1e3:.1f} ms/step, "
+                  f"load {os.getloadavg()[0]:.1f}", flush=True)
+    print("\n| dispatcher | wall, median (ms) | wall, best (ms) | CPU busiest rank (ms) | all-to-all (ms/step/rank) "
+          "| hidden, forward | hidden, backward | hidden, all |\n|---|---|---|---|---|---|---|---|")
+    for n in names:
+        hf, hb = hidden[n]["fwd"], hidden[n]["bwd"]
+        a2a = (hf[1] + hb[1]) / (2 * rounds * steps)
+        share = (hf[0] + hb[0]) / max(hf[1] + hb[1], 1e-12)
+        print(f"| {n} | {statistics.median(wall[n]) * 1e3:.1f} | {min(wall[n]) * 1e3:.1f} | "
+              f"{statistics.median(cpu[n]) * 1e3:.1f} | {a2a * 1e3:.2f} | {hf[0] / max(hf[1], 1e-12):.1%} | "
+              f"{hb[0] / max(hb[1], 1e-12):.1%} | **{share:.1%}** |")
+    for n in names[1:]:
+        print(f"{n}/plain: wall median {statistics.median(wall[n]) / statistics.median(wall['alltoall']):.2f}, "
+              f"best {min(wall[n]) / min(wall['alltoall']):.2f}; CPU "
+              f"{statistics.median(cpu[n]) / statistics.median(cpu['alltoall']):.2f}")
+    print(f"FarSkip-Collective reports {FARSKIP_OVERLAP:.1%} overlap.")
+    print(f"load average: {os.getloadavg()}")
+    if png:
+        _draw_overlap(last, steps, png)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--part", choices=["steps", "experts"], default="steps")
+    ap.add_argument("--part", choices=["steps", "experts", "overlap"], default="steps")
+    ap.add_argument("--png", default=None, help="--part overlap: draw the first chunked run's recorded step here")
+    ap.add_argument("--chunks", type=int, nargs="+", default=[2, 4], help="--part overlap: chunk counts k")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--rows", type=int, default=4096)
@@ -157,13 +248,16 @@ def main() -> None:
     if args.part == "experts":
         main_experts(args.rows, args.iters)
         return
+    if args.part == "overlap":
+        main_overlap(args.rounds, args.steps, args.png, args.chunks)
+        return
     configs = [("ep1", 1, "alltoall"), ("ep2-alltoall", 2, "alltoall"), ("ep2-allgather", 2, "allgather"),
                ("ep2-chunked", 2, "alltoall_chunked")]
     wall: dict[str, list[float]] = {c[0]: [] for c in configs}
     cpu: dict[str, list[float]] = {c[0]: [] for c in configs}
     for r in range(args.rounds):
         for name, ep, disp in configs:
-            t, c, nbytes = measure(ep, disp, args.steps)
+            t, c, nbytes, _ = measure(ep, disp, args.steps)
             wall[name].append(t)
             cpu[name].append(c)
             print(f"round {r}: {name}: wall {t * 1e3:.1f} ms/step, cpu {c * 1e3:.1f} ms/step, "

@@ -9,10 +9,17 @@ BW=2). Step time: from a barrier to the end of the slowest rank, the two variant
 step. Prediction: the mean F, R and BW durations measured by the runtime's timeline feed
 ``simulate`` for the lists that ran (p=2) and for p=8, m=16 (the same per-stage costs).
 
+``--f-ms``/``--b-ms`` > 0 add a fixed cost to each stage (a sleep in its forward, and so in each
+``R``, and in its backward; ``bench_pipeline_delay.FixedCost``): with a small model the step is
+then set by the schedule rather than by how the ranks share loaded cores, and a rank waiting on
+a receive really idles, which is the time the placed ``R`` fills.
+
 Usage::
 
     .venv/bin/python benchmarks/bench_pipeline_recompute.py [--layers 8 --hidden 128 --seq 128 --mbs 2 \\
         --microbatches 8 --steps 10]
+    .venv/bin/python benchmarks/bench_pipeline_recompute.py --layers 2 --hidden 32 --seq 16 --mbs 1 \\
+        --f-ms 20 --b-ms 40
 """
 
 from __future__ import annotations
@@ -42,6 +49,8 @@ from paratron.pipeline.runtime import run_pipeline  # noqa: E402
 from paratron.pipeline.simulator import Costs, simulate  # noqa: E402
 from paratron.testing import run_ranks  # noqa: E402
 
+from bench_pipeline_delay import FixedCost  # noqa: E402
+
 VOCAB = 512
 PLACE_COSTS = Costs(F=1, B=2, W=0, BW=2, R=1)
 
@@ -60,11 +69,12 @@ def _rank(a):
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, VOCAB, (a.microbatches * a.mbs, a.seq), generator=g)
     micro = [(ids[i * a.mbs:(i + 1) * a.mbs], ids[i * a.mbs:(i + 1) * a.mbs]) for i in range(a.microbatches)]
-    total = ids.numel()
+    total, f, b = ids.numel(), a.f_ms / 1e3, a.b_ms / 1e3
 
     def step(c, chunk, x, mb):
         out = chunk(mb[0] if x is None else x, mb[1] if chunk.post_process else None)
-        return out.sum() / total if chunk.post_process else out
+        out = out.sum() / total if chunk.post_process else out
+        return FixedCost.apply(out, f, b) if f or b else out
 
     times, durations = defaultdict(list), defaultdict(list)
     for s in range(a.steps + 1):
@@ -90,6 +100,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     for name, default in (("layers", 8), ("hidden", 128), ("seq", 128), ("mbs", 2), ("microbatches", 8), ("steps", 10)):
         ap.add_argument(f"--{name}", type=int, default=default)
+    ap.add_argument("--f-ms", type=float, default=0.0)
+    ap.add_argument("--b-ms", type=float, default=0.0)
     a = ap.parse_args()
     results = run_ranks(_rank, 2, a, timeout=1800)
     steps = {k: [max(r[0][k][i] for r in results) for i in range(a.steps)] for k in ("full", "placed")}

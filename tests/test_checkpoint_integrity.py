@@ -158,7 +158,7 @@ def _run_with_full_disk_at(overrides: list[str], run_dir: str, fail_at_save: int
     from paratron.config import load_config
     from paratron.training.runner import run_training
 
-    class FillsUp(io.FileSystemWriter):
+    class FillsUp(io.ChecksummingWriter):
         calls = 0
 
         def write_data(self, plan, planner):
@@ -168,7 +168,7 @@ def _run_with_full_disk_at(overrides: list[str], run_dir: str, fail_at_save: int
                 raise OSError(errno.ENOSPC, "No space left on device")
             return super().write_data(plan, planner)
 
-    io.FileSystemWriter = FillsUp  # this forked rank only
+    io.ChecksummingWriter = FillsUp  # this forked rank only
     try:
         return run_training(load_config(None, overrides), run_dir)
     except CheckpointError as e:

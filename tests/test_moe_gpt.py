@@ -43,11 +43,12 @@ def _batch(step: int):
             torch.randint(0, VOCAB, (GBS, SEQ), generator=g))
 
 
-def _snapshot(chunks) -> dict[str, tuple[torch.Tensor, tuple]]:
+def _snapshot(chunks, ddp) -> dict[str, tuple[torch.Tensor, tuple]]:
     out = {}
-    for c in chunks:
-        for p in c.parameters():
-            out[p.logical_name] = (p.shard.valid(p).detach().clone(), p.shard.slices())
+    with ddp.full_params():  # ZeRO-3 keeps only param shards between uses
+        for c in chunks:
+            for p in c.parameters():
+                out[p.logical_name] = (p.shard.valid(p).detach().clone(), p.shard.slices())
     return out
 
 
@@ -59,7 +60,7 @@ def _train(cfg: Config, ctx) -> dict:
     chunks, ddp, optimizer, _ = build_model_and_optimizer(cfg, ctx)
     dp, r, mbs = ctx.dp.size, ctx.dp.rank, cfg.train.micro_batch_size
     rows = GBS // dp
-    before = _snapshot(chunks)
+    before = _snapshot(chunks, ddp)
     history = []
     for step in range(STEPS):
         tokens, labels = _batch(step)
@@ -71,9 +72,9 @@ def _train(cfg: Config, ctx) -> dict:
         optimizer.step()
         history.append((out.loss, out.aux_loss))
         if step == 0:
-            after1 = _snapshot(chunks)
+            after1 = _snapshot(chunks, ddp)
     first_update = {n: ((before[n][0] - after1[n][0]) / LR, before[n][1]) for n in before}
-    return {"update": first_update, "params": _snapshot(chunks), "history": history}
+    return {"update": first_update, "params": _snapshot(chunks, ddp), "history": history}
 
 
 def _rank(kw, world):
@@ -98,6 +99,9 @@ LAYOUTS = {
     "ep2-pp2": (4, dict(ep=2, pp=2)),
     "ep2-dp4-zero1": (4, dict(ep=2, zero=1)),
     "ep2-allgather": (2, dict(ep=2, dispatcher="allgather")),
+    # Experts run once per token chunk: DDP must wait for every chunk's grad (param.grad_uses).
+    "ep2-chunked": (2, dict(ep=2, dispatcher="alltoall_chunked")),
+    "ep2-pp2-chunked": (4, dict(ep=2, pp=2, dispatcher="alltoall_chunked")),
     "ep2-recompute": (2, dict(ep=2, recompute="full")),
     "ep2-etp2-tp2-sp": (4, dict(ep=2, etp=2, tp=2, sp=True)),
 }

@@ -10,6 +10,7 @@ from paratron.config import ModelConfig
 from paratron.models.moe.experts import LocalExperts
 from paratron.models.moe.grouped_gemm import choose_method, grouped_linear
 from paratron.parallel.context import ParallelContext
+from paratron.pipeline.runtime import attach_weight_grad_stores
 
 TOL = dict(rtol=1e-6, atol=1e-6)
 COUNTS = [3, 0, 5, 0, 1, 7]  # experts 1 and 3 get no rows
@@ -49,14 +50,18 @@ def test_grouped_mm_accepts_broadcast_grads_and_auto_choice():
         grouped_linear(torch.zeros(6, 5), odd, [2, 2], "loop")
 
 
-@pytest.mark.parametrize("activation,bias", [("swiglu", False), ("gelu", True)])
-@pytest.mark.parametrize("gemm", ["auto", "grouped_mm", "bmm", "loop"])
-def test_local_experts_match_per_expert_loop(activation, bias, gemm):
+def _experts(activation: str, bias: bool, gemm: str) -> LocalExperts:
     cfg = ModelConfig(num_layers=2, hidden_size=16, num_attention_heads=2, ffn_hidden_size=32, vocab_size=64,
                       seq_length=8, num_experts=len(COUNTS), moe_top_k=2, moe_ffn_hidden_size=24,
                       activation=activation, add_bias_linear=bias)
-    experts = LocalExperts(cfg, ParallelContext.single(), prefix="layers.0.mlp", seed=3, first_expert=0,
-                           num_local=len(COUNTS), params_dtype=torch.float32, gemm=gemm)
+    return LocalExperts(cfg, ParallelContext.single(), prefix="layers.0.mlp", seed=3, first_expert=0,
+                        num_local=len(COUNTS), params_dtype=torch.float32, gemm=gemm)
+
+
+@pytest.mark.parametrize("activation,bias", [("swiglu", False), ("gelu", True)])
+@pytest.mark.parametrize("gemm", ["auto", "grouped_mm", "bmm", "loop"])
+def test_local_experts_match_per_expert_loop(activation, bias, gemm):
+    experts = _experts(activation, bias, gemm)
     with torch.no_grad():  # non-zero biases, so a misplaced bias row shows
         for p in experts.parameters():
             if p.dim() == 1:
@@ -77,3 +82,26 @@ def test_local_experts_match_per_expert_loop(activation, bias, gemm):
         torch.testing.assert_close(got[n], p.grad, **TOL, msg=lambda m: f"grad {n}: {m}")
         if n.startswith(("local.1.", "local.3.")):
             assert got[n].abs().max() == 0, n
+
+
+@pytest.mark.parametrize("activation,gemm", [("swiglu", "grouped_mm"), ("gelu", "bmm"), ("gelu", "loop")])
+def test_local_experts_defer_weight_grads_to_w(activation, gemm):
+    """With the zero-bubble store deferring (a B action), no expert weight or bias gets a grad in
+    the backward; one flush (the W action) gives each the grad of a plain backward, bitwise, zero
+    for the experts without rows."""
+    experts = _experts(activation, True, gemm)
+    x, probe = _rows(sum(COUNTS), 16, 4).requires_grad_(), _rows(sum(COUNTS), 16, 5)
+    (experts(x, COUNTS) * probe).sum().backward()
+    want = {n: p.grad for n, p in experts.named_parameters()}
+    experts.zero_grad(set_to_none=True)
+    (store,) = attach_weight_grad_stores([experts])
+    store.deferring = True
+    (experts(x, COUNTS) * probe).sum().backward()
+    store.deferring = False
+    store.mark()
+    assert all(experts.get_parameter(n).grad is None for n in want), "a grad was not deferred"
+    store.flush()
+    store.assert_empty()
+    for n, g in want.items():
+        assert torch.equal(experts.get_parameter(n).grad, g), n
+    assert not want["local.1.fc2.weight" if activation == "gelu" else "local.1.up.weight"].any()

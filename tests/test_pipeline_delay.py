@@ -71,6 +71,9 @@ def test_warmups_from_link_costs_and_simulated_gain():
     plain = simulate(build_schedule("1f1b", 4, 8), costs).makespan
     aware = simulate(build_schedule("1f1b-delay", 4, 8, link_latency=[0, 2.5, 0], microbatch_time=3), costs)
     assert aware.makespan < plain
+    # more microbatches in flight upstream of the slow link (ranks 0 and 1), as many downstream
+    assert aware.peak_in_flight == [6, 5, 2, 1]  # warm-ups 3+2 and 2+2: ceil(2 * 2.5 / 3) = 2 more
+    assert simulate(build_schedule("1f1b", 4, 8), costs).peak_in_flight == [4, 3, 2, 1]
     assert simulate(build_schedule("1f1b", 4, 8), Costs(F=1, B=1, W=1)).makespan == (8 + 3) * 3
     assert plain > (8 + 3) * 3 + 4 * 2.5 - 1e-9  # the slow link is on the critical path twice per round trip
 
@@ -84,20 +87,20 @@ def test_link_time():
 class _DoneWork:
     """A receive that has already arrived."""
 
-    def is_completed(self):
-        return True
-
     def wait(self):
         return True
 
 
-def test_link_delay_holds_a_receive_for_its_seconds():
+def test_link_delay_counts_from_the_send_not_from_the_receive(monkeypatch):
+    """The wait sleeps until the sender's stamp + the delay: a message sent long enough ago is not
+    held at all (a late receive does not restart the latency), a fresh one for the delay."""
     assert DELAY.applies(1, 2) and DELAY.applies(2, 1) and not DELAY.applies(0, 1)
-    watched = DELAY.watch(_DoneWork())
-    watched.poll()  # the runtime notes the arrival between actions
-    arrived = watched.arrived
-    watched.wait()
-    assert time.perf_counter() - arrived >= DELAY.seconds  # a lower bound only: sleep never returns early
+    slept = []
+    monkeypatch.setattr(time, "sleep", slept.append)
+    DELAY.delayed(_DoneWork(), _DoneWork(), DELAY.stamp() - 2 * DELAY.seconds).wait()
+    assert slept == []
+    DELAY.delayed(_DoneWork(), _DoneWork(), DELAY.stamp()).wait()
+    assert len(slept) == 1 and 0 < slept[0] <= DELAY.seconds
 
 
 def test_link_latency_config():
@@ -125,3 +128,77 @@ def test_simulate_command_link_latency(capsys):
         spans[name] = float(capsys.readouterr().out.split("makespan ")[1].split()[0])
     assert spans["1f1b-delay"] < spans["1f1b"]
     assert main(["simulate", "--pipeline", "4", "--link-latency", "0,1"]) == 2
+
+
+def _delay_cfg(extra=()):
+    from paratron.config import Config, apply_overrides, validate
+
+    cfg = Config()
+    apply_overrides(cfg, ["parallel.pipeline=4", "parallel.schedule=1f1b-delay", "model.num_layers=4",
+                          "parallel.pipeline_link_latency_ms=[0, 40, 0]", "train.micro_batch_size=1",
+                          "train.global_batch_size=8", *extra])
+    return validate(cfg, world_size=4)
+
+
+def test_training_step_builds_1f1b_delay_from_the_configured_latencies():
+    from types import SimpleNamespace
+
+    from paratron.training.step import needs_microbatch_time, rank_actions
+
+    aware = build_schedule("1f1b-delay", 4, 8, link_latency=[0, 0.04, 0], microbatch_time=0.02)
+    assert aware != build_schedule("1f1b", 4, 8)
+    configured, measured = _delay_cfg(["parallel.pipeline_microbatch_time_ms=20"]), _delay_cfg()
+    assert not needs_microbatch_time(configured) and needs_microbatch_time(measured)
+    for r in range(4):
+        ctx = SimpleNamespace(pp=SimpleNamespace(size=4, rank=r))
+        assert rank_actions(configured, ctx, 8) == aware[r]
+        assert rank_actions(measured, ctx, 8) == build_schedule("1f1b", 4, 8)[r]  # until measured
+        assert rank_actions(measured, ctx, 8, microbatch_time=0.02) == aware[r]
+
+
+def test_microbatch_time_config_and_measurement():
+    from paratron.config import ConfigError
+    from paratron.pipeline.delay import measured_microbatch_time
+    from paratron.pipeline.timeline import TraceEvent
+
+    for bad in ("parallel.pipeline_microbatch_time_ms=0", "parallel.pipeline_link_latency_ms=[0, -1, 0]"):
+        with pytest.raises(ConfigError, match=bad.split("=")[0]):
+            _delay_cfg([bad])
+    events = [TraceEvent(0, "F", 0, 0, 0.0, 0.1), TraceEvent(0, "SEND_F", 0, 0, 0.1, 0.5),
+              TraceEvent(0, "F", 1, 0, 0.5, 0.6), TraceEvent(0, "BW", 0, 0, 0.6, 0.9),
+              TraceEvent(0, "BW", 1, 0, 1, 1.3)]
+    assert measured_microbatch_time(events, 2) == pytest.approx(0.4)
+
+
+def _train_recording_actions(overrides, run_dir):
+    """One rank of ``paratron train``; returns the action list each step ran."""
+    import paratron.training.runner as runner
+    import paratron.training.trainer as trainer
+    from paratron.config import load_config
+
+    real, seen = trainer.run_global_batch, []
+
+    def recording(cfg, ctx, chunks, microbatches, *, forward_only, actions=None, **kw):
+        if not forward_only:
+            seen.append(list(actions))
+        return real(cfg, ctx, chunks, microbatches, forward_only=forward_only, actions=actions, **kw)
+
+    trainer.run_global_batch = recording  # this forked rank only
+    assert runner.run_training(load_config(None, overrides), run_dir) == 0
+    return seen
+
+
+def test_paratron_train_measures_the_microbatch_time_and_rebuilds_1f1b_delay(tiny_corpus, tmp_path):
+    """``paratron train`` with ``1f1b-delay``: step 1 runs 1F1B's warm-up and is measured; later
+    steps run the link-aware lists (a 60 s link: every forward in flight before the first backward
+    on rank 0, whatever the measured time)."""
+    overrides = tiny_corpus + ["data.split=90,10,0", "model.num_layers=2", "model.hidden_size=32",
+                               "model.num_attention_heads=4", "model.seq_length=16",
+                               "model.make_vocab_size_divisible_by=16", "train.micro_batch_size=2",
+                               "train.global_batch_size=8", "train.train_iters=2", "train.eval_interval=0",
+                               "logging.tensorboard=false", "parallel.pipeline=2", "parallel.schedule=1f1b-delay",
+                               "parallel.pipeline_link_latency_ms=[60000]"]
+    steps = run_ranks(_train_recording_actions, 2, overrides, str(tmp_path), timeout=300)
+    assert [s[0] for s in steps] == build_schedule("1f1b", 2, 4)
+    assert [s[1] for s in steps] == build_schedule("1f1b-delay", 2, 4, link_latency=[60.0], microbatch_time=1.0)
+    assert [a.kind for a in steps[0][1] if not a.is_p2p][:5] == ["F"] * 4 + ["BW"]

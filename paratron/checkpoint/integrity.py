@@ -2,19 +2,22 @@
 
 A bit flipped by a disk, a copy cut short, or a file edited by hand must be refused with the
 file's name, not loaded as silently different weights or reported as an unpickling error deep
-inside ``torch.load``. At save time each rank checksums the files it wrote (its DCP payload
-``__<r>_*.distcp`` and its ``rank_<r>.json``, still in the page cache) and rank 0 the shared ones
-(``.metadata``, ``config.toml``); the manifest ``paratron.json`` lists them all as
-``{"name": [crc32 hex, size]}`` and carries a checksum of its own bytes in ``manifest_crc32``
-(computed with that field's value zeroed, so the manifest stays plain JSON).
+inside ``torch.load``. Each rank checksums its DCP payloads ``__<r>_*.distcp`` as it writes them
+(:class:`BlockCrc`, fed by :mod:`paratron.checkpoint.checksummed`) and its ``rank_<r>.json``, and
+rank 0 the shared files (``.metadata``, ``config.toml``); the manifest ``paratron.json`` lists them
+all as ``{"name": [crc32 hex, size, block, block crc32s]}`` (:func:`block_entry`) and carries a
+checksum of its own bytes in ``manifest_crc32`` (computed with that field's value zeroed, so the
+manifest stays plain JSON).
 
 On load, :func:`check_manifest` verifies the manifest's own bytes and :func:`verify_files` the
-files a rank reads (the small shared files on every load; each payload file by the ranks that
-read it, just before DCP reads it). CRC-32 (zlib) because it runs at memory speed and catches
-every 1-bit and short burst error; it is not a defence against deliberate tampering (loading
-never unpickles, see :mod:`paratron.checkpoint.safety`). Cost: ``benchmarks/bench_checkpoint.py``.
+small shared files; payload bytes are verified block by block as they are read
+(:class:`paratron.checkpoint.checksummed.BlockReader`), by the ranks that read them. CRC-32 (zlib)
+because it runs at memory speed and catches every 1-bit and short burst error; it is not a defence
+against deliberate tampering (loading never unpickles, see :mod:`paratron.checkpoint.safety`).
+Cost: ``benchmarks/bench_checkpoint.py``.
 
-Checkpoints written before checksums existed have neither field and are loaded unverified.
+Entries of checkpoints written before block checksums have two fields (their payloads are verified
+whole); checkpoints written before checksums existed have neither field and are loaded unverified.
 """
 
 from __future__ import annotations
@@ -38,10 +41,15 @@ BLOCK = 4 << 20
 
 
 def file_crc32(path: str | os.PathLike, threads: int | None = None) -> tuple[str, int]:
-    """``(crc32 as 8 hex digits, size in bytes)`` of a file: the CRC-32 of its whole content,
-    computed over 4 MiB blocks on ``threads`` threads (zlib releases the GIL; default: half the
-    usable CPUs, 1 to 4, since the ranks of a node share them) and folded into one value with
-    :func:`crc32_combine`."""
+    """``(crc32 as 8 hex digits, size in bytes)`` of a file: the CRC-32 of its whole content."""
+    crc, size = file_checksum(path, threads)[:2]
+    return crc, size
+
+
+def file_checksum(path: str | os.PathLike, threads: int | None = None) -> list:
+    """The manifest entry ``[crc32 hex, size, block, block crc32s]`` of a file (see
+    :func:`block_entry`), read in ``BLOCK``-byte blocks on ``threads`` threads (zlib releases the
+    GIL; default: half the usable CPUs, 1 to 4, since the ranks of a node share them)."""
     size = os.path.getsize(path)
     starts = range(0, size, BLOCK)
     fd = os.open(path, os.O_RDONLY)
@@ -56,10 +64,55 @@ def file_crc32(path: str | os.PathLike, threads: int | None = None) -> tuple[str
                 crcs = list(pool.map(block_crc, starts))
     finally:
         os.close(fd)
-    crc = crcs[0] if crcs else 0
+    return block_entry(crcs, size, BLOCK)
+
+
+class BlockCrc:
+    """CRC-32 of every ``block``-byte block of a byte stream fed in order (:meth:`update`), so
+    that a reader can verify any range it reads by the blocks it overlaps. One pass over the
+    bytes, no copy: the writer hashes the buffers it is handed as it writes them."""
+
+    def __init__(self, block: int) -> None:
+        self.block = block
+        self.crcs: list[int] = []
+        self.size = 0
+        self._crc = 0
+        self._fill = 0
+
+    def update(self, data) -> None:
+        view = memoryview(data).cast("B")
+        self.size += len(view)
+        while len(view):
+            take = min(len(view), self.block - self._fill)
+            self._crc = zlib.crc32(view[:take], self._crc)
+            self._fill += take
+            view = view[take:]
+            if self._fill == self.block:
+                self.crcs.append(self._crc)
+                self._crc, self._fill = 0, 0
+
+    def entry(self) -> list:
+        """The manifest entry of the bytes fed so far (:func:`block_entry`)."""
+        return block_entry(self.crcs + ([self._crc] if self._fill else []), self.size, self.block)
+
+
+def block_entry(crcs: list[int], size: int, block: int) -> list:
+    """``[crc32 of the whole file as 8 hex digits, size, block, the blocks' crc32s as one string of
+    8 hex digits each]``. The first two are what every reader verifies a whole file against
+    (entries of checkpoints written before block checksums have only these two); the last two
+    let a reader verify just the blocks it reads (:class:`paratron.checkpoint.checksummed.BlockReader`)."""
+    whole = crcs[0] if crcs else 0
     for i, c in enumerate(crcs[1:], start=1):
-        crc = crc32_combine(crc, c, min(BLOCK, size - starts[i]))
-    return f"{crc:08x}", size
+        whole = crc32_combine(whole, c, min(block, size - i * block))
+    return [f"{whole:08x}", size, block, "".join(f"{c:08x}" for c in crcs)]
+
+
+def entry_blocks(entry) -> tuple[int, list[int]] | None:
+    """``(block, [crc32 of each block])`` of a manifest entry; None for a two-field entry."""
+    if not isinstance(entry, (list, tuple)) or len(entry) < 4:
+        return None
+    block, text = int(entry[2]), str(entry[3])
+    return block, [int(text[i:i + 8], 16) for i in range(0, len(text), 8)]
 
 
 def _times(matrix: tuple[int, ...], vector: int) -> int:
@@ -99,17 +152,8 @@ def crc32_combine(crc_a: int, crc_b: int, len_b: int) -> int:
 
 
 def checksum_files(directory: str | os.PathLike, names: Iterable[str]) -> dict[str, list]:
-    """``{name: [crc32 hex, size]}`` for the named files of ``directory``."""
-    return {n: list(file_crc32(Path(directory) / n)) for n in names}
-
-
-def own_files(directory: str | os.PathLike, rank: int) -> list[str]:
-    """The files rank ``rank`` writes into a checkpoint directory: its DCP payload and rank state."""
-    d = Path(directory)
-    names = sorted(p.name for p in d.glob(f"__{rank}_*.distcp"))
-    if (d / f"rank_{rank:05d}.json").is_file():
-        names.append(f"rank_{rank:05d}.json")
-    return names
+    """``{name: manifest entry}`` (:func:`block_entry`) for the named files of ``directory``."""
+    return {n: file_checksum(Path(directory) / n) for n in names}
 
 
 def seal_manifest(manifest: dict) -> bytes:
@@ -139,7 +183,7 @@ def check_manifest(path: str | os.PathLike, raw: bytes, manifest: dict, rank: in
 
 
 def verify_files(directory: str | os.PathLike, checksums: dict, names: Iterable[str], rank: int) -> None:
-    """Recompute and compare the checksums of ``names`` (files of ``directory``).
+    """Recompute and compare the checksums of ``names`` (files of ``directory``), whole.
 
     Raises:
         CheckpointError: a file missing, of another size (truncated or extended) or with another
@@ -147,19 +191,37 @@ def verify_files(directory: str | os.PathLike, checksums: dict, names: Iterable[
     """
     for name in names:
         path = Path(directory) / name
-        want = checksums.get(name)
-        if want is None:
-            raise CheckpointError(f"{path}: not listed in the manifest's checksums (read by rank {rank}); "
-                                  "refusing a file the save did not write")
-        if not path.is_file():
-            raise CheckpointError(f"{path}: missing (read by rank {rank}); the checkpoint is incomplete")
-        crc, size = file_crc32(path)
-        if size != want[1]:
-            what = "truncated" if size < want[1] else "longer than written"
-            raise CheckpointError(f"{path}: {what}: {size:,} bytes, {want[1]:,} were written (read by rank {rank})")
+        want = listed(checksums, path, rank)
+        check_size(path, want[1], rank)
+        crc, _ = file_crc32(path)
         if crc != want[0]:
             raise CheckpointError(f"{path}: checksum mismatch: crc32 {crc}, {want[0]} at save time (read by rank "
                                   f"{rank}); the file is corrupt")
+
+
+def listed(checksums: dict, path: Path, rank: int) -> list:
+    """The manifest entry of ``path``.
+
+    Raises:
+        CheckpointError: the manifest does not list it.
+    """
+    want = checksums.get(path.name)
+    if want is None:
+        raise CheckpointError(f"{path}: not listed in the manifest's checksums (read by rank {rank}); "
+                              "refusing a file the save did not write")
+    return want
+
+
+def check_size(path: Path, size: int, rank: int) -> None:
+    """Raises:
+        CheckpointError: ``path`` is missing, or is not ``size`` bytes long (truncated or extended).
+    """
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing (read by rank {rank}); the checkpoint is incomplete")
+    have = path.stat().st_size
+    if have != size:
+        what = "truncated" if have < size else "longer than written"
+        raise CheckpointError(f"{path}: {what}: {have:,} bytes, {size:,} were written (read by rank {rank})")
 
 
 def reading_rank() -> int:

@@ -24,11 +24,11 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from . import integrity, storage
+from .checksummed import ChecksummingWriter
 from .items import MODEL_PREFIX, CheckpointError, StateItems, full_items, model_items
 from .legacy import adapt_items, fuse_full
 from .planner import ChunkLoadPlanner, ChunkSavePlanner
@@ -79,16 +79,20 @@ def read_json(path: str | os.PathLike) -> Any:
 # ---- tensors through DCP -------------------------------------------------------------------
 def write_items(directory: str | os.PathLike, items: StateItems, *, process_group=None,
                 single_process: bool = False, needed: int | None = None,
-                space_dir: str | os.PathLike | None = None) -> None:
+                space_dir: str | os.PathLike | None = None) -> dict[str, list]:
     """Save ``items`` into ``directory`` with DCP (collective over ``process_group`` unless
-    ``single_process``). Chunks already on the CPU are written straight from their storage.
+    ``single_process``). Chunks already on the CPU are written straight from their storage, and
+    checksummed as they are written (:class:`~paratron.checkpoint.checksummed.ChecksummingWriter`).
+
+    Returns:
+        ``{name: manifest entry}`` of the payload files this rank wrote.
 
     Raises:
         storage.OutOfSpaceError: the disk filled up (naming ``space_dir``, default ``directory``,
             ``needed`` bytes and the bytes free).
         CheckpointError: any other failure, with the first failing rank.
     """
-    writer = FileSystemWriter(str(directory), single_file_per_rank=True, sync_files=True, overwrite=True)
+    writer = ChecksummingWriter(directory)
     with warnings.catch_warnings():
         # DCP warns that it assumes a single process when asked for no_dist; that is the intent.
         warnings.simplefilter("ignore", UserWarning)
@@ -103,6 +107,7 @@ def write_items(directory: str | os.PathLike, items: StateItems, *, process_grou
                 raise storage.OutOfSpaceError(storage.no_space_message(
                     where, needed or 0, storage.free_bytes(where))) from None
             raise
+    return writer.sums
 
 
 def _unwrap(e: CheckpointException, what: str, space: tuple | None = None) -> CheckpointError:
@@ -158,8 +163,9 @@ def write_manifest(directory: str | os.PathLike, cfg, checksums: dict | None = N
 
     Args:
         cfg: the run's :class:`paratron.config.Config`.
-        checksums: ``{name: [crc32, size]}`` other ranks computed for their own files; every other
-            file of the directory is checksummed here.
+        checksums: ``{name: entry}`` (:func:`integrity.block_entry`) computed while the files were
+            written, by the ranks that wrote them; every other file of the directory is checksummed
+            here.
         fields: more plain-JSON entries (step, extra, ...).
     """
     from paratron.config import to_toml
@@ -275,8 +281,8 @@ def save_model_full(directory: str | os.PathLike, cfg, tensors: dict[str, torch.
             raise CheckpointError(f"tensors[{name!r}] is a {type(t).__name__}, not a tensor")
     directory.mkdir(parents=True, exist_ok=True)
     items = full_items({k: v.detach().cpu() for k, v in tensors.items()})
-    write_items(directory, items, single_process=True)
-    write_manifest(directory, cfg, kind="model", step=None, has_optimizer=False,
+    sums = write_items(directory, items, single_process=True)
+    write_manifest(directory, cfg, checksums=sums, kind="model", step=None, has_optimizer=False,
                    layout=None, extra={})
 
 

@@ -25,6 +25,8 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
+from .checksummed import BlockReader, VerifiedRange
+from .integrity import entry_blocks, listed, verify_files
 from .items import CheckpointError
 
 METADATA_FILE = ".metadata"
@@ -126,15 +128,21 @@ def refuse_pickle_files(directory: str | os.PathLike) -> None:
 
 class SafeFileSystemReader(FileSystemReader):
     """DCP's file reader with the metadata read replaced by :func:`read_metadata_safely`, and
-    every payload file verified against its save-time checksum before it is read.
+    every payload byte it reads verified against its save-time checksums.
 
-    Tensor payloads are still read by DCP with ``torch.load(weights_only=True)``.
+    Tensor payloads are still read by DCP with ``torch.load(weights_only=True)``. Payloads with
+    block checksums are read through :class:`~paratron.checkpoint.checksummed.BlockReader` (each
+    block read once and verified, only the saved chunks this rank's chunks overlap); payloads of
+    checkpoints written before block checksums are verified whole before they are read.
 
     Args:
         path: the checkpoint directory.
-        checksums: the manifest's ``{name: [crc32, size]}`` (None: a checkpoint written before
-            checksums existed; nothing verified).
+        checksums: the manifest's ``{name: entry}`` (None: a checkpoint written before checksums
+            existed; nothing verified).
         rank: the reading rank, named in errors.
+
+    Attributes:
+        bytes_read: payload bytes read through block readers so far (a measure for tests).
     """
 
     def __init__(self, path: str | os.PathLike, checksums: dict | None = None, rank: int = 0) -> None:
@@ -142,15 +150,40 @@ class SafeFileSystemReader(FileSystemReader):
         self._checksums = checksums
         self._rank = rank
         self._verified: set[str] = set()
+        self._readers: dict[str, BlockReader] = {}
+        self.bytes_read = 0
 
     def read_data(self, plan, planner):
-        if self._checksums is not None:
-            from .integrity import verify_files
+        files = sorted({self.storage_data[item.storage_index].relative_path for item in plan.items})
+        if self._checksums is None:
+            return super().read_data(plan, planner)
+        whole = []
+        try:
+            for name in files:
+                entry = listed(self._checksums, Path(self.path) / name, self._rank)
+                if entry_blocks(entry) is None:
+                    whole.append(name)
+                else:
+                    self._readers[name] = BlockReader(Path(self.path) / name, entry, self._rank)
+            verify_files(self.path, self._checksums, [n for n in whole if n not in self._verified], self._rank)
+            self._verified |= set(whole)
+            return super().read_data(plan, planner)
+        except Exception:
+            failed = next((r.failure for r in self._readers.values() if r.failure is not None), None)
+            if failed is not None:
+                raise failed from None
+            raise
+        finally:
+            for reader in self._readers.values():
+                self.bytes_read += reader.bytes_read
+                reader.close()
+            self._readers.clear()
 
-            files = {self.storage_data[item.storage_index].relative_path for item in plan.items}
-            verify_files(self.path, self._checksums, sorted(files - self._verified), self._rank)
-            self._verified |= files
-        return super().read_data(plan, planner)
+    def _slice_file(self, file, sinfo):
+        reader = self._readers.get(sinfo.relative_path)
+        if reader is None:
+            return super()._slice_file(file, sinfo)
+        return VerifiedRange(reader, sinfo.offset, sinfo.length)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")

@@ -61,6 +61,7 @@ MEGATRON_SWITCHES: dict[str, tuple[str, str]] = {
     "--untie-embeddings-and-output-weights": ("model.tie_embeddings", "false"),
     "--disable-bias-linear": ("model.add_bias_linear", "false"),
     "--deterministic-mode": ("train.deterministic", "true"),
+    "--overlap-moe-expert-parallel-comm": ("parallel.overlap_moe_expert_parallel_comm", "true"),
 }
 """Megatron-LM flags without a value -> (paratron key, value)."""
 

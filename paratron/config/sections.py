@@ -64,6 +64,9 @@ class ModelConfig:
     """Inner width of the shared expert; None means no shared expert."""
     moe_token_dispatcher: str = "alltoall"
     """Token dispatcher registry name: alltoall, allgather or alltoall_chunked."""
+    moe_dispatch_chunks: int = 2
+    """alltoall_chunked: token chunks per microbatch (k >= 1); chunk i+1's dispatch and chunk
+    i-1's combine are in flight while chunk i's experts compute."""
     moe_pad_to_capacity: bool = False
     """With a capacity factor, pad every expert's rows to its capacity (static shapes)."""
     moe_aux_loss_type: Literal["micro_batch", "seq"] = "micro_batch"
@@ -123,6 +126,15 @@ class ParallelConfig:
     pipeline_link_latency_ms: Optional[list[float]] = None
     """Extra latency (ms) of each link between pipeline ranks k and k+1 (pipeline-1 entries), for
     the simulator and the ``1f1b-delay`` schedule's warm-ups (CrossPipe); None: all links equal."""
+    pipeline_microbatch_time_ms: Optional[float] = None
+    """Forward plus backward of one microbatch on one stage (ms), which ``1f1b-delay`` divides the
+    link latencies by; None: measured over the first training step (which runs plain 1F1B)."""
+    overlap_moe_expert_parallel_comm: bool = False
+    """Pair forward and backward actions of different microbatches on each pipeline rank (``FB``,
+    :func:`paratron.pipeline.overlap.overlap_fb`; one rank without PP pairs them all), so that each
+    MoE all-to-all of one microbatch's forward runs while a layer of another microbatch's backward
+    computes (DeepSeek-V3's DualPipe overlap). Needs MoE layers and a dispatcher that calls the
+    in-flight hook (``alltoall``)."""
     order: str = "tp-cp-ep-dp-pp"
     """Rank order, fastest-varying axis first."""
     overlap_grad_reduce: bool = True
@@ -214,6 +226,12 @@ class DataConfig:
     documents (Megatron's --reset-attention-mask)."""
     eod_mask_loss: bool = False
     """No loss where the input token is the end-of-document token (Megatron's --eod-mask-loss)."""
+    microbatch_tokens: Optional[int] = None
+    """Token-balanced variable-length microbatches (FlexPipe): each microbatch is one packed row of
+    whole documents holding at most this many positions, and ``train.global_batch_size`` counts
+    documents (``train.micro_batch_size`` is unused). Documents longer than ``model.seq_length``
+    positions are split. Rule and layout: :mod:`paratron.data.token_batches`. None: fixed-length
+    samples."""
 
 
 @dataclass

@@ -7,7 +7,8 @@ A rule owned by another module is called, not written again here: the model shap
 (:mod:`.model_shape`, also run by the model constructors), the rank grid
 (:func:`paratron.parallel.grid.check_grid`), the pipeline split
 (:func:`paratron.pipeline.partition.stage_sizes`) and the schedule's own check
-(:func:`paratron.pipeline.registry.build_schedule`). Those imports sit inside the rules, so that
+(:func:`paratron.pipeline.registry.build_schedule`), the token dispatcher's
+(:func:`paratron.models.moe.dispatcher.check_dispatcher_config`). Those imports sit inside the rules, so that
 importing the config loads neither numpy nor the pipeline package.
 """
 
@@ -18,6 +19,7 @@ import math
 
 from . import model_shape
 from .context_rules import check_context
+from .token_rules import check_microbatch_tokens, token_balanced
 from .errors import ConfigError
 from .sections import Config
 
@@ -98,6 +100,8 @@ def _data_parallel_size(cfg: Config, world: int | None) -> int | None:
 
 def _batch(cfg: Config, world: int | None) -> None:
     t, dp = cfg.train, _data_parallel_size(cfg, world)
+    if token_balanced(cfg):
+        return  # the global batch counts documents (token_rules)
     unit = t.micro_batch_size * (dp or 1)
     if t.global_batch_size % unit:
         where = f"train.micro_batch_size*dp = {t.micro_batch_size}*{dp}" if dp else \
@@ -131,7 +135,7 @@ def check_schedule(cfg: Config, world: int | None, *, build: bool = True) -> Non
     Raises:
         ConfigError: naming the fields, the microbatch count and the schedule's rule.
     """
-    from paratron.pipeline.registry import build_schedule, get_schedule
+    from paratron.pipeline.registry import build_schedule, config_options, get_schedule
 
     p, t = cfg.parallel, cfg.train
     spec = get_schedule(p.schedule)  # ConfigError with did-you-mean for an unknown name
@@ -140,12 +144,15 @@ def check_schedule(cfg: Config, world: int | None, *, build: bool = True) -> Non
                           f"but parallel.virtual_pipeline={p.virtual_pipeline} was given: leave it unset "
                           f"or set parallel.virtual_pipeline={spec.virtual_stages}")
     dp = _data_parallel_size(cfg, world)
+    if token_balanced(cfg):
+        return  # the microbatch count varies per step: token_rules checks the schedule for every count
     if dp is None or t.global_batch_size % (t.micro_batch_size * dp):
         return  # the microbatch count is not known yet
     m = t.global_batch_size // (t.micro_batch_size * dp)
     try:
         if build:
-            build_schedule(p.schedule, p.pipeline, m, p.virtual_pipeline)
+            options = config_options(p.schedule, p) or {}  # 1f1b-delay: the configured link costs
+            build_schedule(p.schedule, p.pipeline, m, p.virtual_pipeline, **options)
         elif spec.check is not None:
             spec.check(p.pipeline, m, p.virtual_pipeline)
     except ValueError as e:
@@ -162,6 +169,10 @@ def _link_latency(cfg: Config, world: int | None) -> None:
     if lat is not None and (len(lat) != p.pipeline - 1 or not all(math.isfinite(x) and x >= 0 for x in lat)):
         raise ConfigError(f"parallel.pipeline_link_latency_ms={lat} must list parallel.pipeline-1={p.pipeline - 1} "
                           "finite latencies >= 0 (entry k: the link between pipeline ranks k and k+1)")
+    t = p.pipeline_microbatch_time_ms
+    if t is not None and not (math.isfinite(t) and t > 0):
+        raise ConfigError(f"parallel.pipeline_microbatch_time_ms={t} must be a finite time > 0 (ms), or unset "
+                          "to measure it over the first step")
 
 
 def _schedule(cfg: Config, world: int | None) -> None:
@@ -171,6 +182,32 @@ def _schedule(cfg: Config, world: int | None) -> None:
 def _experts(cfg: Config, world: int | None) -> None:
     p = cfg.parallel
     model_shape.check_moe(cfg.model, tp=p.tensor, ep=p.expert, expert_tp=p.expert_tensor)
+    if cfg.model.num_experts:
+        # The token dispatcher's own rules (e.g. alltoall_chunked refuses padding to capacity).
+        from paratron.models.moe.dispatcher import check_dispatcher_config
+
+        check_dispatcher_config(cfg.model)
+
+
+def _moe_fb_overlap(cfg: Config, world: int | None) -> None:
+    if not cfg.parallel.overlap_moe_expert_parallel_comm:
+        return
+    name = cfg.model.moe_token_dispatcher
+    if not cfg.model.num_experts:
+        raise ConfigError("parallel.overlap_moe_expert_parallel_comm=true overlaps one microbatch's MoE "
+                          "all-to-alls with another's backward, but model.num_experts=0 has none")
+    if cfg.parallel.zero == 3:
+        # ZeRO-3 frees a layer's gathered params after its forward and after its backward, which
+        # assumes one microbatch at a time in a layer; a pair runs another's backward mid-forward.
+        raise ConfigError("parallel.overlap_moe_expert_parallel_comm=true runs one microbatch's backward "
+                          "in the middle of another's forward, but parallel.zero=3 frees each layer's "
+                          "params after its forward and backward: use parallel.zero <= 2")
+    from paratron.models.moe.dispatcher import get_dispatcher
+
+    if not getattr(get_dispatcher(name), "overlaps_microbatches", False):
+        raise ConfigError(f"parallel.overlap_moe_expert_parallel_comm=true needs a token dispatcher that runs "
+                          f"the other microbatch's work while its all-to-alls are in flight; "
+                          f"model.moe_token_dispatcher={name!r} does not (use 'alltoall')")
 
 
 def _zero(cfg: Config, world: int | None) -> None:
@@ -204,8 +241,8 @@ def _lr_schedule(cfg: Config, world: int | None) -> None:
         raise ConfigError(f"optimizer.min_lr={o.min_lr} must be <= optimizer.lr={o.lr}")
 
 
-VALIDATORS = [_finite, _positive, _nonfinite_policy, _lr_schedule, _grid, _model, _batch, _sequence, _schedule, _link_latency, _pipeline_layers,
-              _experts, _zero, _split, check_context]
+VALIDATORS = [_finite, _positive, _nonfinite_policy, _lr_schedule, _grid, _model, _batch, _sequence, _link_latency, _schedule, _pipeline_layers,
+              _experts, _moe_fb_overlap, _zero, _split, check_context, check_microbatch_tokens]
 """Every config rule, in order. Each takes ``(cfg, world_size_or_None)`` and raises ConfigError."""
 
 

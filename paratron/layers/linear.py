@@ -20,12 +20,12 @@ import torch
 from torch import nn
 
 from ..parallel.comm import Group
-from ..parallel.grads import accumulate_grad
+from ..parallel.grads import accumulate_grad, run_or_defer
 from ..parallel.mappings import check_sequence_divisible, gather_from_tp_region, scatter_to_tp_region
 from ..parallel.params import ShardSpec, mark
 from .init import InitMethod, init_shard_
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "divide"]
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "divide", "local_linear"]
 
 
 def divide(n: int, tp: int, field: str) -> int:
@@ -52,12 +52,7 @@ def _weight_grads(owner, weight, bias, dy: torch.Tensor, x: torch.Tensor,
         if want_b:
             accumulate_grad(bias, bdy.reshape(-1, bdy.shape[-1]).sum(dim=0))
 
-    # Read at backward time: the pipeline runtime toggles ``deferring`` between microbatches.
-    store = getattr(owner, "weight_grad_store", None)
-    if store is not None and store.deferring:
-        store.put(run)
-    else:
-        run()
+    run_or_defer(owner, run)
 
 
 class _ColumnFn(torch.autograd.Function):
@@ -129,6 +124,33 @@ class _RowFn(torch.autograd.Function):
         # allreduce_sequence_parallel_grads completes over TP (the bias is marked so).
         _weight_grads(fctx.owner, weight, fctx.bias, dy_total, x, bias_dy=dy)
         return dx, None, None, None, None, None
+
+
+class _LocalFn(torch.autograd.Function):
+    """y = x W^T + b with no collective (each rank's own rows, e.g. one MoE expert)."""
+
+    @staticmethod
+    def forward(fctx, x, weight, bias, owner):
+        fctx.save_for_backward(x, weight)
+        fctx.owner, fctx.bias = owner, bias
+        return torch.nn.functional.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(fctx, dy):
+        x, weight = fctx.saved_tensors
+        dy = dy.contiguous()
+        dx = dy.matmul(weight) if fctx.needs_input_grad[0] else None
+        _weight_grads(fctx.owner, weight, fctx.bias, dy, x)
+        return dx, None, None, None
+
+
+def local_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, owner) -> torch.Tensor:
+    """``x [..., in] @ weight[out, in]^T + bias [out]`` -> ``[..., out]``, with no collective.
+
+    The input grad flows through autograd; the weight and bias grads take the linears' path
+    (:func:`~paratron.parallel.grads.accumulate_grad`, deferred to the W action while
+    ``owner.weight_grad_store`` is deferring; see the module docstring)."""
+    return _LocalFn.apply(x, weight, bias, owner)
 
 
 def _check_in(x: torch.Tensor, n: int, name: str) -> None:

@@ -59,12 +59,15 @@ class Embedding(nn.Module):
         means ``0 .. s - 1``.
 
         Raises:
-            ValueError: a sequence longer than the position table (learned positions).
+            ValueError: a sequence longer than the position table (learned positions, no
+                ``positions`` given).
         """
         x = self.word_embeddings(input_ids)
         if self.position_embeddings is not None:
             s = input_ids.shape[1]
-            if s > self.position_embeddings.shape[0]:
+            # Given positions (packed documents, CP) index the table directly; the config rules
+            # keep them below seq_length, while a packed row may be longer than the table.
+            if positions is None and s > self.position_embeddings.shape[0]:
                 raise ValueError(f"sequence length {s} exceeds model.max_position_embeddings="
                                  f"{self.position_embeddings.shape[0]}")
             lo, n = 0, s

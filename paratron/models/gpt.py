@@ -72,6 +72,10 @@ class GPTChunk(nn.Module):
         self.sequence_parallel = sequence_parallel and ctx.tp.size > 1
         self.rng_tracker = rng_tracker
         self.recompute = cfg.recompute
+        # Set by the pipeline runtime while it runs a microbatch whose backward will be split at
+        # layer boundaries (an FB pair's backward half): ``h = layer_boundary(h)`` before each
+        # layer and before the head. None: the graph is left whole.
+        self.layer_boundary = None
         self.embedding = (Embedding(cfg, ctx, seed=seed, sequence_parallel=sequence_parallel,
                                     params_dtype=params_dtype, rng_tracker=rng_tracker)
                           if pre_process else None)
@@ -157,14 +161,16 @@ class GPTChunk(nn.Module):
                     else rope_tables_at(positions, dim, self.cfg.rope_theta))
         # The layout reaches the blocks only when it matters, so plain blocks keep forward(x, rope).
         args = (rope, layout) if layout.needs_custom_attention else (rope,)
+        cut = self.layer_boundary or (lambda t: t)
         for layer in self.layers.values():
+            h = cut(h)
             if self.recompute == "full" and self.training and torch.is_grad_enabled():
                 h = checkpointed(layer, h, *args, rng_tracker=self.rng_tracker)
             else:
                 h = layer(h, *args)
         if not self.post_process:
             return h
-        return self._head(h, labels)
+        return self._head(cut(h), labels)
 
     def _head(self, h: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
         from paratron.layers import vocab_parallel_cross_entropy, vocab_parallel_logits

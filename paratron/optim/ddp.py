@@ -15,8 +15,9 @@ guesses that from grad counts. Whoever runs the backward passes declares the *la
 each model chunk in the step with :meth:`last_backward` (the pipeline runtime does it for the
 last ``B``/``W``/``BW`` action of each stage in its action list; a plain loop wraps the backward of
 its last microbatch). Inside that block, the first grad a param receives makes it *ready* (the
-usual case: one grad per param per backward pass); when the block ends every param of the chunk
-is ready, including params that received no grad at all this step. A bucket's reduction starts
+usual case: one grad per param per backward pass; a param that declares ``grad_uses = n``, see
+below, at its n-th); when the block ends every param of the chunk is ready, including params
+that received no grad at all this step. A bucket's reduction starts
 (an async work handle) once all its params are ready. Params that get no grad in some steps, get
 grads only from a later step on, or get a different number of grads per step therefore need no
 special handling. Without any :meth:`last_backward` block (or with ``overlap_grad_reduce=False``)
@@ -24,12 +25,19 @@ every bucket is reduced in :meth:`finish_grad_sync`.
 
 The one thing the block cannot see: a param that receives a *second* grad inside the last
 backward pass of its chunk (a linear module applied twice in one forward) after its bucket was
-launched. That raises, naming the param, rather than reducing a partial sum.
+launched. That raises, naming the param, rather than reducing a partial sum. A param whose module
+is applied a known ``n`` times per forward declares it as ``param.grad_uses = n`` (default 1): it
+becomes ready at its ``n``-th grad inside the block (the MoE layer does so for its experts under
+the chunked dispatcher, which runs them once per token chunk). Declaring more uses than happen
+only delays the param to the end of the block.
 
 Buckets of a buffer are launched strictly in index order, so every rank issues the same
-collectives in the same order whatever the timing of its backward. Expert buffers are reduced
-at :meth:`finish_grad_sync` only: an expert that receives no tokens on one rank produces no grad
-events there, and an early launch on the other ranks would then mismatch the collective order.
+collectives in the same order whatever the timing of its backward. Expert buffers (reduced over
+``ctx.expert_dp``) follow the same rule as dense ones: every local expert produces a grad event in
+every backward pass, zero for an expert that got no tokens
+(:class:`~paratron.models.moe.experts.LocalExperts`), so the sequence of grad events, and with it
+the launch order, is the same on every rank of the expert-DP group. Where that group has the same
+ranks as the dense DP group the two share one communicator, which the same argument keeps in step.
 Tied-embedding and sequence-parallel params sit in deferred buckets, launched by
 :meth:`finish_grad_sync` after their model-parallel all-reduce (:mod:`paratron.optim.finalize`).
 
@@ -153,6 +161,7 @@ class DistributedDataParallel:
         self._closing: set[int] = set()     # chunks inside their last backward
         self._closed: set[int] = set()      # chunks whose last backward is over
         self._ready: set[int] = set()       # ids of params whose grads are complete
+        self._uses: dict[int, int] = {}     # grads seen inside the last backward, per param id
         self.finalized = False
         for p in params:
             p.grad_ready_hook = self._grad_ready
@@ -260,13 +269,15 @@ class DistributedDataParallel:
             raise RuntimeError(
                 f"{p.logical_name} received a grad after its bucket's DP reduction started: the "
                 "backward that produced it came after the one declared the last of its chunk "
-                "(DistributedDataParallel.last_backward), or the param got a second grad inside "
-                "that last backward pass (a module applied twice in one forward: set "
-                "parallel.overlap_grad_reduce=false for such a model)")
+                "(DistributedDataParallel.last_backward), or the param got more grads inside that "
+                "last backward pass than its grad_uses (a module applied twice in one forward: "
+                "declare param.grad_uses, or set parallel.overlap_grad_reduce=false)")
         if self._closing and id(p) not in self._ready:
             if all(o in self._closing or o in self._closed for o in self._owners[id(p)]):
-                self._mark_ready(p)
-                self._launch_ready(i)
+                uses = self._uses[id(p)] = self._uses.get(id(p), 0) + 1
+                if uses >= getattr(p, "grad_uses", 1):
+                    self._mark_ready(p)
+                    self._launch_ready(i)
 
     def _mark_ready(self, p) -> None:
         if id(p) in self._ready:
@@ -277,7 +288,7 @@ class DistributedDataParallel:
 
     def _launch_ready(self, i: int) -> None:
         buf, states = self.buffers[i], self._states[i]
-        if buf.is_expert or not self.overlap_grad_reduce or self.zero >= 2:
+        if not self.overlap_grad_reduce or self.zero >= 2:
             return
         n = self._next[i]
         while n < len(buf.buckets) and states[n].pending == 0 and not buf.buckets[n].deferred:
@@ -306,6 +317,7 @@ class DistributedDataParallel:
         self._closing.clear()
         self._closed.clear()
         self._ready.clear()
+        self._uses.clear()
         self.finalized = False
         for i, buf in enumerate(self.buffers):
             self._next[i] = 0

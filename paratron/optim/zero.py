@@ -19,10 +19,10 @@ optimizer updates from. What differs between stages is only where the full-size 
 
 The flush rule depends only on the sequence of grad events, which is the same on every rank of
 a DP group (same schedule, same model), so every rank issues the same reduce-scatters in the
-same order. Two kinds of bucket wait for :meth:`ShardedGrads.finish` instead: deferred buckets
-(tied-embedding and sequence-parallel params, whose grads need a model-parallel all-reduce
-first) keep their staging tensor for the whole step, and expert buckets (an expert that gets no
-tokens on one rank produces no grad events there) are reduced only at the end.
+same order; expert buckets too, since every local expert has a grad event in every backward pass
+(a zero grad when it got no tokens). Deferred buckets (tied-embedding and sequence-parallel params,
+whose grads need a model-parallel all-reduce first) wait for :meth:`ShardedGrads.finish` instead
+and keep their staging tensor for the whole step.
 """
 
 from __future__ import annotations
@@ -87,14 +87,12 @@ class ShardedGrads:
 
     def grad_event(self, p: torch.Tensor) -> None:
         """``p``'s ``main_grad`` just received a grad: flush its bucket once every param of the
-        bucket has one (not for deferred or expert buckets, nor while sync is held)."""
+        bucket has one (not for deferred buckets, nor while sync is held)."""
         i, k = self._where[id(p)]
         seen = self._seen[i][k]
         seen.add(id(p))
-        buf = self.buffers[i]
-        b = buf.buckets[k]
-        if (self.sync_enabled and not b.deferred and not buf.is_expert
-                and len(seen) == len(b.params)):
+        b = self.buffers[i].buckets[k]
+        if self.sync_enabled and not b.deferred and len(seen) == len(b.params):
             self._flush(i, k)
 
     def _flush(self, i: int, k: int) -> None:
@@ -120,11 +118,11 @@ class ShardedGrads:
         self._inflight.clear()
 
     def finish(self) -> None:
-        """Flush, in bucket order, every bucket holding grads (deferred and expert buckets
-        always), then wait: afterwards :attr:`shard_grads` hold the step's DP-summed grads."""
+        """Flush, in bucket order, every bucket holding grads (deferred buckets always), then
+        wait: afterwards :attr:`shard_grads` hold the step's DP-summed grads."""
         for i, buf in enumerate(self.buffers):
             for b in buf.buckets:
-                if self._staging[i][b.index] is not None or b.deferred or buf.is_expert:
+                if self._staging[i][b.index] is not None or b.deferred:
                     self._flush(i, b.index)
         self._drain()
 

@@ -4,7 +4,9 @@ Every collective paratron issues goes through a :class:`Group` method, so that o
 calls and bytes per operation and per group (docs/DESIGN.md principle 8). The ledger is off by default;
 when off, recording costs one attribute check. When ``ledger.flight`` holds a
 :class:`~paratron.parallel.flight.FlightRecorder`, each call is also entered in that ring buffer
-with its start and end times (the hang watchdog reads it).
+with its start and end times (the hang watchdog reads it). ``ledger.intervals`` (an
+:class:`~paratron.parallel.intervals.IntervalRecorder`, or None) is where code that overlaps
+communication with compute records both (:mod:`paratron.parallel.intervals`).
 
 Groups of size 1 short-circuit: their collectives return the input without calling
 ``torch.distributed``, so model code written for N ranks runs unchanged on one process.
@@ -39,12 +41,17 @@ class CommLedger:
     ``bytes`` is the size of the local input payload of the call (for all-gather the local shard,
     for reduce-scatter the full local input, for all-to-all the bytes sent including the ones
     kept locally, for p2p the bytes sent). Tests compare these with analytic volumes.
+
+    ``used`` is kept whether or not counting is on: the names of the groups whose calls reached
+    ``torch.distributed`` (one set insertion per call), i.e. the process groups a run needed.
     """
 
     def __init__(self) -> None:
         self.enabled = False
         self.entries: dict[tuple[str, str], LedgerEntry] = defaultdict(LedgerEntry)
         self.flight = None  # a FlightRecorder while the hang watchdog runs
+        self.used: set[str] = set()  # groups (by name) that reached torch.distributed, always on
+        self.intervals = None  # an IntervalRecorder (paratron.parallel.intervals) while timing overlap
 
     def record(self, op: str, group: str, nbytes: int) -> None:
         if self.enabled:
@@ -89,6 +96,12 @@ def _same_device(actual: torch.device, expected: torch.device) -> bool:
 HOST = torch.device("cpu")
 
 
+class GroupNotCreated(RuntimeError):
+    """A collective on a group whose process group this run did not create: the context was built
+    with ``kinds`` (the groups the run uses) that leave its kind out. The message names the op,
+    the group, its ranks and the kinds that were created."""
+
+
 @dataclass
 class Group:
     """One process group as seen from this rank.
@@ -97,9 +110,14 @@ class Group:
         name: the group kind, e.g. ``"tp"``; used as the ledger key.
         ranks: global ranks in group order.
         rank: this rank's index in ``ranks`` (-1 when not a member).
-        pg: the torch process group (None for size-1 groups and non-members).
+        pg: the torch process group (None for size-1 groups, non-members and groups not
+            created).
         ledger: the ledger shared by all groups of one parallel context.
         device: where the tensors of this group's collectives must live (``ctx.device``).
+        created: False when the context left this group's kind out of the groups it created
+            (``ParallelContext.build(kinds=...)``); a collective on it then raises
+            :class:`GroupNotCreated` instead of silently running on the default group.
+        created_kinds: the kinds the context did create (for that message).
     """
 
     name: str
@@ -108,6 +126,19 @@ class Group:
     pg: object | None
     ledger: CommLedger = field(default_factory=CommLedger)
     device: torch.device = HOST
+    created: bool = True
+    created_kinds: tuple[str, ...] = ()
+
+    def _handle(self, op: str):
+        """The torch process group for ``op`` on a group of more than one rank; marks the group
+        used (``ledger.used``). Raises :class:`GroupNotCreated` when it was not created."""
+        if not self.created:
+            raise GroupNotCreated(
+                f"{op} on group {self.name!r} (ranks {self.ranks}): its process group was not created; "
+                f"the context was built with kinds={self.created_kinds}. Add {self.name!r} where the "
+                "run's groups are chosen (paratron/training/groups.py, groups_used)")
+        self.ledger.used.add(self.name)
+        return self.pg
 
     def _check(self, op: str, *tensors: torch.Tensor, device: torch.device | None = None) -> None:
         """Raise ValueError when a tensor handed to ``op`` is not on ``device`` (default: the
@@ -146,20 +177,22 @@ class Group:
         self._check("all_reduce", t)
         if self.size == 1:
             return None
+        pg = self._handle("all_reduce")
         self.ledger.record("all_reduce", self.name, _nbytes(t))
         e = self._begin("all_reduce", t)
-        return self._end(e, dist.all_reduce(t, op=op, group=self.pg, async_op=async_op))
+        return self._end(e, dist.all_reduce(t, op=op, group=pg, async_op=async_op))
 
     def all_gather(self, t: torch.Tensor, dim: int = 0) -> torch.Tensor:
         """Concatenate every rank's ``t`` along ``dim`` (same shape on every rank)."""
         self._check("all_gather", t)
         if self.size == 1:
             return t
+        pg = self._handle("all_gather")
         self.ledger.record("all_gather", self.name, _nbytes(t))
         moved = t.movedim(dim, 0).contiguous() if dim else t.contiguous()
         out = torch.empty((self.size * moved.shape[0],) + tuple(moved.shape[1:]), dtype=t.dtype, device=t.device)
         e = self._begin("all_gather", t)
-        self._end(e, dist.all_gather_single(out, moved, group=self.pg))
+        self._end(e, dist.all_gather_single(out, moved, group=pg))
         return out.movedim(0, dim).contiguous() if dim else out
 
     def all_gather_into(self, out: torch.Tensor, t: torch.Tensor, async_op: bool = False):
@@ -169,20 +202,22 @@ class Group:
             if out.data_ptr() != t.data_ptr():
                 out.copy_(t)
             return None
+        pg = self._handle("all_gather")
         self.ledger.record("all_gather", self.name, _nbytes(t))
         e = self._begin("all_gather", t)
-        return self._end(e, dist.all_gather_single(out, t, group=self.pg, async_op=async_op))
+        return self._end(e, dist.all_gather_single(out, t, group=pg, async_op=async_op))
 
     def reduce_scatter(self, t: torch.Tensor, dim: int = 0) -> torch.Tensor:
         """Sum ``t`` over the group and return this rank's 1/size slice along ``dim``."""
         self._check("reduce_scatter", t)
         if self.size == 1:
             return t
+        pg = self._handle("reduce_scatter")
         self.ledger.record("reduce_scatter", self.name, _nbytes(t))
         moved = t.movedim(dim, 0).contiguous() if dim else t.contiguous()
         out = torch.empty((moved.shape[0] // self.size,) + tuple(moved.shape[1:]), dtype=t.dtype, device=t.device)
         e = self._begin("reduce_scatter", t)
-        self._end(e, dist.reduce_scatter_single(out, moved, group=self.pg))
+        self._end(e, dist.reduce_scatter_single(out, moved, group=pg))
         return out.movedim(0, dim).contiguous() if dim else out
 
     def reduce_scatter_into(self, out: torch.Tensor, t: torch.Tensor, op=dist.ReduceOp.SUM,
@@ -193,9 +228,10 @@ class Group:
             if out.data_ptr() != t.data_ptr():
                 out.copy_(t)
             return None
+        pg = self._handle("reduce_scatter")
         self.ledger.record("reduce_scatter", self.name, _nbytes(t))
         e = self._begin("reduce_scatter", t)
-        return self._end(e, dist.reduce_scatter_single(out, t, op=op, group=self.pg, async_op=async_op))
+        return self._end(e, dist.reduce_scatter_single(out, t, op=op, group=pg, async_op=async_op))
 
     def all_to_all(self, out: torch.Tensor, t: torch.Tensor, out_splits: list[int] | None = None,
                    in_splits: list[int] | None = None, async_op: bool = False):
@@ -205,9 +241,10 @@ class Group:
         if self.size == 1:
             out.copy_(t)
             return None if async_op else out
+        pg = self._handle("all_to_all")
         self.ledger.record("all_to_all", self.name, _nbytes(t))
         e = self._begin("all_to_all", t)
-        work = self._end(e, dist.all_to_all_single(out, t, out_splits, in_splits, group=self.pg,
+        work = self._end(e, dist.all_to_all_single(out, t, out_splits, in_splits, group=pg,
                                                    async_op=async_op))
         return work if async_op else out
 
@@ -216,9 +253,10 @@ class Group:
         self._check("broadcast", t)
         if self.size == 1:
             return None
+        pg = self._handle("broadcast")
         self.ledger.record("broadcast", self.name, _nbytes(t))
         e = self._begin("broadcast", t)
-        return self._end(e, dist.broadcast(t, src=self.ranks[src_group_rank], group=self.pg))
+        return self._end(e, dist.broadcast(t, src=self.ranks[src_group_rank], group=pg))
 
     def host_all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> None:
         """Sum (or ``op``) a small CPU tensor in place over the group, on the process group's
@@ -227,25 +265,28 @@ class Group:
         self._check("host_all_reduce", t, device=HOST)
         if self.size == 1:
             return
+        pg = self._handle("host_all_reduce")
         self.ledger.record("host_all_reduce", self.name, _nbytes(t))
         e = self._begin("host_all_reduce", t)
-        self._end(e, dist.all_reduce(t, op=op, group=self.pg))
+        self._end(e, dist.all_reduce(t, op=op, group=pg))
 
     def all_gather_object(self, obj) -> list:
         """Gather one picklable object per rank (setup-time metadata only, never on a hot path;
         it travels on the CPU backend)."""
         if self.size == 1:
             return [obj]
+        pg = self._handle("all_gather_object")
         self.ledger.record("all_gather_object", self.name, 0)
         out = [None] * self.size
         e = self._begin("all_gather_object", None)
-        self._end(e, dist.all_gather_object(out, obj, group=self.pg))
+        self._end(e, dist.all_gather_object(out, obj, group=pg))
         return out
 
     def barrier(self) -> None:
         if self.size > 1:
+            pg = self._handle("barrier")
             e = self._begin("barrier", None)
-            self._end(e, dist.barrier(group=self.pg))
+            self._end(e, dist.barrier(group=pg))
 
     # ---- point to point (pipeline) -------------------------------------------------------
     def p2p_op(self, kind: str, t: torch.Tensor, peer_group_rank: int) -> "dist.P2POp":
@@ -254,9 +295,10 @@ class Group:
         Sends are counted in the ledger as ``"send"``; receives as ``"recv"``.
         """
         self._check(kind, t)
+        pg = self._handle(kind)
         self.ledger.record(kind, self.name, _nbytes(t))
         fn = dist.isend if kind == "send" else dist.irecv
-        p2p = dist.P2POp(fn, t, self.ranks[peer_group_rank], group=self.pg)
+        p2p = dist.P2POp(fn, t, self.ranks[peer_group_rank], group=pg)
         p2p.flight_entry = self._begin(kind, t)
         return p2p
 

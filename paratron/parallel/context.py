@@ -9,7 +9,7 @@ Attributes of a context (each a :class:`~paratron.parallel.comm.Group`):
 ====================  =======================================================================
 ``tp``                tensor-parallel group
 ``cp``                context-parallel group
-``dp``                data-parallel group (dense params reduce their grads here)
+``dp``                data-parallel group (dense grads reduce over ``dp_cp``: dp x cp)
 ``pp``                pipeline-parallel group, ordered by stage
 ``mp``                model-parallel group (tp x pp)
 ``tp_cp``             tp x cp
@@ -24,11 +24,18 @@ Attributes of a context (each a :class:`~paratron.parallel.comm.Group`):
 ``expert_dp``         data-parallel group of expert params
 ``expert_tp_ep``      expert-tp x ep
 ====================  =======================================================================
+
+Process groups are made only for the kinds a run communicates on (``build(kinds=...)``; the
+training run passes :func:`paratron.training.groups.groups_used` of its config), and only for
+groups of more than one rank, once per distinct rank set. The other groups keep their ranks and
+this rank's index (the grid is complete, so ``paratron info`` lists every group) but hold no
+process group. See docs/ARCHITECTURE.md, "Process groups".
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -36,12 +43,7 @@ import torch
 import torch.distributed as dist
 
 from .comm import CommLedger, Group
-from .grid import DEFAULT_ORDER, RankGrid, build_grid
-
-GROUP_KINDS = (
-    "tp", "cp", "dp", "pp", "mp", "tp_cp", "dp_cp", "tp_dp_cp", "world", "embedding",
-    "position_embedding", "expert_tp", "ep", "expert_dp", "expert_tp_ep",
-)
+from .grid import DEFAULT_ORDER, GROUP_KINDS, RankGrid, build_grid
 
 
 def default_backend() -> str:
@@ -81,6 +83,7 @@ class ParallelContext:
     expert_dp: Group
     expert_tp_ep: Group
     ledger: CommLedger = field(default_factory=CommLedger)
+    created_groups: tuple[tuple[int, ...], ...] = ()
 
     # ---- construction --------------------------------------------------------------------
     @classmethod
@@ -93,13 +96,27 @@ class ParallelContext:
         expert_tp: int = 1,
         order: str = DEFAULT_ORDER,
         device: torch.device | None = None,
+        kinds: Iterable[str] | None = None,
     ) -> "ParallelContext":
-        """Create every group of the layout in the current ``torch.distributed`` world.
+        """Create the process groups of the layout's group ``kinds`` in the current
+        ``torch.distributed`` world.
 
-        All ranks must call this with the same arguments (``new_group`` is collective).
+        Args:
+            kinds: the group kinds this run communicates on (default: all of
+                :data:`GROUP_KINDS`; ``"world"``, the default group, is always there). Only
+                their groups of more than one rank get a process group, one per distinct rank
+                set (a kind whose groups equal another's shares its process groups; a group of
+                every rank is the default group). Every other group is still
+                a :class:`Group` with its ranks and this rank's index, but without a process
+                group: a collective on it raises :class:`~paratron.parallel.comm.GroupNotCreated`.
+
+        ``new_group`` is collective over the world, so every rank calls it for every group of the
+        chosen kinds, in :data:`GROUP_KINDS` order: all ranks must pass the same arguments.
+        ``ctx.created_groups`` lists the rank sets of the process groups this rank joined.
 
         Raises:
             LayoutError: the sizes do not fit the world size (see :func:`build_grid`).
+            KeyError: ``kinds`` names something that is not a group kind.
             RuntimeError: ``torch.distributed`` is not initialised.
         """
         if not dist.is_initialized():
@@ -107,25 +124,22 @@ class ParallelContext:
                                "use init_distributed() or ParallelContext.single()")
         world, rank = dist.get_world_size(), dist.get_rank()
         grid = build_grid(world, tp=tp, cp=cp, ep=ep, pp=pp, expert_tp=expert_tp, order=order)
+        wanted = _checked_kinds(kinds)
         if device is None:
             device = default_device()
         ledger = CommLedger()
-        made: dict[tuple[int, ...], object] = {}
+        made = _create_process_groups(grid, wanted)
         groups: dict[str, Group] = {}
         for kind in GROUP_KINDS:
-            mine = None
-            for ranks in grid.groups[kind]:
-                key = tuple(ranks)
-                if len(ranks) > 1 and key not in made:
-                    # Every rank creates every group, in the same order: new_group is collective.
-                    made[key] = dist.new_group(ranks) if len(ranks) < world else dist.group.WORLD
-                if rank in ranks:
-                    mine = ranks
+            mine = grid.group_of(kind, rank)
             if mine is None:  # only embedding groups on middle pipeline stages
                 groups[kind] = Group(kind, [], -1, None, ledger, device)
             else:
-                groups[kind] = Group(kind, mine, mine.index(rank), made.get(tuple(mine)), ledger, device)
-        return cls(grid=grid, rank=rank, device=device, ledger=ledger, **groups)
+                ok = kind in wanted or len(mine) == 1
+                groups[kind] = Group(kind, mine, mine.index(rank), made.get(tuple(mine)) if ok else None,
+                                     ledger, device, created=ok, created_kinds=wanted)
+        joined = tuple(k for k, pg in made.items() if rank in k and pg is not dist.group.WORLD)
+        return cls(grid=grid, rank=rank, device=device, ledger=ledger, created_groups=joined, **groups)
 
     @classmethod
     def single(cls, device: torch.device | str = "cpu") -> "ParallelContext":
@@ -162,6 +176,32 @@ class ParallelContext:
         g = self.grid
         return (f"world={g.world} tp={g.tp} cp={g.cp} pp={g.pp} dp={g.dp} ep={g.ep} "
                 f"expert_tp={g.expert_tp} expert_dp={g.expert_dp} order={'-'.join(g.order)}")
+
+
+def _checked_kinds(kinds: Iterable[str] | None) -> tuple[str, ...]:
+    """``kinds`` in :data:`GROUP_KINDS` order (all of them when None), with ``"world"`` (the
+    default group, which exists anyway); KeyError on an unknown one."""
+    if kinds is None:
+        return GROUP_KINDS
+    chosen = set(kinds) | {"world"}
+    unknown = sorted(chosen - set(GROUP_KINDS))
+    if unknown:
+        raise KeyError(f"kinds={unknown} are not group kinds; known: {', '.join(GROUP_KINDS)}")
+    return tuple(k for k in GROUP_KINDS if k in chosen)
+
+
+def _create_process_groups(grid: RankGrid, kinds: tuple[str, ...]) -> dict[tuple[int, ...], object]:
+    """One process group per distinct rank set of more than one rank among the groups of
+    ``kinds``, created by every rank in the same order (``new_group`` is collective over the
+    world; a non-member gets ``GroupMember.NON_GROUP_MEMBER`` back). A set of every rank is the
+    default group, created by nobody."""
+    made: dict[tuple[int, ...], object] = {}
+    for kind in kinds:
+        for ranks in grid.groups[kind]:
+            key = tuple(ranks)
+            if len(ranks) > 1 and key not in made:
+                made[key] = dist.group.WORLD if len(ranks) == grid.world else dist.new_group(ranks)
+    return made
 
 
 def default_device() -> torch.device:

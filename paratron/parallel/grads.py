@@ -39,6 +39,19 @@ def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
         hook(param)
 
 
+def run_or_defer(owner, compute: Callable[[], None]) -> None:
+    """Run ``compute`` (a weight-grad computation ending in :func:`accumulate_grad`) now, or queue
+    it in ``owner.weight_grad_store`` when that store is deferring (inside a zero-bubble ``B``).
+
+    The one rule for every layer that defers weight grads (paratron's linears, the MoE experts).
+    Read at backward time: the pipeline runtime toggles ``deferring`` between microbatches."""
+    store = getattr(owner, "weight_grad_store", None)
+    if store is not None and store.deferring:
+        store.put(compute)
+    else:
+        compute()
+
+
 class WeightGradStore:
     """A queue of deferred weight-grad computations (the W actions of zero-bubble schedules).
 

@@ -22,6 +22,11 @@ import numpy as np
 
 DEFAULT_ORDER = "tp-cp-ep-dp-pp"
 AXES = ("tp", "cp", "ep", "dp", "pp")
+GROUP_KINDS = (
+    "tp", "cp", "dp", "pp", "mp", "tp_cp", "dp_cp", "tp_dp_cp", "world", "embedding",
+    "position_embedding", "expert_tp", "ep", "expert_dp", "expert_tp_ep",
+)
+"""Every group kind of a :class:`RankGrid`, in the order process groups are created."""
 
 
 class LayoutError(ValueError):

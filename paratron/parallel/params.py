@@ -14,6 +14,9 @@ Layers call :func:`mark` on each parameter they create. The attributes:
                          pipeline stage: grads are all-reduced over the ``embedding`` group, and
                          norms count only the first stage's copy.
 ``no_weight_decay``      biases and norm weights.
+``grad_uses``            optional (default 1): how many grads one backward pass gives the param
+                         (an expert run once per dispatch chunk); DDP starts the param's bucket
+                         reduction during the last backward only after that many.
 ``logical_name``         the layout-independent name, e.g. ``layers.3.mlp.fc1.weight``; used to
                          seed initialisation and to key checkpoints.
 =======================  ==================================================================

@@ -23,6 +23,9 @@ Kinds (Qi et al. 2023, section 2, split the backward into B and W):
 ``RECV_F``  receive the input activation of ``F(microbatch, stage)`` from the rank of ``stage-1``
 ``SEND_B``  send the input grad of ``B/BW(microbatch, stage)`` to the rank of ``stage-1``
 ``RECV_B``  receive the output grad of ``B/BW(microbatch, stage)`` from the rank of ``stage+1``
+``FB``      a pair: ``F(microbatch, stage)`` and its ``partner``, a ``B`` or ``BW`` of another
+            microbatch, run interleaved so that one half's MoE all-to-alls travel while the
+            other half computes (DeepSeek-V3's DualPipe overlap; :mod:`.overlap`)
 ==========  ==========================================================================
 
 ``peer`` is the pipeline-group rank of the other side of a send or recv (None for compute).
@@ -33,7 +36,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-COMPUTE_KINDS = ("F", "B", "W", "BW", "R")
+COMPUTE_KINDS = ("F", "B", "W", "BW", "R", "FB")
 P2P_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
 KINDS = COMPUTE_KINDS + P2P_KINDS
 BACKWARD_KINDS = ("B", "W", "BW", "SEND_B", "RECV_B")
@@ -49,15 +52,19 @@ class Action:
         microbatch: microbatch index in ``[0, m)``.
         stage: virtual pipeline stage (model chunk in model order) in ``[0, p*v)``.
         peer: pipeline-group rank of the other side, for send/recv kinds only.
+        partner: for ``FB`` only, the backward half (a ``B`` or ``BW`` action); ``microbatch``
+            and ``stage`` are then the forward half's.
 
     Raises:
-        ValueError: unknown kind, negative ids, or a peer missing on send/recv (or given on compute).
+        ValueError: unknown kind, negative ids, a peer missing on send/recv (or given on compute),
+            or an ``FB`` without a ``B``/``BW`` partner (or a partner on another kind).
     """
 
     kind: str
     microbatch: int
     stage: int
     peer: int | None = None
+    partner: "Action | None" = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -66,12 +73,18 @@ class Action:
             raise ValueError(f"Action microbatch={self.microbatch} and stage={self.stage} must be >= 0")
         if (self.kind in P2P_KINDS) != (self.peer is not None):
             raise ValueError(f"Action {self.kind}: peer={self.peer} must be given exactly for send/recv kinds")
+        if (self.kind == "FB") != (self.partner is not None):
+            raise ValueError(f"Action {self.kind}: a partner is given exactly for FB (got {self.partner})")
+        if self.partner is not None and self.partner.kind not in ("B", "BW"):
+            raise ValueError(f"Action FB: the partner must be a B or BW action, not {self.partner}")
 
     @property
     def is_p2p(self) -> bool:
         return self.kind in P2P_KINDS
 
     def __str__(self) -> str:
+        if self.partner is not None:
+            return f"F{self.microbatch}@s{self.stage}+{self.partner}"
         peer = f"->{self.peer}" if self.kind.startswith("SEND") else f"<-{self.peer}" if self.is_p2p else ""
         return f"{self.kind}{self.microbatch}@s{self.stage}{peer}"
 
@@ -98,6 +111,27 @@ def R(mb: int, stage: int) -> Action:
     return Action("R", mb, stage)
 
 
+def FB(forward: Action, backward: Action) -> Action:
+    """The pair of ``forward`` (an ``F``) and ``backward`` (a ``B`` or ``BW``), run interleaved.
+
+    Raises:
+        ValueError: ``forward`` is not an ``F`` or ``backward`` not a ``B``/``BW``.
+    """
+    if forward.kind != "F":
+        raise ValueError(f"FB pairs a forward F with a backward; the first half is {forward}")
+    return Action("FB", forward.microbatch, forward.stage, partner=backward)
+
+
+def halves(a: Action) -> tuple[Action, ...]:
+    """The plain actions an action stands for: ``(F, B|BW)`` for an ``FB``, else ``(a,)``."""
+    return (F(a.microbatch, a.stage), a.partner) if a.kind == "FB" else (a,)
+
+
+def expand(actions: list[Action]) -> list[Action]:
+    """One rank's list with every ``FB`` replaced by its two halves, forward first."""
+    return [h for a in actions for h in halves(a)]
+
+
 def batches(actions: list[Action]) -> list[list[Action]]:
     """Split one rank's list into steps: each compute action alone, each maximal run of
     consecutive send/recv actions as one batch (posted together with ``batch_isend_irecv``)."""
@@ -111,8 +145,9 @@ def batches(actions: list[Action]) -> list[list[Action]]:
 
 
 def forward_only(actions: list[Action]) -> list[Action]:
-    """The same list without backward work, recomputes and grad transfers (for evaluation)."""
-    return [a for a in actions if a.kind not in TRAINING_ONLY_KINDS]
+    """The same list without backward work, recomputes and grad transfers (for evaluation); an
+    ``FB`` keeps its forward half."""
+    return [a for a in expand(actions) if a.kind not in TRAINING_ONLY_KINDS]
 
 
 def recomputed(actions: list[Action]) -> set[tuple[int, int]]:
@@ -128,7 +163,7 @@ def activation_peak(actions: list[Action]) -> int:
     activations of a stage; Korthikanti et al. 2022, section 4)."""
     again = recomputed(actions)
     alive = peak = 0
-    for a in actions:
+    for a in expand(actions):
         if a.kind == "R" or a.kind == "F" and (a.microbatch, a.stage) not in again:
             alive += 1
             peak = max(peak, alive)
@@ -139,10 +174,16 @@ def activation_peak(actions: list[Action]) -> int:
 
 def last_backward_actions(actions: list[Action]) -> dict[int, Action]:
     """For each stage of one rank's list, its last ``B``, ``W`` or ``BW`` action: after it, that
-    stage's chunk receives no more grads in the step (a ``W`` always follows its ``B``)."""
-    return {a.stage: a for a in actions if a.kind in ("B", "W", "BW")}
+    stage's chunk receives no more grads in the step (a ``W`` always follows its ``B``). When that
+    backward is the half of an ``FB``, the ``FB`` is returned."""
+    last = {}
+    for a in actions:
+        for h in halves(a):
+            if h.kind in ("B", "W", "BW"):
+                last[h.stage] = a
+    return last
 
 
 def stages_of(actions: list[Action]) -> list[int]:
     """The stages this rank's list touches, ascending: local chunk ``c`` is ``stages_of(...)[c]``."""
-    return sorted({a.stage for a in actions})
+    return sorted({h.stage for a in actions for h in halves(a)})

@@ -9,9 +9,9 @@ or before the slow link runs ``ceil(2 d / t)`` more warm-up forwards, with ``t``
 microbatch's forward and backward on a stage, so the round trip overlaps compute. The cost is
 that many more activations held on those ranks.
 
-:class:`LinkDelay` adds a fixed latency to one link of a real run: the receiving rank watches
-each receive from the other end between actions to note when the message arrived, and the
-runtime's wait returns no earlier than that arrival plus the delay.
+:class:`LinkDelay` adds a fixed latency to one link of a real run by delaying the receiver's wait:
+each message over the link carries its send time, and the wait returns no earlier than that time
+plus the delay.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ import math
 import time
 from dataclasses import dataclass
 from typing import Any, Sequence
+
+import torch
 
 from .actions import Action
 from .schedules import check_1f1b, one_f_one_b_with_warmup
@@ -30,6 +32,41 @@ def link_latency_seconds(parallel_cfg) -> tuple[float, ...] | None:
     ``build_schedule("1f1b-delay", ..., link_latency=...)``; None when unset."""
     lat = parallel_cfg.pipeline_link_latency_ms
     return None if lat is None else tuple(x / 1e3 for x in lat)
+
+
+def config_options(parallel_cfg, measured_microbatch_time: float | None = None) -> dict | None:
+    """``1f1b-delay``'s keywords from the config, for the training step's ``build_schedule``.
+
+    ``link_latency`` comes from ``parallel.pipeline_link_latency_ms``; ``microbatch_time`` (s)
+    from ``parallel.pipeline_microbatch_time_ms``, else from ``measured_microbatch_time``
+    (:func:`measured_microbatch_time` of a run).
+
+    Returns:
+        The keywords (``{}`` without link latencies: plain 1F1B), or None when the latencies are
+        set but no microbatch time is known yet: the caller builds plain 1F1B meanwhile, measures
+        a step, and asks again.
+    """
+    lat = link_latency_seconds(parallel_cfg)
+    if lat is None or not any(lat):
+        return {}
+    ms = parallel_cfg.pipeline_microbatch_time_ms
+    t = ms / 1e3 if ms is not None else measured_microbatch_time
+    return None if t is None else {"link_latency": lat, "microbatch_time": t}
+
+
+def measured_microbatch_time(timeline: Sequence[Any], num_microbatches: int) -> float:
+    """Seconds of compute per microbatch per stage on one rank, from a recorded step
+    (``run_pipeline(timeline=)``): the summed duration of its compute actions (F, B, W, BW, R)
+    over ``num_microbatches`` times its stages. Take the max over ranks so every rank builds the
+    same lists. Raises ValueError for a timeline without compute."""
+    # Only the actions: the intervals recorded inside them (lanes "compute"/"comm", e.g. MoE
+    # experts and all-to-alls) would count their time twice.
+    compute = [e for e in timeline if getattr(e, "lane", "") == "" and not e.kind.startswith(("SEND", "RECV"))]
+    if not compute or num_microbatches < 1:
+        raise ValueError(f"no compute actions in the timeline ({len(timeline)} events) or "
+                         f"num_microbatches={num_microbatches} < 1")
+    stages = len({e.stage for e in compute})
+    return sum(e.end - e.start for e in compute) / (num_microbatches * stages)
 
 
 def delay_warmups(p: int, link_latency: Sequence[float] | None, microbatch_time: float) -> list[int]:
@@ -70,7 +107,15 @@ def one_f_one_b_delay(p: int, m: int, v: int = 1, link_latency: Sequence[float] 
 @dataclass(frozen=True)
 class LinkDelay:
     """Fixed extra latency on the pipeline link between ranks ``link[0]`` and ``link[1]``, both
-    directions, in ``seconds``; give the same object to every rank's ``run_pipeline``."""
+    directions, in ``seconds``; give the same object to every rank's ``run_pipeline``.
+
+    Each message over the link is followed by a stamp (float64 ``[1]``: the sender's
+    ``time.monotonic()`` when it posted the send), and the receiver's wait returns no earlier than
+    stamp + ``seconds``: the message arrives ``seconds`` after it was sent, however late the
+    receive was posted, as on a real slow link (and as the simulator assumes). The clock is the
+    host's monotonic clock, so all ranks must run on one machine (tests and benchmarks only).
+    Gloo only: the runtime pairs each message's work with its stamp's, which needs one work per op.
+    """
 
     link: tuple[int, int]
     seconds: float
@@ -78,28 +123,31 @@ class LinkDelay:
     def applies(self, rank: int, peer: int) -> bool:
         return {rank, peer} == set(self.link)
 
-    def watch(self, work: Any) -> "Watched":
-        """Wrap ``work`` (a posted receive over the link) so its ``wait`` honours the delay."""
-        return Watched(work, self.seconds)
+    @staticmethod
+    def stamp(device=None) -> "torch.Tensor":
+        """The send time to post right after a message over the link."""
+        return torch.tensor([time.monotonic()], dtype=torch.float64, device=device)
+
+    @staticmethod
+    def stamp_buffer(device=None) -> "torch.Tensor":
+        """Where to receive a stamp, posted right after the message's receive."""
+        return torch.empty(1, dtype=torch.float64, device=device)
+
+    def delayed(self, work: Any, stamp_work: Any, stamp: "torch.Tensor") -> "Delayed":
+        """The receive ``work`` whose ``wait`` honours the delay, with its stamp's receive."""
+        return Delayed(work, stamp_work, stamp, self.seconds)
 
 
-class Watched:
-    """A receive whose ``wait()`` returns ``seconds`` after it arrived. The arrival is seen by
-    :meth:`poll`, which the runtime calls between actions (so it is known to within one action;
-    no thread touches the process group), or at the latest when the wait begins."""
+class Delayed:
+    """A receive whose ``wait()`` returns once the message is in and ``seconds`` after the
+    sender's stamp (no polling, no thread: only the wait is delayed)."""
 
-    def __init__(self, work: Any, seconds: float):
-        self.work, self.seconds, self.arrived = work, seconds, None
-
-    def poll(self) -> None:
-        if self.arrived is None and self.work.is_completed():
-            self.arrived = time.perf_counter()
+    def __init__(self, work: Any, stamp_work: Any, stamp: "torch.Tensor", seconds: float):
+        self.work, self.stamp_work, self.stamp, self.seconds = work, stamp_work, stamp, seconds
 
     def wait(self) -> None:
-        self.poll()
-        if self.arrived is None:
-            self.work.wait()
-            self.arrived = time.perf_counter()
-        left = self.arrived + self.seconds - time.perf_counter()
+        self.work.wait()
+        self.stamp_work.wait()
+        left = float(self.stamp.item()) + self.seconds - time.monotonic()
         if left > 0:
             time.sleep(left)

@@ -13,7 +13,7 @@ schedule is built and never as a hang.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 from paratron.registry import Registry
 
@@ -36,6 +36,9 @@ class ScheduleSpec:
         check: ``(p, m, v) -> None``, raising ``ValueError`` with the rule for unsupported input.
         virtual_stages: the chunks per rank the schedule always uses (zbv: 2), which
             ``parallel.virtual_pipeline`` then defaults to; None when that field chooses.
+        options: ``(parallel_cfg, measured_microbatch_time) -> dict | None``: the keywords the
+            training step gives ``fn`` from the config (``1f1b-delay``: its link costs), None
+            while a measured microbatch time is still needed (:func:`config_options`).
     """
 
     name: str
@@ -43,12 +46,13 @@ class ScheduleSpec:
     placement: Placement = loop_placement
     check: Callable[[int, int, int], None] | None = None
     virtual_stages: int | None = None
+    options: Callable[[Any, float | None], dict | None] | None = None
 
 
 def _make_spec(name: str, fn: ScheduleFn, *, placement: Placement = loop_placement,
                check: Callable[[int, int, int], None] | None = None,
-               virtual_stages: int | None = None) -> ScheduleSpec:
-    return ScheduleSpec(name, fn, placement, check, virtual_stages)
+               virtual_stages: int | None = None, options=None) -> ScheduleSpec:
+    return ScheduleSpec(name, fn, placement, check, virtual_stages, options)
 
 
 SCHEDULES: Registry[ScheduleSpec] = Registry("schedule", "parallel.schedule", make=_make_spec)
@@ -58,12 +62,12 @@ SCHEDULES.register("1f1b", schedules.one_f_one_b, check=schedules.check_1f1b)
 SCHEDULES.register("interleaved", schedules.interleaved, check=schedules.check_interleaved)
 SCHEDULES.register("zb-h1", schedules.zb_h1, check=schedules.check_zb_h1)
 SCHEDULES.register("zbv", schedules.zbv, placement=v_placement, check=schedules.check_zbv, virtual_stages=2)
-SCHEDULES.register("1f1b-delay", delay.one_f_one_b_delay, check=schedules.check_1f1b)
+SCHEDULES.register("1f1b-delay", delay.one_f_one_b_delay, check=schedules.check_1f1b, options=delay.config_options)
 
 
 def register_schedule(name: str, fn: ScheduleFn, **kwargs) -> ScheduleSpec:
     """Register ``fn`` under ``name`` in :data:`SCHEDULES` (keywords ``placement``, ``check``,
-    ``virtual_stages``, ``replace``; see :class:`ScheduleSpec`)."""
+    ``virtual_stages``, ``options``, ``replace``; see :class:`ScheduleSpec`)."""
     return SCHEDULES.register(name, fn, **kwargs)
 
 
@@ -74,6 +78,15 @@ def get_schedule(name: str) -> ScheduleSpec:
         ConfigError: unknown name, with did-you-mean and the known names.
     """
     return SCHEDULES.get(name)
+
+
+def config_options(name: str, parallel_cfg, measured_microbatch_time: float | None = None) -> dict | None:
+    """The keywords ``build_schedule(name, ...)`` gets from the ``parallel`` config section (and a
+    measured microbatch time, in seconds): ``{}`` for a schedule that takes none; None when the
+    schedule needs a microbatch time that is neither configured nor measured yet (build with
+    ``{}`` meanwhile)."""
+    spec = get_schedule(name)
+    return {} if spec.options is None else spec.options(parallel_cfg, measured_microbatch_time)
 
 
 def default_microbatches(p: int) -> int:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from .actions import Action, B, BW, F, W
+from .actions import Action, B, BW, F, W, halves
 from .placement import loop_placement, rank_of_stage, v_placement
 
 
@@ -24,8 +24,9 @@ def with_p2p(compute: list[list[Action]]) -> list[list[Action]]:
     """Insert SEND/RECV actions into per-rank compute orders.
 
     Args:
-        compute: for each pipeline rank, its F/B/W/BW actions in execution order. The rank that
-            runs ``F(mb, s)`` owns stage ``s``; stages must be ``0 .. S-1``.
+        compute: for each pipeline rank, its F/B/W/BW (and FB) actions in execution order. The rank
+            that runs ``F(mb, s)`` owns stage ``s``; stages must be ``0 .. S-1``. An ``FB`` pair
+            receives the inputs of both halves before it and sends both outputs after it.
 
     Returns:
         One complete action list per rank.
@@ -38,37 +39,34 @@ def with_p2p(compute: list[list[Action]]) -> list[list[Action]]:
         for a in acts:
             if a.is_p2p:
                 raise ValueError(f"with_p2p takes compute actions only; rank {r} has {a}")
-            if owner.setdefault(a.stage, r) != r:
-                raise ValueError(f"stage {a.stage} appears on ranks {owner[a.stage]} and {r}")
+            for h in halves(a):
+                if owner.setdefault(h.stage, r) != r:
+                    raise ValueError(f"stage {h.stage} appears on ranks {owner[h.stage]} and {r}")
     num_stages = max(owner) + 1 if owner else 0
 
     sent: dict[tuple[int, int], list[tuple[str, int, int]]] = defaultdict(list)
     with_sends: list[list[Action]] = []
     for r, acts in enumerate(compute):
         out: list[Action] = []
-        for a in acts:
-            out.append(a)
-            if a.kind == "F" and a.stage + 1 < num_stages and owner[a.stage + 1] != r:
-                dst = owner[a.stage + 1]
-                out.append(Action("SEND_F", a.microbatch, a.stage, dst))
-                sent[(r, dst)].append(("F", a.microbatch, a.stage))
-            elif a.kind in ("B", "BW") and a.stage > 0 and owner[a.stage - 1] != r:
-                dst = owner[a.stage - 1]
-                out.append(Action("SEND_B", a.microbatch, a.stage, dst))
-                sent[(r, dst)].append(("B", a.microbatch, a.stage))
+        for pair in acts:
+            out.append(pair)
+            for a in halves(pair):  # an FB sends both halves' outputs after the pair
+                if a.kind == "F" and a.stage + 1 < num_stages and owner[a.stage + 1] != r:
+                    dst = owner[a.stage + 1]
+                    out.append(Action("SEND_F", a.microbatch, a.stage, dst))
+                    sent[(r, dst)].append(("F", a.microbatch, a.stage))
+                elif a.kind in ("B", "BW") and a.stage > 0 and owner[a.stage - 1] != r:
+                    dst = owner[a.stage - 1]
+                    out.append(Action("SEND_B", a.microbatch, a.stage, dst))
+                    sent[(r, dst)].append(("B", a.microbatch, a.stage))
         with_sends.append(out)
 
     result: list[list[Action]] = []
     for r, acts in enumerate(with_sends):
         posted: dict[int, int] = defaultdict(int)  # per source rank: messages already received
         out = []
-        for a in acts:
-            need = None
-            if a.kind == "F" and a.stage > 0 and owner[a.stage - 1] != r:
-                need = (owner[a.stage - 1], ("F", a.microbatch, a.stage - 1))
-            elif a.kind in ("B", "BW") and a.stage + 1 < num_stages and owner[a.stage + 1] != r:
-                need = (owner[a.stage + 1], ("B", a.microbatch, a.stage + 1))
-            if need is not None:
+        for pair in acts:
+            for need in _inputs_from_peers(pair, owner, num_stages, r):  # an FB receives both first
                 src, key = need
                 queue = sent[(src, r)]
                 if key not in queue:
@@ -79,9 +77,18 @@ def with_p2p(compute: list[list[Action]]) -> list[list[Action]]:
                     kind, mb, s = queue[posted[src]]
                     out.append(Action("RECV_F", mb, s + 1, src) if kind == "F" else Action("RECV_B", mb, s - 1, src))
                     posted[src] += 1
-            out.append(a)
+            out.append(pair)
         result.append(out)
     return result
+
+
+def _inputs_from_peers(pair: Action, owner: dict[int, int], num_stages: int, r: int):
+    """(source rank, message key) of each tensor that ``pair``'s halves receive from another rank."""
+    for a in halves(pair):
+        if a.kind == "F" and a.stage > 0 and owner[a.stage - 1] != r:
+            yield owner[a.stage - 1], ("F", a.microbatch, a.stage - 1)
+        elif a.kind in ("B", "BW") and a.stage + 1 < num_stages and owner[a.stage + 1] != r:
+            yield owner[a.stage + 1], ("B", a.microbatch, a.stage + 1)
 
 
 # ---- checks shared by the schedules --------------------------------------------------------

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .actions import Action, activation_peak
+from .actions import Action, activation_peak, halves
 from .validate import Span, execute
 
 
@@ -29,6 +29,13 @@ class Costs:
     unit) for the link between pipeline ranks ``k`` and ``k+1``, with ``message_size`` the size of
     one activation; see :meth:`link_time`. ``stage_scale`` optionally multiplies the cost of every action
     of a stage (e.g. a stage holding the embedding or the loss), indexed by stage.
+
+    ``comm_F`` and ``comm_B`` are the parts of ``F`` and of ``B`` (and of ``BW``; ``W`` has none)
+    spent waiting on the MoE all-to-alls. A plain action waits for them; an ``FB`` pair
+    (:mod:`.overlap`) hides each half's all-to-alls behind the other half's compute, so it costs
+    ``max(F + B - comm_F - comm_B, comm_F + comm_B)``: the compute of both halves runs back to
+    back on the rank while both halves' exchanges share the network (the ideal of DeepSeek-V3's
+    overlap, section 3.2.1; with no comm it is ``F + B``, the two actions in a row).
     """
 
     F: float = 1.0
@@ -41,6 +48,8 @@ class Costs:
     link_latency: tuple[float, ...] | None = None
     link_bandwidth: tuple[float, ...] | None = None
     message_size: float = 0.0
+    comm_F: float = 0.0
+    comm_B: float = 0.0
 
     def link_time(self, src: int, dst: int) -> float:
         """Time of one message from pipeline rank ``src`` to ``dst``: ``latency``, plus, on link
@@ -56,6 +65,11 @@ class Costs:
         return self.latency + extra
 
     def __call__(self, a: Action) -> float:
+        if a.kind == "FB":
+            f, b = halves(a)
+            scale_f, scale_b = (self.stage_scale[f.stage], self.stage_scale[b.stage]) if self.stage_scale else (1, 1)
+            comm = self.comm_F * scale_f + self.comm_B * scale_b
+            return max(self(f) + self(b) - comm, comm)
         base = {"F": self.F, "B": self.B, "W": self.W,
                 "BW": self.BW if self.BW is not None else self.B + self.W,
                 "R": self.R if self.R is not None else self.F}[a.kind]

@@ -3,6 +3,12 @@
 Both the simulator's plan (:class:`~paratron.pipeline.validate.Span` lists) and the runtime's
 recorded run (:class:`TraceEvent` lists) convert to :class:`TraceEvent`, so a plan and a run are
 written in the same format and open side by side in Perfetto.
+
+Besides one event per action (lane ``""``), a recorded run holds the intervals recorded inside the
+actions (:mod:`paratron.parallel.intervals`, e.g. the MoE dispatcher's all-to-alls and expert
+compute): lane ``"compute"`` and lane ``"comm"``, drawn as extra rows under each rank (in the
+Chrome trace: processes 1 and 2, one thread per rank), so overlapping communication shows as
+boxes stacked over compute.
 """
 
 from __future__ import annotations
@@ -11,15 +17,23 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from paratron.parallel.intervals import Interval
+
 from .validate import Span
 
-COLOURS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868", "BW": "#C44E52", "R": "#8172B3",
-           "SEND_F": "#8C8C8C", "RECV_F": "#8C8C8C", "SEND_B": "#B0B0B0", "RECV_B": "#B0B0B0"}
+COLOURS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868", "BW": "#C44E52", "R": "#8172B3", "FB": "#64B5CD",
+           "SEND_F": "#8C8C8C", "RECV_F": "#8C8C8C", "SEND_B": "#B0B0B0", "RECV_B": "#B0B0B0",
+           "experts": "#4C72B0", "experts_grad": "#DD8452", "dispatch": "#937860", "combine": "#DA8BC3",
+           "dispatch_grad": "#8C613C", "combine_grad": "#B45A9E"}
+LANES = ("", "compute", "comm")
+"""Event lanes: pipeline actions, compute recorded inside them, communication recorded inside them."""
 
 
 @dataclass(frozen=True)
 class TraceEvent:
-    """One action on one pipeline rank; ``start``/``end`` in seconds (or the simulator's unit)."""
+    """One action on one pipeline rank; ``start``/``end`` in seconds (or the simulator's unit).
+    ``lane``: ``""`` for an action, ``"compute"``/``"comm"`` for an interval recorded inside one
+    (``microbatch``/``stage``: the action's, -1 outside any)."""
 
     rank: int
     kind: str
@@ -27,6 +41,21 @@ class TraceEvent:
     stage: int
     start: float
     end: float
+    lane: str = ""
+
+
+def from_intervals(intervals: list[Interval], rank: int, t0: float) -> list[TraceEvent]:
+    """Recorded intervals -> trace events on ``rank``, in seconds since ``t0`` (a
+    ``time.perf_counter()`` value). A comm event spans issue to completion (``Interval.end``);
+    intervals never closed are left out."""
+    out = []
+    for iv in intervals:
+        if iv.end is None:
+            continue
+        mb, stage = iv.scope if len(iv.scope) == 2 else (-1, -1)
+        out.append(TraceEvent(rank, iv.kind, mb, stage, iv.start - t0, iv.end - t0,
+                              "comm" if iv.comm else "compute"))
+    return out
 
 
 def from_spans(spans: list[list[Span]], compute_only: bool = True) -> list[TraceEvent]:
@@ -36,17 +65,22 @@ def from_spans(spans: list[list[Span]], compute_only: bool = True) -> list[Trace
 
 
 def chrome_trace(events: list[TraceEvent], time_unit_us: float = 1e6) -> dict:
-    """Chrome trace dict: one thread per pipeline rank, one complete ("X") event per action.
+    """Chrome trace dict: one process per lane (0: pipeline actions, 1: compute, 2: comm), one
+    thread per pipeline rank, one complete ("X") event per action or interval.
 
     Args:
         time_unit_us: microseconds per unit of ``start``/``end`` (1e6 for seconds).
     """
-    out = [{"name": "process_name", "ph": "M", "pid": 0, "args": {"name": "pipeline"}}]
-    for r in sorted({e.rank for e in events}):
-        out.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": r, "args": {"name": f"rank {r}"}})
+    out = []
+    for pid, lane in enumerate(LANES):
+        if pid and not any(e.lane == lane for e in events):
+            continue
+        out.append({"name": "process_name", "ph": "M", "pid": pid, "args": {"name": lane or "pipeline"}})
+        for r in sorted({e.rank for e in events if e.lane == lane}):
+            out.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": r, "args": {"name": f"rank {r}"}})
     for e in events:
-        out.append({"name": f"{e.kind}{e.microbatch}", "cat": e.kind, "ph": "X", "pid": 0, "tid": e.rank,
-                    "ts": e.start * time_unit_us, "dur": max(e.end - e.start, 0.0) * time_unit_us,
+        out.append({"name": f"{e.kind}{e.microbatch}", "cat": e.kind, "ph": "X", "pid": LANES.index(e.lane),
+                    "tid": e.rank, "ts": e.start * time_unit_us, "dur": max(e.end - e.start, 0.0) * time_unit_us,
                     "args": {"microbatch": e.microbatch, "stage": e.stage}})
     return {"traceEvents": out, "displayTimeUnit": "ms"}
 
@@ -62,13 +96,14 @@ def read_chrome_trace(path: str | Path, time_unit_us: float = 1e6) -> list[Trace
     """Read back a trace written by :func:`write_chrome_trace`."""
     data = json.loads(Path(path).read_text())
     return [TraceEvent(e["tid"], e["cat"], e["args"]["microbatch"], e["args"]["stage"],
-                       e["ts"] / time_unit_us, (e["ts"] + e["dur"]) / time_unit_us)
+                       e["ts"] / time_unit_us, (e["ts"] + e["dur"]) / time_unit_us, LANES[e.get("pid", 0)])
             for e in data["traceEvents"] if e.get("ph") == "X"]
 
 
 def draw_png(events: list[TraceEvent], path: str | Path, title: str = "", unit: str = "") -> Path:
-    """Draw one row per rank, one box per action coloured by kind and labelled with its microbatch;
-    boxes of later model chunks (stage >= number of ranks) are lighter.
+    """Draw one row per rank (plus one per recorded lane under it), one box per action or interval
+    coloured by kind and labelled with its microbatch; boxes of later model chunks (stage >=
+    number of ranks) are lighter.
 
     Raises:
         ImportError: matplotlib is not installed.
@@ -80,19 +115,20 @@ def draw_png(events: list[TraceEvent], path: str | Path, title: str = "", unit: 
     from matplotlib.patches import Patch
 
     ranks = sorted({e.rank for e in events})
+    rows = sorted({(e.rank, LANES.index(e.lane)) for e in events})  # recorded intervals under their rank
     end = max((e.end for e in events), default=1.0) or 1.0
     per_rank = len(events) / max(len(ranks), 1)
-    fig, ax = plt.subplots(figsize=(max(8.0, min(20.0, per_rank * 0.25)), 0.6 * len(ranks) + 1.4))
+    fig, ax = plt.subplots(figsize=(max(8.0, min(20.0, per_rank * 0.25)), 0.6 * len(rows) + 1.4))
     for e in events:
-        y = ranks.index(e.rank)
+        y = rows.index((e.rank, LANES.index(e.lane)))
         # Later model chunks (virtual stages beyond the first p) are drawn lighter.
-        alpha = (1.0, 0.65, 0.4)[min(e.stage // len(ranks), 2)]
+        alpha = (1.0, 0.65, 0.4)[min(max(e.stage, 0) // len(ranks), 2)]
         ax.barh(y, e.end - e.start, left=e.start, height=0.8, color=COLOURS.get(e.kind, "#999999"),
                 alpha=alpha, edgecolor="black", linewidth=0.3)
-        if (e.end - e.start) / end > 0.008:
+        if (e.end - e.start) / end > 0.008 and e.microbatch >= 0:
             ax.text((e.start + e.end) / 2, y, str(e.microbatch), ha="center", va="center", fontsize=6,
                     color="white")
-    ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in ranks])
+    ax.set_yticks(range(len(rows)), [f"rank {r} {LANES[lane]}".rstrip() for r, lane in rows])
     ax.invert_yaxis()
     ax.set_xlim(0, end)
     ax.set_xlabel(f"time ({unit})" if unit else "time")

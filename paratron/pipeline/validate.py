@@ -21,7 +21,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Callable
 
-from .actions import Action, activation_peak, batches, recomputed, stages_of
+from .actions import Action, activation_peak, batches, halves, recomputed, stages_of
 
 
 class ScheduleError(ValueError):
@@ -149,6 +149,8 @@ def validate(schedule: list[list[Action]], num_microbatches: int | None = None, 
         same rank or ``RECV_B(mb, s)``; a send after the action that makes its tensor;
       * the peer of every send/recv is the rank that holds the neighbouring stage;
       * an ``R(mb, s)`` (recompute) comes after ``F(mb, s)`` and before its backward, at most once;
+      * an ``FB`` pair: both halves obey the rules above at the pair's place, neither depending on
+        the other (its backward is not of the forward's microbatch and stage, nor waits on it);
       * with ``memory_budget``, the peak in-flight activations of every rank
         (:func:`~paratron.pipeline.actions.activation_peak`) are at most the budget.
 
@@ -184,7 +186,7 @@ def _check_rank(r: int, acts: list[Action], owner: dict[int, int], last: int, m:
     w_order: dict[int, list[int]] = defaultdict(list)
     again = recomputed(acts)
 
-    def fail(i: int, a: Action, rule: str) -> None:
+    def fail(i: int, a, rule: str) -> None:
         raise ScheduleError(f"rank {r}, action #{i} {a}: {rule}")
 
     def has(kind: str, mb: int, s: int) -> bool:
@@ -193,56 +195,69 @@ def _check_rank(r: int, acts: list[Action], owner: dict[int, int], last: int, m:
     def backward_done(mb: int, s: int) -> bool:
         return has("B", mb, s) or has("BW", mb, s)
 
-    for i, a in enumerate(acts):
+    def check(i: int, a: Action, shown: Action) -> None:
+        """The rules for one plain action ``a`` (``shown``: the list's action, an FB for a half)."""
+        label = a if shown is a else f"{shown} (its half {a})"
         mb, s = a.microbatch, a.stage
         if mb >= m:
-            fail(i, a, f"microbatch {mb} is out of range [0, {m})")
+            fail(i, label, f"microbatch {mb} is out of range [0, {m})")
         if a.is_p2p:
             if a.peer == r:
-                fail(i, a, "a rank does not send to itself; stages on one rank pass tensors locally")
+                fail(i, label, "a rank does not send to itself; stages on one rank pass tensors locally")
             nbr = s + 1 if a.kind in ("SEND_F", "RECV_B") else s - 1
             if nbr < 0 or nbr > last or owner[nbr] != a.peer:
-                fail(i, a, f"the peer must be the rank of stage {nbr} "
+                fail(i, label, f"the peer must be the rank of stage {nbr} "
                            f"({owner.get(nbr, 'no such stage')}), not {a.peer}")
         key = (a.kind, mb, s)
         if key in seen:
-            fail(i, a, f"duplicate: first at action #{seen[key]}")
+            fail(i, label, f"duplicate: first at action #{seen[key]}")
         if a.kind == "F":
             if s > 0 and not (has("F", mb, s - 1) if owner[s - 1] == r else has("RECV_F", mb, s)):
-                fail(i, a, f"its input is not there yet: needs F({mb}, stage {s - 1}) on this rank "
+                fail(i, label, f"its input is not there yet: needs F({mb}, stage {s - 1}) on this rank "
                            f"or RECV_F({mb}, stage {s}) first")
         elif a.kind in ("B", "BW"):
             if forward_only:
-                fail(i, a, "a forward-only list has no backward")
+                fail(i, label, "a forward-only list has no backward")
             if backward_done(mb, s):
-                fail(i, a, "a second backward of the same microbatch and stage")
+                fail(i, label, "a second backward of the same microbatch and stage")
             if not has("F", mb, s):
-                fail(i, a, "backward before its forward")
+                fail(i, label, "backward before its forward")
             if (mb, s) in again and not has("R", mb, s):
-                fail(i, a, f"backward before its recompute R({mb}, stage {s})")
+                fail(i, label, f"backward before its recompute R({mb}, stage {s})")
             if s < last and not (backward_done(mb, s + 1) if owner[s + 1] == r else has("RECV_B", mb, s)):
-                fail(i, a, f"its output grad is not there yet: needs the backward of stage {s + 1} "
+                fail(i, label, f"its output grad is not there yet: needs the backward of stage {s + 1} "
                            f"on this rank or RECV_B({mb}, stage {s}) first")
             if a.kind == "B":
                 b_order[s].append(mb)
         elif a.kind == "R":
             if forward_only:
-                fail(i, a, "a forward-only list has no recompute")
+                fail(i, label, "a forward-only list has no recompute")
             if not has("F", mb, s):
-                fail(i, a, "recompute before its forward")
+                fail(i, label, "recompute before its forward")
         elif a.kind == "W":
             if not has("B", mb, s):
-                fail(i, a, "W before its B")
+                fail(i, label, "W before its B")
             w_order[s].append(mb)
             if w_order[s] != b_order[s][:len(w_order[s])]:
-                fail(i, a, f"W's of stage {s} must follow the order of its B's {b_order[s]}")
+                fail(i, label, f"W's of stage {s} must follow the order of its B's {b_order[s]}")
         elif a.kind == "SEND_F" and not has("F", mb, s):
-            fail(i, a, "sends an activation before computing it")
+            fail(i, label, "sends an activation before computing it")
         elif a.kind == "SEND_B" and not backward_done(mb, s):
-            fail(i, a, "sends a grad before computing it")
+            fail(i, label, "sends a grad before computing it")
         elif a.kind == "SEND_B" and s == 0 or a.kind == "RECV_F" and s == 0:
-            fail(i, a, "stage 0 has no previous stage")
-        seen[key] = i
+            fail(i, label, "stage 0 has no previous stage")
+
+    for i, a in enumerate(acts):
+        # An FB pair runs its halves interleaved: each must be ready before the pair starts, so
+        # neither may depend on the other (both are checked before either counts as done).
+        parts = halves(a)
+        if a.kind == "FB" and parts[1].microbatch == a.microbatch and parts[1].stage == a.stage:
+            fail(i, a, "an FB pair needs two independent halves; the backward of the same microbatch "
+                       "and stage must come after its forward")
+        for h in parts:
+            check(i, h, a)
+        for h in parts:
+            seen[(h.kind, h.microbatch, h.stage)] = i
     for s in (s for s, o in owner.items() if o == r):
         for mb in range(m):
             if not has("F", mb, s):

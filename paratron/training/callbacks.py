@@ -33,6 +33,9 @@ class TrainState:
     iteration: int = 0
     consumed_train_samples: int = 0
     consumed_valid_samples: int = 0
+    consumed_train_tokens: int = 0
+    """Valid (labelled) tokens trained on so far; the ``consumed_tokens`` of token-balanced runs
+    (``data.microbatch_tokens``), whose samples are documents of varying length."""
     metrics: list[dict] = field(default_factory=list)
     should_stop: bool = False
     """A callback may set this to end training after the current step (a save follows)."""

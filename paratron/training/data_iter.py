@@ -2,7 +2,10 @@
 
 Sample ids come from :class:`paratron.data.sampler.PretrainingSampler`: the start is set by
 consumed samples only, so a resumed run reads exactly the samples an uninterrupted one would, and a
-global batch holds the same samples whatever the data-parallel size.
+global batch holds the same samples whatever the data-parallel size. With
+``data.microbatch_tokens`` the samples are whole documents and the microbatches token-balanced
+packed rows (:class:`paratron.data.token_batches.TokenBudgetSampler`); consumed samples then
+count documents.
 """
 
 from __future__ import annotations
@@ -36,15 +39,32 @@ class TrainingData:
     def has_validation(self) -> bool:
         return self.valid_sampler is not None
 
+    pad_multiple: int = 1
+    """Token-balanced rows are padded to a multiple of this (the CP split, TP under sequence
+    parallelism: :func:`paratron.config.token_rules.row_multiple`)."""
+
     def train_microbatches(self, consumed: int, counts: list[int] | None = None) -> list[dict]:
         """This DP rank's microbatches of the step at ``consumed`` samples; ``counts``: an uneven
-        split, microbatches per DP rank (:meth:`PretrainingSampler.step`)."""
-        return [self.prepare(collate([self.train_ds[int(i)] for i in ids]))
-                for ids in self.train_sampler.step(consumed, counts)]
+        split, microbatches per DP rank (:meth:`PretrainingSampler.step`).
+
+        Raises:
+            ValueError: ``counts`` with token-balanced microbatches (their count is set by the data).
+        """
+        return self._microbatches(self.train_ds, self.train_sampler, consumed, counts)
 
     def valid_microbatches(self, consumed: int) -> list[dict]:
-        return [self.prepare(collate([self.valid_ds[int(i)] for i in ids]))
-                for ids in self.valid_sampler.step(consumed)]
+        return self._microbatches(self.valid_ds, self.valid_sampler, consumed)
+
+    def _microbatches(self, ds, sampler, consumed: int, counts=None) -> list[dict]:
+        from paratron.data.token_batches import TokenBudgetSampler, collate_pieces
+
+        if not isinstance(sampler, TokenBudgetSampler):
+            return [self.prepare(collate([ds[int(i)] for i in ids])) for ids in sampler.step(consumed, counts)]
+        if counts is not None:
+            raise ValueError(f"an uneven split of the microbatches over DP ranks ({list(counts)}) does not apply "
+                             "to data.microbatch_tokens: the data sets the microbatch count")
+        return [self.prepare(collate_pieces(pieces, ds.read, self.pad_multiple))
+                for pieces in sampler.step(consumed)]
 
     @classmethod
     def build(cls, cfg, ctx) -> "TrainingData":
@@ -55,6 +75,8 @@ class TrainingData:
         from paratron.data.prepare import prepare_run_data, validation_prompt
 
         t = cfg.train
+        if cfg.data.microbatch_tokens is not None:
+            return cls.build_token_balanced(cfg, ctx)
         n_evals = (t.train_iters // t.eval_interval + 1) if t.eval_interval else 1
         num_samples = (t.train_iters * t.global_batch_size, n_evals * t.eval_iters * t.global_batch_size, 0)
 
@@ -84,20 +106,50 @@ class TrainingData:
                    prompt)
 
 
+    @classmethod
+    def build_token_balanced(cls, cfg, ctx) -> "TrainingData":
+        """Whole documents of the train and valid splits, in token-balanced microbatches
+        (``data.microbatch_tokens``; :mod:`paratron.data.token_batches`)."""
+        from paratron.config.token_rules import row_multiple
+        from paratron.data.prepare import prepare_run_data, validation_prompt
+        from paratron.data.token_batches import TokenBudgetSampler, document_splits
+
+        t, d = cfg.train, cfg.data
+        if ctx.rank == 0:
+            prefixes, tok = prepare_run_data(d, progress=cfg.logging.progress)
+        ctx.world.barrier()
+        if ctx.rank != 0:
+            prefixes, tok = prepare_run_data(d, progress=False)
+        if d.corpus and not d.data_path:
+            d.data_path = [prefixes[0][1]]
+        train, valid = document_splits(prefixes[0][1], d.split)
+
+        def sampler(src):
+            return None if src is None else TokenBudgetSampler(
+                src.lengths, t.global_batch_size, d.microbatch_tokens, cfg.model.seq_length,
+                ctx.dp.rank, ctx.dp.size, seed=t.seed)
+
+        entropy = unigram_entropy(prefixes) if ctx.rank == 0 else None
+        return cls(tok, train, valid, sampler(train), sampler(valid), entropy, microbatch_preparer(cfg, ctx, tok.eod),
+                   validation_prompt(prefixes, d.split, tok), row_multiple(cfg.parallel))
+
+
 def microbatch_preparer(cfg, ctx, eod: int) -> Callable[[dict], dict]:
     """The function applied to every collated microbatch ``{"tokens", "labels"}`` ``[b, s]``: the
     packed-document fields of ``data.reset_position_ids`` / ``reset_attention_mask`` /
     ``eod_mask_loss`` (:func:`paratron.data.packing.pack_microbatch`), then this CP rank's chunks
     (:func:`paratron.models.context_parallel.shard_microbatch`; the data loader hands each CP rank
-    only its tokens)."""
+    only its tokens). Token-balanced rows (``data.microbatch_tokens``) already hold their
+    positions and segments: only the loss mask and the CP split apply to them."""
     from paratron.data.packing import pack_microbatch
     from paratron.models.context_parallel import shard_microbatch
 
     d, p = cfg.data, cfg.parallel
+    fixed = d.microbatch_tokens is None
 
     def prepare(mb: dict) -> dict:
-        mb = pack_microbatch(mb, eod, reset_position_ids=d.reset_position_ids,
-                             reset_attention_mask=d.reset_attention_mask, eod_mask_loss=d.eod_mask_loss)
+        mb = pack_microbatch(mb, eod, reset_position_ids=d.reset_position_ids and fixed,
+                             reset_attention_mask=d.reset_attention_mask and fixed, eod_mask_loss=d.eod_mask_loss)
         return shard_microbatch(mb, ctx.cp.rank, ctx.cp.size, p.context_algorithm)
 
     return prepare

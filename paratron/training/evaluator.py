@@ -24,11 +24,12 @@ class Evaluator:
         ctx: the parallel context.
         chunks: this rank's model chunks.
         data: the :class:`~paratron.training.data_iter.TrainingData`.
-        actions: this rank's pipeline action list (the forward-only part is run).
+        actions_for: ``m -> `` this rank's pipeline action list for ``m`` microbatches (the
+            forward-only part is run; token-balanced batches vary ``m``).
     """
 
-    def __init__(self, cfg, ctx, chunks, data, actions) -> None:
-        self.cfg, self.ctx, self.chunks, self.data, self.actions = cfg, ctx, chunks, data, actions
+    def __init__(self, cfg, ctx, chunks, data, actions_for) -> None:
+        self.cfg, self.ctx, self.chunks, self.data, self.actions_for = cfg, ctx, chunks, data, actions_for
         self.interval = int(cfg.train.eval_interval or 0)
         self.last_loss: float | None = None
 
@@ -51,7 +52,7 @@ class Evaluator:
         for _ in range(self.cfg.train.eval_iters):
             mbs = self.data.valid_microbatches(state.consumed_valid_samples)
             out = run_global_batch(self.cfg, self.ctx, self.chunks, mbs, forward_only=True,
-                                   actions=self.actions)
+                                   actions=self.actions_for(len(mbs)))
             total += out.loss * out.num_tokens
             tokens += out.num_tokens
             state.consumed_valid_samples += self.cfg.train.global_batch_size

@@ -24,11 +24,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _describe_grid(cfg, world: int) -> dict:
     from paratron.parallel.grid import build_grid
+    from paratron.training.groups import groups_used
 
     p = cfg.parallel
     grid = build_grid(world, tp=p.tensor, cp=p.context, ep=p.expert, pp=p.pipeline,
                       expert_tp=p.expert_tensor, order=p.order)
-    return {"world": world, "dp": grid.dp, "expert_dp": grid.expert_dp, "groups": grid.groups}
+    return {"world": world, "dp": grid.dp, "expert_dp": grid.expert_dp, "groups": grid.groups,
+            "groups_used_by_training": list(groups_used(cfg))}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -50,18 +52,20 @@ def _body(cfg, args) -> int:
     import torch.distributed as dist
 
     from paratron.parallel.context import ParallelContext, init_distributed
+    from paratron.training.groups import groups_used
 
     init_distributed(cfg.parallel.timeout_s)
     p = cfg.parallel
+    # Only the default group is needed here; the groups are listed from the grid.
     ctx = ParallelContext.build(tp=p.tensor, cp=p.context, ep=p.expert, pp=p.pipeline,
-                                expert_tp=p.expert_tensor, order=p.order)
+                                expert_tp=p.expert_tensor, order=p.order, kinds=("world",))
     me = torch.tensor([ctx.rank, int(os.environ.get("GROUP_RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))],
                       device=ctx.device)
     rows = ctx.world.all_gather(me.view(1, 3))
     if ctx.rank == 0:
         world = {"world_size": ctx.world_size, "layout": ctx.describe(),
                  "ranks": [{"rank": int(r), "node": int(n), "local_rank": int(lr)} for r, n, lr in rows.tolist()],
-                 "groups": ctx.grid.groups}
+                 "groups": ctx.grid.groups, "groups_used_by_training": list(groups_used(cfg))}
         print(json.dumps(world))
         if args.output:
             with open(args.output, "w") as f:

@@ -24,11 +24,12 @@ from paratron.training.trainer import NonFiniteStop, Trainer
 
 def build_context(cfg: Config):
     from paratron.parallel.context import ParallelContext, init_distributed
+    from paratron.training.groups import groups_used
 
     init_distributed(cfg.parallel.timeout_s)
     p = cfg.parallel
     return ParallelContext.build(tp=p.tensor, cp=p.context, ep=p.expert, pp=p.pipeline,
-                                 expert_tp=p.expert_tensor, order=p.order)
+                                 expert_tp=p.expert_tensor, order=p.order, kinds=groups_used(cfg))
 
 
 def run_training(cfg: Config, run_dir: str | None = None) -> int:

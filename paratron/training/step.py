@@ -76,16 +76,33 @@ def count_global_tokens(microbatches: list[dict], ctx) -> torch.Tensor:
     return t
 
 
-def rank_actions(cfg, ctx, num_microbatches: int) -> list:
-    """This rank's action list of the configured pipeline schedule (build once, reuse every step)."""
-    from paratron.pipeline.registry import build_schedule
+def rank_actions(cfg, ctx, num_microbatches: int, microbatch_time: float | None = None) -> list:
+    """This rank's action list of the configured pipeline schedule (build once, reuse every step),
+    with the keywords the schedule takes from the config (``1f1b-delay``: the link latencies of
+    ``parallel.pipeline_link_latency_ms``) and ``microbatch_time`` (s, measured; see
+    :func:`paratron.pipeline.registry.config_options`)."""
+    from paratron.pipeline.registry import build_schedule, config_options
 
     p = cfg.parallel
-    return build_schedule(p.schedule, ctx.pp.size, num_microbatches, p.virtual_pipeline)[ctx.pp.rank]
+    options = config_options(p.schedule, p, microbatch_time) or {}
+    lists = build_schedule(p.schedule, ctx.pp.size, num_microbatches, p.virtual_pipeline, **options)
+    if p.overlap_moe_expert_parallel_comm:
+        from paratron.pipeline.overlap import overlap_fb
+
+        lists = overlap_fb(lists)  # F/B pairs (DeepSeek-V3 DualPipe overlap of the MoE all-to-alls)
+    return lists[ctx.pp.rank]
+
+
+def needs_microbatch_time(cfg) -> bool:
+    """The configured schedule needs a measured microbatch time (``1f1b-delay`` with link
+    latencies but no ``parallel.pipeline_microbatch_time_ms``): the first step is recorded."""
+    from paratron.pipeline.registry import config_options
+
+    return config_options(cfg.parallel.schedule, cfg.parallel) is None
 
 
 def run_global_batch(cfg, ctx, chunks, microbatches: list[dict], *, forward_only: bool,
-                     loss_scale: float = 1.0, actions: list | None = None, ddp=None) -> StepOutput:
+                     loss_scale: float = 1.0, actions: list | None = None, ddp=None, timeline=None) -> StepOutput:
     """Run forward (and backward unless ``forward_only``) of every microbatch of one global batch.
 
     With backward, the grads are final on return (:func:`paratron.optim.finalize_grads`, once):
@@ -93,11 +110,12 @@ def run_global_batch(cfg, ctx, chunks, microbatches: list[dict], *, forward_only
     reduced while the rest of the schedule runs.
 
     Args:
-        microbatches: this DP rank's microbatches, each ``{"tokens": [b, s], "labels": [b, s]}``.
+        microbatches: this DP rank's microbatches, each ``{"tokens": [b, s], "labels": [b, s]}``
+            (``s`` may differ between microbatches: token-balanced rows, ``b = 1``).
         loss_scale: multiplies the loss fed to backward (fp16 dynamic loss scaling).
         actions: this rank's schedule (:func:`rank_actions`); built here when None.
-        ddp: the chunks' :class:`~paratron.optim.ddp.DistributedDataParallel` (None: plain
-            ``.grad`` params).
+        ddp: the chunks' :class:`~paratron.optim.ddp.DistributedDataParallel` (None: plain ``.grad``).
+        timeline: a list: the pipeline runtime appends one event per action to it (``run_pipeline``).
 
     Returns:
         :class:`StepOutput` with the global-batch loss, known on every rank.
@@ -123,17 +141,17 @@ def run_global_batch(cfg, ctx, chunks, microbatches: list[dict], *, forward_only
         lm_losses.append(loss.detach())
         return loss * loss_scale if loss_scale != 1.0 else loss
 
-    p = cfg.parallel
     m = len(microbatches)
     if cfg.model.num_experts > 0:
         _scale_aux_losses(cfg, ctx, chunks, microbatches, loss_scale)
     if actions is None:
         actions = rank_actions(cfg, ctx, m)
-    mb_size, seq = microbatches[0]["tokens"].shape
-    s_local = seq // ctx.tp.size if p.sequence_parallel else seq
-    run_pipeline(actions, chunks, ctx, microbatches, forward_step,
-                 tensor_shape=(s_local, mb_size, cfg.model.hidden_size),
-                 dtype=precision_dtype(cfg.train.precision), forward_only=forward_only, grad_sync=ddp)
+    shapes = [_activation_shape(cfg, ctx, mb) for mb in microbatches]
+    varied = any(shape != shapes[0] for shape in shapes)  # token-balanced rows (data.microbatch_tokens)
+    run_pipeline(actions, chunks, ctx, microbatches, forward_step, tensor_shape=shapes[0],
+                 tensor_shapes=shapes if varied else None,
+                 dtype=precision_dtype(cfg.train.precision), forward_only=forward_only, grad_sync=ddp,
+                 timeline=timeline)
     if not forward_only:
         finalize_grads(chunks, ctx, ddp)
         update_expert_bias(chunks, ctx)  # DeepSeek-V3 router bias; no-op without one
@@ -143,6 +161,13 @@ def run_global_batch(cfg, ctx, chunks, microbatches: list[dict], *, forward_only
     has_aux = cfg.model.num_experts > 0 or any(getattr(mod, "last_aux_loss", None) is not None
                                                for c in chunks for mod in c.modules())
     return StepOutput(stats, has_aux, {"forward_backward": t1 - t0})
+
+
+def _activation_shape(cfg, ctx, mb: dict) -> tuple[int, int, int]:
+    """``[s, b, h]`` (``[s/tp, b, h]`` under SP) of the activations a microbatch sends between
+    pipeline stages; every stage holds the microbatch, so each knows every shape (no header)."""
+    b, seq = mb["tokens"].shape
+    return (seq // ctx.tp.size if cfg.parallel.sequence_parallel else seq, b, cfg.model.hidden_size)
 
 
 def _scale_aux_losses(cfg, ctx, chunks, microbatches: list[dict], loss_scale: float) -> None:

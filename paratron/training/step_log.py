@@ -55,12 +55,15 @@ class StepLog:
 
     def record(self, state, out, result, lr: float, step_time: float) -> dict:
         """The record of the step just finished (``state.iteration`` already counts it)."""
-        tokens = self.cfg.train.global_batch_size * self.cfg.model.seq_length
+        seq = self.cfg.model.seq_length
+        tokens, consumed = self.cfg.train.global_batch_size * seq, state.consumed_train_samples * seq
+        if self.cfg.data.microbatch_tokens is not None:  # documents of varying length: count labels
+            tokens, consumed = out.num_tokens, state.consumed_train_tokens
         self.skipped += int(result.skipped)
         self._window_tokens += tokens
         self._window_time += step_time
         r = {"iteration": state.iteration,
-             "consumed_tokens": state.consumed_train_samples * self.cfg.model.seq_length,
+             "consumed_tokens": consumed,
              "loss": out.loss, "lr": lr, "grad_norm": float(result.grad_norm),
              "skipped_iterations": self.skipped, "tokens_per_second": tokens / step_time,
              "step_time_s": step_time}

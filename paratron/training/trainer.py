@@ -27,13 +27,14 @@ import torch
 import torch.distributed as dist
 
 from paratron.config import Config, to_toml
+from paratron.pipeline.delay import measured_microbatch_time
 from paratron.training.callbacks import CallbackList, TrainState, load_callback
 from paratron.training.evaluator import Evaluator
 from paratron.training.metrics import MetricsWriter, peak_flops_per_device, plot_losses
 from paratron.training.nonfinite import NonFiniteGuard, NonFiniteStop
 from paratron.training.setup import (build_checkpoint_manager, build_model_and_optimizer, builtin_callbacks,
                                      count_params, print_sample, seed_everything, warn_if_saving_over)
-from paratron.training.step import rank_actions, run_global_batch
+from paratron.training.step import needs_microbatch_time, rank_actions, run_global_batch
 from paratron.training.startup import StartupClock
 from paratron.training.step_log import StepLog, log
 from paratron.training.timers import PhaseTimer
@@ -93,9 +94,12 @@ class Trainer:
                                       [load_callback(s, self.state) for s in cfg.train.callbacks])
         with self.clock.part("checkpoint_load"):
             self.ckpt = build_checkpoint_manager(cfg, ctx)
-        self.actions = rank_actions(cfg, ctx, self.data.num_microbatches)  # the same every step
-        self._actions = {self.data.num_microbatches: self.actions}
-        self.evaluator = Evaluator(cfg, ctx, self.chunks, self.data, self.actions)
+        # 1f1b-delay without a configured microbatch time: plain warm-ups until step 1 is measured.
+        self.microbatch_time, self.measure_step = None, needs_microbatch_time(cfg)
+        self._actions: dict[int, list] = {}  # per microbatch count (token-balanced steps vary it)
+        if self.data.num_microbatches is not None:
+            self.actions_for(self.data.num_microbatches)  # fixed-length runs: built once, up front
+        self.evaluator = Evaluator(cfg, ctx, self.chunks, self.data, self.actions_for)
         self.guard = NonFiniteGuard(cfg.train.nonfinite, cfg.train.max_consecutive_skips)
         self.timer = PhaseTimer(ctx.device)
         self.step_log = StepLog(cfg, ctx, *peak_flops_per_device(cfg.train.peak_flops_per_device,
@@ -144,14 +148,18 @@ class Trainer:
         t0 = time.perf_counter()
         with timer.phase("data"):
             microbatches = self.data.train_microbatches(s.consumed_train_samples, s.dp_microbatches)
-        out, result, lr = train_batch(self.cfg, self.ctx, self.chunks, self.ddp, self.optimizer,
-                                      self.scheduler, microbatches, self.actions_for(len(microbatches)), timer)
+        timeline = [] if self.measure_step else None
+        out, result, lr = train_batch(self.cfg, self.ctx, self.chunks, self.ddp, self.optimizer, self.scheduler,
+                                      microbatches, self.actions_for(len(microbatches)), timer, timeline)
+        if timeline is not None:
+            self.use_measured_microbatch_time(timeline, len(microbatches))
         warning = self.guard.check(s.iteration + 1, result.nonfinite, self.first_nonfinite)
         if warning:
             log(self.ctx, "warning: " + warning)
         step_time = time.perf_counter() - t0
         s.iteration += 1
         s.consumed_train_samples += self.cfg.train.global_batch_size
+        s.consumed_train_tokens += out.num_tokens  # read with the optimizer's one transfer
         record = self.step_log.record(s, out, result, lr, step_time)
         return record, dict(timer.last_host, step=step_time)
 
@@ -163,10 +171,23 @@ class Trainer:
         log(self.ctx, StartupClock.line(record))
 
     def actions_for(self, m: int) -> list:
-        """This rank's schedule for ``m`` microbatches (an uneven DP split changes ``m``; cached)."""
+        """This rank's schedule for ``m`` microbatches (an uneven DP split or token-balanced
+        microbatches change ``m``; cached)."""
         if m not in self._actions:
-            self._actions[m] = rank_actions(self.cfg, self.ctx, m)
+            self._actions[m] = rank_actions(self.cfg, self.ctx, m, self.microbatch_time)
         return self._actions[m]
+
+    def use_measured_microbatch_time(self, timeline: list, m: int) -> None:
+        """Rebuild the schedule with the compute time per microbatch and stage measured over one
+        step (``1f1b-delay``'s warm-ups divide the link latencies by it); the max over all ranks,
+        so that every rank builds the same lists (collective)."""
+        t = torch.tensor([measured_microbatch_time(timeline, m)], dtype=torch.float64)
+        self.ctx.world.host_all_reduce(t, op=dist.ReduceOp.MAX)
+        self.microbatch_time, self.measure_step, self._actions = t.item(), False, {}
+        if self.data.num_microbatches is not None:  # the evaluator asks actions_for: rebuilt too
+            self.actions_for(self.data.num_microbatches)
+        log(self.ctx, f"{self.cfg.parallel.schedule}: measured {self.microbatch_time * 1e3:.1f} ms per microbatch "
+                      "and stage; schedule rebuilt with the link latencies")
 
     def log(self, record: dict, timings: dict) -> None:
         """Callbacks, the in-memory and on-disk records, and the console line."""
@@ -195,7 +216,8 @@ class Trainer:
         self.callbacks.on_save_start(s, path)
         self.ckpt.save(s.iteration, self.chunks, self.optimizer, self.scheduler,
                        {"iteration": s.iteration, "consumed_train_samples": s.consumed_train_samples,
-                        "consumed_valid_samples": s.consumed_valid_samples})
+                        "consumed_valid_samples": s.consumed_valid_samples,
+                        "consumed_train_tokens": s.consumed_train_tokens})
         self.callbacks.on_save_end(s, path)
 
     # ---- around the loop -----------------------------------------------------------------
@@ -209,9 +231,11 @@ class Trainer:
             s.iteration = int(extra.get("iteration", 0))
             s.consumed_train_samples = int(extra.get("consumed_train_samples", 0))
             s.consumed_valid_samples = int(extra.get("consumed_valid_samples", 0))
+            s.consumed_train_tokens = int(extra.get("consumed_train_tokens", 0))
             log(self.ctx, f"resumed from {cfg.checkpoint.load} at iteration {s.iteration}")
+        per_step = self.data.num_microbatches or f"token-balanced (data.microbatch_tokens={cfg.data.microbatch_tokens})"
         log(self.ctx, f"layout: {self.ctx.describe()} | schedule {cfg.parallel.schedule} | microbatches/step "
-                      f"{self.data.num_microbatches} | params {count_params(self.chunks, self.ctx):,}")
+                      f"{per_step} | params {count_params(self.chunks, self.ctx):,}")
         self.step_log.header(self.data.unigram_entropy)
 
     def first_nonfinite(self) -> str:
@@ -244,12 +268,12 @@ class Trainer:
 
 
 def train_batch(cfg: Config, ctx, chunks, ddp, optimizer, scheduler, microbatches: list[dict],
-                actions: list | None = None, timer: PhaseTimer | None = None):
+                actions: list | None = None, timer: PhaseTimer | None = None, timeline: list | None = None):
     """The device work of one step: zero the grads, forward and backward of every microbatch
     through the schedule (grads final on return), the optimizer step (skipped when the global
     loss or any grad is non-finite), the LR schedule (only after an update). One device-to-host
     read in all: the optimizer's skip decision, which brings the grad norm and the step's loss
-    stats along.
+    stats along. ``timeline``: if given, the pipeline's per-action events are appended to it.
 
     Returns:
         ``(StepOutput, StepResult, lr)`` with host values; ``lr`` is the rate this step used.
@@ -258,7 +282,7 @@ def train_batch(cfg: Config, ctx, chunks, ddp, optimizer, scheduler, microbatche
     optimizer.zero_grad()
     with timer.phase("forward_backward"):
         out = run_global_batch(cfg, ctx, chunks, microbatches, forward_only=False,
-                               loss_scale=optimizer.loss_scale, actions=actions, ddp=ddp)
+                               loss_scale=optimizer.loss_scale, actions=actions, ddp=ddp, timeline=timeline)
     lr = float(scheduler.lr)
     with timer.phase("optimizer"):
         result = optimizer.step(read_along=out.stats)

@@ -26,6 +26,8 @@ from typing import Callable
 
 import torch
 
+from paratron.config.errors import ConfigError
+from paratron.parallel.intervals import timed
 from paratron.registry import Registry
 
 from .collectives import all_to_all, finish_all_to_all, gather_rows, reduce_scatter_rows, start_all_to_all
@@ -65,7 +67,18 @@ class TokenDispatcher(ABC):
     shapes are static; dropped pairs must already be marked -1). The capacity counts the whole
     microbatch, so under sequence parallelism each TP rank pads its own rows to it. The
     arguments obey :func:`paratron.config.model_shape.check_moe` (the MoE layer runs it).
+
+    ``while_in_flight`` (None, or set by the MoE layer from the pipeline runtime for the forward
+    half of an ``FB`` pair): ``hook(what, wait)`` with ``what`` ``"dispatch"`` or ``"combine"``.
+    The all-to-all dispatcher then launches each row exchange asynchronously and calls the hook,
+    which runs other work (another microbatch's backward) and then ``wait()``; the rows and
+    their grads are the synchronous exchange's.
     """
+
+    while_in_flight = None
+    overlaps_microbatches = False
+    """True for a dispatcher whose all-to-alls call ``while_in_flight`` (config validation
+    refuses ``parallel.overlap_moe_expert_parallel_comm`` with any other)."""
 
     def __init__(self, ctx, num_experts: int, *, capacity: int | None = None, pad_to_capacity: bool = False):
         ep = ctx.ep.size
@@ -87,7 +100,44 @@ class TokenDispatcher(ABC):
         """Dispatch, run ``experts(rows, tokens_per_expert)``, combine: ``[T, k, h]``. A
         dispatcher that overlaps communication with the experts overrides this."""
         expert_input, tokens_per_expert, plan = self.dispatch(tokens, indices)
-        return self.combine(experts(expert_input, tokens_per_expert), plan)
+        return self.combine(self._experts(experts, expert_input, tokens_per_expert), plan)
+
+    def _experts(self, experts, rows: torch.Tensor, tokens_per_expert: list[int], chunk: int | None = None):
+        """``experts(rows, tokens_per_expert)``, recorded as ``"experts"`` (and its backward as
+        ``"experts_grad"``) when ``ctx.ledger.intervals`` is set."""
+        return timed(self.group.ledger, "experts", experts, rows, tokens_per_expert, chunk=chunk)
+
+    @classmethod
+    def options(cls, cfg) -> dict:
+        """Extra constructor keywords this dispatcher takes from the model config (none here)."""
+        return {}
+
+    @classmethod
+    def expert_calls(cls, cfg) -> int:
+        """How many times :meth:`run` calls the experts per forward (each call gives every local
+        expert weight one grad event in backward; DDP is told through ``param.grad_uses``)."""
+        return 1
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        """Rules this dispatcher puts on the model config (``cfg``: a ModelConfig with experts),
+        run by config validation before any process group and by the MoE layer. None here.
+
+        Raises:
+            ConfigError: naming the fields and the rule.
+        """
+
+
+@dataclass
+class _Sorted:
+    """This rank's rows of a dispatch, sorted by expert (see :meth:`AllToAllDispatcher._sort`)."""
+
+    num_slots: int
+    k: int
+    slot_ids: torch.Tensor
+    real_rows: torch.Tensor
+    buf: torch.Tensor            # every row to send, own block included, in expert order
+    send_counts: torch.Tensor    # [ep, E_local] rows for each rank's local experts
 
 
 @dataclass
@@ -132,6 +182,8 @@ class AllToAllDispatcher(TokenDispatcher):
     ``h * itemsize`` per off-rank row, plus ``E * 8`` bytes of counts.
     """
 
+    overlaps_microbatches = True
+
     def _exchange_counts(self, send_counts: torch.Tensor) -> torch.Tensor:
         """``send_counts`` [ep, E_local] rows for each rank's local experts -> the same from
         every source rank for this rank's experts, [ep, E_local]."""
@@ -141,11 +193,12 @@ class AllToAllDispatcher(TokenDispatcher):
         self.group.all_to_all(recv, send_counts.contiguous())
         return recv
 
-    def _start(self, tokens: torch.Tensor, indices: torch.Tensor) -> "_Pending":
-        """Everything before the row all-to-all: sort by expert, pad, exchange the counts."""
+    def _sort(self, tokens: torch.Tensor, indices: torch.Tensor) -> "_Sorted":
+        """This rank's side of a dispatch: (token, slot) rows sorted by expert, padded to
+        capacity when asked, and the rows bound for each rank's local experts."""
         T, k = indices.shape
         h = tokens.shape[-1]
-        ep, me, E, El = self.group.size, self.group.rank, self.num_experts, self.num_local
+        E = self.num_experts
         slot_ids, experts = _expert_major(indices, 0, E)
         counts = torch.bincount(experts, minlength=E)
         rows = tokens.index_select(0, torch.div(slot_ids, k, rounding_mode="floor"))
@@ -163,17 +216,26 @@ class AllToAllDispatcher(TokenDispatcher):
             real_rows = torch.arange(experts.numel(), device=experts.device)
             send_counts = counts
             buf = rows
-        send_counts = send_counts.view(ep, El)
-        recv_counts = self._exchange_counts(send_counts)
-        per_rank = send_counts.sum(dim=1).tolist()
+        return _Sorted(T * k, k, slot_ids, real_rows, buf, send_counts.view(self.group.size, self.num_local))
+
+    def _plan(self, s: "_Sorted", recv_counts: torch.Tensor) -> "_Pending":
+        """The splits of the row all-to-all, given the counts this rank receives [ep, E_local]."""
+        me = self.group.rank
+        per_rank = s.send_counts.sum(dim=1).tolist()
         lo = sum(per_rank[:me])
         local_range = (lo, lo + per_rank[me])
         in_splits = list(per_rank)
         in_splits[me] = 0
         out_splits = recv_counts.sum(dim=1).tolist()
         out_splits[me] = 0
-        send = torch.cat([buf[:local_range[0]], buf[local_range[1]:]])
-        return _Pending(T * k, k, slot_ids, real_rows, buf, send, local_range, in_splits, out_splits, recv_counts)
+        send = torch.cat([s.buf[:local_range[0]], s.buf[local_range[1]:]])
+        return _Pending(s.num_slots, s.k, s.slot_ids, s.real_rows, s.buf, send, local_range, in_splits, out_splits,
+                        recv_counts)
+
+    def _start(self, tokens: torch.Tensor, indices: torch.Tensor) -> "_Pending":
+        """Everything before the row all-to-all: sort by expert, pad, exchange the counts."""
+        s = self._sort(tokens, indices)
+        return self._plan(s, self._exchange_counts(s.send_counts))
 
     def _finish(self, p: "_Pending", received: torch.Tensor):
         """Everything after the row all-to-all: own rows back in, source-major -> expert-major."""
@@ -187,23 +249,39 @@ class AllToAllDispatcher(TokenDispatcher):
                              at, to_expert_major)
         return expert_input, p.recv_counts.sum(dim=0).tolist(), plan
 
+    def _exchange(self, x: torch.Tensor, out_splits: list[int], in_splits: list[int], what: str) -> torch.Tensor:
+        """The row all-to-all; with :attr:`while_in_flight` set, launched async around the hook."""
+        if self.while_in_flight is None:
+            return all_to_all(x, self.group, out_splits, in_splits, kind=what)
+        flight = start_all_to_all(x, self.group, out_splits, in_splits, kind=what)
+        self.while_in_flight(what, flight.arrive)
+        return finish_all_to_all(flight)
+
     def dispatch(self, tokens: torch.Tensor, indices: torch.Tensor):
         p = self._start(tokens, indices)
-        return self._finish(p, all_to_all(p.send, self.group, p.out_splits, p.in_splits))
+        return self._finish(p, self._exchange(p.send, p.out_splits, p.in_splits, "dispatch"))
 
-    def combine(self, expert_output: torch.Tensor, plan: _AllToAllPlan) -> torch.Tensor:
-        h = expert_output.shape[-1]
+    @staticmethod
+    def _split_back(expert_output: torch.Tensor, plan: _AllToAllPlan):
+        """Expert-major output rows -> (rows of this rank's own tokens, rows to send back)."""
         source_major = expert_output.new_zeros(expert_output.shape).index_copy(
             0, plan.to_expert_major, expert_output)
         at, n_own = plan.recv_local_at, plan.local_range[1] - plan.local_range[0]
-        own = source_major[at:at + n_own]
-        back = torch.cat([source_major[:at], source_major[at + n_own:]])
-        returned = all_to_all(back, self.group, plan.in_splits, plan.out_splits)
+        return source_major[at:at + n_own], torch.cat([source_major[:at], source_major[at + n_own:]])
+
+    @staticmethod
+    def _to_slots(returned: torch.Tensor, own: torch.Tensor, plan: _AllToAllPlan) -> torch.Tensor:
+        """Rows back from the other ranks and the own rows -> ``[T, k, h]`` per (token, slot)."""
+        h = own.shape[-1]
         lo = plan.local_range[0]
         buf = torch.cat([returned[:lo], own, returned[lo:]])
         rows = buf.index_select(0, plan.real_rows)
         slots = rows.new_zeros(plan.num_slots, h).index_copy(0, plan.row_slots, rows)
         return slots.view(plan.num_slots // plan.k, plan.k, h)
+
+    def combine(self, expert_output: torch.Tensor, plan: _AllToAllPlan) -> torch.Tensor:
+        own, back = self._split_back(expert_output, plan)
+        return self._to_slots(self._exchange(back, plan.in_splits, plan.out_splits, "combine"), own, plan)
 
 
 @dataclass
@@ -241,44 +319,101 @@ class AllGatherDispatcher(TokenDispatcher):
 
 
 class ChunkedAllToAllDispatcher(AllToAllDispatcher):
-    """All-to-all dispatch in ``num_chunks`` chunks of tokens, each chunk's row exchange running
-    while the previous chunk's experts compute (the chunked overlap of Megatron-LM's / DeepSpeed's
-    EP communication overlap; FarSkip-Collective and DeepSeek-V3 overlap across microbatches).
+    """All-to-all dispatch and combine in ``num_chunks`` (``model.moe_dispatch_chunks``, k)
+    chunks of tokens, with the exchanges of
+    one chunk in flight while another chunk's experts compute, forward and backward (the chunked
+    EP overlap of Megatron-LM / DeepSpeed; FarSkip-Collective and DeepSeek-V3 overlap across
+    microbatches instead).
 
-    Chunk ``j + 1``'s all-to-all is launched asynchronously (``Group`` work handle) before chunk
-    ``j``'s experts run, and waited for after them. Per token the result is the plain
-    dispatcher's: the experts see the same rows, only in smaller groups. What is overlapped: the
-    forward dispatch. Not overlapped (run as in the plain dispatcher): the combine, the count
-    exchanges (small, one per chunk, before the first launch) and the backward all-to-alls.
-    ``pad_to_capacity`` is refused (per-chunk padding would change the shapes).
+    Forward, for chunks ``j = 0 .. k-1`` (launches are ``Group`` async all-to-alls):
 
-    Raises:
-        ValueError: ``pad_to_capacity`` set.
+    * chunk ``j+1``'s dispatch is launched before chunk ``j``'s experts run;
+    * chunk ``j``'s combine is launched right after its experts, and waited for after chunk
+      ``j+1``'s experts.
+
+    So during chunk ``j``'s experts the dispatch of ``j+1`` and the combine of ``j-1`` are in
+    flight; only chunk 0's dispatch and the last chunk's combine are exposed. Every rank issues
+    the same sequence (D0, D1, C0, D2, C1, ...), which the process group needs.
+
+    Backward: each landed exchange's backward launches the swapped all-to-all asynchronously and
+    the gradient waits for it only when autograd reaches the start of that exchange
+    (:func:`~.collectives.start_all_to_all`). Autograd runs the ready node created last first, so
+    the backward runs: combine-grads of chunks k-1 and k-2 launched, chunk k-1's expert backward
+    (combine-grad of k-2 in flight), its dispatch-grad launched, chunk k-2's expert backward
+    (dispatch-grad of k-1 in flight), ...; the dispatch-grads are waited for last.
+
+    The per-expert counts of all chunks go in one small all-to-all before the first launch. Per
+    token the result is the plain dispatcher's: the experts see the same rows in smaller groups,
+    so the grads match it up to fp32 summation order (tests: 1e-6). ``pad_to_capacity`` is
+    refused (:meth:`check_config`): per-chunk padding would change the shapes.
     """
 
-    num_chunks = 2
+    overlaps_microbatches = False  # its own run() launches and waits; it never calls the hook
 
-    def __init__(self, ctx, num_experts: int, *, capacity: int | None = None, pad_to_capacity: bool = False):
-        if pad_to_capacity:
-            raise ValueError("model.moe_token_dispatcher=alltoall_chunked does not take "
-                             "model.moe_pad_to_capacity=true")
+    def __init__(self, ctx, num_experts: int, *, capacity: int | None = None, pad_to_capacity: bool = False,
+                 num_chunks: int = 2):
+        self._check(pad_to_capacity, num_chunks)
         super().__init__(ctx, num_experts, capacity=capacity, pad_to_capacity=False)
+        self.num_chunks = num_chunks
 
-    def _launch(self, p: _Pending):
-        return start_all_to_all(p.send, self.group, p.out_splits, p.in_splits)
+    @staticmethod
+    def _check(pad_to_capacity: bool, num_chunks: int) -> None:
+        if pad_to_capacity:
+            raise ConfigError("model.moe_token_dispatcher=alltoall_chunked does not take "
+                              "model.moe_pad_to_capacity=true (each chunk would be padded to the "
+                              "microbatch's capacity); use moe_token_dispatcher=alltoall to pad")
+        if not isinstance(num_chunks, int) or num_chunks < 1:
+            raise ConfigError(f"model.moe_dispatch_chunks={num_chunks} must be an integer >= 1 "
+                              "(model.moe_token_dispatcher=alltoall_chunked)")
+
+    @classmethod
+    def options(cls, cfg) -> dict:
+        return {"num_chunks": cfg.moe_dispatch_chunks}
+
+    @classmethod
+    def expert_calls(cls, cfg) -> int:
+        return cfg.moe_dispatch_chunks
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        """Refuse ``model.moe_pad_to_capacity`` (see the class docstring) and a chunk count
+        ``model.moe_dispatch_chunks`` below 1.
+
+        Raises:
+            ConfigError: naming the field and the rule.
+        """
+        cls._check(bool(cfg.moe_pad_to_capacity), cfg.moe_dispatch_chunks)
+
+    def _chunks(self, tokens: torch.Tensor, indices: torch.Tensor) -> list[_Pending]:
+        """Sort each chunk (the same chunks on every EP rank), exchange all their counts at once."""
+        n = -(-tokens.shape[0] // self.num_chunks)  # ceil
+        bounds = [(min(j * n, tokens.shape[0]), min((j + 1) * n, tokens.shape[0])) for j in range(self.num_chunks)]
+        sorted_ = [self._sort(tokens[a:b], indices[a:b]) for a, b in bounds]
+        recv = self._exchange_counts(torch.stack([c.send_counts for c in sorted_], dim=1))  # [ep, k, E_local]
+        return [self._plan(c, recv[:, j]) for j, c in enumerate(sorted_)]
 
     def run(self, tokens: torch.Tensor, indices: torch.Tensor, experts) -> torch.Tensor:
-        n = -(-tokens.shape[0] // self.num_chunks)  # ceil; every EP rank makes the same chunks
-        bounds = [(j * n, min((j + 1) * n, tokens.shape[0])) for j in range(self.num_chunks)]
-        pending = [self._start(tokens[a:max(a, b)], indices[a:max(a, b)]) for a, b in bounds]
-        flights = [self._launch(pending[0])]
-        outs = []
+        pending = self._chunks(tokens, indices)
+        group = self.group
+        dispatches = [start_all_to_all(pending[0].send, group, pending[0].out_splits, pending[0].in_splits,
+                                       kind="dispatch", chunk=0)]
+        combines, outs = [], []
         for j, p in enumerate(pending):
-            if j + 1 < len(pending):
-                flights.append(self._launch(pending[j + 1]))  # in flight while chunk j computes
-            expert_input, tokens_per_expert, plan = self._finish(p, finish_all_to_all(p.send, flights[j]))
-            outs.append(self.combine(experts(expert_input, tokens_per_expert), plan))
+            if j + 1 < len(pending):  # in flight while chunk j computes
+                q = pending[j + 1]
+                dispatches.append(start_all_to_all(q.send, group, q.out_splits, q.in_splits, kind="dispatch",
+                                                   chunk=j + 1))
+            expert_input, tokens_per_expert, plan = self._finish(p, finish_all_to_all(dispatches[j]))
+            own, back = self._split_back(self._experts(experts, expert_input, tokens_per_expert, j), plan)
+            combines.append((start_all_to_all(back, group, plan.in_splits, plan.out_splits, kind="combine",
+                                              chunk=j), own, plan))
+            if j:  # chunk j-1's combine was in flight during chunk j's experts
+                outs.append(self._land(*combines[j - 1]))
+        outs.append(self._land(*combines[-1]))
         return torch.cat(outs)
+
+    def _land(self, flight, own: torch.Tensor, plan: _AllToAllPlan) -> torch.Tensor:
+        return self._to_slots(finish_all_to_all(flight), own, plan)
 
 
 DISPATCHERS: Registry[Callable[..., TokenDispatcher]] = Registry("token dispatcher",
@@ -291,13 +426,27 @@ DISPATCHERS.register("alltoall_chunked", ChunkedAllToAllDispatcher)
 def register_dispatcher(name: str, cls: Callable[..., TokenDispatcher]) -> None:
     """Make ``cls`` selectable as ``model.moe_token_dispatcher = name``.
 
-    ``cls(ctx, num_experts, *, capacity, pad_to_capacity)`` must return an object with the
-    ``dispatch``/``combine`` contract of this module.
+    ``cls(ctx, num_experts, *, capacity, pad_to_capacity, **cls.options(cfg))`` must return an
+    object with the ``dispatch``/``combine`` contract of this module. Optional classmethods (see
+    :class:`TokenDispatcher`): ``options(cfg)``, ``expert_calls(cfg)``, ``check_config(cfg)``.
 
     Raises:
         ValueError: ``name`` is already registered to another class.
     """
     DISPATCHERS.register(name, cls)
+
+
+def check_dispatcher_config(cfg) -> None:
+    """Run the ``check_config`` rules of the dispatcher ``cfg.moe_token_dispatcher`` names (a
+    registered class without that method has none). Called by config validation, before any
+    process group, and by the MoE layer.
+
+    Raises:
+        ConfigError: an unknown dispatcher name, or a rule of that dispatcher.
+    """
+    check = getattr(get_dispatcher(cfg.moe_token_dispatcher), "check_config", None)
+    if check is not None:
+        check(cfg)
 
 
 def get_dispatcher(name: str) -> Callable[..., TokenDispatcher]:

@@ -20,22 +20,31 @@ per-expert weights are stacked ``[E_local, in, out]`` at the start of the forwar
 and up side by side, ``[E_local, h, 2f]``) and the expert-major rows go through one grouped or
 batched matmul. The parameters themselves stay one per expert and projection: they are the
 source of truth for logical names, shard specs, checkpoints (old ones load unchanged, EP
-resharding is unchanged) and the optimizer; autograd routes the stacked weight's grad back to
-them. The stack is a copy of the local expert weights per forward (``E_local * h * f`` elements
-per projection), small next to the ``N * h * f`` multiply-adds of the rows once experts hold more
-than a handful of tokens. An expert that gets no rows receives zero grads (not None), so every rank
-reports the same params to DDP.
+resharding is unchanged) and the optimizer. The stack is a constant to autograd: the backward of
+the grouped GEMM returns the input grad only and its weight grad goes to the params through
+:func:`~paratron.parallel.grads.accumulate_grad`, like a linear layer's. The stack is a copy of
+the local expert weights per forward (``E_local * h * f`` elements per projection), small next to
+the ``N * h * f`` multiply-adds of the rows once experts hold more than a handful of tokens. An
+expert that gets no rows receives zero grads (not None), so every rank reports the same params to
+DDP (which lets DDP reduce expert buckets during backward).
+
+Weight and bias grads, in both the loop (:func:`~paratron.layers.linear.local_linear` per
+projection) and the grouped paths (``grouped_linear(..., weight_grad=)``,
+``RowBias(..., bias_grad)``), are computed in the backward or, while the module's
+``weight_grad_store`` is deferring, queued for the zero-bubble W action (Qi et al. 2023, section
+2), by the same rule as the dense linears (:func:`~paratron.parallel.grads.run_or_defer`).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from paratron.config import ModelConfig, model_shape
 from paratron.layers.init import InitMethod, init_shard_, normal_, scaled_normal_
+from paratron.layers.linear import local_linear
 from paratron.parallel.comm import Group
+from paratron.parallel.grads import accumulate_grad, run_or_defer
 from paratron.parallel.params import ShardSpec, mark
 
 from ..mlp import gelu, swiglu
@@ -47,15 +56,37 @@ from .grouped_gemm import METHODS, RowBias, grouped_linear
 class _BiasOnce(torch.autograd.Function):
     """``x + bias`` on the first rank of the expert-TP group, ``x`` elsewhere (the partial outputs
     are summed afterwards); every rank gets ``sum(grad)`` as the bias grad, which is the full grad
-    because the backward of that sum hands every rank the same output grads."""
+    because the backward of that sum hands every rank the same output grads. The bias grad takes
+    the linears' path (:func:`~paratron.parallel.grads.run_or_defer` on ``owner``)."""
 
     @staticmethod
-    def forward(fctx, x, bias, first: bool):
+    def forward(fctx, x, bias, first: bool, owner):
+        fctx.bias, fctx.owner = bias, owner
         return x + bias if first else x.clone()
 
     @staticmethod
     def backward(fctx, grad):
-        return grad, grad.sum(dim=0), None
+        bias = fctx.bias
+        run_or_defer(fctx.owner, lambda: accumulate_grad(bias, grad.sum(dim=0)))
+        return grad, None, None, None
+
+
+def _unstack(projs: list[list["_Proj"]], grad: torch.Tensor) -> None:
+    """Hand the stacked weight grad ``[E_local, in, sum(out)]`` of the projections ``projs[e]``
+    (side by side along ``out``) to each param, in its ``[out, in]`` layout."""
+    for e, ps in enumerate(projs):
+        start = 0
+        for p in ps:
+            n = p.weight.shape[0]
+            accumulate_grad(p.weight, grad[e, :, start:start + n].t().contiguous())
+            start += n
+
+
+def _unstack_bias(projs: list[list["_Proj"]], grad: torch.Tensor) -> None:
+    """Hand the stacked bias grad ``[E_local, sum(out)]`` to each projection's bias ``[out]``."""
+    for e, ps in enumerate(projs):
+        for p, g in zip(ps, torch.split(grad[e], [p.bias.shape[0] for p in ps])):
+            accumulate_grad(p.bias, g.contiguous())
 
 
 class _Proj(nn.Module):
@@ -89,10 +120,12 @@ class _Proj(nn.Module):
         else:
             self.register_parameter("bias", None)
 
+        self.weight_grad_store = None  # set by the pipeline runtime (zero-bubble W actions)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.split == "in" and self.bias is not None:
-            return _BiasOnce.apply(F.linear(x, self.weight), self.bias, self.first)
-        return F.linear(x, self.weight, self.bias)
+            return _BiasOnce.apply(local_linear(x, self.weight, None, self), self.bias, self.first, self)
+        return local_linear(x, self.weight, self.bias, self)
 
 
 class ExpertMLP(nn.Module):
@@ -152,6 +185,7 @@ class LocalExperts(nn.Module):
             raise ValueError(f"LocalExperts: unknown gemm {gemm!r}; one of {METHODS}")
         self.first_expert, self.gemm, self.activation = first_expert, gemm, cfg.activation
         self.etp: Group = ctx.expert_tp
+        self.weight_grad_store = None  # set by the pipeline runtime (zero-bubble W actions)
         self.local = nn.ModuleList(
             ExpertMLP(cfg, ctx, logical_name=f"{prefix}.experts.{first_expert + i}", seed=seed,
                       params_dtype=params_dtype)
@@ -170,13 +204,18 @@ class LocalExperts(nn.Module):
         """The projections ``names`` of every local expert (side by side along the output) on
         their rows: weights stacked ``[E_local, in, sum(out)]``, one grouped GEMM."""
         projs = [[getattr(e, n) for n in names] for e in self.local]
-        weight = torch.stack([torch.cat([p.weight for p in ps]) for ps in projs]).transpose(1, 2)
-        y = grouped_linear(x, weight, counts, method)
+        with torch.no_grad():  # a constant to autograd: its grad goes to the params themselves
+            weight = torch.stack([torch.cat([p.weight for p in ps]) for ps in projs]).transpose(1, 2)
+        # The stacked weight grad is computed in B, or queued for the W action, like a linear's.
+        y = grouped_linear(x, weight, counts, method,
+                           weight_grad=lambda compute: run_or_defer(self, lambda: _unstack(projs, compute())))
         first = projs[0][0]
         if first.bias is None:
             return y
-        bias = torch.stack([torch.cat([p.bias for p in ps]) for ps in projs])
-        return RowBias.apply(y, bias, row_expert, first.split != "in" or first.first)
+        with torch.no_grad():
+            bias = torch.stack([torch.cat([p.bias for p in ps]) for ps in projs])
+        return RowBias.apply(y, bias, row_expert, first.split != "in" or first.first,
+                             lambda compute: run_or_defer(self, lambda: _unstack_bias(projs, compute())))
 
     def _run(self, x: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
         if not len(self.local):

@@ -21,6 +21,8 @@ doubles the rows (:data:`BMM_MAX_PADDING`), else ``loop``.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 METHODS = ("auto", "grouped_mm", "bmm", "loop")
@@ -51,9 +53,17 @@ class _GroupedMM(torch.autograd.Function):
         x, weight, offs = fctx.saved_tensors
         grad = grad.contiguous()
         gx = torch._grouped_mm(grad, weight.transpose(1, 2), offs=offs) if fctx.needs_input_grad[0] else None
-        # [in, N] @ [N, out] split along N at the same offsets -> [E, in, out].
-        gw = torch._grouped_mm(x.t(), grad, offs=offs) if fctx.needs_input_grad[1] else None
+        gw = _grouped_mm_weight_grad(x, grad, offs) if fctx.needs_input_grad[1] else None
         return gx, gw, None
+
+
+def _grouped_mm_weight_grad(x: torch.Tensor, dy: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    # [in, N] @ [N, out] split along N at the same offsets -> [E, in, out].
+    return torch._grouped_mm(x.t(), dy, offs=offs)
+
+
+def _offsets(counts: list[int], device) -> torch.Tensor:
+    return torch.cumsum(torch.tensor(counts, device=device), 0).to(torch.int32)
 
 
 def _padded_positions(counts: list[int], device) -> tuple[torch.Tensor, int]:
@@ -88,8 +98,13 @@ def choose_method(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> s
     return "loop"
 
 
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int], method: str = "auto") -> torch.Tensor:
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int], method: str = "auto",
+                   weight_grad: Callable[[Callable[[], torch.Tensor]], None] | None = None) -> torch.Tensor:
     """``[N, in]`` expert-major rows times ``weight [E, in, out]`` per expert -> ``[N, out]``.
+
+    With ``weight_grad`` the weight is a constant to autograd: the backward computes the input
+    grad and calls ``weight_grad(compute)``, where ``compute()`` returns the ``[E, in, out]``
+    weight grad (:func:`grouped_weight_grad`); the caller runs it at once or in a later W action.
 
     Raises:
         ValueError: ``counts`` has not ``E`` entries or does not sum to ``N``; unknown ``method``
@@ -107,11 +122,52 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int], met
             raise ValueError(f"grouped_linear: torch._grouped_mm does not apply to {x.dtype} "
                              f"[{x.shape[0]}, {weight.shape[1]}] x [{weight.shape[2]}] (needs fp32/bf16, "
                              "rows > 0 and 16-byte aligned sizes)")
-        offs = torch.cumsum(torch.tensor(counts, device=x.device), 0).to(torch.int32)
-        return _GroupedMM.apply(x.contiguous(), weight, offs)
+    if weight_grad is not None:
+        return _SplitWeightGrad.apply(x, weight.detach(), counts, method, weight_grad)
+    return _dispatch(x, weight, counts, method)
+
+
+def _dispatch(x: torch.Tensor, weight: torch.Tensor, counts: list[int], method: str) -> torch.Tensor:
+    """The product by an already chosen and checked ``method`` (not ``auto``)."""
+    if method == "grouped_mm":
+        return _GroupedMM.apply(x.contiguous(), weight, _offsets(counts, x.device))
     if method == "bmm" and sum(counts) > 0:
         return _bmm(x, weight, counts)
     return _loop(x, weight, counts)
+
+
+def grouped_weight_grad(x: torch.Tensor, dy: torch.Tensor, counts: list[int], method: str) -> torch.Tensor:
+    """The weight grad of :func:`grouped_linear`: ``[E, in, out]``, expert ``e``'s
+    ``x_e^T dy_e`` (``x [N, in]``, ``dy [N, out]`` expert-major), zeros for an expert with no rows.
+    ``method`` is the one the forward ran (not ``auto``); the same GEMMs autograd runs for it."""
+    if method == "grouped_mm":
+        return _grouped_mm_weight_grad(x.contiguous(), dy.contiguous(), _offsets(counts, x.device))
+    if method == "bmm" and sum(counts) > 0:
+        pos, m = _padded_positions(counts, x.device)
+        E = len(counts)
+        px = x.new_zeros(E * m, x.shape[1]).index_copy(0, pos, x).view(E, m, x.shape[1])
+        pdy = dy.new_zeros(E * m, dy.shape[1]).index_copy(0, pos, dy).view(E, m, dy.shape[1])
+        return torch.bmm(px.transpose(1, 2), pdy)
+    return torch.stack([a.t() @ b for a, b in zip(torch.split(x, counts), torch.split(dy, counts))])
+
+
+class _SplitWeightGrad(torch.autograd.Function):
+    """:func:`grouped_linear` whose backward returns only the input grad and hands the weight
+    grad, as a closure, to ``weight_grad`` (zero-bubble B/W split, Qi et al. 2023, section 2)."""
+
+    @staticmethod
+    def forward(fctx, x, weight, counts, method, weight_grad):
+        fctx.save_for_backward(x, weight)
+        fctx.counts, fctx.method, fctx.weight_grad = counts, method, weight_grad
+        return _dispatch(x, weight, counts, method)
+
+    @staticmethod
+    def backward(fctx, dy):
+        x, weight = fctx.saved_tensors
+        counts, method, dy = fctx.counts, fctx.method, dy.contiguous()
+        dx = _dispatch(dy, weight.transpose(1, 2), counts, method) if fctx.needs_input_grad[0] else None
+        fctx.weight_grad(lambda: grouped_weight_grad(x, dy, counts, method))
+        return dx, None, None, None, None
 
 
 class RowBias(torch.autograd.Function):
@@ -119,16 +175,25 @@ class RowBias(torch.autograd.Function):
     else ``y`` unchanged; the bias grad is always the per-expert sum of the row grads. With
     ``add=False`` on all but one rank of the expert-TP group the partial outputs summed afterwards
     hold the bias once, and every rank still gets the full bias grad (the same output grads reach
-    every rank)."""
+    every rank). With ``bias_grad`` (as ``weight_grad`` of :func:`grouped_linear`) the bias is a
+    constant to autograd and ``bias_grad(compute)`` receives a closure computing the ``[E, out]``
+    grad."""
 
     @staticmethod
-    def forward(fctx, y, bias, row_expert, add: bool):
+    def forward(fctx, y, bias, row_expert, add: bool, bias_grad=None):
         fctx.save_for_backward(row_expert)
-        fctx.num_experts = bias.shape[0]
+        fctx.num_experts, fctx.bias_grad = bias.shape[0], bias_grad
         return y + bias.index_select(0, row_expert) if add else y.clone()
 
     @staticmethod
     def backward(fctx, grad):
         (row_expert,) = fctx.saved_tensors
-        gb = grad.new_zeros(fctx.num_experts, grad.shape[-1]).index_add_(0, row_expert, grad)
-        return grad, gb, None, None
+        n = fctx.num_experts
+
+        def compute() -> torch.Tensor:
+            return grad.new_zeros(n, grad.shape[-1]).index_add_(0, row_expert, grad)
+
+        if fctx.bias_grad is not None:
+            fctx.bias_grad(compute)
+            return grad, None, None, None, None
+        return grad, compute(), None, None, None

@@ -42,7 +42,7 @@ from paratron.parallel.params import ShardSpec, mark
 
 from ..mlp import MLP
 from .collectives import gather_rows, split_rows
-from .dispatcher import get_dispatcher
+from .dispatcher import check_dispatcher_config, get_dispatcher
 from .experts import LocalExperts
 from .router import TopKRouter, drop_by_score, drop_over_capacity, expert_capacity
 
@@ -92,7 +92,8 @@ class MoELayer(nn.Module):
         ValueError: ``model.num_experts`` not positive; in ``forward``, without sequence
             parallelism, ``s * b`` not divisible by ``parallel.tensor``.
         ConfigError: a rule of :func:`paratron.config.model_shape.check_moe`; an unknown
-            ``model.moe_token_dispatcher``.
+            ``model.moe_token_dispatcher`` or a rule of that dispatcher
+            (:func:`.dispatcher.check_dispatcher_config`).
     """
 
     def __init__(self, cfg: ModelConfig, ctx, *, layer_number: int, seed: int, sequence_parallel: bool,
@@ -111,7 +112,14 @@ class MoELayer(nn.Module):
         self.experts = LocalExperts(cfg, ctx, prefix=prefix, seed=seed, first_expert=ctx.ep.rank * num_local,
                                     num_local=num_local, params_dtype=params_dtype, gemm=cfg.moe_expert_gemm)
         self.pad_to_capacity = bool(cfg.moe_pad_to_capacity)
+        check_dispatcher_config(cfg)
         self.dispatcher_cls = get_dispatcher(cfg.moe_token_dispatcher)
+        self.dispatcher_options = getattr(self.dispatcher_cls, "options", lambda cfg: {})(cfg)
+        calls = getattr(self.dispatcher_cls, "expert_calls", lambda cfg: 1)(cfg)
+        for p in self.experts.parameters():
+            # The experts' weights get one grad per call in backward: DDP waits for all of them
+            # before reducing inside the last backward (paratron.optim.ddp, grad_uses).
+            p.grad_uses = calls
         self.shared_expert = None
         if cfg.moe_shared_expert_ffn_hidden_size:
             # DeepSpeed-MoE's residual expert (Rajbhandari et al. 2022, section 4.1): a dense MLP
@@ -130,12 +138,15 @@ class MoELayer(nn.Module):
             mark(self.shared_expert_gate, f"{prefix}.shared_expert_gate.weight",
                  sequence_parallel=self.sequence_parallel)
         self.aux_loss_scale = 1.0
+        # Set by the pipeline runtime during the forward half of an FB pair: the dispatcher calls
+        # it after launching each all-to-all asynchronously (see TokenDispatcher.while_in_flight).
+        self.while_in_flight = None
         self.last_aux_loss: torch.Tensor | None = None
         self.last_z_loss: torch.Tensor | None = None
 
     def _dispatcher(self, capacity: int | None):
         return self.dispatcher_cls(self.ctx, self.cfg.num_experts, capacity=capacity,
-                                   pad_to_capacity=self.pad_to_capacity)
+                                   pad_to_capacity=self.pad_to_capacity, **self.dispatcher_options)
 
     takes_layout = True
     """The transformer layer hands :meth:`forward` the microbatch's sequence layout."""
@@ -190,6 +201,7 @@ class MoELayer(nn.Module):
             d_tokens, d_indices = tokens, indices
 
         dispatcher = self._dispatcher(capacity)
+        dispatcher.while_in_flight = self.while_in_flight
         slots = dispatcher.run(d_tokens, d_indices, self.experts)  # [T_d, k, h]
         if replicated:
             slots = gather_rows(slots, tp, grad_is_partial=False)

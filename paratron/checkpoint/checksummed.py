@@ -1,0 +1,265 @@
+"""DCP file storage that checksums payloads as it writes them and verifies just what it reads.
+
+Save: :class:`ChecksummingWriter` is DCP's ``FileSystemWriter`` with one change, the stream each
+payload file (``__<r>_<i>.distcp``) is written through: it passes every buffer on to the file and
+feeds the same memory to a :class:`~paratron.checkpoint.integrity.BlockCrc` (the CRC-32 of each
+``integrity.BLOCK``-byte block). So the checksums cost one pass over bytes already in memory, not
+a second read of the file, and the writer hands the manifest entries back (:attr:`sums`). The
+same stream asks the kernel every 16 MiB to start writing the bytes so far out to disk (Linux
+``sync_file_range``), so the disk works while the CPU serialises and checksums the rest instead
+of all of it waiting for DCP's closing fsync. While it writes, ``torch.save``'s own CRC-32 of each zip record is switched off
+(:func:`no_record_crc32`): ``torch.load`` never checks it, so it was a second checksum pass over
+the same bytes that protected nothing; ours covers every byte of the file.
+
+Load: :class:`BlockReader` reads a payload file by blocks with ``os.preadv`` and checks each block
+it reads against its save-time CRC-32 before the bytes are used (whole blocks straight into the
+caller's buffer; the partial blocks at a range's edges through a small cache). DCP reads each
+saved chunk through a :class:`VerifiedRange` over it (``SafeFileSystemReader._slice_file``), so a
+rank reads, and verifies, only the saved chunks its own chunks overlap, each byte once, plus at
+most the rest of the two edge blocks of each range.
+
+Why a writer subclass and a view rather than DCP's stream-transform extensions: an extension is
+recorded in the metadata by name and must be registered with every reader, and it sees neither the
+file offsets nor the reads' positions that block checksums need.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import zlib
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem
+
+from . import integrity
+from .items import CheckpointError
+
+PAYLOAD_SUFFIX = ".distcp"
+
+
+@contextmanager
+def no_record_crc32():
+    """``torch.save`` writes its zip records without their CRC-32 for the duration (restored after).
+
+    Process-wide (torch keeps one setting); a process runs one checkpoint save at a time.
+    """
+    before = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)
+    try:
+        yield
+    finally:
+        torch.serialization.set_crc32_options(before)
+
+
+def _start_writeback_function():
+    """``fn(fd, offset, nbytes)`` that asks the kernel to start writing a file range to disk
+    without waiting (Linux ``sync_file_range(SYNC_FILE_RANGE_WRITE)``, through ctypes: Python's
+    ``os`` lacks it); None where unavailable."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        fn = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    return lambda fd, offset, nbytes: fn(fd, offset, nbytes, 2)  # 2: SYNC_FILE_RANGE_WRITE
+
+
+class _PayloadStream:
+    """A payload file being written: its bytes also go through a :class:`BlockCrc`, and every
+    ``WRITEBACK`` bytes the kernel is asked to start writing them out, so that the disk works
+    while the CPU checksums and serialises the rest and the closing fsync has little left to wait
+    for (a plain write leaves all of it to the fsync)."""
+
+    WRITEBACK = 16 << 20
+
+    def __init__(self, file, block: int, start_writeback=None) -> None:
+        self._file = file
+        self.crc = integrity.BlockCrc(block)
+        self._start_writeback = start_writeback
+        self._written_back = 0
+
+    def write(self, data) -> int:
+        n = self._file.write(data)
+        self.crc.update(data)
+        if self._start_writeback is not None and self.crc.size - self._written_back >= self.WRITEBACK:
+            self._file.flush()
+            self._start_writeback(self._file.fileno(), self._written_back, self.crc.size - self._written_back)
+            self._written_back = self.crc.size
+        return n
+
+    def tell(self) -> int:
+        return self._file.tell()
+
+    def fileno(self) -> int:
+        return self._file.fileno()
+
+    def flush(self) -> None:
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+    def writable(self) -> bool:
+        return True
+
+
+class _ChecksumFileSystem(FileSystem):
+    def __init__(self, sums: dict[str, list], block: int) -> None:
+        super().__init__()
+        self._sums, self._block = sums, block
+        self._start_writeback = _start_writeback_function()
+
+    @contextmanager
+    def create_stream(self, path, mode: str):
+        if mode != "wb" or not str(path).endswith(PAYLOAD_SUFFIX):
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with super().create_stream(path, mode) as stream:
+            out = _PayloadStream(stream, self._block, self._start_writeback)
+            yield out
+        self._sums[Path(path).name] = out.crc.entry()  # only once the file is complete and closed
+
+
+class ChecksummingWriter(FileSystemWriter):
+    """DCP's ``FileSystemWriter`` whose payload files are checksummed as they are written.
+
+    Args:
+        path: the checkpoint directory.
+        thread_count: DCP's writer threads per rank (one file each).
+
+    Attributes:
+        sums: after the save, ``{payload file name: manifest entry}`` for this rank's payloads
+            (:func:`paratron.checkpoint.integrity.block_entry`).
+    """
+
+    def __init__(self, path: str | os.PathLike, thread_count: int = 1) -> None:
+        super().__init__(str(path), single_file_per_rank=True, sync_files=True, thread_count=thread_count,
+                         overwrite=True)
+        self.sums: dict[str, list] = {}
+        self.fs = _ChecksumFileSystem(self.sums, integrity.BLOCK)
+
+    def write_data(self, plan, planner):
+        with no_record_crc32():
+            return super().write_data(plan, planner)
+
+
+class BlockReader:
+    """Reads byte ranges of one payload file, verifying each block read against its CRC-32.
+
+    Args:
+        path: the file (opened here; :meth:`close` closes it).
+        entry: its manifest entry with block checksums (:func:`integrity.block_entry`).
+        rank: the reading rank, named in errors.
+
+    Attributes:
+        bytes_read: bytes read from the file so far (what the block checks cost included).
+        failure: the error :meth:`read_into` raised, if any (``torch.load`` replaces an error
+            raised inside a read of its file object by an unrelated ``AttributeError``; the caller
+            re-raises this one).
+
+    Raises (from the constructor):
+        CheckpointError: the file is missing, or of another size than at save time.
+    """
+
+    def __init__(self, path: Path, entry: list, rank: int) -> None:
+        integrity.check_size(path, int(entry[1]), rank)
+        self.path, self.size, self.rank = path, int(entry[1]), rank
+        self.block, self.crcs = integrity.entry_blocks(entry)
+        self.bytes_read = 0
+        self.failure: CheckpointError | None = None
+        self._fd = os.open(path, os.O_RDONLY)
+        self._cache: dict[int, bytes] = {}  # verified partial-range blocks, the last two
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+    def read_into(self, start: int, out: memoryview) -> None:
+        """Fill ``out`` with the file's bytes from ``start``, every block they lie in verified.
+
+        Raises:
+            CheckpointError: a block's CRC-32 differs from the one at save time (names the file,
+                the byte range and the rank).
+        """
+        pos, end = start, start + len(out)
+        if end > self.size:
+            self._fail(f"a read of bytes {start:,}-{end:,} goes past its end ({self.size:,} bytes; read by rank "
+                       f"{self.rank}); the checkpoint's metadata does not match it")
+        while pos < end:
+            k = pos // self.block
+            lo, hi = k * self.block, min((k + 1) * self.block, self.size)
+            stop = min(end, hi)
+            if pos == lo and stop == hi and k not in self._cache:  # a whole block: straight into out
+                dest = out[pos - start:hi - start]
+                self._read(dest, lo)
+                self._check(k, dest)
+            else:
+                out[pos - start:stop - start] = self._cached(k)[pos - lo:stop - lo]
+            pos = stop
+
+    def _cached(self, k: int) -> bytes:
+        if k not in self._cache:
+            lo = k * self.block
+            buf = bytearray(min(self.block, self.size - lo))
+            self._read(memoryview(buf), lo)
+            self._check(k, buf)
+            if len(self._cache) >= 2:
+                self._cache.pop(next(iter(self._cache)))
+            self._cache[k] = bytes(buf)
+        return self._cache[k]
+
+    def _read(self, dest: memoryview, at: int) -> None:
+        got = 0
+        while got < len(dest):
+            n = os.preadv(self._fd, [dest[got:]], at + got)
+            if n == 0:
+                self._fail(f"ended at byte {at + got:,} while reading (read by rank {self.rank}); the file is "
+                           "truncated")
+            got += n
+        self.bytes_read += got
+
+    def _check(self, k: int, data) -> None:
+        if k >= len(self.crcs) or zlib.crc32(data) != self.crcs[k]:
+            lo = k * self.block
+            self._fail(f"checksum mismatch in bytes {lo:,}-{lo + len(data):,} (read by rank {self.rank}); the file "
+                       "is corrupt")
+
+    def _fail(self, what: str) -> None:
+        self.failure = CheckpointError(f"{self.path}: {what}")
+        raise self.failure
+
+
+class VerifiedRange(io.RawIOBase):
+    """A read-only, seekable window ``[offset, offset + length)`` of a file read through a
+    :class:`BlockReader` (what DCP's ``torch.load`` of one saved chunk reads)."""
+
+    def __init__(self, reader: BlockReader, offset: int, length: int) -> None:
+        super().__init__()
+        self._reader, self._offset, self._length, self._pos = reader, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = os.SEEK_SET) -> int:
+        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos, os.SEEK_END: self._length}[whence]
+        self._pos = max(0, base + pos)
+        return self._pos
+
+    def readinto(self, b) -> int:
+        n = max(0, min(len(b), self._length - self._pos))
+        if n:
+            self._reader.read_into(self._offset + self._pos, memoryview(b).cast("B")[:n])
+            self._pos += n
+        return n
