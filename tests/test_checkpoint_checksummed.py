@@ -103,6 +103,23 @@ def test_block_checksums_written_equal_the_files_and_catch_a_flipped_byte(tmp_pa
     _, back = load_model_full(tmp_path / "ck")
 
 
+def test_a_checkpoint_with_whole_file_checksums_only_is_still_verified(tmp_path):
+    """Manifests written before block checksums list ``[crc32, size]``: the payload is verified
+    whole before it is read, so it still loads, and a flipped byte is still refused."""
+    tensors = {"a": torch.randn(300, 5, generator=torch.Generator().manual_seed(1))}
+    save_model_full(tmp_path / "ck", Config(), tensors)
+    man = json.loads((tmp_path / "ck" / MANIFEST).read_text())
+    man[integrity.CHECKSUMS] = {k: v[:2] for k, v in man[integrity.CHECKSUMS].items()}
+    (tmp_path / "ck" / MANIFEST).write_bytes(integrity.seal_manifest(man))
+    _, back = load_model_full(tmp_path / "ck")
+    assert torch.equal(back["a"], tensors["a"])
+    (payload,) = (tmp_path / "ck").glob("*.distcp")
+    data = payload.read_bytes()
+    payload.write_bytes(data[:-7] + bytes([data[-7] ^ 1]) + data[-6:])
+    with pytest.raises(CheckpointError, match=rf"{payload.name}: checksum mismatch: crc32"):
+        load_model_full(tmp_path / "ck")
+
+
 def test_all_finite_is_exact_when_a_sum_overflows():
     assert all_finite(torch.full((100,), 3e38))  # the float32 sum overflows; the values are finite
     assert all_finite(torch.full((100,), 60000.0, dtype=torch.float16))

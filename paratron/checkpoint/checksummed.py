@@ -186,7 +186,6 @@ class BlockReader:
         rank: the reading rank, named in errors.
 
     Attributes:
-        bytes_read: bytes read from the file so far (what the block checks cost included).
         failure: the error :meth:`read_into` raised, if any (``torch.load`` replaces an error
             raised inside a read of its file object by an unrelated ``AttributeError``; the caller
             re-raises this one).
@@ -199,10 +198,9 @@ class BlockReader:
         integrity.check_size(path, int(entry[1]), rank)
         self.path, self.size, self.rank = path, int(entry[1]), rank
         self.block, self.crcs = integrity.entry_blocks(entry)
-        self.bytes_read = 0
         self.failure: CheckpointError | None = None
         self._fd = os.open(path, os.O_RDONLY)
-        self._cache: dict[int, bytes] = {}  # verified partial-range blocks, the last two
+        self._cache: dict[int, memoryview] = {}  # verified blocks read for partial ranges, by last use
 
     def close(self) -> None:
         os.close(self._fd)
@@ -230,16 +228,19 @@ class BlockReader:
                 out[pos - start:stop - start] = self._cached(k)[pos - lo:stop - lo]
             pos = stop
 
-    def _cached(self, k: int) -> bytes:
-        if k not in self._cache:
+    def _cached(self, k: int) -> memoryview:
+        """Block ``k``, read and verified once while it stays among the last few used (the
+        blocks at the edges of neighbouring saved chunks, which their headers share)."""
+        view = self._cache.pop(k, None)
+        if view is None:
             lo = k * self.block
-            buf = bytearray(min(self.block, self.size - lo))
-            self._read(memoryview(buf), lo)
-            self._check(k, buf)
-            if len(self._cache) >= 2:
-                self._cache.pop(next(iter(self._cache)))
-            self._cache[k] = bytes(buf)
-        return self._cache[k]
+            view = memoryview(bytearray(min(self.block, self.size - lo)))
+            self._read(view, lo)
+            self._check(k, view)
+            if len(self._cache) >= 3:
+                self._cache.pop(next(iter(self._cache)))  # the least recently used
+        self._cache[k] = view  # (re)inserted last: most recently used
+        return view
 
     def _read(self, dest: memoryview, at: int) -> None:
         got = 0
@@ -249,7 +250,6 @@ class BlockReader:
                 self._fail(f"ended at byte {at + got:,} while reading (read by rank {self.rank}); the file is "
                            "truncated")
             got += n
-        self.bytes_read += got
 
     def _check(self, k: int, data) -> None:
         if k >= len(self.crcs) or zlib.crc32(data) != self.crcs[k]:
