@@ -217,6 +217,15 @@ def test_overlap_matches_plain_schedule(name):
             _assert_dispatch_inside_other_backward(res["timeline"], res["pp_rank"])
 
 
+@pytest.mark.slow
+def test_overlap_matches_plain_schedule_ep2_tp2_pp2():
+    """All three at once: 8 ranks (slow on 2 cores)."""
+    results = run_ranks(_plain_and_overlapped, 8, "1f1b", dict(ep=2, tp=2, sp=True, pp=2, gbs=8), 8, timeout=600)
+    for res in results:
+        _assert_same(res, "ep2-tp2-sp-pp2")
+        _assert_dispatch_inside_other_backward(res["timeline"], res["pp_rank"])
+
+
 def _assert_dispatch_inside_other_backward(events, rank):
     """Some dispatch all-to-all of microbatch a runs from launch to wait inside the backward of
     another microbatch b on this rank (the backward's pieces ran while it was in flight)."""
