@@ -16,7 +16,7 @@ import torch
 
 from paratron.config import Config, validate as validate_config
 from paratron.parallel.context import ParallelContext
-from paratron.pipeline.actions import BW, FB, Action, F, expand
+from paratron.pipeline.actions import BW, FB, Action, F, expand, forward_only
 from paratron.pipeline.overlap import overlap_fb
 from paratron.pipeline.registry import build_schedule
 from paratron.pipeline.schedules import with_p2p
@@ -42,6 +42,7 @@ def test_overlap_keeps_work_and_validity(name, p, m, v):
             assert sorted(map(str, expand([a for a in after if not a.is_p2p]))) == \
                 sorted(str(a) for a in before if not a.is_p2p)
         assert simulate(lists, costs).makespan <= simulate(plain, costs).makespan
+        validate([forward_only(acts) for acts in lists], m, forward_only=True)  # evaluation runs the F halves
 
 
 @pytest.mark.parametrize("name,p,m,v", [("1f1b", 1, 4, 1), ("1f1b", 2, 4, 1), ("zb-h1", 4, 8, 1),
@@ -163,6 +164,8 @@ def _train(cfg: Config, ctx, actions, timeline=None) -> dict:
                                ddp=ddp, actions=actions, timeline=timeline)
         optimizer.step()
         losses.append(out.loss)
+    # Evaluation runs the same list forward-only (an FB keeps its forward half).
+    losses.append(run_global_batch(cfg, ctx, chunks, mbs, forward_only=True, actions=actions).loss)
     params = {p.logical_name: p.detach().clone() for c in chunks for p in c.parameters()}
     return {"losses": losses, "params": params}
 
