@@ -60,7 +60,8 @@ def _train(cfg: Config, ctx, prefix: str) -> dict:
     history, rows = [], []
     for step in range(STEPS):
         # rows padded for the SP / CP splits, then this CP rank's chunks (as the data loader does)
-        mbs = [prepare(collate_pieces(pieces, src.read, row_multiple(cfg.parallel))) for pieces in sampler.step(step * G)]
+        mbs = [prepare(collate_pieces(pieces, src.read, row_multiple(cfg.parallel)))
+               for pieces in sampler.step(step * G)]
         rows.append([mb["tokens"].shape[1] for mb in mbs])
         optimizer.zero_grad()
         out = run_global_batch(cfg, ctx, chunks, mbs, forward_only=False, ddp=ddp)
