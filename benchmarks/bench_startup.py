@@ -145,8 +145,12 @@ def summarize(results: dict) -> dict:
             row = {"first_step_s": statistics.median(r["first_step"] for r in runs),
                    "exit_s": statistics.median(r["exit"] for r in runs), "runs": len(runs)}
             recs = [r["startup"] for r in runs if r["startup"]]
-            if recs:
-                row["startup_record"] = recs[len(recs) // 2]
+            if recs:  # per part and per side (rank 0, slowest), the median over the runs
+                row["startup_median"] = {
+                    part: {side: statistics.median(r["parts"][part][side] for r in recs if part in r["parts"])
+                           for side in ("rank0", "slowest")}
+                    for part in recs[0]["parts"]} | {"wall": {
+                        side: statistics.median(r["wall"][side] for r in recs) for side in ("rank0", "slowest")}}
             table[f"{name}/{mode}"] = row
     return table
 

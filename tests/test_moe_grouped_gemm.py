@@ -86,20 +86,20 @@ def test_local_experts_match_per_expert_loop(activation, bias, gemm):
 
 @pytest.mark.parametrize("activation,gemm", [("swiglu", "grouped_mm"), ("gelu", "bmm"), ("gelu", "loop")])
 def test_local_experts_defer_weight_grads_to_w(activation, gemm):
-    """With the zero-bubble store deferring (a B action), no expert weight gets a grad in the
-    backward; one flush (the W action) gives each weight the grad of a plain backward, bitwise,
-    zero for the experts without rows."""
+    """With the zero-bubble store deferring (a B action), no expert weight or bias gets a grad in
+    the backward; one flush (the W action) gives each the grad of a plain backward, bitwise, zero
+    for the experts without rows."""
     experts = _experts(activation, True, gemm)
     x, probe = _rows(sum(COUNTS), 16, 4).requires_grad_(), _rows(sum(COUNTS), 16, 5)
     (experts(x, COUNTS) * probe).sum().backward()
-    want = {n: p.grad for n, p in experts.named_parameters() if n.endswith("weight")}
+    want = {n: p.grad for n, p in experts.named_parameters()}
     experts.zero_grad(set_to_none=True)
     (store,) = attach_weight_grad_stores([experts])
     store.deferring = True
     (experts(x, COUNTS) * probe).sum().backward()
     store.deferring = False
     store.mark()
-    assert all(experts.get_parameter(n).grad is None for n in want), "a weight grad was not deferred"
+    assert all(experts.get_parameter(n).grad is None for n in want), "a grad was not deferred"
     store.flush()
     store.assert_empty()
     for n, g in want.items():

@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from paratron.config import ConfigError, ModelConfig, validate
-from paratron.models.moe.dispatcher import DISPATCHERS, ChunkedAllToAllDispatcher
 from paratron.models.moe.layer import MoELayer
 from paratron.parallel.context import ParallelContext
 from paratron.parallel.intervals import Interval, hidden_fraction, overlaps, recording, timed
@@ -73,17 +72,13 @@ def test_timeline_shows_chunked_overlap_and_plain_shows_none():
         assert _pairs(ivs, FORWARD + BACKWARD, "experts") + _pairs(ivs, FORWARD + BACKWARD, "experts_grad") == []
 
 
-class _ThreeChunks(ChunkedAllToAllDispatcher):
-    num_chunks = 3  # 16 tokens -> chunks of 6, 6, 4: three dispatches in flight order D0 D1 C0 D2 C1
-
-
 def _three_chunks_against_plain():
-    """EP=2: the same layer (seed) and input through the plain and the 3-chunk dispatcher."""
-    DISPATCHERS.register("test-chunked3", _ThreeChunks, replace=True)
+    """EP=2: the same layer (seed) and input through the plain dispatcher and 3 chunks (16
+    tokens -> 6, 6, 4: launches D0 D1 C0 D2 C1 C2)."""
     ctx = ParallelContext.build(ep=2)
     out = []
-    for name in ("alltoall", "test-chunked3"):
-        layer = MoELayer(_cfg(name), ctx, layer_number=0, seed=3, sequence_parallel=False)
+    for cfg in (_cfg("alltoall"), dataclasses.replace(_cfg("alltoall_chunked"), moe_dispatch_chunks=3)):
+        layer = MoELayer(cfg, ctx, layer_number=0, seed=3, sequence_parallel=False)
         x = torch.randn(S, B, H, generator=torch.Generator().manual_seed(10 + ctx.rank)).requires_grad_()
         y = layer(x)
         y.square().sum().backward()
@@ -143,7 +138,8 @@ def test_pipeline_timeline_carries_recorded_intervals(tmp_path):
 
 def test_chunked_dispatcher_refuses_padding_at_validation():
     """The rule lives in the dispatcher (check_config) and runs in ``validate``, before any
-    process group, naming both fields; the layer runs the same rule at construction."""
+    process group, naming both fields; the layer runs the same rule at construction. The chunk
+    count is checked there too."""
     bad = dict(model__num_experts=4, model__moe_token_dispatcher="alltoall_chunked",
                model__moe_capacity_factor=1.0, model__moe_pad_to_capacity=True)
     with pytest.raises(ConfigError, match=r"moe_token_dispatcher=alltoall_chunked .*moe_pad_to_capacity=true"):
@@ -156,3 +152,6 @@ def test_chunked_dispatcher_refuses_padding_at_validation():
                  ParallelContext.single(), layer_number=0, seed=3, sequence_parallel=False)
     with pytest.raises(ConfigError, match="model.moe_token_dispatcher"):
         validate(config_with(model__num_experts=4, model__moe_token_dispatcher="no-such-dispatcher"))
+    with pytest.raises(ConfigError, match=r"model.moe_dispatch_chunks=0 must be an integer >= 1"):
+        validate(config_with(model__num_experts=4, model__moe_token_dispatcher="alltoall_chunked",
+                             model__moe_dispatch_chunks=0))

@@ -4,13 +4,14 @@ The tiny MoE GPT of ``test_moe_gpt`` (4 experts, top-2, SGD lr 0.5, 2 steps of 4
 through the real stack, with probes on three internals, installed in the ranks only:
 
 * the pipeline runtime's ``compute`` notes which action (``F``/``B``/``W``/``BW``) is running;
-* DDP's grad-ready entry counts the grad events of expert weights per action kind (a weight
-  grad reaches DDP when its GEMM has run, so this counts the expert weight-grad GEMMs);
+* DDP's grad-ready entry counts the grad events of expert params per action kind (a weight
+  grad reaches DDP when its GEMM has run, so this counts the expert weight-grad GEMMs; biases
+  follow the same path);
 * DDP's bucket launch (ZeRO-2's bucket flush) notes the action it happened in (None: at
   finalisation, after the schedule).
 
-Must show: at PP=2 x EP=2 with zb-h1 and zbv every expert weight grad is computed in a ``W``
-action, never in ``B``, and the run matches one process to 1e-5 (grads through the first SGD
+Must show: at PP=2 x EP=2 with zb-h1 and zbv every expert weight (and bias) grad is computed in a
+``W`` action, never in ``B``, and the run matches one process to 1e-5 (grads through the first SGD
 update, params after 2 steps, losses); at EP=2 x DP=4 (expert-DP 2) every expert bucket starts
 its reduction inside the last backward action of the step with overlap on, and the params are
 bitwise equal to overlap off (ZeRO-2's expert buckets flush during backward too, equal to 1e-6).
@@ -59,7 +60,7 @@ class _Probe:
                 probe.action = None
 
         def grad_ready(ddp, p):
-            if ".experts." in p.logical_name and p.logical_name.endswith(".weight"):
+            if ".experts." in p.logical_name:
                 probe.expert_grads[probe.action] += 1
             saved[1](ddp, p)
 
@@ -128,8 +129,8 @@ def _assert_matches(res, ref, where):
         assert loss == pytest.approx(rloss, rel=1e-5), where
 
 
-def _expert_weights(res) -> int:
-    return sum(".experts." in n and n.endswith(".weight") for n in res["params"])
+def _expert_params(res) -> int:
+    return sum(".experts." in n for n in res["params"])
 
 
 def test_zero_bubble_defers_expert_weight_grads():
@@ -137,7 +138,7 @@ def test_zero_bubble_defers_expert_weight_grads():
     with the chunked dispatcher (the experts run twice per microbatch) and zb-h1 with ZeRO-3 (its W
     actions run with the layer's params freed). Every expert weight grad of every microbatch
     arrives in a W action (none in B), every expert bucket starts its reduction inside the stage's
-    last W, and grads, params and losses match one process to 1e-5."""
+    last W, and grads, params and losses match one process to 1e-5 (the experts have biases)."""
     results = run_ranks(_rank_zero_bubble, 4, 4, timeout=300)
     ref = _reference()
     microbatches = 2
@@ -146,8 +147,8 @@ def test_zero_bubble_defers_expert_weight_grads():
             where = f"{schedule} {dispatcher} zero={zero} rank {rank}"
             grads, launches = res["probe"]
             calls = 2 if dispatcher == CHUNKED else 1
-            want = _expert_weights(res) * microbatches * STEPS * calls
-            assert want > 0 and grads == {"W": want}, f"{where}: expert weight grads by action {grads}"
+            want = _expert_params(res) * microbatches * STEPS * calls
+            assert want > 0 and grads == {"W": want}, f"{where}: expert grads by action {grads}"
             expert = [action for is_expert, action in launches if is_expert]
             assert expert and set(expert) == {"W"}, f"{where}: expert buckets launched in {expert}"
             _assert_matches(res, ref, where)

@@ -64,6 +64,9 @@ class ModelConfig:
     """Inner width of the shared expert; None means no shared expert."""
     moe_token_dispatcher: str = "alltoall"
     """Token dispatcher registry name: alltoall, allgather or alltoall_chunked."""
+    moe_dispatch_chunks: int = 2
+    """alltoall_chunked: token chunks per microbatch (k >= 1); chunk i+1's dispatch and chunk
+    i-1's combine are in flight while chunk i's experts compute."""
     moe_pad_to_capacity: bool = False
     """With a capacity factor, pad every expert's rows to its capacity (static shapes)."""
     moe_aux_loss_type: Literal["micro_batch", "seq"] = "micro_batch"

@@ -20,7 +20,7 @@ therefore keeps a pair only if the lists still run and the simulated makespan do
 
 from __future__ import annotations
 
-from .actions import FB, Action
+from .actions import FB, Action, activation_peak
 from .schedules import with_p2p
 from .simulator import Costs, simulate
 from .validate import ScheduleError, validate
@@ -60,7 +60,8 @@ def _fused(order: list[Action], i: int, j: int, pair: Action) -> list[Action]:
     return order[:i] + [pair] + order[i + 1:j] + order[j + 1:]
 
 
-def overlap_fb(schedule: list[list[Action]], costs: Costs | None = None) -> list[list[Action]]:
+def overlap_fb(schedule: list[list[Action]], costs: Costs | None = None, *,
+               memory_budget: int | None = None) -> list[list[Action]]:
     """Fuse neighbouring forward and backward actions of different microbatches into ``FB``
     pairs wherever that keeps the lists valid and does not lengthen the simulated step.
 
@@ -69,6 +70,10 @@ def overlap_fb(schedule: list[list[Action]], costs: Costs | None = None) -> list
             their send/recv actions are rebuilt by :func:`~paratron.pipeline.schedules.with_p2p`.
         costs: what the simulator charges (``comm_F``/``comm_B`` > 0 make pairs pay off);
             default :data:`DEFAULT_COSTS`.
+        memory_budget: if given, a pair is refused when it would raise a rank's peak in-flight
+            activations (:func:`~paratron.pipeline.actions.activation_peak`) above it. A pair
+            holds both halves' activations at once, so a backward paired with the forward that
+            followed it raises that rank's peak by one; None: no limit.
 
     Returns:
         New lists: the same compute, some of it in ``FB`` pairs, with sends and receives placed
@@ -90,14 +95,16 @@ def overlap_fb(schedule: list[list[Action]], costs: Costs | None = None) -> list
             if found is None:
                 break
             i, j, pair = found
+            start = i + 1
             trial = orders[:r] + [_fused(orders[r], i, j, pair)] + orders[r + 1:]
+            if memory_budget is not None and activation_peak(trial[r]) > memory_budget:
+                continue
             try:  # the halves' own-rank rules hold by construction; a deadlock raises here
                 span = simulate(with_p2p(trial), costs).makespan
             except ScheduleError:
                 span = None
             if span is not None and span <= best:
                 orders, best = trial, span
-            start = i + 1
     lists = with_p2p(orders)
     validate(lists, m)
     return lists

@@ -5,6 +5,7 @@ Example::
     paratron simulate --schedule zb-h1 --pipeline 4 --microbatches 8 --output zbh1.png
     paratron simulate --schedule interleaved --pipeline 4 --microbatches 8 --virtual 2 \\
         --cost-f 1 --cost-b 1 --cost-w 1 --latency 0.1 --output plan.json
+    paratron simulate --schedule zb-h1 --pipeline 4 --microbatches 8 --comm-f 0.5 --comm-b 0.5 --overlap-fb
 
 The output format follows the file extension: ``.png`` (matplotlib) or ``.json`` (Chrome trace).
 """
@@ -34,6 +35,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--link-latency", default=None,
                         help="extra latency per link between ranks k and k+1, comma-separated (p-1 values, same "
                              "unit); 1f1b-delay takes its warm-ups from it")
+    parser.add_argument("--comm-f", type=float, default=0.0,
+                        help="MoE all-to-all time inside each forward (part of --cost-f)")
+    parser.add_argument("--comm-b", type=float, default=0.0,
+                        help="MoE all-to-all time inside each backward (part of --cost-b)")
+    parser.add_argument("--overlap-fb", action="store_true",
+                        help="pair forwards and backwards of different microbatches (FB, pipeline.overlap) "
+                             "and print the plain schedule's makespan for comparison")
     parser.add_argument("--output", default=None, help="timeline file: .png or .json (Chrome trace)")
 
 
@@ -53,8 +61,15 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"paratron simulate: {e}", file=sys.stderr)
         return 2
-    result = simulate(schedule, Costs(F=args.cost_f, B=args.cost_b, W=args.cost_w, latency=args.latency,
-                                     link_latency=links))
+    costs = Costs(F=args.cost_f, B=args.cost_b, W=args.cost_w, latency=args.latency, link_latency=links,
+                  comm_F=args.comm_f, comm_B=args.comm_b)
+    if args.overlap_fb:
+        from .overlap import overlap_fb
+
+        print(f"without FB pairs: makespan {simulate(schedule, costs).makespan:.6g}")
+        schedule = overlap_fb(schedule, costs)
+        print(f"FB pairs: {sum(a.kind == 'FB' for acts in schedule for a in acts)}")
+    result = simulate(schedule, costs)
     print(f"schedule {args.schedule}: p={p} m={m} v={v}")
     print(result.summary())
     if args.output:

@@ -108,7 +108,12 @@ class TokenDispatcher(ABC):
         return timed(self.group.ledger, "experts", experts, rows, tokens_per_expert, chunk=chunk)
 
     @classmethod
-    def expert_calls(cls) -> int:
+    def options(cls, cfg) -> dict:
+        """Extra constructor keywords this dispatcher takes from the model config (none here)."""
+        return {}
+
+    @classmethod
+    def expert_calls(cls, cfg) -> int:
         """How many times :meth:`run` calls the experts per forward (each call gives every local
         expert weight one grad event in backward; DDP is told through ``param.grad_uses``)."""
         return 1
@@ -314,7 +319,8 @@ class AllGatherDispatcher(TokenDispatcher):
 
 
 class ChunkedAllToAllDispatcher(AllToAllDispatcher):
-    """All-to-all dispatch and combine in ``num_chunks`` chunks of tokens, with the exchanges of
+    """All-to-all dispatch and combine in ``num_chunks`` (``model.moe_dispatch_chunks``, k)
+    chunks of tokens, with the exchanges of
     one chunk in flight while another chunk's experts compute, forward and backward (the chunked
     EP overlap of Megatron-LM / DeepSpeed; FarSkip-Collective and DeepSeek-V3 overlap across
     microbatches instead).
@@ -344,31 +350,39 @@ class ChunkedAllToAllDispatcher(AllToAllDispatcher):
 
     overlaps_microbatches = False  # its own run() launches and waits; it never calls the hook
 
-    num_chunks = 2
-
-    def __init__(self, ctx, num_experts: int, *, capacity: int | None = None, pad_to_capacity: bool = False):
-        self._refuse_padding(pad_to_capacity)
+    def __init__(self, ctx, num_experts: int, *, capacity: int | None = None, pad_to_capacity: bool = False,
+                 num_chunks: int = 2):
+        self._check(pad_to_capacity, num_chunks)
         super().__init__(ctx, num_experts, capacity=capacity, pad_to_capacity=False)
-
-    @classmethod
-    def expert_calls(cls) -> int:
-        return cls.num_chunks
+        self.num_chunks = num_chunks
 
     @staticmethod
-    def _refuse_padding(pad_to_capacity: bool) -> None:
+    def _check(pad_to_capacity: bool, num_chunks: int) -> None:
         if pad_to_capacity:
             raise ConfigError("model.moe_token_dispatcher=alltoall_chunked does not take "
                               "model.moe_pad_to_capacity=true (each chunk would be padded to the "
                               "microbatch's capacity); use moe_token_dispatcher=alltoall to pad")
+        if not isinstance(num_chunks, int) or num_chunks < 1:
+            raise ConfigError(f"model.moe_dispatch_chunks={num_chunks} must be an integer >= 1 "
+                              "(model.moe_token_dispatcher=alltoall_chunked)")
+
+    @classmethod
+    def options(cls, cfg) -> dict:
+        return {"num_chunks": cfg.moe_dispatch_chunks}
+
+    @classmethod
+    def expert_calls(cls, cfg) -> int:
+        return cfg.moe_dispatch_chunks
 
     @classmethod
     def check_config(cls, cfg) -> None:
-        """Refuse ``model.moe_pad_to_capacity`` (see the class docstring).
+        """Refuse ``model.moe_pad_to_capacity`` (see the class docstring) and a chunk count
+        ``model.moe_dispatch_chunks`` below 1.
 
         Raises:
-            ConfigError: ``moe_pad_to_capacity`` is true.
+            ConfigError: naming the field and the rule.
         """
-        cls._refuse_padding(bool(cfg.moe_pad_to_capacity))
+        cls._check(bool(cfg.moe_pad_to_capacity), cfg.moe_dispatch_chunks)
 
     def _chunks(self, tokens: torch.Tensor, indices: torch.Tensor) -> list[_Pending]:
         """Sort each chunk (the same chunks on every EP rank), exchange all their counts at once."""
@@ -412,8 +426,9 @@ DISPATCHERS.register("alltoall_chunked", ChunkedAllToAllDispatcher)
 def register_dispatcher(name: str, cls: Callable[..., TokenDispatcher]) -> None:
     """Make ``cls`` selectable as ``model.moe_token_dispatcher = name``.
 
-    ``cls(ctx, num_experts, *, capacity, pad_to_capacity)`` must return an object with the
-    ``dispatch``/``combine`` contract of this module.
+    ``cls(ctx, num_experts, *, capacity, pad_to_capacity, **cls.options(cfg))`` must return an
+    object with the ``dispatch``/``combine`` contract of this module. Optional classmethods (see
+    :class:`TokenDispatcher`): ``options(cfg)``, ``expert_calls(cfg)``, ``check_config(cfg)``.
 
     Raises:
         ValueError: ``name`` is already registered to another class.

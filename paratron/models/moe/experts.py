@@ -28,11 +28,11 @@ the ``N * h * f`` multiply-adds of the rows once experts hold more than a handfu
 expert that gets no rows receives zero grads (not None), so every rank reports the same params to
 DDP (which lets DDP reduce expert buckets during backward).
 
-Weight grads, in both the loop (:func:`~paratron.layers.linear.local_linear` per projection) and
-the grouped paths, are computed in the backward or, while the module's ``weight_grad_store`` is
-deferring, queued for the zero-bubble W action (Qi et al. 2023, section 2), by the same rule as the
-dense linears (:func:`~paratron.parallel.grads.run_or_defer`). Biases of the grouped path and of
-``fc2`` under expert TP keep their autograd grads (row sums, no GEMM).
+Weight and bias grads, in both the loop (:func:`~paratron.layers.linear.local_linear` per
+projection) and the grouped paths (``grouped_linear(..., weight_grad=)``,
+``RowBias(..., bias_grad)``), are computed in the backward or, while the module's
+``weight_grad_store`` is deferring, queued for the zero-bubble W action (Qi et al. 2023, section
+2), by the same rule as the dense linears (:func:`~paratron.parallel.grads.run_or_defer`).
 """
 
 from __future__ import annotations
@@ -56,15 +56,19 @@ from .grouped_gemm import METHODS, RowBias, grouped_linear
 class _BiasOnce(torch.autograd.Function):
     """``x + bias`` on the first rank of the expert-TP group, ``x`` elsewhere (the partial outputs
     are summed afterwards); every rank gets ``sum(grad)`` as the bias grad, which is the full grad
-    because the backward of that sum hands every rank the same output grads."""
+    because the backward of that sum hands every rank the same output grads. The bias grad takes
+    the linears' path (:func:`~paratron.parallel.grads.run_or_defer` on ``owner``)."""
 
     @staticmethod
-    def forward(fctx, x, bias, first: bool):
+    def forward(fctx, x, bias, first: bool, owner):
+        fctx.bias, fctx.owner = bias, owner
         return x + bias if first else x.clone()
 
     @staticmethod
     def backward(fctx, grad):
-        return grad, grad.sum(dim=0), None
+        bias = fctx.bias
+        run_or_defer(fctx.owner, lambda: accumulate_grad(bias, grad.sum(dim=0)))
+        return grad, None, None, None
 
 
 def _unstack(projs: list[list["_Proj"]], grad: torch.Tensor) -> None:
@@ -76,6 +80,13 @@ def _unstack(projs: list[list["_Proj"]], grad: torch.Tensor) -> None:
             n = p.weight.shape[0]
             accumulate_grad(p.weight, grad[e, :, start:start + n].t().contiguous())
             start += n
+
+
+def _unstack_bias(projs: list[list["_Proj"]], grad: torch.Tensor) -> None:
+    """Hand the stacked bias grad ``[E_local, sum(out)]`` to each projection's bias ``[out]``."""
+    for e, ps in enumerate(projs):
+        for p, g in zip(ps, torch.split(grad[e], [p.bias.shape[0] for p in ps])):
+            accumulate_grad(p.bias, g.contiguous())
 
 
 class _Proj(nn.Module):
@@ -113,7 +124,7 @@ class _Proj(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.split == "in" and self.bias is not None:
-            return _BiasOnce.apply(local_linear(x, self.weight, None, self), self.bias, self.first)
+            return _BiasOnce.apply(local_linear(x, self.weight, None, self), self.bias, self.first, self)
         return local_linear(x, self.weight, self.bias, self)
 
 
@@ -201,8 +212,10 @@ class LocalExperts(nn.Module):
         first = projs[0][0]
         if first.bias is None:
             return y
-        bias = torch.stack([torch.cat([p.bias for p in ps]) for ps in projs])
-        return RowBias.apply(y, bias, row_expert, first.split != "in" or first.first)
+        with torch.no_grad():
+            bias = torch.stack([torch.cat([p.bias for p in ps]) for ps in projs])
+        return RowBias.apply(y, bias, row_expert, first.split != "in" or first.first,
+                             lambda compute: run_or_defer(self, lambda: _unstack_bias(projs, compute())))
 
     def _run(self, x: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
         if not len(self.local):

@@ -175,16 +175,25 @@ class RowBias(torch.autograd.Function):
     else ``y`` unchanged; the bias grad is always the per-expert sum of the row grads. With
     ``add=False`` on all but one rank of the expert-TP group the partial outputs summed afterwards
     hold the bias once, and every rank still gets the full bias grad (the same output grads reach
-    every rank)."""
+    every rank). With ``bias_grad`` (as ``weight_grad`` of :func:`grouped_linear`) the bias is a
+    constant to autograd and ``bias_grad(compute)`` receives a closure computing the ``[E, out]``
+    grad."""
 
     @staticmethod
-    def forward(fctx, y, bias, row_expert, add: bool):
+    def forward(fctx, y, bias, row_expert, add: bool, bias_grad=None):
         fctx.save_for_backward(row_expert)
-        fctx.num_experts = bias.shape[0]
+        fctx.num_experts, fctx.bias_grad = bias.shape[0], bias_grad
         return y + bias.index_select(0, row_expert) if add else y.clone()
 
     @staticmethod
     def backward(fctx, grad):
         (row_expert,) = fctx.saved_tensors
-        gb = grad.new_zeros(fctx.num_experts, grad.shape[-1]).index_add_(0, row_expert, grad)
-        return grad, gb, None, None
+        n = fctx.num_experts
+
+        def compute() -> torch.Tensor:
+            return grad.new_zeros(n, grad.shape[-1]).index_add_(0, row_expert, grad)
+
+        if fctx.bias_grad is not None:
+            fctx.bias_grad(compute)
+            return grad, None, None, None, None
+        return grad, compute(), None, None, None

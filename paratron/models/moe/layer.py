@@ -114,7 +114,8 @@ class MoELayer(nn.Module):
         self.pad_to_capacity = bool(cfg.moe_pad_to_capacity)
         check_dispatcher_config(cfg)
         self.dispatcher_cls = get_dispatcher(cfg.moe_token_dispatcher)
-        calls = getattr(self.dispatcher_cls, "expert_calls", lambda: 1)()
+        self.dispatcher_options = getattr(self.dispatcher_cls, "options", lambda cfg: {})(cfg)
+        calls = getattr(self.dispatcher_cls, "expert_calls", lambda cfg: 1)(cfg)
         for p in self.experts.parameters():
             # The experts' weights get one grad per call in backward: DDP waits for all of them
             # before reducing inside the last backward (paratron.optim.ddp, grad_uses).
@@ -145,7 +146,7 @@ class MoELayer(nn.Module):
 
     def _dispatcher(self, capacity: int | None):
         return self.dispatcher_cls(self.ctx, self.cfg.num_experts, capacity=capacity,
-                                   pad_to_capacity=self.pad_to_capacity)
+                                   pad_to_capacity=self.pad_to_capacity, **self.dispatcher_options)
 
     takes_layout = True
     """The transformer layer hands :meth:`forward` the microbatch's sequence layout."""
