@@ -20,10 +20,12 @@ rename, ``latest``); load = ``CheckpointManager.load`` into the same layout (che
 Deleting the previous checkpoint (``keep_last``) runs in the manager's background thread and is
 waited for outside the timing, as the raw side's file is deleted outside its timing. Baseline:
 each rank writes its share of the bytes into one file (all on one rank; a quarter on each of 4
-ranks, in the replicated case every 4th tensor) with ``ndarray.tofile`` + fsync, and reads them
-back with ``np.fromfile``: one payload file per rank and one fsync each, as the save. Reads hit
-the page cache on both sides. GB/s = state bytes / seconds; median of ``--repeats`` runs, slowest
-rank. Also printed: zlib's CRC-32 speed over the state bytes in memory (the checksums' cost).
+ranks, in the replicated case every 4th tensor) with ``ndarray.tofile`` + fsync: one payload file
+per rank and one fsync each, as the save. The raw read reads the bytes the load needs (its own
+file; with replicated state all 4 files, since every rank loads the whole state) into the
+module's tensors with ``readinto``. Reads hit the page cache on both sides. GB/s = state bytes / seconds; median of ``--repeats`` runs, slowest
+rank; ratios: median over the repeats of each repeat's raw / checkpoint. Also printed: zlib's
+CRC-32 speed over the state bytes in memory (the checksums' cost).
 """
 
 from __future__ import annotations
@@ -37,7 +39,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 if __name__ == "__main__" and "--paratron" in sys.argv:  # before paratron is imported
@@ -71,8 +72,8 @@ def state_bytes(m: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in m.parameters())
 
 
-def raw_write_read(m: torch.nn.Module, path: Path, share: tuple[int, int] = (0, 1)) -> tuple[float, float]:
-    """Seconds to write the module's bytes with numpy (+ fsync) and to read them back; with
+def raw_write(m: torch.nn.Module, path: Path, share: tuple[int, int] = (0, 1)) -> float:
+    """Seconds to write the module's bytes into one file with numpy, then fsync; with
     ``share=(i, n)`` only every n-th tensor from the i-th (this rank's part of replicated state)."""
     i, n = share
     arrays = [p.detach().numpy() for p in list(m.parameters())[i::n]]
@@ -82,17 +83,26 @@ def raw_write_read(m: torch.nn.Module, path: Path, share: tuple[int, int] = (0, 
             a.tofile(f)
         f.flush()
         os.fsync(f.fileno())
-    t_write = time.perf_counter() - t0
+    return time.perf_counter() - t0
+
+
+def raw_read(m: torch.nn.Module, files: list[tuple[Path, int, int]]) -> float:
+    """Seconds to read files written by :func:`raw_write` (``(path, i, n)``: its share) back
+    into the module's tensors, as a load fills them."""
+    params = list(m.parameters())
     t0 = time.perf_counter()
-    back = np.fromfile(path, dtype=np.float32)
-    t_read = time.perf_counter() - t0
-    assert back.size == sum(a.size for a in arrays)
-    return t_write, t_read
+    for path, i, n in files:
+        with open(path, "rb", buffering=0) as f:
+            for p in params[i::n]:
+                view = memoryview(p.detach().numpy()).cast("B")
+                assert f.readinto(view) == len(view)
+    return time.perf_counter() - t0
 
 
 def measure(ctx, m: torch.nn.Module, workdir: Path, tag: str, repeats: int, sync_group=None,
             share: tuple[int, int] = (0, 1)) -> dict:
-    """Median save/load/raw times on this rank; ``sync_group`` lines the ranks up between phases."""
+    """Save/load/raw seconds on this rank, one per repeat; ``sync_group`` lines the ranks up
+    between phases."""
     barrier = (lambda: sync_group.barrier()) if sync_group is not None else (lambda: None)
     cfg = Config()
     root = workdir / f"ck-{tag}"
@@ -112,11 +122,29 @@ def measure(ctx, m: torch.nn.Module, workdir: Path, tag: str, repeats: int, sync
         loader.load([m], None, None)
         res["load"].append(time.perf_counter() - t0)
         barrier()
-        w, r = raw_write_read(m, workdir / f"raw-{tag}-{ctx.rank}.bin", share)
-        res["raw_write"].append(w)
-        res["raw_read"].append(r)
-        os.remove(workdir / f"raw-{tag}-{ctx.rank}.bin")
-    return {k: statistics.median(v) for k, v in res.items()}
+        raw = workdir / f"raw-{tag}-{ctx.rank}.bin"
+        res["raw_write"].append(raw_write(m, raw, share))
+        barrier()
+        # The raw read takes the bytes the load needs: the rank's own file, or with replicated
+        # state every rank's file (a replicated load reads the whole state on every rank).
+        n = share[1]
+        files = [(workdir / f"raw-{tag}-{j}.bin", j, n) for j in range(n)] if n > 1 else [(raw, 0, 1)]
+        res["raw_read"].append(raw_read(m, files))
+        barrier()
+        os.remove(raw)
+    return res
+
+
+def summarise(per_rank: list[dict]) -> dict:
+    """Per repeat the slowest rank's seconds; their medians, and the medians of the per-repeat
+    ratios raw / checkpoint (save and raw write of one repeat ran back to back, under about the
+    same load)."""
+    n = len(per_rank[0]["save"])
+    slowest = {k: [max(r[k][i] for r in per_rank) for i in range(n)] for k in per_rank[0]}
+    out = {k: statistics.median(v) for k, v in slowest.items()}
+    out["save_ratio"] = statistics.median(w / s for w, s in zip(slowest["raw_write"], slowest["save"]))
+    out["load_ratio"] = statistics.median(r / t for r, t in zip(slowest["raw_read"], slowest["load"]))
+    return out
 
 
 def _ranks(kind: str, mb: float, workdir: str, repeats: int):
@@ -183,17 +211,18 @@ def main(args) -> None:
 
         print(f"paratron from {Path(paratron.__file__).parent}; load average {os.getloadavg()[0]:.1f}")
         print(f"state: {total * 1e3:.0f} MB fp32 in {N_TENSORS} tensors; median of {args.repeats}")
-        print("| case | save GB/s | raw write GB/s | save / raw | load GB/s | raw read GB/s |")
-        print("|---|---|---|---|---|---|")
+        print("| case | save GB/s | raw write GB/s | save / raw | load GB/s | raw read GB/s | load / raw |")
+        print("|---|---|---|---|---|---|---|")
         one = measure(ParallelContext.single(), state_module(args.mb, 1, 0), workdir, "one", args.repeats)
-        rows = [("1 rank", one)]
+        rows = [("1 rank", summarise([one]))]
         for kind in ("sharded", "replicated"):
             per_rank = run_ranks(_ranks, 4, kind, args.mb, str(workdir), args.repeats, timeout=1800)
-            slowest = {k: max(r[k] for r in per_rank) for k in per_rank[0]}
-            rows.append((f"4 ranks, {kind}", slowest))
+            rows.append((f"4 ranks, {kind}", summarise(per_rank)))
         for name, r in rows:
-            print(f"| {name} | {total / r['save']:.2f} | {total / r['raw_write']:.2f} | "
-                  f"**{r['raw_write'] / r['save']:.2f}** | {total / r['load']:.2f} | {total / r['raw_read']:.2f} |")
+            print(f"| {name} | {total / r['save']:.2f} | {total / r['raw_write']:.2f} | **{r['save_ratio']:.2f}** | "
+                  f"{total / r['load']:.2f} | {total / r['raw_read']:.2f} | {r['load_ratio']:.2f} |")
+        if args.no_stall:
+            return
         s = stall(workdir, args.mb, args.repeats)
         print()
         print("| save mode | training stall (s) | write until committed (s) |")
@@ -215,4 +244,5 @@ if __name__ == "__main__":
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dir", default=None, help="where to write (default: the system temp dir)")
     parser.add_argument("--paratron", default=None, help="the checkout whose paratron package to measure")
+    parser.add_argument("--no-stall", action="store_true", help="only the throughput table")
     main(parser.parse_args())

@@ -2,7 +2,9 @@
 
 import pytest
 
-from paratron.parallel.grid import LayoutError, build_grid
+import itertools
+
+from paratron.parallel.grid import AXES, LayoutError, axis_groups, build_grid, check_grid
 
 
 def singles(n):
@@ -97,3 +99,25 @@ def test_every_rank_in_exactly_one_group():
 def test_layout_errors(kw, msg):
     with pytest.raises(LayoutError, match=msg.replace("*", r"\*")):
         build_grid(8, **kw)
+
+
+@pytest.mark.parametrize("sizes", [dict(tp=2, ep=2, pp=2), dict(cp=2, ep=4, pp=2), dict(tp=2, cp=2, pp=2, expert_tp=2),
+                                   dict(ep=2, pp=4), dict(tp=4, ep=2, pp=2)])
+def test_check_grid_pp_rule_matches_the_groups(sizes):
+    # check_grid decides "both grids share the pp groups" from strides, without groups: for every
+    # rank order it must agree with comparing the groups themselves.
+    world, refused = 16, 0
+    for perm in itertools.permutations(AXES):
+        order = "-".join(perm)
+        _, dp, edp = check_grid(world, order="tp-cp-ep-dp-pp", **sizes)
+        tp, cp, ep, pp, etp = (sizes.get(k, 1) for k in ("tp", "cp", "ep", "pp", "expert_tp"))
+        dense = axis_groups(world, {"tp": tp, "cp": cp, "ep": 1, "dp": dp, "pp": pp}, list(perm), ["pp"])
+        expert = axis_groups(world, {"tp": etp, "ep": ep, "dp": edp, "pp": pp},
+                             [a for a in perm if a != "cp"], ["pp"])
+        try:
+            check_grid(world, order=order, **sizes)
+            same = True
+        except LayoutError:
+            same, refused = False, refused + 1
+        assert same == (sorted(dense) == sorted(expert)), order
+    assert 0 < refused < 120  # both outcomes are exercised

@@ -16,7 +16,7 @@ import torch
 
 from paratron.config import Config, validate as validate_config
 from paratron.parallel.context import ParallelContext
-from paratron.pipeline.actions import BW, FB, Action, F, expand
+from paratron.pipeline.actions import BW, FB, Action, F, expand, forward_only
 from paratron.pipeline.overlap import overlap_fb
 from paratron.pipeline.registry import build_schedule
 from paratron.pipeline.schedules import with_p2p
@@ -42,6 +42,7 @@ def test_overlap_keeps_work_and_validity(name, p, m, v):
             assert sorted(map(str, expand([a for a in after if not a.is_p2p]))) == \
                 sorted(str(a) for a in before if not a.is_p2p)
         assert simulate(lists, costs).makespan <= simulate(plain, costs).makespan
+        validate([forward_only(acts) for acts in lists], m, forward_only=True)  # evaluation runs the F halves
 
 
 @pytest.mark.parametrize("name,p,m,v", [("1f1b", 1, 4, 1), ("1f1b", 2, 4, 1), ("zb-h1", 4, 8, 1),
@@ -163,6 +164,8 @@ def _train(cfg: Config, ctx, actions, timeline=None) -> dict:
                                ddp=ddp, actions=actions, timeline=timeline)
         optimizer.step()
         losses.append(out.loss)
+    # Evaluation runs the same list forward-only (an FB keeps its forward half).
+    losses.append(run_global_batch(cfg, ctx, chunks, mbs, forward_only=True, actions=actions).loss)
     params = {p.logical_name: p.detach().clone() for c in chunks for p in c.parameters()}
     return {"losses": losses, "params": params}
 
@@ -215,6 +218,15 @@ def test_overlap_matches_plain_schedule(name):
     if name == "ep2-pp2":
         for res in results:
             _assert_dispatch_inside_other_backward(res["timeline"], res["pp_rank"])
+
+
+@pytest.mark.slow
+def test_overlap_matches_plain_schedule_ep2_tp2_pp2():
+    """All three at once: 8 ranks (slow on 2 cores)."""
+    results = run_ranks(_plain_and_overlapped, 8, "1f1b", dict(ep=2, tp=2, sp=True, pp=2, gbs=8), 8, timeout=600)
+    for res in results:
+        _assert_same(res, "ep2-tp2-sp-pp2")
+        _assert_dispatch_inside_other_backward(res["timeline"], res["pp_rank"])
 
 
 def _assert_dispatch_inside_other_backward(events, rank):

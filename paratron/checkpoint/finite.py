@@ -1,15 +1,15 @@
 """A checkpoint never holds an inf or NaN: the state is checked on every rank before a save.
 
 Every rank scans the tensors it is about to write (the model params and the optimizer's fp32
-main weights and moments: one summing pass, small next to the write itself; :func:`all_finite`), and one MAX
-all-reduce over the checkpoint group makes the verdict global, so either every rank writes or
-none does, and ``latest`` keeps naming the last good checkpoint.
+main weights and moments: one summing pass, small next to the write itself; :func:`all_finite`),
+and the ranks' findings are all-gathered over the checkpoint group (with the save's other
+checks, by ``CheckpointManager``), so either every rank writes or none does, and ``latest`` keeps
+naming the last good checkpoint.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from .items import CheckpointError, StateItems
 
@@ -39,23 +39,19 @@ def all_finite(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(t).all())
 
 
-def refuse_nonfinite(items: StateItems, step: int, group) -> None:
-    """Raise on every rank if any rank's ``items`` hold an inf or NaN.
+def refuse_nonfinite(found: list[str | None], step: int) -> None:
+    """Raise (on every rank, since every rank holds the same ``found``) if any rank found an inf
+    or NaN.
 
     Args:
-        items: this rank's checkpoint items.
+        found: :func:`first_nonfinite` of each rank's checkpoint items, by rank (all-gathered over
+            the checkpoint group, with the save's other checks).
         step: the step being saved (for the message).
-        group: the checkpoint's :class:`~paratron.parallel.comm.Group` over all ranks.
 
     Raises:
         CheckpointError: naming the step, and the first bad key and rank.
     """
-    bad = first_nonfinite(items)
-    flag = torch.tensor([1.0 if bad is not None else 0.0])
-    group.all_reduce(flag, op=dist.ReduceOp.MAX)
-    if flag.item() == 0:
-        return
-    found = group.all_gather_object(bad)
-    rank = next(r for r, k in enumerate(found) if k is not None)
-    raise CheckpointError(f"refusing to save step {step}: {found[rank]} holds an inf or NaN on rank "
-                          f"{rank}; the checkpoints already saved are left as they are")
+    rank = next((r for r, k in enumerate(found) if k is not None), None)
+    if rank is not None:
+        raise CheckpointError(f"refusing to save step {step}: {found[rank]} holds an inf or NaN on rank "
+                              f"{rank}; the checkpoints already saved are left as they are")

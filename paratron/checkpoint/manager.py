@@ -47,7 +47,7 @@ from .io import (LATEST, MANIFEST, read_items, read_json, resolve, saved_tensors
 from .items import (MODEL_PREFIX, CheckpointError, StateItems, iter_params, merge, model_items, optimizer_items,
                     shared_embedding_names)
 from .plainjson import decode, encode
-from .finite import refuse_nonfinite
+from .finite import first_nonfinite, refuse_nonfinite
 from .safety import check_same_model
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -172,7 +172,13 @@ class CheckpointManager:
             # The last stage's tied-embedding copy is saved by the first stage (same values).
             skip = set() if first else shared_embedding_names(chunks)
             items = merge(items, optimizer_items(optimizer, skip_names=skip))
-        refuse_nonfinite(items, step, self._group)
+        # One collective for every check before the write: inf/NaN, free space, rank 0's pid
+        # (it names the temporary directory every rank writes into).
+        found = self._group.all_gather_object((first_nonfinite(items), storage.chunk_bytes(items),
+                                               storage.free_bytes(root), os.getpid()))
+        refuse_nonfinite([f[0] for f in found], step)
+        needed = storage.refuse_unless_room(root, [f[1] for f in found], [f[2] for f in found])
+        tmp = root / f"tmp.step_{step}.{found[0][3]}"
         rank_state = {"rank": self.ctx.rank, "layout": rng.layout_signature(self.ctx, self.config),
                       "coordinates": rng.rank_coordinates(self.ctx), "rng": encode(rng.capture(chunks))}
         fields = {
@@ -183,12 +189,11 @@ class CheckpointManager:
             "scheduler": encode(scheduler.state_dict()) if scheduler is not None else None,
             "extra": encode(dict(extra or {}), "extra"),
         }
-        needed = storage.refuse_unless_room(self._group, root, items)
         if asynchronous:
             items = self._staging.stage(items)
 
         def job() -> None:
-            self._write_and_commit(root, int(step), items, rank_state, fields, needed)
+            self._write_and_commit(root, tmp, int(step), items, rank_state, fields, needed)
             self.last_write_s = time.perf_counter() - t0
 
         if asynchronous:
@@ -213,12 +218,9 @@ class CheckpointManager:
         self._writer.wait()
         self._pruner.wait()
 
-    def _write_and_commit(self, root: Path, step: int, items: StateItems, rank_state: dict,
+    def _write_and_commit(self, root: Path, tmp: Path, step: int, items: StateItems, rank_state: dict,
                           fields: dict, needed: int | None = None) -> None:
         g = self._group
-        pid = torch.tensor([os.getpid()], dtype=torch.int64)
-        g.broadcast(pid)  # every rank writes into rank 0's temporary directory
-        tmp = root / f"tmp.step_{step}.{int(pid.item())}"
         try:
             sums = self._write_files(tmp, items, rank_state, needed)
         except BaseException:
@@ -243,7 +245,7 @@ class CheckpointManager:
 
     def _write_files(self, tmp: Path, items: StateItems, rank_state: dict, needed: int | None) -> dict:
         """Every rank writes its files into ``tmp`` and checksums them; returns all ranks'
-        ``{name: [crc32, size]}`` (on every rank)."""
+        ``{name: manifest entry}`` (on every rank)."""
         g = self._group
         tmp.mkdir(parents=True, exist_ok=True)
         write_json_atomic(tmp / f"rank_{self.ctx.rank:05d}.json", rank_state)

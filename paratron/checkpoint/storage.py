@@ -60,26 +60,29 @@ def check_space(directory: str | os.PathLike, needed: int) -> None:
         raise OutOfSpaceError(no_space_message(directory, needed, free))
 
 
-def refuse_unless_room(group, root: str | os.PathLike, items) -> int:
+def chunk_bytes(items) -> dict[str, int]:
+    """Key -> bytes of its full tensor, for every key this rank holds a chunk of."""
+    return {k: math.prod(c[0].global_shape) * c[0].tensor.element_size() for k, c in items.items() if c}
+
+
+def refuse_unless_room(root: str | os.PathLike, sizes: list[dict[str, int]], free: list[int]) -> int:
     """Bytes of a whole checkpoint's tensors (each key's full tensor once, whichever ranks hold
-    it, gathered over the checkpoint ``group``); refuse the save on every rank together, before
-    anything is written, when the disk has less free.
+    it); refuse the save when any rank sees less free space under ``root``. Every rank calls it
+    with the same all-gathered arguments, so all refuse together, before anything is written.
+
+    Args:
+        sizes: :func:`chunk_bytes` of each rank's items, by rank.
+        free: :func:`free_bytes` of ``root`` on each rank, by rank.
 
     Raises:
         OutOfSpaceError: naming the directory, the bytes needed and free.
     """
-    import torch
-    import torch.distributed as dist
-
-    local = {k: math.prod(c[0].global_shape) * c[0].tensor.element_size() for k, c in items.items() if c}
     merged: dict[str, int] = {}
-    for part in group.all_gather_object(local):
+    for part in sizes:
         merged.update(part)
     needed = sum(merged.values())
-    short = torch.tensor([1.0 if free_bytes(root) < needed else 0.0])
-    group.all_reduce(short, op=dist.ReduceOp.MAX)  # no rank enters DCP's collectives alone
-    if short.item() > 0:
-        raise OutOfSpaceError(no_space_message(root, needed, free_bytes(root)))
+    if min(free) < needed:
+        raise OutOfSpaceError(no_space_message(root, needed, min(free)))
     return needed
 
 

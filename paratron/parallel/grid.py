@@ -104,16 +104,17 @@ class RankGrid:
         return out
 
 
-def build_grid(
-    world: int,
-    tp: int = 1,
-    cp: int = 1,
-    ep: int = 1,
-    pp: int = 1,
-    expert_tp: int = 1,
-    order: str = DEFAULT_ORDER,
-) -> RankGrid:
-    """Compute every group of a layout. Raises :class:`LayoutError` naming the rule broken."""
+def check_grid(world: int, tp: int = 1, cp: int = 1, ep: int = 1, pp: int = 1, expert_tp: int = 1,
+               order: str = DEFAULT_ORDER) -> tuple[list[str], int, int]:
+    """Every rule a layout's grid must satisfy, checked without building a group (constant time,
+    whatever the world size: the config validator runs it on each of the planner's candidates).
+
+    Returns:
+        (axes of ``order``, dp, expert_dp).
+
+    Raises:
+        LayoutError: naming the rule broken (the same errors :func:`build_grid` raises).
+    """
     for name, v in (("tensor", tp), ("context", cp), ("expert", ep), ("pipeline", pp),
                     ("expert_tensor", expert_tp)):
         if not isinstance(v, int) or v < 1:
@@ -131,6 +132,36 @@ def build_grid(
             f"parallel.pipeline = {expert_tp}*{ep}*{pp} = {expert_tp * ep * pp}"
         )
     expert_dp = world // (expert_tp * ep * pp)
+    dense_stride = pp_stride(axes, {"tp": tp, "cp": cp, "ep": 1, "dp": dp})
+    expert_stride = pp_stride([a for a in axes if a != "cp"], {"tp": expert_tp, "ep": ep, "dp": expert_dp})
+    if pp > 1 and dense_stride != expert_stride:
+        raise LayoutError(
+            f"parallel.order={order!r} gives the expert grid other pipeline groups than the dense "
+            "grid; put pp slowest (last) so both grids share one pipeline"
+        )
+    return axes, dp, expert_dp
+
+
+def pp_stride(order: list[str], sizes: dict[str, int]) -> int:
+    """Rank distance between pipeline neighbours: the product of the sizes of the axes that vary
+    faster than pp. A rank's pp group is ``{r + (k - c) stride : k < pp}`` (``c`` its pp index), so
+    two grids of one world and one pp > 1 have the same pp groups exactly when their strides agree
+    (rank 0's group is ``{0, stride, ..., (pp - 1) stride}``)."""
+    return prod(sizes[a] for a in order[:order.index("pp")])
+
+
+def build_grid(
+    world: int,
+    tp: int = 1,
+    cp: int = 1,
+    ep: int = 1,
+    pp: int = 1,
+    expert_tp: int = 1,
+    order: str = DEFAULT_ORDER,
+) -> RankGrid:
+    """Compute every group of a layout. Raises :class:`LayoutError` naming the rule broken
+    (:func:`check_grid`)."""
+    axes, dp, expert_dp = check_grid(world, tp, cp, ep, pp, expert_tp, order)
 
     dense_sizes = {"tp": tp, "cp": cp, "ep": 1, "dp": dp, "pp": pp}
     g: dict[str, list[list[int]]] = {}
@@ -161,9 +192,4 @@ def build_grid(
     g["ep"] = expert("ep")
     g["expert_dp"] = expert("dp")
     g["expert_tp_ep"] = expert("tp", "ep")
-    if sorted(expert("pp")) != sorted(g["pp"]):
-        raise LayoutError(
-            f"parallel.order={order!r} gives the expert grid other pipeline groups than the dense "
-            "grid; put pp slowest (last) so both grids share one pipeline"
-        )
     return RankGrid(world, tp, cp, ep, pp, dp, expert_tp, expert_dp, tuple(axes), g)

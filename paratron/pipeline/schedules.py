@@ -257,6 +257,8 @@ def greedy_zero_bubble(placement: list[list[int]], m: int, limit: int) -> list[l
     # Activation slots promised on each rank: a microbatch entering a rank will hold one
     # activation per stage of that rank until its W, so it reserves them all when it enters.
     committed = [0] * len(placement)
+    # F's and B's of a stage run in microbatch order, so the next one is a counter (not a scan).
+    next_mb = {(kind, s): 0 for kind in ("F", "B") for s in range(num_stages)}
     remaining = 3 * m * num_stages
     t = idle_steps = 0
     while remaining:
@@ -272,13 +274,13 @@ def greedy_zero_bubble(placement: list[list[int]], m: int, limit: int) -> list[l
 
             choice = None
             for s in sorted(stages, reverse=True):
-                mb = next((i for i in range(m) if ("B", i, s) not in done), None)
+                mb = next_mb["B", s] if next_mb["B", s] < m else None
                 if mb is not None and ready("B", mb, s):
                     choice = ("B", mb, s)
                     break
             if choice is None:
                 for s in sorted(stages, reverse=True):
-                    mb = next((i for i in range(m) if ("F", i, s) not in done), None)
+                    mb = next_mb["F", s] if next_mb["F", s] < m else None
                     if mb is None or not ready("F", mb, s):
                         continue
                     if s == stages[0] and committed[r] + len(stages) > limit:
@@ -292,6 +294,8 @@ def greedy_zero_bubble(placement: list[list[int]], m: int, limit: int) -> list[l
                 continue
             kind, mb, s = choice
             done[choice] = t + 1
+            if kind != "W":
+                next_mb[kind, s] += 1
             progressed = True
             orders[r].append(Action(kind, mb, s))
             remaining -= 1

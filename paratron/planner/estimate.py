@@ -18,7 +18,8 @@ from .compute import Work, stage_works
 from .hardware import Cluster
 from .layout import Layout
 from .memory import Memory, rank_memory
-from .pipeline import PipelineCost, ScheduleCache, makespan
+from .bound import pipeline_floor
+from .pipeline import PipelineCost, ScheduleCache
 from .shape import Shape
 
 OPTIMIZER_BYTES_PER_PARAM = 28
@@ -60,36 +61,47 @@ class Estimate:
 
 def rank_params(shape: Shape, lay: Layout) -> list[float]:
     """Parameters held by each pipeline rank (its chunks' layers, embedding, head, final norm)."""
-    stages = lay.pp * lay.vpp
+    stages, ranks = lay.pp * lay.vpp, stage_ranks(lay)
     per = shape.L // stages
     emb = shape.padded_vocab(lay.tp) // lay.tp * shape.h + (shape.max_pos * shape.h if shape.learned_pos else 0)
     head = shape.padded_vocab(lay.tp) // lay.tp * shape.h
     out = [0.0] * lay.pp
-    shared = shape.tied and _rank_of(0, lay) == _rank_of(stages - 1, lay)  # one tensor serves both ends
-    for st in range(stages):
-        r = _rank_of(st, lay)
-        out[r] += sum(shape.layer_params(i, lay.tp, lay.ep) for i in range(st * per, (st + 1) * per))
-        if st == 0:
-            out[r] += emb
-        if st == stages - 1:
-            out[r] += shape.norm_params() + (0 if shared else head)
+    shared = shape.tied and ranks[0] == ranks[-1]  # one tensor serves both ends
+    kinds: dict[bool, int] = {}  # a layer's parameters depend only on whether it is an MoE layer
+    for layer in range(stages * per):
+        moe = shape.is_moe(layer)
+        if moe not in kinds:
+            kinds[moe] = shape.layer_params(layer, lay.tp, lay.ep)
+        out[ranks[layer // per]] += kinds[moe]
+    out[ranks[0]] += emb
+    out[ranks[-1]] += shape.norm_params() + (0 if shared else head)
     return out
 
 
-def _rank_of(stage: int, lay: Layout) -> int:
+def stage_ranks(lay: Layout) -> list[int]:
+    """The pipeline rank of each virtual stage, in model order (the schedule's placement)."""
+    from paratron.pipeline.placement import rank_of_stage
     from paratron.pipeline.registry import get_schedule
 
-    table = get_schedule(lay.schedule).placement(lay.pp, lay.vpp)
-    return next(r for r, stages in enumerate(table) if stage in stages)
+    of = rank_of_stage(get_schedule(lay.schedule).placement(lay.pp, lay.vpp))
+    return [of[st] for st in range(lay.pp * lay.vpp)]
 
 
 def memory_per_rank(prob: Problem, lay: Layout, in_flight: list[int]) -> tuple[Memory, int]:
     """(largest rank's memory, its pipeline rank)."""
     shape, stages = prob.shape, lay.pp * lay.vpp
     params = rank_params(shape, lay)
-    last = _rank_of(stages - 1, lay)
-    mems = [rank_memory(shape, lay, params[r], shape.L // stages, in_flight[r], r == last, prob.precision,
-                        prob.cluster.hw.act_bytes, prob.fused_attention) for r in range(lay.pp)]
+    last = stage_ranks(lay)[-1]
+    memo: dict[tuple[float, int, bool], Memory] = {}  # most ranks of a pipeline hold the same
+
+    def of(r: int) -> Memory:
+        key = (params[r], in_flight[r], r == last)
+        if key not in memo:
+            memo[key] = rank_memory(shape, lay, params[r], shape.L // stages, in_flight[r], r == last,
+                                    prob.precision, prob.cluster.hw.act_bytes, prob.fused_attention)
+        return memo[key]
+
+    mems = [of(r) for r in range(lay.pp)]
     r = max(range(lay.pp), key=lambda i: mems[i].total)
     return mems[r], r
 
@@ -113,12 +125,19 @@ def fixed_seconds(prob: Problem, lay: Layout, works: list[Work]) -> dict[str, fl
 
 
 def lower_bound(prob: Problem, lay: Layout, works: list[Work], fixed: dict[str, float]) -> float:
-    """A step time no schedule can beat: the busiest rank's compute, plus the fixed terms."""
+    """A step time no schedule the validator accepts can beat: the pipeline's floor
+    (:func:`.bound.pipeline_floor`) plus the fixed terms."""
     m = lay.microbatches(prob.global_batch_size)
-    busy = [0.0] * lay.pp
-    for st, w in enumerate(works):
-        busy[_rank_of(st, lay)] += m * (w.F + w.B + w.W)
-    return max(busy) + sum(fixed.values())
+    return (pipeline_floor(works, stage_ranks(lay), m, p2p_seconds(prob, lay), prob.cluster.hw.sharing)
+            + sum(fixed.values()))
+
+
+def p2p_seconds(prob: Problem, lay: Layout) -> float:
+    """Seconds of one stage-boundary activation (or gradient) message; 0 without a pipeline."""
+    if lay.pp == 1:
+        return 0.0
+    size = comm.p2p_bytes(prob.shape, lay, lay.mbs, prob.cluster.hw.act_bytes)
+    return comm.seconds([comm.Transfer("pp", "send", size)], lay, prob.cluster)
 
 
 def finish(prob: Problem, lay: Layout, works: list[Work], fixed: dict[str, float], pipe: PipelineCost,
@@ -143,8 +162,9 @@ def _with_recompute(model, recompute: str):
 
 
 def estimate(prob: Problem, lay: Layout, cache: ScheduleCache, works: list[Work] | None = None,
-             fixed: dict[str, float] | None = None) -> Estimate:
-    """The full prediction for ``lay`` (simulates its schedule); ``works`` and ``fixed`` when known.
+             fixed: dict[str, float] | None = None, mem: tuple[Memory, int] | None = None) -> Estimate:
+    """The full prediction for ``lay`` (simulates its schedule); ``works``, ``fixed`` and ``mem``
+    (:func:`memory_per_rank`) when known.
 
     Raises:
         ScheduleError: the schedule's lists deadlock.
@@ -152,9 +172,6 @@ def estimate(prob: Problem, lay: Layout, cache: ScheduleCache, works: list[Work]
     works = works or stage_works(prob.shape, lay, prob.cluster, prob.fused_attention)
     fixed = fixed or fixed_seconds(prob, lay, works)
     m = lay.microbatches(prob.global_batch_size)
-    lists = cache.lists(lay.schedule, lay.pp, m, lay.vpp)
-    p2p = comm.seconds([comm.Transfer("pp", "send", comm.p2p_bytes(prob.shape, lay, lay.mbs, prob.cluster.hw.act_bytes))],
-                       lay, prob.cluster) if lay.pp > 1 else 0.0
-    pipe = makespan(lists, works, p2p, prob.cluster.hw.sharing)
-    mem = memory_per_rank(prob, lay, cache.in_flight(lay.schedule, lay.pp, m, lay.vpp))
+    pipe = cache.makespan(lay.schedule, lay.pp, m, lay.vpp, works, p2p_seconds(prob, lay), prob.cluster.hw.sharing)
+    mem = mem or memory_per_rank(prob, lay, cache.in_flight(lay.schedule, lay.pp, m, lay.vpp))
     return finish(prob, lay, works, fixed, pipe, mem)

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from paratron.pipeline.actions import Action
+from paratron.pipeline.actions import Action, activation_peak
 from paratron.pipeline.registry import build_schedule
 from paratron.pipeline.simulator import simulate
+from paratron.pipeline.validate import validate
 
 from .compute import Work
 
@@ -29,34 +30,64 @@ class PipelineCost:
 
 
 class ScheduleCache:
-    """Action lists and per-rank peak in-flight counts, built once per (schedule, p, m, v).
+    """Action lists and per-rank peak in-flight counts, built once per (schedule, p, m, v), and
+    their simulated cost, once per distinct stage costs.
 
-    The lists are built with ``check=True``: proving them is the validator's schedule rule, which
-    enumeration defers to here (:mod:`.layouts`); a failing schedule raises ``ValueError``.
+    Lists are proved (what ``build_schedule(check=True)`` does: the validator's schedule rule,
+    which enumeration defers to here, :mod:`.layouts`) before they are simulated; a failing
+    schedule raises ``ValueError``.
     """
 
     def __init__(self) -> None:
-        self._lists: dict[tuple[str, int, int, int], list[list[Action]]] = {}
+        self._lists: dict[tuple[str, int, int, int], list[list[Action]] | ValueError] = {}
+        self._costs: dict[tuple, PipelineCost] = {}
+        self._peaks: dict[tuple[str, int, int, int], list[int]] = {}
+        self._proved: set[tuple[str, int, int, int]] = set()
 
-    def lists(self, name: str, p: int, m: int, v: int) -> list[list[Action]]:
+    def makespan(self, name: str, p: int, m: int, v: int, works: list[Work], p2p_seconds: float,
+                 sharing: float = 1.0) -> PipelineCost:
+        """:func:`makespan` of the schedule's lists, simulated once per distinct costs (layouts that
+        differ only in what the pipeline does not see, e.g. the ZeRO level, share one simulation).
+
+        Raises:
+            ValueError: the schedule's lists fail their proof, or deadlock.
+        """
+        key = (name, p, m, v, tuple(works), p2p_seconds, sharing)
+        if key not in self._costs:
+            self._costs[key] = makespan(self.lists(name, p, m, v), works, p2p_seconds, sharing)
+        return self._costs[key]
+
+    def lists(self, name: str, p: int, m: int, v: int, *, proved: bool = True) -> list[list[Action]]:
+        """The schedule's lists; ``proved``: also proved by the validator (the deferred schedule
+        rule, once per key). Counting in-flight microbatches needs no proof, and most layouts the
+        search looks at are dropped for memory before they are simulated.
+
+        Raises:
+            ValueError: the schedule refuses (p, m, v), or (``proved``) its lists fail the proof.
+        """
         key = (name, p, m, v)
         if key not in self._lists:
-            self._lists[key] = build_schedule(name, p, m, v)
+            try:
+                self._lists[key] = build_schedule(name, p, m, v, check=False)
+            except ValueError as e:  # remembered: every layout with these sizes fails the same way
+                self._lists[key] = e
+        if proved and key not in self._proved and not isinstance(self._lists[key], ValueError):
+            try:
+                validate(self._lists[key], m)
+                self._proved.add(key)
+            except ValueError as e:
+                self._lists[key] = e
+        if isinstance(self._lists[key], ValueError):
+            raise self._lists[key].with_traceback(None)
         return self._lists[key]
 
     def in_flight(self, name: str, p: int, m: int, v: int) -> list[int]:
-        """Most (microbatch, stage) activations alive at once on each rank."""
-        out = []
-        for acts in self.lists(name, p, m, v):
-            alive = peak = 0
-            for a in acts:
-                if a.kind == "F":
-                    alive += 1
-                    peak = max(peak, alive)
-                elif a.kind in ("BW", "W"):
-                    alive -= 1
-            out.append(peak)
-        return out
+        """Most (microbatch, stage) activations alive at once on each rank
+        (:func:`~paratron.pipeline.actions.activation_peak` of its list)."""
+        key = (name, p, m, v)
+        if key not in self._peaks:
+            self._peaks[key] = [activation_peak(acts) for acts in self.lists(name, p, m, v, proved=False)]
+        return self._peaks[key]
 
 
 def makespan(lists: list[list[Action]], works: list[Work], p2p_seconds: float, sharing: float = 1.0

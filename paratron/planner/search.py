@@ -2,9 +2,12 @@
 
 Every accepted layout gets the cheap terms (stage seconds, fixed per-step seconds, memory with one
 microbatch in flight, a lower bound on memory). Candidates are then simulated in order of a lower
-bound on their step time (the busiest rank's compute plus the fixed terms: no schedule beats it),
-and the search stops once the next bound exceeds the k-th best simulated step time, so the top k
-are exact under the model without simulating every layout.
+bound on their step time (:func:`.bound.pipeline_floor` plus the fixed terms: no schedule the
+validator accepts beats it), and the search stops once the next bound exceeds the k-th best
+simulated step time (by more than float rounding, ``ROUNDING``). Every layout not simulated thus
+has a step time above the k-th best, so the top k are exactly those of simulating every layout
+(``tests/test_planner_search.py`` compares the two). A layout's memory (its schedule's in-flight
+microbatches) is known before its simulation, so layouts that do not fit are not simulated.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from .layouts import enumerate_layouts
 from .pipeline import ScheduleCache
 
 GB = 1e9
+ROUNDING = 1e-9
+"""Relative slack on the bound: it and the simulation sum the same seconds in other orders."""
 
 
 class PlanError(ValueError):
@@ -39,7 +44,7 @@ class PlanResult:
 
 
 def plan(prob: Problem, base: Config, top_k: int = 5, cache: ScheduleCache | None = None) -> PlanResult:
-    """The ``top_k`` fastest layouts that fit in device memory.
+    """The ``top_k`` fastest layouts that fit in device memory (equal step times: the leaner first).
 
     Raises:
         PlanError: no layout is accepted (the most frequent rule is named), or none fits in memory
@@ -51,39 +56,60 @@ def plan(prob: Problem, base: Config, top_k: int = 5, cache: ScheduleCache | Non
     if not layouts:
         raise PlanError(f"no layout of {world} ranks is accepted for --global-batch-size={prob.global_batch_size} "
                         f"--seq-length={prob.seq_length}; the candidates break:\n  " + "\n  ".join(_by_field(refused)))
-    limit = prob.cluster.hw.memory_bytes
-    cands, floors = [], []
     costed = distinct(layouts)
+    cands, floors = _candidates(prob, costed)
+    best, too_big, simulated = _best_first(prob, cands, cache, top_k, refused)
+    if not best:
+        raise PlanError(_no_fit_message(prob, floors, cache, prob.cluster.hw.memory_bytes))
+    for e in best:  # every rule, the deferred one included, on exactly what will be printed
+        validate(to_config(base, e.layout, prob.global_batch_size, prob.seq_length, prob.precision), world)
+    return PlanResult(best, len(layouts), refused, too_big + len(costed) - len(cands), simulated, layouts)
+
+
+def rank_key(e: Estimate) -> tuple[float, float, str]:
+    """The ranking: step time, then memory per rank, then the layout's name (a total order)."""
+    return e.step_time, e.memory.total, e.layout.short()
+
+
+def _candidates(prob: Problem, costed: list[Layout]) -> tuple[list[tuple], list[tuple[float, Layout]]]:
+    """((step-time bound, layout, stage works, fixed seconds) of the layouts whose memory floor fits,
+    best bound first; (memory floor, layout) of all)."""
+    cands, floors = [], []
     for lay in costed:
-        works = stage_works(prob.shape, lay, prob.cluster, prob.fused_attention)
-        fixed = fixed_seconds(prob, lay, works)
         floor = memory_per_rank(prob, lay, [1] * lay.pp)[0].total
         floors.append((floor, lay))
-        if floor <= limit:
+        if floor <= prob.cluster.hw.memory_bytes:
+            works = stage_works(prob.shape, lay, prob.cluster, prob.fused_attention)
+            fixed = fixed_seconds(prob, lay, works)
             cands.append((lower_bound(prob, lay, works, fixed), lay, works, fixed))
     cands.sort(key=lambda c: c[0])
+    return cands, floors
+
+
+def _best_first(prob: Problem, cands: list[tuple], cache: ScheduleCache, top_k: int,
+                refused: dict[str, tuple[int, int]]) -> tuple[list[Estimate], int, int]:
+    """(top ``top_k`` estimates, layouts too big with their schedule's in-flight microbatches,
+    layouts simulated); stops at the first bound above the k-th best (module docstring)."""
     best: list[Estimate] = []
-    too_big, simulated = len(costed) - len(cands), 0
+    too_big = simulated = 0
     for lb, lay, works, fixed in cands:
-        if len(best) >= top_k and lb > best[-1].step_time:
+        if len(best) >= top_k and lb > best[-1].step_time * (1 + ROUNDING):
             break
         try:
-            est = estimate(prob, lay, cache, works, fixed)
+            m = lay.microbatches(prob.global_batch_size)
+            mem = memory_per_rank(prob, lay, cache.in_flight(lay.schedule, lay.pp, m, lay.vpp))
+            if mem[0].total > prob.cluster.hw.memory_bytes:  # known before simulating
+                too_big += 1
+                continue
+            est = estimate(prob, lay, cache, works, fixed, mem)
         except ValueError as e:  # the deferred schedule rule refused its lists
             refused[str(e)[:160]] = (len(refused), refused.get(str(e)[:160], (0, 0))[1] + 1)
             continue
         simulated += 1
-        if est.memory.total > limit:
-            too_big += 1
-            continue
         best.append(est)
-        best.sort(key=lambda e: (e.step_time, e.memory.total))  # equal time: the leaner one first
+        best.sort(key=rank_key)
         del best[top_k:]
-    if not best:
-        raise PlanError(_no_fit_message(prob, floors, cache, limit))
-    for e in best:  # every rule, the deferred one included, on exactly what will be printed
-        validate(to_config(base, e.layout, prob.global_batch_size, prob.seq_length, prob.precision), world)
-    return PlanResult(best, len(layouts), refused, too_big, simulated, layouts)
+    return best, too_big, simulated
 
 
 def distinct(layouts: list[Layout]) -> list[Layout]:
