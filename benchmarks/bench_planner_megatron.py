@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from paratron.config import Config, ModelConfig
-from paratron.planner.estimate import Problem, estimate
+from paratron.planner.estimate import Estimate, Problem, estimate
 from paratron.planner.hardware import Cluster, device
 from paratron.planner.layout import Layout
 from paratron.planner.pipeline import ScheduleCache
@@ -61,6 +61,22 @@ def published_layout(row: dict) -> Layout:
     return Layout(tp, pp, 1, gpus // (tp * pp), 1, 1, 0, "1f1b", 1, "full", False)
 
 
+def published_row(row: dict, cache: ScheduleCache) -> tuple[Estimate, float, bool]:
+    """(prediction for the published layout, its error against the paper, its checks pass)."""
+    prob, _ = problem(row)
+    pub = estimate(prob, published_layout(row), cache)
+    err = pub.hw_tflops_per_device / float(row["achieved_tflops_per_gpu"]) - 1
+    return pub, err, abs(err) <= 0.25 and pub.memory.total <= prob.cluster.hw.memory_bytes
+
+
+def best_row(row: dict, cache: ScheduleCache) -> tuple[Estimate, float]:
+    """(the planner's best plan, seconds its search took)."""
+    prob, base = problem(row)
+    t0 = time.time()
+    best = plan(prob, base, top_k=1, cache=cache).plans[0]
+    return best, time.time() - t0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default=None, help="comma-separated row indices (default: all)")
@@ -68,30 +84,25 @@ def main() -> int:
     args = ap.parse_args()
     table = rows()
     picked = [int(i) for i in args.rows.split(",")] if args.rows else list(range(len(table)))
-    cache, ok, published = ScheduleCache(), True, {}
-    print("| params (B) | tp | pp | dp | GPUs | batch | published TFLOP/s/GPU | predicted, published layout "
-          "| error | bubble | memory GB |\n|---|---|---|---|---|---|---|---|---|---|---|")
+    cache, ok = ScheduleCache(), True
+    print("| params (B) | GPUs | batch | published tp/pp/dp | published TFLOP/s/GPU | predicted, published layout "
+          "(error) | its bubble | its memory GB | planner's best plan | best / published tokens/s "
+          "| best's memory GB | search s |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
     for i in picked:
         row = table[i]
-        prob, _ = problem(row)
-        pub = published[i] = estimate(prob, published_layout(row), cache)
-        want = float(row["achieved_tflops_per_gpu"])
-        err = pub.hw_tflops_per_device / want - 1
-        ok &= abs(err) <= 0.25 and pub.memory.total <= prob.cluster.hw.memory_bytes
-        print(f"| {row['params_billion']} | {pub.layout.tp} | {pub.layout.pp} | {pub.layout.dp} | {row['num_gpus']} "
-              f"| {row['global_batch_size']} | {want:.0f} | {pub.hw_tflops_per_device:.1f} | {err:+.1%} "
-              f"| {pub.bubble:.3f} | {pub.memory.total / 1e9:.1f} |", flush=True)
-    if not args.no_search:
-        print("\n| params (B) | planner's best plan | its tokens/s / published layout's | its memory GB | search s |"
-              "\n|---|---|---|---|---|")
-        for i in picked:
-            prob, base = problem(table[i])
-            t0 = time.time()
-            best = plan(prob, base, top_k=1, cache=cache).plans[0]
-            gain = best.tokens_per_second / published[i].tokens_per_second
+        pub, err, passed = published_row(row, cache)
+        lay, ok = pub.layout, ok and passed
+        cells = [row["params_billion"], row["num_gpus"], row["global_batch_size"], f"{lay.tp}/{lay.pp}/{lay.dp}",
+                 f"{float(row['achieved_tflops_per_gpu']):.0f}", f"{pub.hw_tflops_per_device:.1f} ({err:+.1%})",
+                 f"{pub.bubble:.3f}", f"{pub.memory.total / 1e9:.1f}"]
+        if args.no_search:
+            cells += ["", "", "", ""]
+        else:
+            best, seconds = best_row(row, cache)
+            gain = best.tokens_per_second / pub.tokens_per_second
             ok &= gain >= 1.0 - 1e-9 and best.memory.total <= 80e9
-            print(f"| {table[i]['params_billion']} | {best.layout.short()} | {gain:.3f}x | "
-                  f"{best.memory.total / 1e9:.1f} | {time.time() - t0:.0f} |", flush=True)
+            cells += [best.layout.short(), f"{gain:.3f}x", f"{best.memory.total / 1e9:.2f}", f"{seconds:.0f}"]
+        print("| " + " | ".join(str(c) for c in cells) + " |", flush=True)
     print("all checks pass" if ok else "SOME CHECK FAILS")
     return 0 if ok else 1
 

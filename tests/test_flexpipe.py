@@ -4,7 +4,8 @@ AdamW steps through the real stack (DDP, the pipeline runtime with a different a
 per microbatch, the training step). PP=2 (1F1B), DP=2, TP=2 with sequence parallelism and CP=2
 (ring and all2all; rows padded to a multiple of the split) match one process reading the same
 documents (grouped into other microbatches under DP: the plan depends on DP) to 1e-5 relative,
-fp32.
+fp32; so do PP=2 and DP=2 of a GPT-2-style model (learned positions, restarting per document in
+rows longer than the position table; tied embeddings).
 Exact resume through ``run_training`` at PP=2: tests/test_flexpipe_resume.py."""
 
 from __future__ import annotations
@@ -29,13 +30,19 @@ def corpus(tmp_path_factory) -> str:
     return prefix
 
 
-def _config(pp: int = 1, world: int = 1, tp: int = 1, cp: int = 1, algorithm: str = "ring") -> Config:
+def _config(pp: int = 1, world: int = 1, tp: int = 1, cp: int = 1, algorithm: str = "ring",
+            gpt2: bool = False) -> Config:
     cfg = Config()
     m, p, t, o = cfg.model, cfg.parallel, cfg.train, cfg.optimizer
     m.num_layers, m.vocab_size, m.seq_length, m.make_vocab_size_divisible_by = 2, VOCAB, S, 8
-    m.hidden_size, m.num_attention_heads, m.num_query_groups = 32, 4, 2
-    m.normalization, m.position_embedding_type, m.activation = "rmsnorm", "rope", "swiglu"
-    m.add_bias_linear, m.tie_embeddings = False, False
+    m.hidden_size, m.num_attention_heads = 32, 4
+    if gpt2:  # learned positions (the table has S rows; a row is up to N > S positions long), tied
+        m.normalization, m.position_embedding_type, m.activation = "layernorm", "learned", "gelu"
+        m.add_bias_linear, m.tie_embeddings = True, True
+    else:     # Llama style: RoPE (relative: a position shift within a document changes nothing), GQA
+        m.num_query_groups = 2
+        m.normalization, m.position_embedding_type, m.activation = "rmsnorm", "rope", "swiglu"
+        m.add_bias_linear, m.tie_embeddings = False, False
     p.pipeline, p.tensor, p.sequence_parallel, p.bucket_size_mb = pp, tp, tp > 1, 0.001
     p.context, p.context_algorithm = cp, algorithm
     t.global_batch_size, t.seed, cfg.data.microbatch_tokens = G, 1234, N
@@ -60,7 +67,8 @@ def _train(cfg: Config, ctx, prefix: str) -> dict:
     history, rows = [], []
     for step in range(STEPS):
         # rows padded for the SP / CP splits, then this CP rank's chunks (as the data loader does)
-        mbs = [prepare(collate_pieces(pieces, src.read, row_multiple(cfg.parallel))) for pieces in sampler.step(step * G)]
+        mbs = [prepare(collate_pieces(pieces, src.read, row_multiple(cfg.parallel)))
+               for pieces in sampler.step(step * G)]
         rows.append([mb["tokens"].shape[1] for mb in mbs])
         optimizer.zero_grad()
         out = run_global_batch(cfg, ctx, chunks, mbs, forward_only=False, ddp=ddp)
@@ -72,7 +80,8 @@ def _train(cfg: Config, ctx, prefix: str) -> dict:
 
 
 LAYOUTS = {"pp=2": dict(pp=2), "dp=2": dict(pp=1), "tp=2+sp": dict(tp=2), "cp=2 ring": dict(cp=2),
-           "cp=2 all2all": dict(cp=2, algorithm="all2all")}
+           "cp=2 all2all": dict(cp=2, algorithm="all2all"), "gpt2 pp=2": dict(pp=2, gpt2=True),
+           "gpt2 dp=2": dict(pp=1, gpt2=True)}
 
 
 def _rank(prefix: str):
@@ -84,7 +93,8 @@ def _rank(prefix: str):
 
 
 def test_pp2_and_dp2_match_one_process(corpus):
-    ref = _train(_config(), ParallelContext.single(), corpus)
+    refs = {gpt2: _train(_config(gpt2=gpt2), ParallelContext.single(), corpus) for gpt2 in (False, True)}
+    ref = refs[False]
     from paratron.data.indexed import IndexedDataset
     from paratron.data.token_batches import TokenBudgetSampler
 
@@ -94,6 +104,7 @@ def test_pp2_and_dp2_match_one_process(corpus):
         assert n == int((lengths[stream(step * G, G)] - 1).sum())
     results = run_ranks(_rank, 2, corpus, timeout=300)
     for i, layout in enumerate(LAYOUTS):
+        ref = refs[LAYOUTS[layout].get("gpt2", False)]
         for rank_out in results:
             res = rank_out[i]
             assert any(len(set(r)) > 1 for r in res["rows"]), f"{layout}: every microbatch had one shape"
@@ -105,4 +116,4 @@ def test_pp2_and_dp2_match_one_process(corpus):
                 torch.testing.assert_close(p, ref["params"][name][0][slices], rtol=1e-5, atol=1e-5,
                                            msg=lambda m: f"{layout} param {name}: {m}")
     # the DP=2 ranks split each step's documents: different groupings than one process
-    assert results[0][1]["rows"] != ref["rows"]
+    assert results[0][1]["rows"] != refs[False]["rows"]

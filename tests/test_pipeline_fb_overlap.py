@@ -5,7 +5,7 @@ malformed pairs; the simulator's makespan drops when the all-to-all cost is nonz
 Runtime: a tiny MoE GPT (4 experts, top-2, MoE in every layer) trained 3 steps with SGD under
 the overlapped list matches the plain list at the same layout to 1e-6 (fp32): one process
 (1F1B, ZB-H1 with split backward, full recompute), EP=2, EP=2 x TP=2 (with and without SP),
-EP=2 x PP=2; at EP=2 x PP=2 the
+EP=2 x PP=2 (1F1B, interleaved; zbv and EP=2 x TP=2 x PP=2 are slow); at EP=2 x PP=2 the
 recorded timeline holds a dispatch all-to-all of one microbatch inside the backward of another.
 """
 
@@ -16,7 +16,7 @@ import torch
 
 from paratron.config import Config, validate as validate_config
 from paratron.parallel.context import ParallelContext
-from paratron.pipeline.actions import BW, FB, Action, F, expand
+from paratron.pipeline.actions import BW, FB, Action, F, expand, forward_only
 from paratron.pipeline.overlap import overlap_fb
 from paratron.pipeline.registry import build_schedule
 from paratron.pipeline.schedules import with_p2p
@@ -42,6 +42,7 @@ def test_overlap_keeps_work_and_validity(name, p, m, v):
             assert sorted(map(str, expand([a for a in after if not a.is_p2p]))) == \
                 sorted(str(a) for a in before if not a.is_p2p)
         assert simulate(lists, costs).makespan <= simulate(plain, costs).makespan
+        validate([forward_only(acts) for acts in lists], m, forward_only=True)  # evaluation runs the F halves
 
 
 @pytest.mark.parametrize("name,p,m,v", [("1f1b", 1, 4, 1), ("1f1b", 2, 4, 1), ("zb-h1", 4, 8, 1),
@@ -163,17 +164,20 @@ def _train(cfg: Config, ctx, actions, timeline=None) -> dict:
                                ddp=ddp, actions=actions, timeline=timeline)
         optimizer.step()
         losses.append(out.loss)
+    # Evaluation runs the same list forward-only (an FB keeps its forward half).
+    losses.append(run_global_batch(cfg, ctx, chunks, mbs, forward_only=True, actions=actions).loss)
     params = {p.logical_name: p.detach().clone() for c in chunks for p in c.parameters()}
     return {"losses": losses, "params": params}
 
 
-def _plain_and_overlapped(schedule, kw, world):
+def _plain_and_overlapped(schedule, kw, world, v=1):
     """Train 3 steps with the plain list, then (fresh model, same seed) with the overlapped one
     that ``parallel.overlap_moe_expert_parallel_comm`` makes the training step build."""
     from paratron.training.step import rank_actions
 
     cfg = _config(world=world, **kw)
-    cfg.parallel.schedule = schedule
+    cfg.parallel.schedule, cfg.parallel.virtual_pipeline = schedule, v
+    validate_config(cfg, world)
     p = cfg.parallel
     ctx = (ParallelContext.build(tp=p.tensor, ep=p.expert, pp=p.pipeline) if world > 1
            else ParallelContext.single())
@@ -181,10 +185,10 @@ def _plain_and_overlapped(schedule, kw, world):
     plain = rank_actions(cfg, ctx, m)
     p.overlap_moe_expert_parallel_comm = True
     paired = rank_actions(cfg, ctx, m)
-    assert any(a.kind == "FB" for a in paired) and not any(a.kind == "FB" for a in plain)
+    assert not any(a.kind == "FB" for a in plain)
     timeline = []
     return {"plain": _train(cfg, ctx, plain), "overlap": _train(cfg, ctx, paired, timeline),
-            "timeline": timeline, "pp_rank": ctx.pp.rank}
+            "timeline": timeline, "pp_rank": ctx.pp.rank, "pairs": sum(a.kind == "FB" for a in paired)}
 
 
 def _assert_same(res, what):
@@ -199,7 +203,9 @@ def _assert_same(res, what):
 def test_one_process_overlap_matches_plain(schedule, kw):
     """Split backward (zb-h1: W's after the pairs), and full recompute (a backward segment re-runs
     a layer's forward, whose MoE layer must not call the pair's hook again)."""
-    _assert_same(_plain_and_overlapped(schedule, kw, 1), f"{schedule} {kw}")
+    res = _plain_and_overlapped(schedule, kw, 1)
+    assert res["pairs"] == 3
+    _assert_same(res, f"{schedule} {kw}")
 
 
 LAYOUTS = {"ep2": (2, dict(ep=2)), "ep2-tp2": (4, dict(ep=2, tp=2)), "ep2-tp2-sp": (4, dict(ep=2, tp=2, sp=True)),
@@ -211,10 +217,30 @@ def test_overlap_matches_plain_schedule(name):
     world, kw = LAYOUTS[name]
     results = run_ranks(_plain_and_overlapped, world, "1f1b", kw, world, timeout=300)
     for res in results:
+        assert res["pairs"] > 0
         _assert_same(res, name)
     if name == "ep2-pp2":
         for res in results:
             _assert_dispatch_inside_other_backward(res["timeline"], res["pp_rank"])
+
+
+@pytest.mark.parametrize("schedule", ["interleaved", pytest.param("zbv", marks=pytest.mark.slow)])
+def test_overlap_matches_plain_with_two_chunks_per_rank(schedule):
+    """EP=2 x PP=2 with 2 model chunks per rank (1 layer each): interleaved pairs a forward of one
+    chunk with a backward of the other; zbv pairs a forward with a split backward (B, then W)."""
+    results = run_ranks(_plain_and_overlapped, 4, schedule, dict(ep=2, pp=2, gbs=8), 4, 2, timeout=300)
+    assert all(res["pairs"] > 0 for res in results if res["pp_rank"] == 0)
+    for res in results:
+        _assert_same(res, schedule)
+
+
+@pytest.mark.slow
+def test_overlap_matches_plain_schedule_ep2_tp2_pp2():
+    """All three at once: 8 ranks (slow on 2 cores)."""
+    results = run_ranks(_plain_and_overlapped, 8, "1f1b", dict(ep=2, tp=2, sp=True, pp=2, gbs=8), 8, timeout=600)
+    for res in results:
+        _assert_same(res, "ep2-tp2-sp-pp2")
+        _assert_dispatch_inside_other_backward(res["timeline"], res["pp_rank"])
 
 
 def _assert_dispatch_inside_other_backward(events, rank):

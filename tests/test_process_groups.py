@@ -77,15 +77,31 @@ def test_tp2_pp2_dp2_creates_only_the_groups_it_uses(tiny_corpus, tmp_path):
         assert o["calls"] == 12  # tp, dp, pp: 4 groups each, every rank takes part in creating each
 
 
+LAYOUTS_4 = {
+    # MoE, TP=2 with SP, EP=2, DP=2, the sequence-level aux loss: the expert kinds and dp are used.
+    "moe": (["parallel.tensor=2", "parallel.expert=2", "parallel.sequence_parallel=true",
+             "model.num_experts=4", "model.moe_top_k=2", "model.moe_aux_loss_type=seq"],
+            {"tp", "ep", "expert_dp", "dp", "dp_cp"}),
+    # PP=4, tied embeddings: the embedding group {0, 3} is its own group, on two ranks only.
+    "pp4_tied": (["parallel.pipeline=4", "model.num_layers=4", "model.tie_embeddings=true"],
+                 {"embedding", "pp"}),
+    # CP=2, DP=2: cp and dp_cp are used, dp (without cp) is not.
+    "cp2_dp2": (["parallel.context=2"], {"cp", "dp_cp"}),
+    # PP=2 with 2 virtual stages (interleaved), ZeRO-3 over DP=2.
+    "vpp_zero3": (["parallel.pipeline=2", "parallel.virtual_pipeline=2", "parallel.schedule=interleaved",
+                   "model.num_layers=4", "parallel.zero=3", "train.global_batch_size=8"], {"pp", "dp_cp"}),
+}
+
+
 @pytest.mark.slow
-def test_moe_run_creates_only_the_groups_it_uses(tiny_corpus, tmp_path):
-    """MoE with TP=2 (sequence parallel), EP=2, DP=2 and the sequence-level aux loss, 4 ranks:
-    the expert kinds and ``dp`` are created because they are used, and none is missing."""
-    moe = ["parallel.tensor=2", "parallel.expert=2", "parallel.sequence_parallel=true",
-           "model.num_experts=4", "model.moe_top_k=2", "model.moe_aux_loss_type=seq"]
-    out = run_ranks(_train_counting, 4, TINY + tiny_corpus + moe, str(tmp_path / "run"), timeout=300)
+@pytest.mark.parametrize("name", sorted(LAYOUTS_4))
+def test_other_layouts_create_only_the_groups_they_use(tiny_corpus, tmp_path, name):
+    """The same count at 4 ranks for the other paths that choose groups: experts, an embedding
+    group apart from the pipeline group, context parallelism, virtual stages with ZeRO-3."""
+    extra, must_use = LAYOUTS_4[name]
+    out = run_ranks(_train_counting, 4, TINY + tiny_corpus + extra, str(tmp_path / "run"), timeout=300)
     _check_exact(out)
-    assert {"tp", "ep", "expert_dp", "dp", "dp_cp"} <= set(out[0]["used"]), out[0]["used"]
+    assert must_use <= set().union(*(o["used"] for o in out)), [o["used"] for o in out]
 
 
 def _collective_on_a_kind_left_out():

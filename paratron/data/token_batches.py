@@ -129,7 +129,8 @@ class TokenBudgetSampler:
             raise ValueError(f"microbatch_tokens={microbatch_tokens} must be >= max_positions={max_positions} >= 1")
         self.lengths = np.asarray(lengths, dtype=np.int64)
         self.stream = PretrainingSampler(len(self.lengths), global_batch_size, 1, 0, 1, seed, shuffle).stream
-        self.global_batch_size, self.microbatch_tokens, self.max_positions = global_batch_size, microbatch_tokens, max_positions
+        self.global_batch_size, self.microbatch_tokens = global_batch_size, microbatch_tokens
+        self.max_positions = max_positions
         self.dp_rank, self.dp_size = data_parallel_rank, data_parallel_size
 
     def global_plan(self, consumed: int) -> list[list[Piece]]:

@@ -61,7 +61,8 @@ class ParallelContext:
     :meth:`single` (one process, no ``torch.distributed``). Sizes: ``tp, cp, ep, pp, dp,
     expert_tp, expert_dp``; ``dp = world / (tp*cp*pp)``. Each group of the table in the module
     docstring is a typed attribute (:data:`GROUP_KINDS` lists them); :meth:`group` looks one up
-    by name.
+    by name. ``created_groups``: the rank sets of the process groups this rank joined in
+    :meth:`build` (the default group not counted).
     """
 
     grid: RankGrid

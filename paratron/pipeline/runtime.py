@@ -30,8 +30,8 @@ rules:
   and the backward of another interleaved. The backward of a paired microbatch was cut at its
   layer boundaries during its forward (a chunk with a ``layer_boundary`` attribute, such as
   :class:`~paratron.models.gpt.GPTChunk`, hands the runtime each boundary activation), so it runs
-  as one autograd call per segment (head + last layer first). The pair starts with the first
-  segment; every module of the forward's chunk with a ``while_in_flight`` attribute (the MoE
+  as one autograd call per segment (the head on the last stage, else the last layer, first;
+  the embedding last on the first stage). The pair starts with the first segment; every module of the forward's chunk with a ``while_in_flight`` attribute (the MoE
   layers) is given a hook that its dispatcher calls after launching an all-to-all
   asynchronously: the hook runs the next backward segment, then waits for the exchange. What is
   left of either half runs after the forward returns. Both halves' collectives are issued in the

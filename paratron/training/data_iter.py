@@ -105,7 +105,6 @@ class TrainingData:
         return cls(tok, train, valid, sampler(train), sampler(valid), entropy, microbatch_preparer(cfg, ctx, tok.eod),
                    prompt)
 
-
     @classmethod
     def build_token_balanced(cls, cfg, ctx) -> "TrainingData":
         """Whole documents of the train and valid splits, in token-balanced microbatches
