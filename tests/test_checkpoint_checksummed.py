@@ -14,6 +14,7 @@ from paratron.checkpoint.finite import all_finite
 from paratron.checkpoint.io import MANIFEST, load_model_full, save_model_full
 from paratron.checkpoint.items import CheckpointError
 from paratron.checkpoint.manager import CheckpointManager
+from paratron.checkpoint.safety import METADATA_FILE, read_metadata_safely
 from paratron.config import CheckpointConfig, Config
 from paratron.parallel.context import ParallelContext
 from paratron.parallel.params import ShardSpec, mark
@@ -88,6 +89,8 @@ def test_block_checksums_written_equal_the_files_and_catch_a_flipped_byte(tmp_pa
     (payload,) = (tmp_path / "ck").glob("*.distcp")
     assert sums[payload.name] == integrity.file_checksum(payload)
     assert len(integrity.entry_blocks(sums[payload.name])[1]) > 10
+    storage = read_metadata_safely(tmp_path / "ck" / METADATA_FILE).storage_data
+    assert sorted(i.fqn for i in storage) == [f"model/{k}" for k in sorted(tensors)]  # sums not stored
     _, back = load_model_full(tmp_path / "ck")
     assert all(torch.equal(back[k], v) for k, v in tensors.items())
     data = payload.read_bytes()
@@ -98,6 +101,23 @@ def test_block_checksums_written_equal_the_files_and_catch_a_flipped_byte(tmp_pa
             load_model_full(tmp_path / "ck")
     payload.write_bytes(data)
     _, back = load_model_full(tmp_path / "ck")
+
+
+def test_a_checkpoint_with_whole_file_checksums_only_is_still_verified(tmp_path):
+    """Manifests written before block checksums list ``[crc32, size]``: the payload is verified
+    whole before it is read, so it still loads, and a flipped byte is still refused."""
+    tensors = {"a": torch.randn(300, 5, generator=torch.Generator().manual_seed(1))}
+    save_model_full(tmp_path / "ck", Config(), tensors)
+    man = json.loads((tmp_path / "ck" / MANIFEST).read_text())
+    man[integrity.CHECKSUMS] = {k: v[:2] for k, v in man[integrity.CHECKSUMS].items()}
+    (tmp_path / "ck" / MANIFEST).write_bytes(integrity.seal_manifest(man))
+    _, back = load_model_full(tmp_path / "ck")
+    assert torch.equal(back["a"], tensors["a"])
+    (payload,) = (tmp_path / "ck").glob("*.distcp")
+    data = payload.read_bytes()
+    payload.write_bytes(data[:-7] + bytes([data[-7] ^ 1]) + data[-6:])
+    with pytest.raises(CheckpointError, match=rf"{payload.name}: checksum mismatch: crc32"):
+        load_model_full(tmp_path / "ck")
 
 
 def test_all_finite_is_exact_when_a_sum_overflows():

@@ -34,6 +34,9 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
 
 from . import integrity
 from .items import CheckpointError
@@ -130,24 +133,48 @@ class _ChecksumFileSystem(FileSystem):
 class ChecksummingWriter(FileSystemWriter):
     """DCP's ``FileSystemWriter`` whose payload files are checksummed as they are written.
 
+    Each rank's checksums reach the coordinator with DCP's own gathering of the write results (one
+    extra ``WriteResult`` under a reserved key, taken out again before ``.metadata`` is written),
+    so no collective of ours is needed for them.
+
     Args:
         path: the checkpoint directory.
         thread_count: DCP's writer threads per rank (one file each).
+        other_sums: manifest entries of this rank's other files of the checkpoint (its
+            ``rank_<r>.json``), to travel with its payloads' entries.
 
     Attributes:
-        sums: after the save, ``{payload file name: manifest entry}`` for this rank's payloads
-            (:func:`paratron.checkpoint.integrity.block_entry`).
+        sums: after the save, ``{file name: manifest entry}`` of this rank's payloads and
+            ``other_sums`` (:func:`paratron.checkpoint.integrity.block_entry`).
+        all_sums: after the save, on the coordinator only: every rank's :attr:`sums` merged
+            (None elsewhere).
     """
 
-    def __init__(self, path: str | os.PathLike, thread_count: int = 1) -> None:
+    SUMS_KEY = "paratron/checksums"
+
+    def __init__(self, path: str | os.PathLike, thread_count: int = 1, other_sums: dict | None = None) -> None:
         super().__init__(str(path), single_file_per_rank=True, sync_files=True, thread_count=thread_count,
                          overwrite=True)
-        self.sums: dict[str, list] = {}
+        self.sums: dict[str, list] = dict(other_sums or {})
+        self.all_sums: dict[str, list] | None = None
         self.fs = _ChecksumFileSystem(self.sums, integrity.BLOCK)
 
     def write_data(self, plan, planner):
         with no_record_crc32():
-            return super().write_data(plan, planner)
+            results = super().write_data(plan, planner).value()
+        done: Future = Future()
+        done.set_result(results + [WriteResult(MetadataIndex(self.SUMS_KEY), 0, dict(self.sums))])
+        return done
+
+    def finish(self, metadata, results) -> None:
+        self.all_sums = {}
+        kept = []
+        for per_rank in results:
+            for r in per_rank:
+                if r.index.fqn == self.SUMS_KEY:
+                    self.all_sums.update(r.storage_data)
+            kept.append([r for r in per_rank if r.index.fqn != self.SUMS_KEY])
+        super().finish(metadata, kept)
 
 
 class BlockReader:
@@ -159,7 +186,6 @@ class BlockReader:
         rank: the reading rank, named in errors.
 
     Attributes:
-        bytes_read: bytes read from the file so far (what the block checks cost included).
         failure: the error :meth:`read_into` raised, if any (``torch.load`` replaces an error
             raised inside a read of its file object by an unrelated ``AttributeError``; the caller
             re-raises this one).
@@ -172,10 +198,9 @@ class BlockReader:
         integrity.check_size(path, int(entry[1]), rank)
         self.path, self.size, self.rank = path, int(entry[1]), rank
         self.block, self.crcs = integrity.entry_blocks(entry)
-        self.bytes_read = 0
         self.failure: CheckpointError | None = None
         self._fd = os.open(path, os.O_RDONLY)
-        self._cache: dict[int, bytes] = {}  # verified partial-range blocks, the last two
+        self._cache: dict[int, memoryview] = {}  # verified blocks read for partial ranges, by last use
 
     def close(self) -> None:
         os.close(self._fd)
@@ -203,16 +228,19 @@ class BlockReader:
                 out[pos - start:stop - start] = self._cached(k)[pos - lo:stop - lo]
             pos = stop
 
-    def _cached(self, k: int) -> bytes:
-        if k not in self._cache:
+    def _cached(self, k: int) -> memoryview:
+        """Block ``k``, read and verified once while it stays among the last few used (the
+        blocks at the edges of neighbouring saved chunks, which their headers share)."""
+        view = self._cache.pop(k, None)
+        if view is None:
             lo = k * self.block
-            buf = bytearray(min(self.block, self.size - lo))
-            self._read(memoryview(buf), lo)
-            self._check(k, buf)
-            if len(self._cache) >= 2:
-                self._cache.pop(next(iter(self._cache)))
-            self._cache[k] = bytes(buf)
-        return self._cache[k]
+            view = memoryview(bytearray(min(self.block, self.size - lo)))
+            self._read(view, lo)
+            self._check(k, view)
+            if len(self._cache) >= 3:
+                self._cache.pop(next(iter(self._cache)))  # the least recently used
+        self._cache[k] = view  # (re)inserted last: most recently used
+        return view
 
     def _read(self, dest: memoryview, at: int) -> None:
         got = 0
@@ -222,7 +250,6 @@ class BlockReader:
                 self._fail(f"ended at byte {at + got:,} while reading (read by rank {self.rank}); the file is "
                            "truncated")
             got += n
-        self.bytes_read += got
 
     def _check(self, k: int, data) -> None:
         if k >= len(self.crcs) or zlib.crc32(data) != self.crcs[k]:

@@ -79,20 +79,24 @@ def read_json(path: str | os.PathLike) -> Any:
 # ---- tensors through DCP -------------------------------------------------------------------
 def write_items(directory: str | os.PathLike, items: StateItems, *, process_group=None,
                 single_process: bool = False, needed: int | None = None,
-                space_dir: str | os.PathLike | None = None) -> dict[str, list]:
+                space_dir: str | os.PathLike | None = None, other_sums: dict | None = None) -> dict[str, list]:
     """Save ``items`` into ``directory`` with DCP (collective over ``process_group`` unless
     ``single_process``). Chunks already on the CPU are written straight from their storage, and
     checksummed as they are written (:class:`~paratron.checkpoint.checksummed.ChecksummingWriter`).
 
+    Args:
+        other_sums: manifest entries of this rank's other files, gathered with its payloads'.
+
     Returns:
-        ``{name: manifest entry}`` of the payload files this rank wrote.
+        ``{name: manifest entry}``: on the coordinator (rank 0 of the group) every rank's payloads
+        and ``other_sums``, elsewhere this rank's.
 
     Raises:
         storage.OutOfSpaceError: the disk filled up (naming ``space_dir``, default ``directory``,
             ``needed`` bytes and the bytes free).
         CheckpointError: any other failure, with the first failing rank.
     """
-    writer = ChecksummingWriter(directory)
+    writer = ChecksummingWriter(directory, other_sums=other_sums)
     with warnings.catch_warnings():
         # DCP warns that it assumes a single process when asked for no_dist; that is the intent.
         warnings.simplefilter("ignore", UserWarning)
@@ -107,7 +111,7 @@ def write_items(directory: str | os.PathLike, items: StateItems, *, process_grou
                 raise storage.OutOfSpaceError(storage.no_space_message(
                     where, needed or 0, storage.free_bytes(where))) from None
             raise
-    return writer.sums
+    return writer.all_sums if writer.all_sums is not None else writer.sums
 
 
 def _unwrap(e: CheckpointException, what: str, space: tuple | None = None) -> CheckpointError:
@@ -125,16 +129,22 @@ def _unwrap(e: CheckpointException, what: str, space: tuple | None = None) -> Ch
     return CheckpointError(f"{what}: {e}")
 
 
-def read_items(directory: str | os.PathLike, items: StateItems) -> None:
+def read_items(directory: str | os.PathLike, items: StateItems, manifest: dict | None = None) -> None:
     """Fill every chunk of ``items`` in place from ``directory`` (any saving layout).
 
-    Reads only this rank's overlaps; needs no collective, so ranks may call it independently.
+    Reads only the saved chunks that overlap this rank's, verifying each block it reads; needs no
+    collective, so ranks may call it independently.
+
+    Args:
+        manifest: the directory's manifest when the caller just verified it
+            (:func:`verify_directory`); verified here otherwise.
 
     Raises:
         CheckpointError: unsafe or malformed files, a missing key, a shape mismatch.
     """
     directory = Path(directory)
-    manifest = verify_directory(directory)
+    if manifest is None:
+        manifest = verify_directory(directory)
     items = adapt_items(items, set(saved_tensors(directory, verified=True)))
     reader = SafeFileSystemReader(str(directory), checksums=manifest.get(integrity.CHECKSUMS),
                                   rank=integrity.reading_rank())
@@ -340,5 +350,5 @@ def load_model_into(directory: str | os.PathLike, chunks, *, config=None, step: 
     if config is not None:
         check_same_model(manifest["config"]["model"], config.to_dict()["model"], str(directory))
     with torch.no_grad():
-        read_items(directory, model_items(chunks, for_save=False))
+        read_items(directory, model_items(chunks, for_save=False), manifest)
     return manifest

@@ -244,20 +244,18 @@ class CheckpointManager:
         self._phase("committed", root / f"step_{step}")
 
     def _write_files(self, tmp: Path, items: StateItems, rank_state: dict, needed: int | None) -> dict:
-        """Every rank writes its files into ``tmp`` and checksums them; returns all ranks'
-        ``{name: manifest entry}`` (on every rank)."""
+        """Every rank writes its files into ``tmp``, checksummed; returns ``{name: manifest
+        entry}`` of every rank's files on rank 0 (they travel with DCP's write results), of this
+        rank's elsewhere."""
         g = self._group
         tmp.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(tmp / f"rank_{self.ctx.rank:05d}.json", rank_state)
+        state = f"rank_{self.ctx.rank:05d}.json"
+        write_json_atomic(tmp / state, rank_state)
         # DCP's save ends with a collective after every rank's writes, so once it returns on rank 0
         # every rank's files (its rank_<r>.json included) are complete.
-        mine = write_items(tmp, items, process_group=g.pg, single_process=g.size == 1, needed=needed,
-                           space_dir=tmp.parent)
+        sums = write_items(tmp, items, process_group=g.pg, single_process=g.size == 1, needed=needed,
+                           space_dir=tmp.parent, other_sums=integrity.checksum_files(tmp, [state]))
         self._phase("tensors_written", tmp)
-        mine.update(integrity.checksum_files(tmp, [f"rank_{self.ctx.rank:05d}.json"]))
-        sums: dict[str, list] = {}
-        for part in g.all_gather_object(mine):
-            sums.update(part)
         return sums
 
     def _phase(self, name: str, path: Path) -> None:
@@ -331,7 +329,7 @@ class CheckpointManager:
                 items = model_items(chunks, for_save=False)
                 if want_optimizer:
                     items = merge(items, optimizer_items(optimizer))
-                read_items(directory, items)
+                read_items(directory, items, manifest)
                 if not want_optimizer and optimizer is not None:
                     copy_params_into_main(chunks, optimizer)
             if want_optimizer:

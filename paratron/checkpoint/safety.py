@@ -140,9 +140,6 @@ class SafeFileSystemReader(FileSystemReader):
         checksums: the manifest's ``{name: entry}`` (None: a checkpoint written before checksums
             existed; nothing verified).
         rank: the reading rank, named in errors.
-
-    Attributes:
-        bytes_read: payload bytes read through block readers so far (a measure for tests).
     """
 
     def __init__(self, path: str | os.PathLike, checksums: dict | None = None, rank: int = 0) -> None:
@@ -151,7 +148,6 @@ class SafeFileSystemReader(FileSystemReader):
         self._rank = rank
         self._verified: set[str] = set()
         self._readers: dict[str, BlockReader] = {}
-        self.bytes_read = 0
 
     def read_data(self, plan, planner):
         files = sorted({self.storage_data[item.storage_index].relative_path for item in plan.items})
@@ -175,7 +171,6 @@ class SafeFileSystemReader(FileSystemReader):
             raise
         finally:
             for reader in self._readers.values():
-                self.bytes_read += reader.bytes_read
                 reader.close()
             self._readers.clear()
 
