@@ -203,6 +203,13 @@ def test_zero_gpus_per_node_is_refused(capsys):
     assert "--gpus-per-node=0 must be a positive integer" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag", ["--global-batch-size", "--seq-length"])
+def test_zero_batch_or_sequence_is_refused(flag, capsys):
+    # Same falsy trap: 0 planned silently for the config's batch / sequence length.
+    assert plan_run(_args("--gpu", "h100", flag, "0")) == 2
+    assert f"{flag}=0 must be a positive integer" in capsys.readouterr().err
+
+
 def test_global_batch_no_layout_can_split():
     # One layer, one head, an odd sequence: tp = pp = cp = 1, so dp = 4 must divide the batch.
     cfg = Config(model=ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=1, seq_length=15,

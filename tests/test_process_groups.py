@@ -134,3 +134,20 @@ def _unknown_kind():
 def test_an_unknown_kind_is_refused():
     with pytest.raises(RankFailure, match="'tensor'"):
         run_ranks(_unknown_kind, 1, timeout=60)
+
+
+def test_info_world_size_writes_output_and_refuses_non_positive(tmp_path, capsys):
+    """``paratron info --world-size N --output F`` writes F (it only printed), and N <= 0 is refused
+    naming the flag (0 used to fall through to a one-rank run, -3 to a batch-size error)."""
+    import json
+
+    from paratron.cli import main
+
+    out = tmp_path / "world.json"
+    assert main(["info", "--world-size", "4", "--set", "parallel.tensor=2", "--output", str(out)]) == 0
+    written = json.loads(out.read_text())
+    assert written["world"] == 4 and written["groups"]["tp"] == [[0, 1], [2, 3]]
+    assert written == json.loads(capsys.readouterr().out)
+    for bad in ("0", "-3"):
+        assert main(["info", "--world-size", bad]) == 2
+        assert f"--world-size={bad} must be a positive integer" in capsys.readouterr().err

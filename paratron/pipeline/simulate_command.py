@@ -13,6 +13,7 @@ The output format follows the file extension: ``.png`` (matplotlib) or ``.json``
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 from .registry import SCHEDULES, build_schedule, default_microbatches
@@ -45,14 +46,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", default=None, help="timeline file: .png or .json (Chrome trace)")
 
 
+def _checked_costs(args: argparse.Namespace, p: int) -> tuple[float, ...] | None:
+    """The per-link latencies of ``--link-latency`` (None when not given), after checking that
+    every cost is a finite number >= 0: a NaN, an infinity or a negative time would give a
+    meaningless makespan (or a traceback in 1f1b-delay's warm-up count).
+
+    Raises:
+        ValueError: naming the flag and the rule.
+    """
+    for flag in ("cost_f", "cost_b", "cost_w", "latency", "comm_f", "comm_b"):
+        v = getattr(args, flag)
+        if not (math.isfinite(v) and v >= 0):
+            raise ValueError(f"--{flag.replace('_', '-')}={v} must be a finite number >= 0")
+    if args.link_latency is None:
+        return None
+    rule = f"--link-latency={args.link_latency!r} must give p-1={p - 1} comma-separated finite values >= 0"
+    try:
+        links = tuple(float(x) for x in args.link_latency.split(","))
+    except ValueError:
+        raise ValueError(rule) from None
+    if len(links) != p - 1 or not all(math.isfinite(x) and x >= 0 for x in links):
+        raise ValueError(rule)
+    return links
+
+
 def run(args: argparse.Namespace) -> int:
     p = args.pipeline
     m = args.microbatches if args.microbatches is not None else default_microbatches(p)
     v = args.virtual if args.virtual is not None else (2 if args.schedule in ("interleaved", "zbv") else 1)
     try:
-        links = None if args.link_latency is None else tuple(float(x) for x in args.link_latency.split(","))
-        if links is not None and (len(links) != p - 1 or min(links) < 0):
-            raise ValueError(f"--link-latency={args.link_latency} must give p-1={p - 1} values >= 0")
+        links = _checked_costs(args, p)
         options = {}
         if args.schedule == "1f1b-delay" and links is not None:
             options = {"link_latency": links, "microbatch_time": args.cost_f + args.cost_b + args.cost_w}

@@ -96,8 +96,8 @@ def problem(args: argparse.Namespace, cfg: Config):
     cal = load(args.calibration) if args.gpu == "cpu" else None
     hw = device(args.gpu, memory_gb=args.memory_gb, intra_bw_gbs=args.intra_bw_gbs,
                 inter_bw_gbs=args.inter_bw_gbs, calibration=cal)
-    gbs = args.global_batch_size or cfg.train.global_batch_size
-    seq = args.seq_length or cfg.model.seq_length
+    gbs = cfg.train.global_batch_size if args.global_batch_size is None else args.global_batch_size
+    seq = cfg.model.seq_length if args.seq_length is None else args.seq_length
     for name, v in (("--global-batch-size", gbs), ("--seq-length", seq)):
         if v < 1:
             raise ConfigError(f"{name}={v} must be a positive integer (>= 1)")

@@ -34,6 +34,9 @@ def _describe_grid(cfg, world: int) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.world_size is not None and args.world_size < 1:
+        print(f"paratron info: --world-size={args.world_size} must be a positive integer (ranks)", file=sys.stderr)
+        return 2
     if args.world_size and "WORLD_SIZE" not in os.environ and not args.nproc_per_node:
         from paratron.config import ConfigError, build_config, validate
 
@@ -42,7 +45,11 @@ def run(args: argparse.Namespace) -> int:
         except ConfigError as e:
             print(f"paratron info: config error: {e}", file=sys.stderr)
             return 2
-        print(json.dumps(_describe_grid(cfg, args.world_size), indent=1))
+        world = _describe_grid(cfg, args.world_size)
+        print(json.dumps(world, indent=1))
+        if args.output:
+            with open(args.output, "w") as f:
+                json.dump(world, f)
         return 0
     return launch_or_run(args, "info", _body)
 
