@@ -12,11 +12,12 @@ plain JSON; the manifest is a few kB, so its own checksum's speed does not matte
 
 On load, :func:`check_manifest` verifies the manifest's own bytes and :func:`verify_files` the
 small shared files; payload bytes are verified block by block as they are read
-(:class:`paratron.checkpoint.checksummed.BlockReader`), by the ranks that read them. New saves use CRC-32C (the Castagnoli polynomial, computed by the
-``google-crc32c`` library's C extension with the CPU's CRC instructions where it has them): about
-twice zlib's CRC-32 on this machine, with the same guarantees (every 1-bit error and every burst
-of up to 32 bits is caught). A CRC is not a defence against deliberate tampering (loading never
-unpickles, see :mod:`paratron.checkpoint.safety`). Cost: ``benchmarks/bench_checkpoint.py``.
+(:class:`paratron.checkpoint.checksummed.BlockReader`), by the ranks that read them. New saves
+use CRC-32C (the Castagnoli polynomial, computed by the ``google-crc32c`` library's C extension
+with the CPU's CRC instructions where it has them): 2-3× zlib's CRC-32 on this machine, with the
+same kind of guarantees (every 1-bit error and every burst of up to 32 bits is caught). A CRC is
+not a defence against deliberate tampering (loading never unpickles, see
+:mod:`paratron.checkpoint.safety`). Cost: ``benchmarks/bench_checkpoint.py``.
 
 Older checkpoints still load: a manifest without the ``checksum`` field was written with zlib's
 CRC-32; entries written before block checksums have two fields (their payloads are verified
@@ -156,9 +157,10 @@ class BlockCrc:
 
 def block_entry(crcs: list[int], size: int, block: int, algorithm: Algorithm) -> list:
     """``[CRC of the whole file as 8 hex digits, size, block, the blocks' CRCs as one string of
-    8 hex digits each]``, all by ``algorithm`` (the manifest names it). The first two are what every reader verifies a whole file against
-    (entries of checkpoints written before block checksums have only these two); the last two
-    let a reader verify just the blocks it reads (:class:`paratron.checkpoint.checksummed.BlockReader`)."""
+    8 hex digits each]``, all by ``algorithm`` (the manifest names it). The first two are what
+    every reader verifies a whole file against (entries of checkpoints written before block
+    checksums have only these two); the last two let a reader verify just the blocks it reads
+    (:class:`paratron.checkpoint.checksummed.BlockReader`)."""
     whole = crcs[0] if crcs else 0
     for i, c in enumerate(crcs[1:], start=1):
         whole = crc32_combine(whole, c, min(block, size - i * block), algorithm.polynomial)
@@ -257,8 +259,8 @@ def verify_files(directory: str | os.PathLike, checksums: dict, names: Iterable[
         check_size(path, want[1], rank)
         crc, _ = file_crc32(path, algorithm=algorithm)
         if crc != want[0]:
-            raise CheckpointError(f"{path}: checksum mismatch: {algorithm.name} {crc}, {want[0]} at save time (read by rank "
-                                  f"{rank}); the file is corrupt")
+            raise CheckpointError(f"{path}: checksum mismatch: {algorithm.name} {crc}, {want[0]} at save time "
+                                  f"(read by rank {rank}); the file is corrupt")
 
 
 def listed(checksums: dict, path: Path, rank: int) -> list:

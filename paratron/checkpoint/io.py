@@ -224,7 +224,8 @@ def verify_directory(directory: str | os.PathLike) -> dict:
     if sums is not None:  # the small files every load reads; payloads are checked as they are read
         mine = f"rank_{rank:05d}.json"
         small = [n for n in (METADATA_FILE, "config.toml", mine) if n in sums or (directory / n).is_file()]
-        integrity.verify_files(directory, sums, small, rank, integrity.manifest_algorithm(manifest, directory / MANIFEST))
+        algorithm = integrity.manifest_algorithm(manifest, directory / MANIFEST)
+        integrity.verify_files(directory, sums, small, rank, algorithm)
     md_path = directory / METADATA_FILE
     if not md_path.is_file():
         raise CheckpointError(f"{directory} has no {METADATA_FILE}")
