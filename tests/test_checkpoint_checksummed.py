@@ -4,8 +4,10 @@ verifies) only the saved chunks it needs, each byte once; a changed byte is stil
 from __future__ import annotations
 
 import json
+import zlib
 from pathlib import Path
 
+import google_crc32c
 import pytest
 import torch
 
@@ -85,9 +87,12 @@ def test_block_checksums_written_equal_the_files_and_catch_a_flipped_byte(tmp_pa
     tensors = {"a": torch.randn(1000, 7, generator=g), "b": torch.randn(333, generator=g).bfloat16(),
                "c": torch.arange(5000, dtype=torch.int64)}
     save_model_full(tmp_path / "ck", Config(), tensors)
-    sums = json.loads((tmp_path / "ck" / MANIFEST).read_text())[integrity.CHECKSUMS]
+    manifest = json.loads((tmp_path / "ck" / MANIFEST).read_text())
+    assert manifest[integrity.ALGORITHM_FIELD] == "crc32c"
+    sums = manifest[integrity.CHECKSUMS]
     (payload,) = (tmp_path / "ck").glob("*.distcp")
     assert sums[payload.name] == integrity.file_checksum(payload)
+    assert sums[payload.name][0] == f"{google_crc32c.value(payload.read_bytes()):08x}"
     assert len(integrity.entry_blocks(sums[payload.name])[1]) > 10
     storage = read_metadata_safely(tmp_path / "ck" / METADATA_FILE).storage_data
     assert sorted(i.fqn for i in storage) == [f"model/{k}" for k in sorted(tensors)]  # sums not stored
@@ -103,20 +108,42 @@ def test_block_checksums_written_equal_the_files_and_catch_a_flipped_byte(tmp_pa
     _, back = load_model_full(tmp_path / "ck")
 
 
-def test_a_checkpoint_with_whole_file_checksums_only_is_still_verified(tmp_path):
-    """Manifests written before block checksums list ``[crc32, size]``: the payload is verified
-    whole before it is read, so it still loads, and a flipped byte is still refused."""
+def _as_zlib_manifest(directory: Path, blocks: bool) -> None:
+    """Rewrite a checkpoint's manifest as paratron wrote it before CRC-32C: no ``checksum``
+    field, zlib CRC-32 entries, with block checksums (``blocks``) or only ``[crc32, size]``."""
+    man = json.loads((directory / MANIFEST).read_text())
+    del man[integrity.ALGORITHM_FIELD]
+    sums = integrity.checksum_files(directory, man[integrity.CHECKSUMS], integrity.LEGACY)
+    man[integrity.CHECKSUMS] = sums if blocks else {k: v[:2] for k, v in sums.items()}
+    (directory / MANIFEST).write_bytes(integrity.seal_manifest(man))
+
+
+@pytest.mark.parametrize("blocks", [True, False], ids=["block-crc32", "whole-file-crc32"])
+def test_a_checkpoint_with_zlib_crc32_manifest_still_loads_and_is_verified(tmp_path, monkeypatch, blocks):
+    """Both older manifest formats (zlib CRC-32, with and without block checksums; the latter
+    verified whole before it is read) still load, and a flipped byte is still refused."""
+    monkeypatch.setattr(integrity, "BLOCK", 4096)
     tensors = {"a": torch.randn(300, 5, generator=torch.Generator().manual_seed(1))}
     save_model_full(tmp_path / "ck", Config(), tensors)
-    man = json.loads((tmp_path / "ck" / MANIFEST).read_text())
-    man[integrity.CHECKSUMS] = {k: v[:2] for k, v in man[integrity.CHECKSUMS].items()}
-    (tmp_path / "ck" / MANIFEST).write_bytes(integrity.seal_manifest(man))
-    _, back = load_model_full(tmp_path / "ck")
-    assert torch.equal(back["a"], tensors["a"])
+    _as_zlib_manifest(tmp_path / "ck", blocks)
     (payload,) = (tmp_path / "ck").glob("*.distcp")
     data = payload.read_bytes()
+    assert json.loads((tmp_path / "ck" / MANIFEST).read_text())[integrity.CHECKSUMS][payload.name][0] == \
+        f"{zlib.crc32(data):08x}"
+    _, back = load_model_full(tmp_path / "ck")
+    assert torch.equal(back["a"], tensors["a"])
     payload.write_bytes(data[:-7] + bytes([data[-7] ^ 1]) + data[-6:])
-    with pytest.raises(CheckpointError, match=rf"{payload.name}: checksum mismatch: crc32"):
+    message = r"checksum mismatch in bytes [\d,]+-[\d,]+" if blocks else "checksum mismatch: crc32 "
+    with pytest.raises(CheckpointError, match=rf"{payload.name}: {message}"):
+        load_model_full(tmp_path / "ck")
+
+
+def test_a_manifest_naming_an_unknown_checksum_algorithm_is_refused(tmp_path):
+    save_model_full(tmp_path / "ck", Config(), {"a": torch.ones(3)})
+    man = json.loads((tmp_path / "ck" / MANIFEST).read_text())
+    man[integrity.ALGORITHM_FIELD] = "sha1"
+    (tmp_path / "ck" / MANIFEST).write_bytes(integrity.seal_manifest(man))
+    with pytest.raises(CheckpointError, match=r"paratron.json: checksum algorithm 'sha1' is unknown; .*crc32c"):
         load_model_full(tmp_path / "ck")
 
 

@@ -199,15 +199,27 @@ def test_save_on_a_full_disk_says_so_and_the_next_run_resumes(tiny_corpus, tmp_p
     assert estimated_checkpoint_bytes(from_dict(manifest["config"], "x"), None) == tensors
 
 
-def test_blockwise_crc_equals_zlib_crc_of_the_whole_file(tmp_path, monkeypatch):
+@pytest.mark.parametrize("name", ["crc32", "crc32c"])
+def test_blockwise_crc_equals_the_crc_of_the_whole_file(tmp_path, monkeypatch, name):
+    """Per-block CRCs combined (files read by threads, and a stream fed in odd pieces) equal the
+    reference library's CRC of the whole content, for both algorithms (old and new manifests)."""
     import zlib
+
+    import google_crc32c
 
     from paratron.checkpoint import integrity
 
+    reference = {"crc32": zlib.crc32, "crc32c": google_crc32c.value}[name]
+    algorithm = integrity.ALGORITHMS[name]
     monkeypatch.setattr(integrity, "BLOCK", 1000)  # many blocks, a short last one
     g = torch.Generator().manual_seed(3)
     for n in (0, 1, 999, 1000, 1001, 12_345):
         data = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g).numpy().tobytes()
         (tmp_path / "f").write_bytes(data)
-        assert integrity.file_crc32(tmp_path / "f", threads=3) == (f"{zlib.crc32(data):08x}", n)
-    assert integrity.crc32_combine(zlib.crc32(b"abc"), zlib.crc32(b"defg"), 4) == zlib.crc32(b"abcdefg")
+        assert integrity.file_crc32(tmp_path / "f", threads=3, algorithm=algorithm) == (f"{reference(data):08x}", n)
+        stream = integrity.BlockCrc(1000, algorithm)
+        for at in range(0, n, 377):
+            stream.update(memoryview(bytearray(data[at:at + 377])))  # writable buffers, as torch hands them
+        assert stream.entry() == integrity.file_checksum(tmp_path / "f", algorithm=algorithm)
+    assert (integrity.crc32_combine(reference(b"abc"), reference(b"defg"), 4, algorithm.polynomial)
+            == reference(b"abcdefg"))

@@ -2,8 +2,8 @@
 
 Save: :class:`ChecksummingWriter` is DCP's ``FileSystemWriter`` with one change, the stream each
 payload file (``__<r>_<i>.distcp``) is written through: it passes every buffer on to the file and
-feeds the same memory to a :class:`~paratron.checkpoint.integrity.BlockCrc` (the CRC-32 of each
-``integrity.BLOCK``-byte block). So the checksums cost one pass over bytes already in memory, not
+feeds the same memory to a :class:`~paratron.checkpoint.integrity.BlockCrc` (the CRC of each
+``integrity.BLOCK``-byte block, by ``integrity.CURRENT``). So the checksums cost one pass over bytes already in memory, not
 a second read of the file, and the writer hands the manifest entries back (:attr:`sums`). The
 same stream asks the kernel every 16 MiB to start writing the bytes so far out to disk (Linux
 ``sync_file_range``), so the disk works while the CPU serialises and checksums the rest instead
@@ -12,7 +12,7 @@ of all of it waiting for DCP's closing fsync. While it writes, ``torch.save``'s 
 the same bytes that protected nothing; ours covers every byte of the file.
 
 Load: :class:`BlockReader` reads a payload file by blocks with ``os.preadv`` and checks each block
-it reads against its save-time CRC-32 before the bytes are used (whole blocks straight into the
+it reads against its save-time CRC (by the manifest's algorithm) before the bytes are used (whole blocks straight into the
 caller's buffer; the partial blocks at a range's edges through a small cache). DCP reads each
 saved chunk through a :class:`VerifiedRange` over it (``SafeFileSystemReader._slice_file``), so a
 rank reads, and verifies, only the saved chunks its own chunks overlap, each byte once, plus at
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import io
 import os
-import zlib
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -178,12 +177,14 @@ class ChecksummingWriter(FileSystemWriter):
 
 
 class BlockReader:
-    """Reads byte ranges of one payload file, verifying each block read against its CRC-32.
+    """Reads byte ranges of one payload file, verifying each block read against its CRC.
 
     Args:
         path: the file (opened here; :meth:`close` closes it).
         entry: its manifest entry with block checksums (:func:`integrity.block_entry`).
         rank: the reading rank, named in errors.
+        algorithm: the CRC the manifest's checksums were computed with
+            (:func:`integrity.manifest_algorithm`).
 
     Attributes:
         failure: the error :meth:`read_into` raised, if any (``torch.load`` replaces an error
@@ -194,8 +195,9 @@ class BlockReader:
         CheckpointError: the file is missing, or of another size than at save time.
     """
 
-    def __init__(self, path: Path, entry: list, rank: int) -> None:
+    def __init__(self, path: Path, entry: list, rank: int, algorithm: integrity.Algorithm) -> None:
         integrity.check_size(path, int(entry[1]), rank)
+        self.algorithm = algorithm
         self.path, self.size, self.rank = path, int(entry[1]), rank
         self.block, self.crcs = integrity.entry_blocks(entry)
         self.failure: CheckpointError | None = None
@@ -209,7 +211,7 @@ class BlockReader:
         """Fill ``out`` with the file's bytes from ``start``, every block they lie in verified.
 
         Raises:
-            CheckpointError: a block's CRC-32 differs from the one at save time (names the file,
+            CheckpointError: a block's CRC differs from the one at save time (names the file,
                 the byte range and the rank).
         """
         pos, end = start, start + len(out)
@@ -252,7 +254,7 @@ class BlockReader:
             got += n
 
     def _check(self, k: int, data) -> None:
-        if k >= len(self.crcs) or zlib.crc32(data) != self.crcs[k]:
+        if k >= len(self.crcs) or self.algorithm.extend(0, data) != self.crcs[k]:
             lo = k * self.block
             self._fail(f"checksum mismatch in bytes {lo:,}-{lo + len(data):,} (read by rank {self.rank}); the file "
                        "is corrupt")

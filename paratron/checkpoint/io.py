@@ -6,7 +6,8 @@ directory written by :func:`save_model_full`)::
     .metadata            DCP metadata (pickled by torch; read only through safety.read_metadata_safely)
     __<rank>_0.distcp    tensor payloads, one file per writing rank (read with weights_only=True)
     paratron.json        manifest: format, version, config, step, what is inside, .metadata's sha256,
-                         the CRC-32 and size of every other file, and its own CRC-32 (see integrity)
+                         the checksum algorithm (CRC-32C), the CRC and size of every other file,
+                         and its own CRC-32 (see integrity)
     config.toml          the config again, for people
     rank_<r>.json        per-rank state (RNG, layout coordinates), CheckpointManager only
 
@@ -147,7 +148,8 @@ def read_items(directory: str | os.PathLike, items: StateItems, manifest: dict |
         manifest = verify_directory(directory)
     items = adapt_items(items, set(saved_tensors(directory, verified=True)))
     reader = SafeFileSystemReader(str(directory), checksums=manifest.get(integrity.CHECKSUMS),
-                                  rank=integrity.reading_rank())
+                                  rank=integrity.reading_rank(),
+                                  algorithm=integrity.manifest_algorithm(manifest, directory / MANIFEST))
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
@@ -168,8 +170,8 @@ def saved_tensors(directory: str | os.PathLike, *, verified: bool = False) -> di
 # ---- the manifest --------------------------------------------------------------------------
 def write_manifest(directory: str | os.PathLike, cfg, checksums: dict | None = None, **fields: Any) -> dict:
     """Write ``config.toml``, then ``paratron.json`` last: it records the sha256 of ``.metadata``
-    (a directory whose metadata was swapped afterwards is refused) and the CRC-32 and size of
-    every file (:mod:`paratron.checkpoint.integrity`).
+    (a directory whose metadata was swapped afterwards is refused), the checksum algorithm and
+    the CRC and size of every file (:mod:`paratron.checkpoint.integrity`).
 
     Args:
         cfg: the run's :class:`paratron.config.Config`.
@@ -187,7 +189,7 @@ def write_manifest(directory: str | os.PathLike, cfg, checksums: dict | None = N
     known.update(integrity.checksum_files(directory, rest))
     manifest = {"format": FORMAT, "version": VERSION, "config": cfg.to_dict(),
                 "metadata_sha256": file_sha256(directory / METADATA_FILE), **fields,
-                integrity.CHECKSUMS: known}
+                integrity.ALGORITHM_FIELD: integrity.CURRENT.name, integrity.CHECKSUMS: known}
     try:
         raw = integrity.seal_manifest(manifest)
     except TypeError as e:
@@ -222,7 +224,7 @@ def verify_directory(directory: str | os.PathLike) -> dict:
     if sums is not None:  # the small files every load reads; payloads are checked as they are read
         mine = f"rank_{rank:05d}.json"
         small = [n for n in (METADATA_FILE, "config.toml", mine) if n in sums or (directory / n).is_file()]
-        integrity.verify_files(directory, sums, small, rank)
+        integrity.verify_files(directory, sums, small, rank, integrity.manifest_algorithm(manifest, directory / MANIFEST))
     md_path = directory / METADATA_FILE
     if not md_path.is_file():
         raise CheckpointError(f"{directory} has no {METADATA_FILE}")

@@ -26,7 +26,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from .checksummed import BlockReader, VerifiedRange
-from .integrity import entry_blocks, listed, verify_files
+from .integrity import Algorithm, entry_blocks, listed, verify_files
 from .items import CheckpointError
 
 METADATA_FILE = ".metadata"
@@ -140,11 +140,19 @@ class SafeFileSystemReader(FileSystemReader):
         checksums: the manifest's ``{name: entry}`` (None: a checkpoint written before checksums
             existed; nothing verified).
         rank: the reading rank, named in errors.
+        algorithm: the CRC of ``checksums`` (:func:`~paratron.checkpoint.integrity.manifest_algorithm`);
+            required with them.
+
+    Raises:
+        ValueError: ``checksums`` without ``algorithm``.
     """
 
-    def __init__(self, path: str | os.PathLike, checksums: dict | None = None, rank: int = 0) -> None:
+    def __init__(self, path: str | os.PathLike, checksums: dict | None = None, rank: int = 0,
+                 algorithm: Algorithm | None = None) -> None:
         super().__init__(path)
-        self._checksums = checksums
+        if checksums is not None and algorithm is None:
+            raise ValueError("SafeFileSystemReader: checksums need the algorithm they were computed with")
+        self._checksums, self._algorithm = checksums, algorithm
         self._rank = rank
         self._verified: set[str] = set()
         self._readers: dict[str, BlockReader] = {}
@@ -160,8 +168,9 @@ class SafeFileSystemReader(FileSystemReader):
                 if entry_blocks(entry) is None:
                     whole.append(name)
                 else:
-                    self._readers[name] = BlockReader(Path(self.path) / name, entry, self._rank)
-            verify_files(self.path, self._checksums, [n for n in whole if n not in self._verified], self._rank)
+                    self._readers[name] = BlockReader(Path(self.path) / name, entry, self._rank, self._algorithm)
+            verify_files(self.path, self._checksums, [n for n in whole if n not in self._verified], self._rank,
+                         self._algorithm)
             self._verified |= set(whole)
             return super().read_data(plan, planner)
         except Exception:
