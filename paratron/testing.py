@@ -6,6 +6,8 @@ store (no port races), run with one thread each, and send back a result or a tra
 
 * A failure on any rank raises :class:`RankFailure` carrying that rank's traceback.
 * A hang raises :class:`RankTimeout` naming the ranks that did not finish; all ranks are killed.
+* A failed rendezvous (before any rank runs the function: every rank passes a barrier first) is
+  repeated from a fresh store, up to ``RENDEZVOUS_ATTEMPTS`` launches.
 
 The parent must not have used more than one intra-op thread before forking (the test suite's
 ``conftest.py`` sets ``torch.set_num_threads(1)``): OpenMP thread pools do not survive ``fork``.
@@ -44,8 +46,15 @@ def _child(fn, rank, world, store_path, args, kwargs, conn, pg_timeout_s, pg_bac
             from paratron.device_audit import audit_device
 
             audit_device()  # the device type must exist before a backend is mapped to it
-        dist.init_process_group(pg_backend, store=store, rank=rank, world_size=world,
-                                timeout=timedelta(seconds=pg_timeout_s))
+        try:
+            dist.init_process_group(pg_backend, store=store, rank=rank, world_size=world,
+                                    timeout=timedelta(seconds=pg_timeout_s))
+            # No rank starts fn before every rank has joined, so a failed rendezvous leaves
+            # nothing half-done and the launch can be repeated.
+            dist.barrier()
+        except Exception:  # noqa: BLE001 - reported to the parent, which may relaunch
+            conn.send(("rendezvous", traceback.format_exc()))
+            return
         result = fn(*args, **kwargs)
         buf = io.BytesIO()
         torch.save(result, buf)
@@ -79,6 +88,36 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args, timeout: float = 1
         RankFailure: a rank raised (the first failing rank's traceback is in the message).
         RankTimeout: not every rank reported within ``timeout`` seconds.
     """
+    import torch
+
+    results: dict[int, tuple[str, Any]] = {}
+    for _ in range(RENDEZVOUS_ATTEMPTS):
+        results = _launch(fn, world_size, args, kwargs, timeout, pg_backend, start_method)
+        if not any(kind == "rendezvous" for kind, _ in results.values()):
+            break
+    else:
+        results = {r: ("err", msg) if kind == "rendezvous" else (kind, msg)
+                   for r, (kind, msg) in results.items()}
+
+    failed = sorted(r for r, (k, _) in results.items() if k == "err")
+    if failed:
+        r = failed[0]
+        raise RankFailure(f"rank {r} of {world_size} failed (failed ranks: {failed}):\n{results[r][1]}")
+    missing = [r for r in range(world_size) if r not in results]
+    if missing:
+        raise RankTimeout(f"ranks {missing} of {world_size} did not finish within {timeout:.0f} s "
+                          "(a hang: a collective or p2p that some rank never joined)")
+    return [torch.load(io.BytesIO(results[r][1]), weights_only=False) for r in range(world_size)]
+
+
+# gloo's full-mesh connect has been seen to fail ("Connection closed by peer") at load average
+# 20-40 on 2 cores, before any test code runs; the launch is then repeated from a fresh store.
+RENDEZVOUS_ATTEMPTS = 3
+
+
+def _launch(fn, world_size, args, kwargs, timeout, pg_backend, start_method) -> dict[int, tuple[str, Any]]:
+    """Fork the ranks, collect ``(kind, payload)`` per rank until all report, one fails (kind
+    ``err`` or ``rendezvous``) or ``timeout`` s pass; every rank is dead on return."""
     ctx = mp.get_context(start_method)
     if start_method == "forkserver":
         ctx.set_forkserver_preload(["torch", "paratron.testing"])
@@ -93,8 +132,6 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args, timeout: float = 1
         child_conn.close()
         procs.append(p)
         conns.append(parent_conn)
-
-    import torch
 
     results: dict[int, tuple[str, Any]] = {}
     deadline = time.monotonic() + timeout
@@ -111,7 +148,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args, timeout: float = 1
                                                 f"(exit code {procs[rank].exitcode})")
                 elif not procs[rank].is_alive() and not c.poll(0):
                     results[rank] = ("err", f"rank {rank} died with exit code {procs[rank].exitcode}")
-            failed = [r for r, (k, _) in results.items() if k == "err"]
+            failed = [r for r, (k, _) in results.items() if k != "ok"]
             if failed:
                 break
     finally:
@@ -126,12 +163,4 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args, timeout: float = 1
         except OSError:
             pass
 
-    failed = sorted(r for r, (k, _) in results.items() if k == "err")
-    if failed:
-        r = failed[0]
-        raise RankFailure(f"rank {r} of {world_size} failed (failed ranks: {failed}):\n{results[r][1]}")
-    missing = [r for r in range(world_size) if r not in results]
-    if missing:
-        raise RankTimeout(f"ranks {missing} of {world_size} did not finish within {timeout:.0f} s "
-                          "(a hang: a collective or p2p that some rank never joined)")
-    return [torch.load(io.BytesIO(results[r][1]), weights_only=False) for r in range(world_size)]
+    return results

@@ -1,5 +1,7 @@
 """The parallel context built on 8 real gloo ranks agrees with the pure rank grid."""
 
+import os
+
 import torch
 
 from paratron.parallel.context import GROUP_KINDS, ParallelContext
@@ -86,3 +88,52 @@ def test_harness_names_hanging_ranks():
         assert "ranks [0] of 2 did not finish" in str(e)
     else:
         raise AssertionError("RankTimeout not raised")
+
+
+def _count_run(marker_dir):
+    import os
+
+    import torch.distributed as dist
+
+    open(os.path.join(marker_dir, f"ran-{dist.get_rank()}-{os.getpid()}"), "w").close()
+    return dist.get_rank()
+
+
+def _rendezvous_failing(monkeypatch, marker_dir, times):
+    """init_process_group raises on rank 1 for its first ``times`` calls (counted in files, since
+    every launch forks fresh ranks), as gloo's full-mesh connect does under load."""
+    import os
+
+    import torch.distributed as dist
+
+    real = dist.init_process_group
+
+    def flaky(*a, **kw):
+        if kw.get("rank") == 1:
+            done = len([f for f in os.listdir(marker_dir) if f.startswith("refused")])
+            if done < times:
+                open(os.path.join(marker_dir, f"refused-{done}"), "w").close()
+                raise RuntimeError("Gloo connectFullMesh failed with ... Connection closed by peer")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(dist, "init_process_group", flaky)
+
+
+def test_harness_repeats_a_failed_rendezvous_before_any_rank_runs(tmp_path, monkeypatch):
+    _rendezvous_failing(monkeypatch, str(tmp_path), times=1)
+    assert run_ranks(_count_run, 2, str(tmp_path), timeout=60) == [0, 1]
+    # fn ran once per rank, in the second launch only: rank 0 waited at the barrier in the first.
+    assert sorted(f.split("-")[1] for f in os.listdir(tmp_path) if f.startswith("ran")) == ["0", "1"]
+
+
+def test_harness_reports_a_rendezvous_that_keeps_failing(tmp_path, monkeypatch):
+    from paratron.testing import RENDEZVOUS_ATTEMPTS
+
+    _rendezvous_failing(monkeypatch, str(tmp_path), times=RENDEZVOUS_ATTEMPTS)
+    try:
+        run_ranks(_count_run, 2, str(tmp_path), timeout=60)
+    except RankFailure as e:
+        assert "connectFullMesh" in str(e)
+    else:
+        raise AssertionError("RankFailure not raised")
+    assert not [f for f in os.listdir(tmp_path) if f.startswith("ran")]

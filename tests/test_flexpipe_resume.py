@@ -81,6 +81,8 @@ def test_exact_resume_token_balanced_pp2(tiny_corpus, tmp_path):
     extra = [f"checkpoint.save={ck}", "train.callbacks=test_flexpipe_resume:StopAt"]
     first, _, seen_b1 = _run(tmp_path, "first", base + extra, stop_at=2)
     assert sorted(first) == [1, 2] and (ck / "latest").read_text().strip() == "step_2"
+    # the position's unit is saved, so a resume with data.microbatch_tokens unset can warn
+    assert json.loads((ck / "step_2" / "paratron.json").read_text())["extra"]["data_position_unit"] == "documents"
     resumed, resumed_val, seen_b2 = _run(tmp_path, "resumed", base + [f"checkpoint.load={ck}"])
     assert sorted(resumed) == [3, 4] and sorted(straight) == [1, 2, 3, 4]
     for it in (3, 4):
@@ -96,3 +98,19 @@ def test_exact_resume_token_balanced_pp2(tiny_corpus, tmp_path):
                     f"rank {rank} {kind} step {i}"
     # the rows vary in length: the pipeline ran microbatches of different shapes
     assert any(len({len(t) for t in step}) > 1 for step in seen_a[0]["train"])
+
+
+def test_switching_microbatch_tokens_on_resume_warns():
+    """The data position is counted in documents with data.microbatch_tokens and in samples
+    without: a resume across the switch reads other text, so it warns (it was silent)."""
+    from paratron.config import Config
+    from paratron.training.trainer import data_position_mismatch, data_position_unit
+
+    flex, fixed = Config(), Config()
+    flex.data.microbatch_tokens = 512
+    saved_flex = {"consumed_train_samples": 24, "data_position_unit": data_position_unit(flex)}
+    saved_fixed = {"consumed_train_samples": 24, "data_position_unit": data_position_unit(fixed)}
+    assert data_position_mismatch(saved_flex, flex) is None and data_position_mismatch(saved_fixed, fixed) is None
+    assert "24 documents" in data_position_mismatch(saved_flex, fixed)
+    assert "24 samples" in data_position_mismatch(saved_fixed, flex)
+    assert data_position_mismatch({"consumed_train_samples": 24}, fixed) is None  # older checkpoints

@@ -132,10 +132,12 @@ def test_simulate_command_link_latency(capsys):
 
 @pytest.mark.parametrize("bad", [["--link-latency", "0,nan,0"], ["--link-latency", "0,inf,0"],
                                  ["--link-latency", "0,x,0"], ["--cost-f", "nan"], ["--cost-b", "inf"],
-                                 ["--latency", "-1"], ["--comm-f", "-0.5"]])
+                                 ["--latency", "-1"], ["--comm-f", "-0.5"], ["--comm-f", "2"],
+                                 ["--comm-b", "1.5"]])
 def test_simulate_command_refuses_non_finite_or_negative_costs(bad, capsys):
     """A NaN/inf/negative time is refused naming the flag (it used to print NaN bubbles, accept a
-    negative latency, or end 1f1b-delay in an OverflowError traceback)."""
+    negative latency, or end 1f1b-delay in an OverflowError traceback), and so is an all-to-all
+    time longer than the action it is part of."""
     from paratron.cli import main
 
     assert main(["simulate", "--schedule", "1f1b-delay", "--pipeline", "4", "--microbatches", "8", *bad]) == 2

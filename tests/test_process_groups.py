@@ -147,7 +147,11 @@ def test_info_world_size_writes_output_and_refuses_non_positive(tmp_path, capsys
     assert main(["info", "--world-size", "4", "--set", "parallel.tensor=2", "--output", str(out)]) == 0
     written = json.loads(out.read_text())
     assert written["world"] == 4 and written["groups"]["tp"] == [[0, 1], [2, 3]]
-    assert written == json.loads(capsys.readouterr().out)
+    printed = capsys.readouterr().out
+    assert written == json.loads(printed)
+    # one line per group kind, not one per rank
+    assert '  "tp": [[0, 1], [2, 3]],' in printed.splitlines()
+    assert len(printed.splitlines()) == len(written) + len(written["groups"]) + 3
     for bad in ("0", "-3"):
         assert main(["info", "--world-size", bad]) == 2
         assert f"--world-size={bad} must be a positive integer" in capsys.readouterr().err

@@ -58,6 +58,11 @@ def _checked_costs(args: argparse.Namespace, p: int) -> tuple[float, ...] | None
         v = getattr(args, flag)
         if not (math.isfinite(v) and v >= 0):
             raise ValueError(f"--{flag.replace('_', '-')}={v} must be a finite number >= 0")
+    for comm, cost in (("comm_f", "cost_f"), ("comm_b", "cost_b")):
+        if getattr(args, comm) > getattr(args, cost):
+            # the all-to-all time is a part of the action's time (Costs.comm_F), not an addition
+            raise ValueError(f"--{comm.replace('_', '-')}={getattr(args, comm)} is part of "
+                             f"--{cost.replace('_', '-')}={getattr(args, cost)} and cannot exceed it")
     if args.link_latency is None:
         return None
     rule = f"--link-latency={args.link_latency!r} must give p-1={p - 1} comma-separated finite values >= 0"

@@ -33,6 +33,19 @@ def _describe_grid(cfg, world: int) -> dict:
             "groups_used_by_training": list(groups_used(cfg))}
 
 
+def format_world(world: dict) -> str:
+    """``world`` as JSON with one line per key and per group kind (``"tp": [[0, 1], [2, 3]]``):
+    ``json.dumps(indent=...)`` would put every rank of every group on its own line, hundreds of
+    lines for a 4-rank layout."""
+    def entry(key, value, pad):
+        if isinstance(value, dict):
+            inner = ",\n".join(entry(k, v, pad + " ") for k, v in value.items())
+            return f"{pad}{json.dumps(key)}: {{\n{inner}\n{pad}}}"
+        return f"{pad}{json.dumps(key)}: {json.dumps(value)}"
+
+    return "{\n" + ",\n".join(entry(k, v, " ") for k, v in world.items()) + "\n}"
+
+
 def run(args: argparse.Namespace) -> int:
     if args.world_size is not None and args.world_size < 1:
         print(f"paratron info: --world-size={args.world_size} must be a positive integer (ranks)", file=sys.stderr)
@@ -46,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"paratron info: config error: {e}", file=sys.stderr)
             return 2
         world = _describe_grid(cfg, args.world_size)
-        print(json.dumps(world, indent=1))
+        print(format_world(world))
         if args.output:
             with open(args.output, "w") as f:
                 json.dump(world, f)
@@ -73,7 +86,7 @@ def _body(cfg, args) -> int:
         world = {"world_size": ctx.world_size, "layout": ctx.describe(),
                  "ranks": [{"rank": int(r), "node": int(n), "local_rank": int(lr)} for r, n, lr in rows.tolist()],
                  "groups": ctx.grid.groups, "groups_used_by_training": list(groups_used(cfg))}
-        print(json.dumps(world))
+        print(format_world(world))
         if args.output:
             with open(args.output, "w") as f:
                 json.dump(world, f)

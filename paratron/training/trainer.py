@@ -217,7 +217,8 @@ class Trainer:
         self.ckpt.save(s.iteration, self.chunks, self.optimizer, self.scheduler,
                        {"iteration": s.iteration, "consumed_train_samples": s.consumed_train_samples,
                         "consumed_valid_samples": s.consumed_valid_samples,
-                        "consumed_train_tokens": s.consumed_train_tokens})
+                        "consumed_train_tokens": s.consumed_train_tokens,
+                        "data_position_unit": data_position_unit(self.cfg)})
         self.callbacks.on_save_end(s, path)
 
     # ---- around the loop -----------------------------------------------------------------
@@ -233,6 +234,9 @@ class Trainer:
             s.consumed_valid_samples = int(extra.get("consumed_valid_samples", 0))
             s.consumed_train_tokens = int(extra.get("consumed_train_tokens", 0))
             log(self.ctx, f"resumed from {cfg.checkpoint.load} at iteration {s.iteration}")
+            note = data_position_mismatch(extra, cfg)
+            if note:
+                log(self.ctx, "warning: " + note)
         per_step = self.data.num_microbatches or f"token-balanced (data.microbatch_tokens={cfg.data.microbatch_tokens})"
         log(self.ctx, f"layout: {self.ctx.describe()} | schedule {cfg.parallel.schedule} | microbatches/step "
                       f"{per_step} | params {count_params(self.chunks, self.ctx):,}")
@@ -265,6 +269,27 @@ class Trainer:
         prompt = self.cfg.train.sample_prompt or self.data.default_prompt
         if prompt and self.cfg.train.sample_tokens > 0 and self.cfg.checkpoint.save and not self.stopping:
             print_sample(self.cfg, self.ctx, prompt)
+
+
+def data_position_unit(cfg: Config) -> str:
+    """What ``consumed_train_samples`` counts: whole documents in token-balanced runs
+    (``data.microbatch_tokens``), fixed-length samples of ``model.seq_length`` otherwise."""
+    return "documents" if cfg.data.microbatch_tokens is not None else "samples"
+
+
+def data_position_mismatch(extra: dict, cfg: Config) -> str | None:
+    """A warning when a checkpoint's data position was counted in other units than this run reads
+    (``data.microbatch_tokens`` set on one side only): position N then names other text, so some
+    of the corpus is read twice or skipped. None when they agree, or for a checkpoint written
+    before the unit was recorded."""
+    saved, now = extra.get("data_position_unit"), data_position_unit(cfg)
+    if saved is None or saved == now:
+        return None
+    return (f"the checkpoint's data position ({extra.get('consumed_train_samples', 0)} {saved}) was counted "
+            f"with data.microbatch_tokens {'set' if saved == 'documents' else 'unset'}, and this run has it "
+            f"{'set' if now == 'documents' else 'unset'}: it reads on from {now[:-1]} "
+            f"{extra.get('consumed_train_samples', 0)} of its own stream, not where the saved run stopped "
+            "(some text is read twice or skipped)")
 
 
 def train_batch(cfg: Config, ctx, chunks, ddp, optimizer, scheduler, microbatches: list[dict],
