@@ -102,12 +102,16 @@ def run(args: argparse.Namespace) -> int:
     print(result.summary())
     if args.output:
         events = from_spans(result.spans)
-        if args.output.endswith(".json"):
-            write_chrome_trace(events, args.output)
-        elif args.output.endswith(".png"):
-            draw_png(events, args.output, title=f"{args.schedule} p={p} m={m} v={v}", unit="cost units")
-        else:
-            print(f"paratron simulate: --output={args.output!r} must end in .png or .json", file=sys.stderr)
+        try:
+            if args.output.endswith(".json"):
+                write_chrome_trace(events, args.output)
+            elif args.output.endswith(".png"):
+                draw_png(events, args.output, title=f"{args.schedule} p={p} m={m} v={v}", unit="cost units")
+            else:
+                print(f"paratron simulate: --output={args.output!r} must end in .png or .json", file=sys.stderr)
+                return 2
+        except OSError as e:
+            print(f"paratron simulate: cannot write --output: {e}", file=sys.stderr)
             return 2
         print(f"wrote {args.output}")
     return 0

@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
         if args.calibrate:
             return _calibrate(args)
         return _plan(args)
-    except (ConfigError, ValueError) as e:
+    except (ConfigError, ValueError, OSError) as e:  # OSError: --output/--calibration not writable
         print(f"paratron plan: {e}", file=sys.stderr)
         return 2
 

@@ -61,8 +61,12 @@ def run(args: argparse.Namespace) -> int:
         world = _describe_grid(cfg, args.world_size)
         print(format_world(world))
         if args.output:
-            with open(args.output, "w") as f:
-                json.dump(world, f)
+            try:
+                with open(args.output, "w") as f:
+                    json.dump(world, f)
+            except OSError as e:
+                print(f"paratron info: cannot write --output: {e}", file=sys.stderr)
+                return 2
         return 0
     return launch_or_run(args, "info", _body)
 

@@ -1,0 +1,16 @@
+"""``--output`` of the CLI commands that write a file: a path that cannot be written is an error
+naming it (exit code 2), not a traceback."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.mark.parametrize("argv", [["info", "--world-size", "2"], ["simulate", "--pipeline", "2"],
+                                  ["plan", "--gpu", "h100", "--gpus-per-node", "2", "--top-k", "1"]])
+def test_unwritable_output_is_an_error_not_a_traceback(argv, tmp_path, capsys):
+    from paratron.cli import main
+
+    target = tmp_path / "missing-dir" / ("out.png" if argv[0] == "simulate" else "out.json")
+    assert main([*argv, "--output", str(target)]) == 2
+    assert str(target) in capsys.readouterr().err
