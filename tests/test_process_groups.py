@@ -155,4 +155,3 @@ def test_info_world_size_writes_output_and_refuses_non_positive(tmp_path, capsys
     for bad in ("0", "-3"):
         assert main(["info", "--world-size", bad]) == 2
         assert f"--world-size={bad} must be a positive integer" in capsys.readouterr().err
-
