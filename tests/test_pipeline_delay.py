@@ -110,6 +110,9 @@ def test_link_latency_config():
     cfg = Config()
     apply_overrides(cfg, ["parallel.pipeline=4", "parallel.pipeline_link_latency_ms=[0, 40, 0]",
                           "model.num_layers=4"])
+    with pytest.raises(ConfigError, match=r"parallel.pipeline_link_latency_ms only shape .*'1f1b' would ignore"):
+        validate(cfg)  # the default schedule takes no link costs: they would be ignored silently
+    cfg.parallel.schedule = "1f1b-delay"
     validate(cfg)
     assert link_latency_seconds(cfg.parallel) == (0.0, 0.04, 0.0)
     assert link_latency_seconds(Config().parallel) is None

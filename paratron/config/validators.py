@@ -126,6 +126,16 @@ def _pipeline_layers(cfg: Config, world: int | None) -> None:
         raise ConfigError(str(e)) from None
 
 
+def _unused_schedule_options(p, spec) -> None:
+    """Link costs set for a schedule that takes none would be silently ignored: refuse them."""
+    given = [f"parallel.{f}" for f in ("pipeline_link_latency_ms", "pipeline_microbatch_time_ms")
+             if getattr(p, f) is not None]
+    if given and spec.options is None:
+        raise ConfigError(f"{' and '.join(given)} only shape schedules that take link costs "
+                          f"(1f1b-delay); parallel.schedule={p.schedule!r} would ignore them: "
+                          "unset them or choose such a schedule")
+
+
 def check_schedule(cfg: Config, world: int | None, *, build: bool = True) -> None:
     """The pipeline schedule rule: the name is registered, the schedule's fixed chunk count (zbv: 2)
     matches ``parallel.virtual_pipeline``, and (with a world size) the schedule accepts this
@@ -143,6 +153,7 @@ def check_schedule(cfg: Config, world: int | None, *, build: bool = True) -> Non
         raise ConfigError(f"parallel.schedule={p.schedule!r} always runs {spec.virtual_stages} chunks per rank, "
                           f"but parallel.virtual_pipeline={p.virtual_pipeline} was given: leave it unset "
                           f"or set parallel.virtual_pipeline={spec.virtual_stages}")
+    _unused_schedule_options(p, spec)
     dp = _data_parallel_size(cfg, world)
     if token_balanced(cfg):
         return  # the microbatch count varies per step: token_rules checks the schedule for every count
