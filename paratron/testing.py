@@ -25,6 +25,11 @@ from datetime import timedelta
 from typing import Any, Callable
 
 
+# gloo's full-mesh connect has been seen to fail ("Connection closed by peer") at load average
+# 20-40 on 2 cores, before any test code runs; the launch is then repeated from a fresh store.
+RENDEZVOUS_ATTEMPTS = 3
+
+
 class RankFailure(AssertionError):
     """A rank raised; the message holds its traceback."""
 
@@ -109,10 +114,6 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args, timeout: float = 1
                           "(a hang: a collective or p2p that some rank never joined)")
     return [torch.load(io.BytesIO(results[r][1]), weights_only=False) for r in range(world_size)]
 
-
-# gloo's full-mesh connect has been seen to fail ("Connection closed by peer") at load average
-# 20-40 on 2 cores, before any test code runs; the launch is then repeated from a fresh store.
-RENDEZVOUS_ATTEMPTS = 3
 
 
 def _launch(fn, world_size, args, kwargs, timeout, pg_backend, start_method) -> dict[int, tuple[str, Any]]:
