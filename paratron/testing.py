@@ -115,7 +115,6 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args, timeout: float = 1
     return [torch.load(io.BytesIO(results[r][1]), weights_only=False) for r in range(world_size)]
 
 
-
 def _launch(fn, world_size, args, kwargs, timeout, pg_backend, start_method) -> dict[int, tuple[str, Any]]:
     """Fork the ranks, collect ``(kind, payload)`` per rank until all report, one fails (kind
     ``err`` or ``rendezvous``) or ``timeout`` s pass; every rank is dead on return."""
