@@ -14,12 +14,19 @@ group (its ranks), how many ops it has entered. An op is identified across ranks
 3. The message names the root op (op, group and its ranks, ``seq``, step, shape and dtype), the
    ranks waiting in it and for how long, and for each rank that never entered it the last op it
    completed in that group and where it is now.
+
+Before all that, the rings are compared (:func:`paratron.parallel.collcheck.first_disagreement`):
+members of a group whose n-th collectives differ were paired with the wrong op, whatever
+followed (a hang, a crash, a mismatch found by the stop agreement), so the first such collective
+is named first, with what each rank ran there. That holds for dumps of any reason.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+
+from paratron.parallel.collcheck import first_disagreement, mismatch_text
 
 
 def load_dumps(directory: Path | str, pattern: str = "rank_*.json") -> dict[int, dict]:
@@ -78,7 +85,11 @@ def _last_completed(d: dict, key: str | None = None) -> dict | None:
 
 
 def diagnose(dumps: dict[int, dict], where: str = "RUN_DIR/hang") -> str | None:
-    """The diagnosis text, or None when no dump reports a hang."""
+    """The diagnosis text: a collective mismatch between the rings when there is one, else the
+    hang; None when neither."""
+    rings = {r: d.get("entries", []) for r, d in dumps.items()}
+    if first_disagreement(rings) is not None:
+        return f"{mismatch_text(rings)}\n  ring buffers: {where}/rank_N.json"
     if not any(d.get("reason") == "hang" for d in dumps.values()):
         return None
     timeout = max(d.get("hang_timeout_s", 0) for d in dumps.values())
