@@ -20,10 +20,10 @@ group (``cseq``) and keeps a running CRC of their signatures:
   the members all-gather ``(cseq, CRC of this op's signature)`` on the group's CPU backend
   first, and the op runs only when they match. One extra small host round trip per op.
 
-Why not ``TORCH_DISTRIBUTED_DEBUG=DETAIL``: its wrapper checks op and shapes per process group
-too, but its sequence numbers are the process group's, not the ones in paratron's rings and
-hang dumps, and it turns on other costly debug paths (see docs/ARCHITECTURE.md, "Collectives
-that do not match").
+Why not ``TORCH_DISTRIBUTED_DEBUG=DETAIL``: in torch 2.13 its wrapper does work on gloo and
+catches another op, shape or dtype, but not another reduce op (SUM paired with MAX passes), its
+sequence numbers are the process group's own rather than those of paratron's rings and hang
+dumps, and the setting turns on torch's other debug paths as well.
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ import zlib
 
 import torch
 import torch.distributed as dist
+
+from .flight import group_key
 
 TAG = 0x5061726174726F6E  # ascii "Paratron": marks the stop agreement's payload
 _NONE = -(2 ** 63)  # a non-member's slot (below every value a member writes)
@@ -113,7 +115,7 @@ def first_disagreement(rings: dict[int, list[dict]]) -> tuple[dict, dict[int, di
     for rank, entries in rings.items():
         for e in entries:
             if e.get("cseq") is not None and e.get("sig") is not None:
-                by_op.setdefault((",".join(map(str, e["ranks"])), e["cseq"]), {})[rank] = e
+                by_op.setdefault((_key(e), e["cseq"]), {})[rank] = e
     found = [ops for ops in by_op.values() if len({e["sig"] for e in ops.values()}) > 1]
     if not found:
         return None
@@ -121,9 +123,14 @@ def first_disagreement(rings: dict[int, list[dict]]) -> tuple[dict, dict[int, di
     return ops[min(ops)], ops
 
 
+def _key(e: dict) -> str:
+    """The group key of a ring entry (a black-box record carries it; a JSON entry its ranks)."""
+    return e.get("key") or group_key(e["ranks"])
+
+
 def describe(e: dict) -> str:
     """``collective #cseq of group G (ranks ...) at step S: signature``."""
-    return (f"collective #{e['cseq']} of group {e['group']} (ranks {','.join(map(str, e['ranks']))}) "
+    return (f"collective #{e['cseq']} of group {e['group']} (ranks {_key(e)}) "
             f"at step {e['step']}: {e['sig']}")
 
 
@@ -139,7 +146,7 @@ def mismatch_text(rings: dict[int, list[dict]], keys: set | None = None) -> str:
 
 def _per_rank(first: dict, ops: dict[int, dict]) -> str:
     lines = [f"collective mismatch at collective #{first['cseq']} of group {first['group']} "
-             f"(ranks {','.join(map(str, first['ranks']))}): the ranks ran different ops there"]
+             f"(ranks {_key(first)}): the ranks ran different ops there"]
     lines += [f"  rank {r}: #{e['cseq']} {e['sig']} at step {e['step']}" for r, e in sorted(ops.items())]
     return "\n".join(lines)
 

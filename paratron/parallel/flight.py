@@ -17,14 +17,22 @@ Members of a group that issued the same collectives hold the same CRC, so compar
 step (:mod:`paratron.parallel.collcheck`) finds a rank that ran another op at the same number,
 which gloo and NCCL would pair with the wrong one without a word.
 
+With a ``black_box`` path the collectives are also written, one fixed-size record each, to a
+memory-mapped file (:class:`BlackBox`): it outlives a rank that dies without running any Python
+(gloo aborts the process on a byte-count mismatch; SIGKILL), so the diagnosis can still tell what
+that rank ran.
+
 The same idea as PyTorch's NCCL Flight Recorder, kept in Python so that it works on every
 backend (gloo included) and costs one small object per op.
 """
 
 from __future__ import annotations
 
+import mmap
+import struct
 import time
 import zlib
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -47,6 +55,67 @@ def signature(op: str, group: str, reduce: str | None, dtype: str | None, shape:
             n *= d
         size = f"x{n}"
     return f"{op}@{group} {reduce or '-'} {dtype or '-'} {size}"
+
+
+_KEY_MAX = 120  # longest ranks text a black-box record holds
+BOX_RECORD = 256
+"""Bytes of one black-box record."""
+_BOX_HEAD = struct.Struct("<II")  # CRC of the payload, payload length
+_BOX_FIXED = struct.Struct("<qqd")  # cseq, step, start
+
+
+def group_key(ranks) -> str:
+    """A group's key across ranks' records: its ranks joined by commas, or for a group too long
+    to store in a black-box record, ``#`` and the CRC of that text."""
+    text = ",".join(map(str, ranks))
+    return text if len(text) <= _KEY_MAX else f"#{zlib.crc32(text.encode()):08x}"
+
+
+class BlackBox:
+    """The flight recorder's collectives in a memory-mapped file, ``capacity`` records in a ring.
+
+    A record is ``[crc32, length, cseq, step, start, "key|group|signature"]``; the page cache
+    keeps what was written when the process dies, whatever kills it. A record torn by a death in
+    mid-write fails its CRC and is skipped by :func:`read_black_box`.
+    """
+
+    def __init__(self, path: Path | str, capacity: int) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "w+b") as f:
+            f.truncate(capacity * BOX_RECORD)
+            self._mm = mmap.mmap(f.fileno(), capacity * BOX_RECORD)
+        self.capacity, self._n = capacity, 0
+
+    def write(self, e: "FlightEntry") -> None:
+        text = f"{group_key(e.ranks)}|{e.group}|{e.sig}".encode()
+        payload = _BOX_FIXED.pack(e.cseq, e.step, e.start) + text[:BOX_RECORD - _BOX_HEAD.size - _BOX_FIXED.size]
+        off = (self._n % self.capacity) * BOX_RECORD
+        self._mm[off:off + _BOX_HEAD.size + len(payload)] = _BOX_HEAD.pack(zlib.crc32(payload), len(payload)) + payload
+        self._n += 1
+
+    def close(self) -> None:
+        self._mm.close()
+
+
+def read_black_box(path: Path | str) -> list[dict]:
+    """The intact records of a :class:`BlackBox` file as entry dicts (``cseq``, ``step``,
+    ``start``, ``group``, ``sig``, ``key``; ``ranks`` when the key holds them), oldest first."""
+    data, out = Path(path).read_bytes(), []
+    for off in range(0, len(data) - BOX_RECORD + 1, BOX_RECORD):
+        crc, n = _BOX_HEAD.unpack_from(data, off)
+        payload = data[off + _BOX_HEAD.size:off + _BOX_HEAD.size + n]
+        if n < _BOX_FIXED.size or len(payload) != n or zlib.crc32(payload) != crc:
+            continue
+        cseq, step, start = _BOX_FIXED.unpack_from(payload)
+        parts = payload[_BOX_FIXED.size:].decode(errors="replace").split("|", 2)
+        if len(parts) != 3:
+            continue
+        key, group, sig = parts
+        ranks = None if key.startswith("#") else [int(r) for r in key.split(",")]
+        out.append({"cseq": cseq, "step": step, "start": start, "end": None, "group": group,
+                    "sig": sig, "key": key, "ranks": ranks, "op": sig.split("@", 1)[0]})
+    return sorted(out, key=lambda e: e["start"])
 
 
 def reduce_name(op: Any) -> str | None:
@@ -88,11 +157,13 @@ class FlightRecorder:
     refused before the op runs.
     """
 
-    def __init__(self, capacity: int = 256, exhaustive: bool = False) -> None:
+    def __init__(self, capacity: int = 256, exhaustive: bool = False,
+                 black_box: Path | str | None = None) -> None:
         if capacity < 1:
             raise ValueError(f"flight recorder capacity={capacity} must be >= 1")
         self.capacity = capacity
         self.exhaustive = exhaustive
+        self.box = BlackBox(black_box, capacity) if black_box is not None else None
         self._slots: list[FlightEntry | None] = [None] * capacity
         self._next = 0
         self.counts: dict[tuple[int, ...], int] = {}
@@ -115,6 +186,8 @@ class FlightRecorder:
             sig = signature(op, group, red, dtype, shape)
             self._crc[ranks] = zlib.crc32(sig.encode(), self._crc.get(ranks, 0))
         e = FlightEntry(seq, op, group, ranks, shape, dtype, self.step, time.time(), red, cseq, sig)
+        if self.box is not None and cseq is not None:
+            self.box.write(e)
         self._slots[self._next % self.capacity] = e
         self._next += 1
         return e

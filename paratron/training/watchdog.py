@@ -11,6 +11,8 @@ list) when ``parallel.hang_timeout_s > 0`` and the world has more than one rank.
   its own buffer too (each watchdog checks for the trigger when it wakes), and ends the process
   with exit code :data:`EXIT_HANG`; the launcher then prints one diagnosis
   (:func:`paratron.training.hang.diagnose`), or rank 0 does under a bare torchrun;
+* keeps the recorder's collectives in a black box, ``RUN_DIR/hang/rank_N.ring``, that outlives
+  a rank aborted by gloo (:class:`~paratron.parallel.flight.BlackBox`);
 * dumps the ring buffer too when the loop raises
   :class:`~paratron.parallel.collcheck.CollectiveMismatch` (reason ``"mismatch"``), so that the
   diagnosis can compare the ranks' rings; with ``check_collectives`` the recorder makes every
@@ -38,7 +40,7 @@ from pathlib import Path
 
 from paratron.checkpoint.io import write_json_atomic
 from paratron.parallel.collcheck import CollectiveMismatch
-from paratron.parallel.flight import FlightRecorder
+from paratron.parallel.flight import BlackBox, FlightRecorder
 from paratron.training.callbacks import Callback
 from paratron.training.rankproc import LOG_DIR_ENV
 
@@ -79,6 +81,7 @@ class HangWatchdog(Callback):
 
     # ---- callback hooks (training thread) --------------------------------------------------
     def on_train_start(self, state) -> None:
+        self.recorder.box = BlackBox(self.dir / f"rank_{self.rank}.ring", self.recorder.capacity)
         self._ledger.flight = self.recorder
         self._started = time.time()
         if threading.current_thread() is threading.main_thread():
@@ -113,6 +116,9 @@ class HangWatchdog(Callback):
         self._thread = None
         if self._ledger.flight is self.recorder:
             self._ledger.flight = None
+        if self.recorder.box is not None:
+            self.recorder.box.close()
+            self.recorder.box = None
         if self._pipe is not None:
             if threading.current_thread() is threading.main_thread():
                 signal.set_wakeup_fd(self._old_wakeup)
@@ -180,10 +186,11 @@ class HangWatchdog(Callback):
 
     def print_diagnosis(self) -> None:
         """Wait for the peers' dumps, then print the diagnosis to stderr (rank 0, bare torchrun)."""
-        from paratron.training.hang import diagnose, load_dumps
+        from paratron.training.hang import diagnose, load_dumps, load_rings
 
         time.sleep(min(2.5 * self.poll_s, 2.5))
-        text = diagnose(load_dumps(self.dir), where=str(self.dir))
+        dumps = load_dumps(self.dir)
+        text = diagnose(dumps, where=str(self.dir), rings=load_rings(self.dir, dumps))
         if text is not None:
             print(f"[paratron] {text}", file=sys.stderr)
 
