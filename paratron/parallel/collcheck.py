@@ -84,7 +84,9 @@ def agree_to_stop(ctx, local: bool) -> bool:
         t = torch.tensor([1.0 if local else 0.0])
         ctx.world.host_all_reduce(t, op=dist.ReduceOp.MAX)
         return bool(t[0] > 0)
-    slots = group_slots(ctx.grid)
+    if fr.slots is None:
+        fr.slots = group_slots(ctx.grid)
+    slots = fr.slots
     t = agreement_payload(local, fr.fingerprints(), slots)
     ctx.world.host_all_reduce(t, op=dist.ReduceOp.MAX)
     mine = fr.entries()[-1]
@@ -94,10 +96,11 @@ def agree_to_stop(ctx, local: bool) -> bool:
             "collective on some rank: the ranks issued different collectives before it; their ring "
             "buffers are in RUN_DIR/hang/ (parallel.check_collectives=true names the op)")
     k = len(slots)
-    bad = {ranks for ranks, i in slots.items() if int(t[3 + i]) != -int(t[3 + k + i])}
+    got = t.tolist()  # every slot has a member, so none is left at _NONE by a real all-reduce
+    bad = {ranks for ranks, i in slots.items() if got[3 + i] != _NONE and got[3 + i] != -got[3 + k + i]}
     if bad:
         raise CollectiveMismatch(mismatch_text(gather_rings(ctx.world, fr, bad), bad))
-    return bool(t[0])
+    return bool(got[0])
 
 
 def gather_rings(world, fr, keys: set) -> dict[int, list[dict]]:

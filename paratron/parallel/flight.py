@@ -169,6 +169,7 @@ class FlightRecorder:
         self.counts: dict[tuple[int, ...], int] = {}
         self.ccounts: dict[tuple[int, ...], int] = {}  # collectives only (cseq)
         self._crc: dict[tuple[int, ...], int] = {}
+        self.slots: dict[tuple[int, ...], int] | None = None  # the stop agreement's, on first use
         self.step = 0
 
     def begin(self, op: str, group: str, ranks: tuple[int, ...], t: torch.Tensor | None,
