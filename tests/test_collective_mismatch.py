@@ -157,3 +157,11 @@ def test_black_box_keeps_the_collectives_and_skips_torn_records(tmp_path):
     data[20] ^= 0xFF  # tear the first record
     (tmp_path / "rank_0.ring").write_bytes(bytes(data))
     assert [e["cseq"] for e in read_black_box(tmp_path / "rank_0.ring")] == [1]
+
+
+def test_check_collectives_needs_the_flight_recorder():
+    from paratron.config import ConfigError, build_config, validate
+
+    validate(build_config(None, ["parallel.check_collectives=true"]), 2)
+    with pytest.raises(ConfigError, match="parallel.check_collectives=true needs the hang watchdog"):
+        validate(build_config(None, ["parallel.check_collectives=true", "parallel.hang_timeout_s=0"]), 2)

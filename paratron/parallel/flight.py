@@ -41,7 +41,8 @@ import torch
 P2P_OPS = ("send", "recv")
 
 
-def signature(op: str, group: str, reduce: str | None, dtype: str | None, shape: list | None) -> str:
+def signature(op: str, group: str, reduce: str | None, dtype: str | None, shape: list | None,
+              numel: int | None = None) -> str:
     """What the members of a group must agree on for one collective, as text: op, group, reduce
     op, dtype and element count (``all_to_all``: the trailing dims only, since uneven splits make
     the row count differ from rank to rank). E.g. ``"all_reduce@tp SUM float32 x4096"``."""
@@ -50,11 +51,15 @@ def signature(op: str, group: str, reduce: str | None, dtype: str | None, shape:
     elif op == "all_to_all":
         size = "[*," + ",".join(map(str, shape[1:])) + "]"
     else:
-        n = 1
-        for d in shape:
-            n *= d
-        size = f"x{n}"
+        size = f"x{numel if numel is not None else _prod(shape)}"
     return f"{op}@{group} {reduce or '-'} {dtype or '-'} {size}"
+
+
+def _prod(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 _KEY_MAX = 120  # longest ranks text a black-box record holds
@@ -86,9 +91,13 @@ class BlackBox:
             f.truncate(capacity * BOX_RECORD)
             self._mm = mmap.mmap(f.fileno(), capacity * BOX_RECORD)
         self.capacity, self._n = capacity, 0
+        self._keys: dict[tuple[int, ...], str] = {}  # group_key per ranks tuple (long for big groups)
 
     def write(self, e: "FlightEntry") -> None:
-        text = f"{group_key(e.ranks)}|{e.group}|{e.sig}".encode()
+        key = self._keys.get(e.ranks)
+        if key is None:
+            key = self._keys[e.ranks] = group_key(e.ranks)
+        text = f"{key}|{e.group}|{e.sig}".encode()
         payload = _BOX_FIXED.pack(e.cseq, e.step, e.start) + text[:BOX_RECORD - _BOX_HEAD.size - _BOX_FIXED.size]
         off = (self._n % self.capacity) * BOX_RECORD
         self._mm[off:off + _BOX_HEAD.size + len(payload)] = _BOX_HEAD.pack(zlib.crc32(payload), len(payload)) + payload
@@ -184,7 +193,7 @@ class FlightRecorder:
         if op not in P2P_OPS:
             cseq = self.ccounts.get(ranks, 0) + 1
             self.ccounts[ranks] = cseq
-            sig = signature(op, group, red, dtype, shape)
+            sig = signature(op, group, red, dtype, shape, t.numel() if t is not None else None)
             self._crc[ranks] = zlib.crc32(sig.encode(), self._crc.get(ranks, 0))
         e = FlightEntry(seq, op, group, ranks, shape, dtype, self.step, time.time(), red, cseq, sig)
         if self.box is not None and cseq is not None:
