@@ -46,6 +46,9 @@ MEGATRON_ALIASES: dict[str, str] = {
     "--load": "checkpoint.load",
     "--save-interval": "checkpoint.interval",
     "--log-interval": "logging.log_interval",
+    "--profile-ranks": "train.profile_ranks",
+    "--wandb-project": "train.wandb_project",
+    "--wandb-exp-name": "train.wandb_exp_name",
 }
 """Megatron-LM flag -> paratron key, for flags that take a value."""
 
@@ -62,8 +65,24 @@ MEGATRON_SWITCHES: dict[str, tuple[str, str]] = {
     "--disable-bias-linear": ("model.add_bias_linear", "false"),
     "--deterministic-mode": ("train.deterministic", "true"),
     "--overlap-moe-expert-parallel-comm": ("parallel.overlap_moe_expert_parallel_comm", "true"),
+    "--profile": ("_profile", "true"),
+    "--use-pytorch-profiler": ("_profile", "true"),
 }
 """Megatron-LM flags without a value -> (paratron key, value)."""
+
+DERIVED_ALIASES: dict[str, str] = {
+    "--num-layers-per-virtual-pipeline-stage": "_layers_per_virtual_stage",
+    "--profile-step-start": "_profile_step_start",
+    "--profile-step-end": "_profile_step_end",
+}
+"""Megatron-LM flags whose paratron value is derived after the other overrides
+(:func:`finish_aliases`), passed on as ``_name=value``."""
+
+MULTI_VALUE = ("--data-path", "--profile-ranks")
+"""Flags that take several values (Megatron's ``nargs='+'``)."""
+
+MEGATRON_PROFILE_STEPS = (10, 12)
+"""Megatron's ``--profile-step-start`` / ``--profile-step-end`` defaults."""
 
 
 def megatron_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -80,7 +99,7 @@ def megatron_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
     while i < len(argv):
         a = argv[i]
         flag, eq, inline = a.partition("=")
-        if flag in MEGATRON_ALIASES or flag == "--num-layers-per-virtual-pipeline-stage":
+        if flag in MEGATRON_ALIASES or flag in DERIVED_ALIASES:
             values = [inline] if eq else []
             j = i + 1
             if not eq:
@@ -88,11 +107,11 @@ def megatron_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
                 while j < len(argv) and not argv[j].startswith("--"):
                     values.append(argv[j])
                     j += 1
-                    if flag != "--data-path":
+                    if flag not in MULTI_VALUE:
                         break
             if not values:
                 raise ConfigError(f"{flag} needs a value")
-            key = MEGATRON_ALIASES.get(flag, "_layers_per_virtual_stage")
+            key = MEGATRON_ALIASES.get(flag) or DERIVED_ALIASES[flag]
             out.append(f"{key}={' '.join(values)}")
             i = j
         elif flag in MEGATRON_SWITCHES:
@@ -105,12 +124,32 @@ def megatron_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
     return out, rest
 
 
+def _profile_steps(cfg: Config, given: dict[str, str]) -> None:
+    """``train.profile_steps`` from Megatron's profiler flags. Megatron's torch profiler is
+    active for ``end - start`` steps from ``start`` (a half-open range), so ``[start, end - 1]``
+    here, with its defaults for a flag left out."""
+    if not given:
+        return
+    try:
+        start = int(given.get("_profile_step_start", MEGATRON_PROFILE_STEPS[0]))
+        end = int(given.get("_profile_step_end", MEGATRON_PROFILE_STEPS[1]))
+    except ValueError:
+        raise ConfigError(f"--profile-step-start/--profile-step-end must be integers, got {given}") from None
+    if end <= start or start < 1:
+        raise ConfigError(f"--profile-step-start={start} --profile-step-end={end}: need 1 <= start < end "
+                          "(the profiler runs steps start .. end-1)")
+    cfg.train.profile_steps = [start, end - 1]
+
+
 def finish_aliases(cfg: Config, overrides: list[str]) -> list[str]:
-    """Resolve the derived alias ``_layers_per_virtual_stage`` against ``cfg``; return the rest."""
-    plain = []
+    """Resolve the derived aliases (``_layers_per_virtual_stage``, the profiler's steps) against
+    ``cfg``; return the rest."""
+    plain, profile = [], {}
     for item in overrides:
         k, _, v = item.partition("=")
-        if k == "_layers_per_virtual_stage":
+        if k.startswith("_profile"):
+            profile[k] = v
+        elif k == "_layers_per_virtual_stage":
             n = int(v)
             stages = cfg.parallel.pipeline * n
             if n < 1 or cfg.model.num_layers % stages:
@@ -122,6 +161,7 @@ def finish_aliases(cfg: Config, overrides: list[str]) -> list[str]:
                 cfg.parallel.schedule = "interleaved"
         else:
             plain.append(item)
+    _profile_steps(cfg, profile)
     return plain
 
 
