@@ -14,7 +14,6 @@ import torch
 
 from paratron.config import ConfigError, build_config, megatron_overrides, validate
 from paratron.parallel.context import ParallelContext
-from paratron.parallel.intervals import timed
 from paratron.parallel.profiling import labelled, profiler_enabled
 from paratron.pipeline.actions import Action
 from paratron.pipeline.runtime import run_pipeline
@@ -23,6 +22,7 @@ from paratron.training.profiling import StepObserver, tensor_inventory
 
 from helpers import config_with
 from test_e2e_train import TINY, _train_in_rank
+from test_moe_overlap import _Timed
 
 PROBE = '''
 import json
@@ -172,17 +172,6 @@ def test_wandb_offline_and_bucket_reductions_dp2(tiny_data, tmp_path, monkeypatc
 
 
 # ---- one process ------------------------------------------------------------------------------------
-class _Timed(torch.nn.Module):
-    """A pipeline chunk whose forward is recorded as an "experts" interval."""
-
-    def __init__(self, ctx):
-        super().__init__()
-        self.ctx, self.w = ctx, torch.nn.Parameter(torch.ones(4))
-
-    def forward(self, x):
-        return timed(self.ctx.ledger, "experts", lambda w: w * x, self.w)
-
-
 def test_step_timeline_matches_the_runtime_events_one_to_one(tmp_path):
     """The exported step_N.json holds exactly the runtime's events (actions and the intervals
     recorded inside them) plus the intervals recorded after the pipeline call (here a stand-in

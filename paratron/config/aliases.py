@@ -65,6 +65,7 @@ MEGATRON_SWITCHES: dict[str, tuple[str, str]] = {
     "--disable-bias-linear": ("model.add_bias_linear", "false"),
     "--deterministic-mode": ("train.deterministic", "true"),
     "--overlap-moe-expert-parallel-comm": ("parallel.overlap_moe_expert_parallel_comm", "true"),
+    # Both turn on train.profile_steps (torch.profiler; paratron has no nsys mode).
     "--profile": ("_profile", "true"),
     "--use-pytorch-profiler": ("_profile", "true"),
 }

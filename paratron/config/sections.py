@@ -186,10 +186,10 @@ class TrainConfig:
     recorded from the start), on CPU an inventory of live tensors by device, dtype and shape
     (``rank_N_step_S.json``)."""
     timeline_steps: list[int] = field(default_factory=list)
-    """Steps whose measured timeline (every pipeline action's start and end per rank, the MoE/CP
-    communication intervals and DP bucket reductions) rank 0 writes as Chrome trace-event JSON to
-    ``RUN_DIR/timeline/step_N.json``, one track per global rank (``paratron simulate --trace``
-    writes the planned one in the same format)."""
+    """Steps whose measured timeline (every pipeline action's start and end per rank, the intervals
+    recorded inside them: MoE all-to-alls and expert compute; DP bucket reductions) rank 0 writes
+    as Chrome trace-event JSON to ``RUN_DIR/timeline/step_N.json``, one track per global rank
+    (``paratron simulate --trace`` writes the planned one in the same format)."""
     wandb_project: Optional[str] = None
     """Weights & Biases project: rank 0 logs the records it writes to TensorBoard, with the config
     (needs ``pip install 'paratron[wandb]'``; ``WANDB_MODE=offline`` writes locally). None: off

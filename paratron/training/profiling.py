@@ -12,7 +12,7 @@ off and opens no range. In a profiled step the ranges are:
   of its kind, microbatch and virtual stage (``F mb3 stage1``, ``B mb0 stage0``, ``W ...``);
 * one per interval paratron records (:class:`ProfiledRecorder`): the MoE all-to-alls
   (``dispatch``/``combine`` and their ``_grad``, from issue to the program's wait) and expert
-  compute, CP's exchanges, and the DP bucket reductions (``bucket_reduce``, issue to wait).
+  compute, and the DP bucket reductions (``bucket_reduce``, issue to wait).
 
 The profiler runs from the start of the first profiled step to the end of the last one and each
 rank of ``train.profile_ranks`` writes ``RUN_DIR/profile/rank_N.json`` (Chrome trace, from
