@@ -18,7 +18,7 @@ from paratron.parallel.profiling import labelled, profiler_enabled
 from paratron.pipeline.actions import Action
 from paratron.pipeline.runtime import run_pipeline
 from paratron.testing import run_ranks
-from paratron.training.profiling import StepObserver, tensor_inventory
+from paratron.training.profiling import ProfiledRecorder, StepObserver, tensor_inventory
 
 from helpers import config_with
 from test_e2e_train import TINY, _train_in_rank
@@ -219,6 +219,22 @@ def test_labelled_opens_a_range_only_while_profiling():
         with labelled("F mb0 stage0"):
             torch.ones(2).sum()
     assert "F mb0 stage0" in {e.key for e in prof.key_averages()}
+
+
+def test_profiled_recorder_names_its_ranges_by_the_running_action():
+    """Each recorded interval becomes a profiler range named by its kind and the action's scope:
+    a comm one from issue to the program's wait (here across the expert compute it overlaps)."""
+    rec = ProfiledRecorder()
+    rec.scope = (3, 1)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        flight = rec.issued("dispatch", None)  # a size-1 group: complete at once
+        late = rec.open("combine", comm=True)
+        with rec.compute("experts"):
+            torch.ones(4).sum()
+        rec.waited(late)
+    names = {e.key for e in prof.key_averages()}
+    assert {"dispatch mb3 stage1", "combine mb3 stage1", "experts mb3 stage1"} <= names
+    assert flight.end is not None and late.waited is not None and not rec._ranges
 
 
 def test_tensor_inventory_counts_each_storage_once():
