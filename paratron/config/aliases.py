@@ -7,6 +7,7 @@ from pathlib import Path
 
 from .errors import ConfigError
 from .loading import load_config
+from .model_shape import moe_layer_fields
 from .sections import Config
 
 
@@ -149,11 +150,9 @@ def moe_layer_pattern(text: str, num_layers: int) -> tuple[int, int]:
         raise ConfigError(f"--moe-layer-freq={text!r}: expected an integer or a list such as ([0]*1+[1]*3)") from None
     if len(values) != num_layers or set(values) - {0, 1}:
         raise ConfigError(f"--moe-layer-freq={text!r}: needs one 0 or 1 per layer (model.num_layers={num_layers})")
-    n = len(values)
-    for first in range(n + 1):
-        for freq in range(1, n + 1):
-            if all(v == int(i >= first and i % freq == 0) for i, v in enumerate(values)):
-                return first, freq
+    fields = moe_layer_fields([bool(v) for v in values])
+    if fields is not None:
+        return fields
     raise ConfigError(f"--moe-layer-freq={text!r}: paratron expresses MoE layers as the layers i >= "
                       "model.first_k_dense_replace with i % model.moe_layer_freq == 0; this list is not of that form")
 

@@ -60,6 +60,17 @@ def moe_at(layer: int, num_experts: int, freq: int, first_dense: int) -> bool:
     return num_experts > 0 and layer >= first_dense and layer % freq == 0
 
 
+def moe_layer_fields(moe: list[bool]) -> tuple[int, int] | None:
+    """``(first_k_dense_replace, moe_layer_freq)`` that make exactly the layers flagged in ``moe``
+    (one flag per layer) MoE layers under :func:`is_moe_layer`, or None when no such pair exists."""
+    n = len(moe)
+    for first in range(n + 1):
+        for freq in range(1, n + 1):
+            if all(flag == moe_at(i, 1, freq, first) for i, flag in enumerate(moe)):
+                return first, freq
+    return None
+
+
 def check_model(cfg: ModelConfig, tp: int) -> None:
     """Check a model config before building the model: a vocab size is set (the model
     constructors run this), and :func:`check_shape`.
