@@ -129,13 +129,13 @@ def _rank(kw, world):
     return train_for_parity(cfg, ParallelContext.build(tp=p.tensor, ep=p.expert), steps=3)
 
 
-LAYOUTS = {"ep2": (2, dict(ep=2)), "ep2-tp2-sp": (4, dict(ep=2, tp=2, sp=True))}
+LAYOUTS = {"ep2": (2, dict(ep=2)), "ep2-tp2-sp": (4, dict(ep=2, tp=2, sp=True)), "ep2-tp2": (4, dict(ep=2, tp=2))}
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_deepseek_routed_moe_parity(name):
     """Sigmoid routing with bias, groups, scaling, a shared expert and layer 0 dense: 3 AdamW steps
-    (clipping, weight decay) at EP=2 / EP=2 x TP=2 + SP match one process to 1e-5, the expert
+    (clipping, weight decay) at EP=2 / EP=2 x TP=2 (SP on and off) match one process to 1e-5, the expert
     biases (moved by the global load each step) included."""
     world, kw = LAYOUTS[name]
     results = run_ranks(_rank, world, kw, world, timeout=300)
