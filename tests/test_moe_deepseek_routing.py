@@ -1,7 +1,8 @@
 """DeepSeek-V3 routing (fp32): sigmoid scores normalised over the chosen top-k times a routed
 scaling factor, with the aux-free expert bias, group-limited routing, a shared expert and the
 first layers dense (``model.first_k_dense_replace``); Megatron-Core's names for them; and a tiny
-model of that kind trained for 3 AdamW steps at EP=2 and EP=2 x TP=2 against one process."""
+model of that kind trained for 3 AdamW steps at EP=2 and EP=2 x TP=2 against one process; the MoE
+layer against transformers' own DeepseekV3MoE."""
 
 from __future__ import annotations
 
@@ -144,3 +145,40 @@ def test_deepseek_routed_moe_parity(name):
     assert bias.abs().sum() > 0  # the aux-free bias moved
     assert "layers.0.mlp.fc1.weight" in ref["params"] and "layers.1.mlp.shared_expert.fc1.weight" in ref["params"]
     assert_parity(results, ref, TOL, name)
+
+
+def test_moe_layer_computes_transformers_deepseek_v3_moe():
+    """The whole MoE MLP (sigmoid gate with the score-correction bias, group-limited top-k,
+    normalised and scaled weights, experts, shared experts) against transformers' own
+    ``DeepseekV3MoE`` with the same weights, to 1e-5."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+
+    from paratron.parallel.params import load_full_
+
+    hf_cfg = transformers.DeepseekV3Config(hidden_size=16, moe_intermediate_size=12, n_routed_experts=8,
+                                           n_shared_experts=2, num_experts_per_tok=4, n_group=4, topk_group=2,
+                                           routed_scaling_factor=2.5, norm_topk_prob=True)
+    torch.manual_seed(0)
+    hf = DeepseekV3MoE(hf_cfg).eval()
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for t in list(hf.parameters()) + [hf.gate.e_score_correction_bias]:
+            t.copy_(0.3 * torch.randn(t.shape, generator=g))
+    cfg = _model(moe_shared_expert_ffn_hidden_size=24, first_k_dense_replace=0)
+    layer = MoELayer(cfg, ParallelContext.single(), layer_number=0, seed=0, sequence_parallel=False).eval()
+    full = {"router.weight": hf.gate.weight, "router.expert_bias": hf.gate.e_score_correction_bias,
+            "shared_expert.fc1.weight": torch.cat([hf.shared_experts.gate_proj.weight, hf.shared_experts.up_proj.weight]),
+            "shared_expert.fc2.weight": hf.shared_experts.down_proj.weight}
+    for e in range(8):
+        gate, up = hf.experts.gate_up_proj[e].chunk(2)
+        full.update({f"experts.{e}.gate.weight": gate, f"experts.{e}.up.weight": up,
+                     f"experts.{e}.fc2.weight": hf.experts.down_proj[e]})
+    params = {p.logical_name.removeprefix("layers.0.mlp."): p for p in layer.parameters()}
+    assert params.keys() == full.keys()
+    for name, p in params.items():
+        load_full_(p, full[name].detach())
+    x = torch.randn(6, 2, 16, generator=g)
+    with torch.no_grad():
+        want = hf(x.transpose(0, 1).contiguous()).transpose(0, 1)
+        torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
