@@ -93,3 +93,13 @@ def test_qwen3_parity(name):
     ref = train_for_parity(_config(moe), ParallelContext.single(), steps=3)
     assert "layers.1.attention.q_norm.weight" in ref["params"]
     assert_parity(results, ref, TOL, name)
+
+
+def test_the_tiny_qwen3_moe_run_config_validates():
+    from paratron.config import load_config
+    from paratron.config.model_shape import is_moe_layer
+
+    cfg = load_config("configs/qwen3-moe-tiny.toml")
+    cfg.model.vocab_size = 2048
+    validate(cfg, 2)
+    assert cfg.model.qk_layernorm and [is_moe_layer(cfg.model, i) for i in range(3)] == [False, True, True]
