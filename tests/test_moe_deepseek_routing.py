@@ -182,3 +182,14 @@ def test_moe_layer_computes_transformers_deepseek_v3_moe():
     with torch.no_grad():
         want = hf(x.transpose(0, 1).contiguous()).transpose(0, 1)
         torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
+
+
+def test_planner_counts_the_parameters_of_such_a_model():
+    """The planner's parameter count (shared experts, dense first layers, QK-norm included) is
+    the built model's."""
+    from paratron.planner.shape import Shape
+
+    cfg = _model(num_layers=3, qk_layernorm=True, kv_channels=12)
+    (chunk,) = build_model_chunks(cfg, ParallelContext.single(), seed=0)
+    built = sum(p.numel() for p in chunk.parameters() if p.requires_grad)
+    assert Shape.of(cfg, cfg.seq_length).total_params() == built
