@@ -122,3 +122,17 @@ def test_qk_norm_of_the_wrong_width_is_named(hf_qwen3, tmp_path):
     (tmp_path / "config.json").write_text((path / "config.json").read_text())
     with pytest.raises(ValueError, match=r"model.layers.1.self_attn.k_norm.weight has shape \(8,\).*\(16,\)"):
         hf_to_paratron(tmp_path)
+
+
+def test_llama_with_an_explicit_head_dim_round_trips(tmp_path):
+    """Llama's ``head_dim`` apart from hidden/heads is model.kv_channels too (it used to be refused)."""
+    cfg = transformers.LlamaConfig(num_hidden_layers=1, attention_bias=False, mlp_bias=False, **COMMON)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    _perturb_(model, 2)
+    model.save_pretrained(tmp_path / "llama", safe_serialization=True)
+
+    def check(cfg, tensors):
+        assert cfg.kv_channels == 16 and not cfg.qk_layernorm
+
+    assert_round_trip(model, tmp_path / "llama", tmp_path / "out", check)
