@@ -16,7 +16,6 @@ import textwrap
 import types
 import typing
 from dataclasses import dataclass
-from functools import cache
 from typing import Any, Literal
 
 from paratron import markup
@@ -49,7 +48,6 @@ class Key:
         return f"{self.section}.{self.name}"
 
 
-@cache
 def field_docs(cls: type) -> dict[str, str]:
     """{field name: the string literal right under its annotated assignment} of a dataclass.
 
