@@ -301,7 +301,7 @@ class LoggingConfig:
     tensorboard: bool = True
     """Write TensorBoard events to RUN_DIR/tensorboard/."""
     progress: bool = True
-    """Show a progress bar while the corpus is tokenised on first use."""
+    """Show a progress bar (on a terminal, not in a log) while the corpus is tokenised on first use."""
 
 
 @dataclass
