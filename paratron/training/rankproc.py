@@ -28,6 +28,8 @@ import traceback
 from contextlib import contextmanager
 from pathlib import Path
 
+from paratron.where import package_relpath
+
 PR_SET_PDEATHSIG = 1
 LOG_DIR_ENV = "PARATRON_LOG_DIR"
 
@@ -104,7 +106,7 @@ def error_location(tb) -> str:
     pick = frames[-1]
     for f in reversed(frames):
         real = os.path.realpath(f.filename)
-        if not real.startswith(_LIBRARY_DIRS) or "/paratron/" in real:
+        if not real.startswith(_LIBRARY_DIRS) or package_relpath(real) is not None:
             pick = f
             break
     name = pick.filename

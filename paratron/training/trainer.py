@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from paratron.config import Config, to_toml
+from paratron.parallel.collcheck import agree_to_stop
 from paratron.pipeline.delay import measured_microbatch_time
 from paratron.training.callbacks import CallbackList, TrainState, load_callback
 from paratron.training.evaluator import Evaluator
@@ -322,11 +323,3 @@ def train_batch(cfg: Config, ctx, chunks, ddp, optimizer, scheduler, microbatche
         scheduler.step()
     timer.end_step()
     return out, result, lr
-
-
-def agree_to_stop(ctx, local: bool) -> bool:
-    """Every rank stops at the same step if any rank was asked to (signals arrive unevenly).
-    A host-side all-reduce (gloo, the CPU side of the process groups): the device never waits."""
-    t = torch.tensor([1.0 if local else 0.0])
-    ctx.world.host_all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t[0] > 0)
