@@ -288,8 +288,8 @@ def holds_no_checkpoint(root: str | os.PathLike) -> bool:
     """Nothing to resume from in ``root``: it is missing, or holds no manifest, ``latest`` or
     ``step_<N>`` directory (a resume from it is a fresh start)."""
     root = Path(root)
-    if not root.exists():
-        return True
+    if not root.is_dir():
+        return not root.exists()  # a file is no fresh start: resolve() refuses it
     return not ((root / MANIFEST).exists() or (root / LATEST).exists()
                 or any(STEP_DIR.match(p.name) for p in root.iterdir()))
 

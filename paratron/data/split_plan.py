@@ -4,7 +4,7 @@ small for one sample means: the one rule of every path that builds a dataset.
 Every dataset path asks :func:`plan_splits`: one prefix or a weighted blend of fixed-length
 samples (:func:`paratron.data.gpt_dataset.build_datasets`, each split its own blend), and the whole
 documents of token-balanced microbatches (:func:`paratron.data.token_batches.document_splits`).
-So does the check before launch (:func:`paratron.training.preflight.check_splits`), so that a
+So does the check before launch (:func:`paratron.training.preflight.split_warnings`), so that a
 split the ranks would refuse is refused before any process starts, and one they would skip is
 reported once, on the launcher's console.
 
@@ -12,9 +12,10 @@ The rule, per split and prefix (a *part* of the split):
 
 * one sample needs more than ``seq_length`` tokens (a window of ``seq_length + 1``), or with
   whole documents (``data.microbatch_tokens``) one document of at least 2 tokens (one position);
-* a held-out part (valid, test) with no documents or too few tokens is left out of its split with
-  a warning; its blend weight goes to the other prefixes, and a split with no part left is
-  absent ("no valid dataset");
+* a held-out part (valid, test) with too few tokens is left out of its split with a warning; its
+  blend weight goes to the other prefixes, and a split with no part left is absent ("no valid
+  dataset"); a part with no documents is left out too (a warning only in a blend: alone, a
+  zero share of ``data.split`` asks for no such split);
 * a train part with no documents is left out of a blend with a warning; a train part with
   documents but too few tokens, or a train split with no part left, is an error: the run cannot
   train on it.
@@ -108,7 +109,7 @@ def plan_splits(indexed: Sequence[tuple[float, object]], split: str, seq_length:
     Args:
         indexed: ``[(weight, IndexedDataset), ...]``, one per prefix (several: a blend).
         split: ``"969,30,1"``-style shares of each prefix's documents
-            (:func:`~paratron.data.gpt_dataset.split_ranges`).
+            (:func:`split_ranges`).
         seq_length: tokens per sample input.
         whole_documents: samples are whole documents (token-balanced microbatches).
         wanted: which of train, valid, test the caller builds; the others get no parts and no
