@@ -154,6 +154,33 @@ def test_no_rank_reports_a_load_that_another_refused(tmp_path):
     assert run_ranks(_load_everywhere, 2, str(tmp_path / "intact"), False, timeout=240) == [{"iteration": 1}] * 2
 
 
+def test_resumed_from_is_printed_only_after_every_rank_loaded(capsys):
+    """The trainer resumes through load_everywhere: a rank whose own part loaded, while another
+    rank's did not, prints no "resumed from" line before it stops."""
+    from types import SimpleNamespace
+
+    from paratron.config import load_config
+    from paratron.training.trainer import Trainer
+
+    class HalfLoaded:
+        def load(self, *args):  # this rank's part
+            return {"iteration": 12}
+
+        def load_everywhere(self, *args):
+            raise CheckpointError("rank 1 could not load the checkpoint: CheckpointError: ...")
+
+    stub = SimpleNamespace(state=SimpleNamespace(), cfg=load_config(None, ["checkpoint.load=/nowhere"]),
+                           ctx=ParallelContext.single(), ckpt=HalfLoaded(), chunks=None, optimizer=None,
+                           scheduler=None)
+    raised = None
+    try:
+        Trainer.resume(stub)
+    except Exception as e:  # noqa: BLE001 - which one is asserted below, after the output
+        raised = e
+    assert "resumed from" not in capsys.readouterr().out
+    assert isinstance(raised, CheckpointError), raised
+
+
 def _failing_save(root: Path, asynchronous: bool) -> BaseException:
     """The save of iteration 4 fails on a full disk mid-write; the exception as the loop sees it."""
     import paratron.checkpoint.io as io
