@@ -91,6 +91,7 @@ def test_a_checkpoint_of_another_model_is_refused_before_launch(saved, ck, tmp_p
     err = _resume(saved, tmp_path, capsys, launches, "model.hidden_size=64", "model.num_layers=2")
     assert f"{ck / 'step_4'} was saved for another model" in err
     assert "model.hidden_size: checkpoint 32, this run 64" in err and "model.num_layers: checkpoint 1, this run 2" in err
+    assert f"checkpoints in {ck}: step_2 " in err
 
 
 def test_a_missing_manifest_is_refused_naming_it(saved, ck, tmp_path, capsys, launches):
@@ -122,6 +123,7 @@ def test_no_optimizer_state_is_refused_before_launch(saved, tmp_path, capsys, la
     save_model_full(tmp_path / "ck", cfg, {"output_layer.weight": torch.zeros(2, 2)})
     err = _resume(saved, tmp_path, capsys, launches)
     assert f"{tmp_path / 'ck'} holds no optimizer state" in err and "checkpoint.load_optimizer=false" in err
+    assert f"no other checkpoint in {tmp_path / 'ck'}" in err  # the directory is the checkpoint itself
 
 
 def _load_everywhere(root: str, corrupt: bool):

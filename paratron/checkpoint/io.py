@@ -345,14 +345,14 @@ def resume_manifest(root: str | os.PathLike, step: int | None, model: dict, want
     directory = resolve(root, step)
     try:
         manifest = verify(directory)
+        check_same_model(manifest["config"]["model"], model, str(directory))
+        if want_optimizer and not manifest.get("has_optimizer"):
+            raise CheckpointError(
+                f"{directory} holds no optimizer state (it was saved without one), but "
+                "checkpoint.load_optimizer=true; set checkpoint.load_optimizer=false to start a fresh "
+                "optimizer from these weights")
     except CheckpointError as e:
         raise CheckpointError(f"{e}; {steps_note(root, but=directory)}") from None
-    check_same_model(manifest["config"]["model"], model, str(directory))
-    if want_optimizer and not manifest.get("has_optimizer"):
-        raise CheckpointError(
-            f"{directory} holds no optimizer state (it was saved without one), but "
-            "checkpoint.load_optimizer=true; set checkpoint.load_optimizer=false to start a fresh "
-            "optimizer from these weights")
     return directory, manifest
 
 
