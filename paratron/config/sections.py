@@ -183,6 +183,31 @@ class TrainConfig:
     goes on with the next batch, "stop" ends the run with an error naming the step."""
     max_consecutive_skips: int = 5
     """Under ``nonfinite = "skip"``, stop after this many non-finite steps in a row."""
+    profile_steps: list[int] = field(default_factory=list)
+    """``[start, end]``: run ``torch.profiler`` from the start of step ``start`` to the end of step
+    ``end`` (1-based iterations, both included) and write one Chrome trace per rank to
+    ``RUN_DIR/profile/rank_N.json``, with ranges named by paratron's actions (``F mb3 stage1``),
+    DP bucket reductions and MoE all-to-alls. Empty: no profiler (Megatron's
+    ``--profile-step-start/--profile-step-end``, ``--use-pytorch-profiler``)."""
+    profile_ranks: list[int] = field(default_factory=list)
+    """Global ranks that run the profiler of ``profile_steps``; empty: every rank
+    (Megatron's ``--profile-ranks``)."""
+    memory_snapshot_steps: list[int] = field(default_factory=list)
+    """Steps after which each rank writes its memory: on a GPU ``torch.cuda.memory._snapshot()``
+    (``RUN_DIR/memory/rank_N_step_S.pickle``, for pytorch.org/memory_viz; allocation history is
+    recorded from the start), on CPU an inventory of live tensors by device, dtype and shape
+    (``rank_N_step_S.json``)."""
+    timeline_steps: list[int] = field(default_factory=list)
+    """Steps whose measured timeline (every pipeline action's start and end per rank, the intervals
+    recorded inside them: MoE all-to-alls and expert compute; DP bucket reductions) rank 0 writes
+    as Chrome trace-event JSON to ``RUN_DIR/timeline/step_N.json``, one track per global rank
+    (``paratron simulate --trace`` writes the planned one in the same format)."""
+    wandb_project: Optional[str] = None
+    """Weights & Biases project: rank 0 logs the records it writes to TensorBoard, with the config
+    (needs ``pip install 'paratron[wandb]'``; ``WANDB_MODE=offline`` writes locally). None: off
+    (Megatron's ``--wandb-project``)."""
+    wandb_exp_name: Optional[str] = None
+    """The Weights & Biases run name; None: wandb picks one (Megatron's ``--wandb-exp-name``)."""
 
 
 @dataclass
