@@ -233,7 +233,7 @@ class Trainer:
         """Load ``checkpoint.load`` if set, and print the run's header lines."""
         s, cfg = self.state, self.cfg
         warn_if_saving_over(cfg, self.ctx)
-        extra = self.ckpt.load(self.chunks, self.optimizer, self.scheduler) if (
+        extra = self.ckpt.load_everywhere(self.chunks, self.optimizer, self.scheduler) if (
             self.ckpt is not None and cfg.checkpoint.load) else None
         if extra:
             s.iteration = int(extra.get("iteration", 0))
