@@ -63,6 +63,9 @@ MEGATRON_ALIASES: dict[str, str] = {
     "--moe-shared-expert-intermediate-size": "model.moe_shared_expert_ffn_hidden_size",
     "--moe-aux-loss-coeff": "model.moe_aux_loss_coeff",
     "--moe-z-loss-coeff": "model.moe_z_loss_coeff",
+    # FP8 linears (paratron/layers/fp8.py): Megatron's recipe names map onto train.fp8.
+    "--fp8-format": "train.fp8_format",
+    "--fp8-recipe": "train.fp8",
 }
 """Megatron-LM flag -> paratron key, for flags that take a value."""
 

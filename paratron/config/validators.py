@@ -256,8 +256,20 @@ def _lr_schedule(cfg: Config, world: int | None) -> None:
         raise ConfigError(f"optimizer.min_lr={o.min_lr} must be <= optimizer.lr={o.lr}")
 
 
+def _fp8(cfg: Config, world: int | None) -> None:
+    t = cfg.train
+    if t.fp8 not in (None, "tensorwise", "rowwise"):
+        raise ConfigError(f"train.fp8={t.fp8!r} must be 'tensorwise' or 'rowwise' (Megatron's delayed, "
+                          "mxfp8 and blockwise recipes are not implemented)")
+    if t.fp8_format not in (None, "e4m3", "hybrid"):
+        raise ConfigError(f"train.fp8_format={t.fp8_format!r} must be 'e4m3' or 'hybrid'")
+    if t.fp8_param_gather and (cfg.parallel.zero != 3 or (t.fp8 is None and t.fp8_format is None)):
+        raise ConfigError(f"train.fp8_param_gather=true needs parallel.zero=3 (is {cfg.parallel.zero}) "
+                          "and FP8 on (train.fp8 or train.fp8_format)")
+
+
 VALIDATORS = [_finite, _positive, _nonfinite_policy, _lr_schedule, _grid, _model, _batch, _sequence, _link_latency, _schedule, _pipeline_layers,
-              _experts, _moe_fb_overlap, _zero, _split, check_context, check_microbatch_tokens,
+              _experts, _moe_fb_overlap, _zero, _fp8, _split, check_context, check_microbatch_tokens,
               check_observability]
 """Every config rule, in order. Each takes ``(cfg, world_size_or_None)`` and raises ConfigError."""
 

@@ -60,6 +60,7 @@ def warn_if_saving_over(cfg: Config, ctx) -> None:
 def build_model_and_optimizer(cfg: Config, ctx):
     """Model chunks of this rank, wrapped for data parallelism, with optimizer and LR schedule."""
     from paratron.checkpoint.manager import params_to_load
+    from paratron.layers.fp8 import enable_fp8, recipe_of
     from paratron.layers.init import skip_draws
     from paratron.models.gpt import build_model_chunks
     from paratron.optim import DistributedDataParallel, build_lr_scheduler, build_optimizer, precision_dtype
@@ -74,6 +75,7 @@ def build_model_and_optimizer(cfg: Config, ctx):
                                     context_algorithm=p.context_algorithm)
     for c in chunks:
         c.to(ctx.device)
+    enable_fp8(chunks, recipe_of(cfg.train))  # train.fp8: FP8 column/row-parallel linears
     if chunks and chunks[0].rng_tracker is not None:
         # Hidden dropout on replicated activations must draw the same mask on every TP rank.
         chunks[0].rng_tracker.seed_default_stream()
