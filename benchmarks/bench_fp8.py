@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/bench_fp8.py [--tokens 2048 --hidden 1024 --out-features 4096
                                              --iters 20 --device cpu --scaling tensorwise]
+    .venv/bin/python benchmarks/bench_fp8.py --convergence [--steps 200]
 
 Both sides are paratron's :class:`ColumnParallelLinear` at TP=1 with bf16 params and inputs; the
 FP8 side has ``fp8`` set (three ``torch._scaled_mm`` calls, e4m3 x e4m3 forward, e5m2 grads).
@@ -9,12 +10,19 @@ Iterations alternate the two and the script prints the median time of each and t
 FP8 / bf16 (lower is better), with the load average. On CPU ``_scaled_mm`` upcasts and runs an
 fp32 GEMM, and the casts are extra passes, so CPU FP8 is slower: the gain lives on GPUs with FP8
 tensor cores (``scripts/gpu_check.sh`` runs this with ``--device cuda``).
+
+``--convergence``: ``paratron train`` on the bundled corpus (configs/gpt2-tiny.toml, one process,
+bf16) for ``--steps`` steps, once without and once with ``train.fp8``, and prints both final
+validation losses (8 validation batches after the last step) and their relative difference.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
+import tempfile
 import statistics
 import sys
 import time
@@ -22,7 +30,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
 from paratron.layers.fp8 import E4M3, E5M2, Fp8Recipe  # noqa: E402
 from paratron.layers.linear import ColumnParallelLinear  # noqa: E402
@@ -38,6 +47,28 @@ def _step(layer, x, dy, sync) -> float:
     return time.perf_counter() - t0
 
 
+def final_val_loss(steps: int, extra: list[str]) -> float:
+    """Train configs/gpt2-tiny.toml in bf16 for ``steps`` steps; the last validation loss."""
+    with tempfile.TemporaryDirectory() as d:
+        cmd = [sys.executable, "-m", "paratron", "train", "--config", str(ROOT / "configs/gpt2-tiny.toml"),
+               "--run-dir", d, "--set", f"train.train_iters={steps}", "--set", "train.eval_interval=0",
+               "--set", "train.eval_iters=8", "--set", "train.precision=bf16", "--set", "checkpoint.save=none",
+               "--set", "train.sample_prompt=none", "--set", "logging.tensorboard=false"]
+        for e in extra:
+            cmd += ["--set", e]
+        subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True)
+        recs = [json.loads(line) for line in Path(d, "metrics.jsonl").read_text().splitlines()]
+        return [r["val_loss"] for r in recs if "val_loss" in r][-1]
+
+
+def convergence(steps: int, scaling: str, fmt: str) -> None:
+    bf16 = final_val_loss(steps, [])
+    fp8 = final_val_loss(steps, [f"train.fp8={scaling}", f"train.fp8_format={fmt}"])
+    print(f"{steps} steps, configs/gpt2-tiny.toml, bf16: final validation loss bf16 {bf16:.4f}, "
+          f"fp8 ({scaling}, {fmt}) {fp8:.4f}, relative difference {(fp8 - bf16) / bf16:+.2%} "
+          f"(load_avg={os.getloadavg()[0]:.1f})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=2048)
@@ -47,7 +78,11 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--scaling", default="tensorwise", choices=["tensorwise", "rowwise"])
     ap.add_argument("--format", default="hybrid", choices=["hybrid", "e4m3"])
+    ap.add_argument("--convergence", action="store_true", help="the 200-step run against bf16")
+    ap.add_argument("--steps", type=int, default=200)
     a = ap.parse_args()
+    if a.convergence:
+        return convergence(a.steps, a.scaling, a.format)
     dev = torch.device(a.device)
     ctx = ParallelContext.single(dev)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["Fp8Recipe", "enable_fp8", "fp8_matmul", "quantize", "recipe_of"]
+__all__ = ["Fp8Recipe", "enable_fp8", "fp8_matmul", "fp8_weights", "quantize", "recipe_of"]
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
@@ -134,3 +134,8 @@ def enable_fp8(chunks, recipe: Fp8Recipe | None) -> int:
                 m.fp8 = recipe
                 n += 1
     return n
+
+
+def fp8_weights(chunks) -> list[torch.nn.Parameter]:
+    """The weights of the linears of ``chunks`` that run in FP8 (for the FP8 param gather)."""
+    return [m.weight for chunk in chunks for m in chunk.modules() if getattr(m, "fp8", None) is not None]

@@ -60,7 +60,7 @@ def warn_if_saving_over(cfg: Config, ctx) -> None:
 def build_model_and_optimizer(cfg: Config, ctx):
     """Model chunks of this rank, wrapped for data parallelism, with optimizer and LR schedule."""
     from paratron.checkpoint.manager import params_to_load
-    from paratron.layers.fp8 import enable_fp8, recipe_of
+    from paratron.layers.fp8 import enable_fp8, fp8_weights, recipe_of
     from paratron.layers.init import skip_draws
     from paratron.models.gpt import build_model_chunks
     from paratron.optim import DistributedDataParallel, build_lr_scheduler, build_optimizer, precision_dtype
@@ -83,6 +83,8 @@ def build_model_and_optimizer(cfg: Config, ctx):
                                   overlap_grad_reduce=p.overlap_grad_reduce,
                                   zero=p.zero, zero3_reshard_after_forward=p.zero3_reshard_after_forward,
                                   zero3_prefetch=p.zero3_prefetch)
+    if cfg.train.fp8_param_gather:  # validated: ZeRO-3 and FP8 on
+        ddp.param_shards.enable_fp8_gather(fp8_weights(chunks), ctx.tp)
     optimizer = build_optimizer(chunks, ctx, cfg.optimizer, ddp, precision=cfg.train.precision)
     scheduler = build_lr_scheduler(cfg.optimizer, cfg.train.train_iters, optimizer)
     return chunks, ddp, optimizer, scheduler
