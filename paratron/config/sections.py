@@ -249,7 +249,7 @@ class TrainConfig:
     default when FP8 is on). Setting it turns FP8 on. Megatron's ``--fp8-format``."""
     fp8_param_gather: bool = False
     """Under ``parallel.zero = 3``, all-gather the FP8 linears' weights as FP8 (one byte an
-    element, with a scale reduced over DP and TP) instead of in ``precision``."""
+    element, with a scale reduced over DP and TP) instead of in ``precision``. Tensorwise only."""
 
 
 @dataclass

@@ -266,6 +266,11 @@ def _fp8(cfg: Config, world: int | None) -> None:
     if t.fp8_param_gather and (cfg.parallel.zero != 3 or (t.fp8 is None and t.fp8_format is None)):
         raise ConfigError(f"train.fp8_param_gather=true needs parallel.zero=3 (is {cfg.parallel.zero}) "
                           "and FP8 on (train.fp8 or train.fp8_format)")
+    if t.fp8_param_gather and t.fp8 == "rowwise":
+        # The gather casts each weight with one scale; rowwise linears cast it per row (forward)
+        # and per column (input grad), so a weight gathered in FP8 would be rounded twice.
+        raise ConfigError("train.fp8_param_gather=true needs train.fp8='tensorwise' (is 'rowwise'): the "
+                          "gathered weight's one scale is not the rowwise linears' per-row scales")
 
 
 VALIDATORS = [_finite, _positive, _nonfinite_policy, _lr_schedule, _grid, _model, _batch, _sequence, _link_latency, _schedule, _pipeline_layers,

@@ -36,6 +36,8 @@ weight from its amax MAX-reduced over DP and TP (the whole logical weight, so th
 those of FP8 at one process); the linear casts the dequantised weight again and gets the same FP8
 values. Other params of the bucket (norms, biases, padding) travel in their dtype in a second
 all-gather. :meth:`ParamShards.gathered` (checkpoints, evaluation helpers) always gathers exactly.
+Tensorwise FP8 only (the validator refuses rowwise: its per-row scales are not the one scale of the
+gather, so the weight would be rounded twice).
 """
 
 from __future__ import annotations
