@@ -30,11 +30,14 @@ precision; norms stay fp32. MoE expert linears stay high precision too: their to
 change with the expert-parallel size, so a tensorwise activation amax (and any amax along the
 token dim of the weight-grad matmul) would change with the layout.
 
-Why not torchao's ``convert_to_float8_training``: it swaps ``nn.Linear`` for its own module
-whose amax is taken on the local tensor. paratron's linears are not ``nn.Linear`` (their
-autograd functions hold the TP/SP collectives and hand weight grads to the main-grad buffers or
-the zero-bubble W queue), and a shard-local amax is what breaks layout independence; hooking
-the reduction into torchao's internals is more code than the few lines of scaling here.
+Why not torchao's ``convert_to_float8_training`` (checked against torchao's
+``float8_utils.tensor_to_amax``): it swaps ``nn.Linear`` modules for its ``Float8Linear``, and its
+amax is ``max(|x|)`` of the tensor it is handed, reduced over a group only when a caller passes
+``reduce_amax`` with a device mesh (its DTensor/FSDP2 paths, as torchtitan uses them).
+paratron's linears are not ``nn.Linear`` and their shards are plain tensors (the autograd
+functions hold the TP/SP collectives and hand weight grads to the main-grad buffers or the
+zero-bubble W queue), so torchao would take shard-local amaxes, which is what breaks layout
+independence; hooking the reduction into its internals is more code than the scaling here.
 
 On CPU (torch 2.13) ``torch._scaled_mm`` accepts e4m3 and e5m2 operands with tensorwise scalar
 and rowwise ``[M, 1]``/``[1, N]`` fp32 scales, so the same path runs here as on a GPU (where it
