@@ -190,7 +190,7 @@ def _load_param(p: torch.Tensor, recipe: Recipe, st: SafetensorsFolder, names: d
     dst = spec.valid(p)
     # Runs of local rows that are consecutive rows of one source: one read each.
     cut = torch.nonzero((which[1:] != which[:-1]) | (row[1:] != row[:-1] + 1)).flatten() + 1
-    bounds = [0] + cut.tolist() + [len(rows)]
+    bounds = [0] + cut.tolist() + [len(rows)] if len(rows) else []
     for i, j in zip(bounds[:-1], bounds[1:]):
         sl = st.slice(names[recipe.sources[int(which[i])]])
         a, b = int(row[i]), int(row[j - 1]) + 1
