@@ -3,8 +3,8 @@ slices, following the converter's recipes, and the result is the Hugging Face mo
 
 * One process, every family the converter knows (Llama, GPT-2, Mixtral, Qwen2-MoE, Qwen3,
   Qwen3-MoE): the sliced load gives bitwise the converter's tensors.
-* TP2xPP2 (Llama, GQA) in one 4-rank launch, and EP2 (Mixtral, Qwen3-MoE) plus DP2 under ZeRO-3
-  (Llama) in one 2-rank launch: logits within 1e-5 of transformers' before any step, then
+* TP2xPP2 (Llama, GQA) in one 4-rank launch, and EP2 (Mixtral, Qwen3-MoE), DP2 under ZeRO-3
+  (Llama) and TP2 (GPT-2, Qwen2-MoE, Qwen3) in one 2-rank launch: logits within 1e-5 of transformers' before any step, then
   3 AdamW steps with the same losses (1e-5) as the one-process load, through the real model
   builder (``skip_draws``) and ``load_hf_weights``.
 * Memory, by the loader's own accounting (the bytes of every tensor it creates: each
@@ -172,11 +172,14 @@ def test_from_hf_at_tp2_pp2(hf_dirs):
     _check(list(results), path, model, "llama tp2xpp2", split=True)
 
 
-def test_from_hf_at_ep2_and_zero3(hf_dirs):
+def test_from_hf_at_ep2_zero3_and_tp2(hf_dirs):
     """One 2-rank launch: Mixtral and Qwen3-MoE at EP2, Llama at DP2 under ZeRO-3 (the load fills
-    the gathered TP/PP-local params and writes the DP shards back)."""
-    cases = [("mixtral", dict(ep=2)), ("qwen3_moe", dict(ep=2)), ("llama", dict(zero=3))]
-    names = ["mixtral ep2", "qwen3_moe ep2", "llama dp2 zero3"]
+    the gathered TP/PP-local params and writes the DP shards back), and the other families at TP2
+    (GPT-2's transposed Conv1D weights read by columns, its tied head; Qwen2-MoE's shared
+    expert; Qwen3's QK-norm)."""
+    cases = [("mixtral", dict(ep=2)), ("qwen3_moe", dict(ep=2)), ("llama", dict(zero=3)), ("gpt2", dict(tp=2)),
+             ("qwen2_moe", dict(tp=2)), ("qwen3", dict(tp=2))]
+    names = ["mixtral ep2", "qwen3_moe ep2", "llama dp2 zero3", "gpt2 tp2", "qwen2_moe tp2", "qwen3 tp2"]
     per_rank = run_ranks(_layout_rank, 2, [(hf_dirs[f][0], kw) for f, kw in cases], timeout=600)
     for i, (family, kw) in enumerate(cases):
         path, model = hf_dirs[family]

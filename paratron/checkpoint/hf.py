@@ -7,7 +7,9 @@ through :mod:`.hf_moe` the MoE families ``MixtralForCausalLM`` and ``Qwen2MoeFor
 Both directions work on *full* logical tensors keyed by paratron's layout-independent names
 (``layers.3.attention.qkv.weight``, ...), so an imported model loads into any TP/PP layout with
 :func:`paratron.models.gpt.load_full_state` (which calls ``params.load_full_`` per parameter),
-and any layout exports after gathering full tensors.
+and any layout exports after gathering full tensors. The import is a table of
+:class:`~.hf_recipe.Recipe` (:func:`hf_recipes`), which :mod:`.hf_load` also follows to read only
+a rank's slices.
 
 Layout differences handled here:
 

@@ -130,7 +130,7 @@ def export_family(cfg: ModelConfig) -> str:
 
 
 def export_moe(cfg: ModelConfig, family: str, hf: dict, t: Tensors, h: str, p: str) -> Tensors:
-    """Layer ``p``'s MoE tensors under Hugging Face names (inverse of :func:`import_moe_mlp`), and
+    """Layer ``p``'s MoE tensors under Hugging Face names (inverse of :func:`moe_recipes`), and
     the family's config fields written into ``hf`` (the Llama-style dict)."""
     block = f"{h}.block_sparse_moe" if family == "mixtral" else f"{h}.mlp"
     if family in ("mixtral", "qwen2_moe"):  # Qwen3-MoE writes its fields in .hf_qwen3.export_config

@@ -77,7 +77,7 @@ def qk_norm_recipes(cfg: ModelConfig, h: str, p: str) -> dict[str, Recipe]:
 
 
 def export_qk_norm(t: Tensors, h: str, p: str) -> Tensors:
-    """Inverse of :func:`import_qk_norm`."""
+    """Inverse of :func:`qk_norm_recipes`."""
     return {f"{h}.self_attn.{x}_norm.weight": t[f"{p}.attention.{x}_norm.weight"] for x in ("q", "k")}
 
 
