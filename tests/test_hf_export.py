@@ -82,3 +82,21 @@ def test_export_check_reports_a_broken_export(hf_llama, tmp_path):
     paratron_to_hf(cfg, bad, tmp_path / "bad")
     line = hf_export_check(cfg, tensors, tmp_path / "bad", [5, 9, 3])
     assert "DISAGREE from greedy token 1 of 8" in line, line
+
+
+def test_from_hf_config_overrides_and_errors(hf_llama, tmp_path, capsys):
+    """The folder's model config with ``model.*`` overrides on top and its tokenizer; a folder
+    without config.json is refused before any process group, naming the key."""
+    from paratron.checkpoint.hf_load import apply_load_hf
+    from paratron.cli import main
+    from paratron.config import Config
+
+    path, _ = hf_llama
+    cfg = Config()
+    cfg.checkpoint.load_hf = str(path)
+    apply_load_hf(cfg, ["model.seq_length=8", "train.seed=3"])
+    assert (cfg.model.num_layers, cfg.model.hidden_size, cfg.model.num_query_groups) == (2, 32, 2)
+    assert cfg.model.seq_length == 8
+    assert cfg.data.tokenizer_model == str(path / "tokenizer.json")
+    assert main(["train", "--from-hf", str(tmp_path)]) == 2
+    assert f"checkpoint.load_hf={tmp_path}: no config.json" in capsys.readouterr().err

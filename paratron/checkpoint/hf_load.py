@@ -200,6 +200,7 @@ def _load_param(p: torch.Tensor, recipe: Recipe, st: SafetensorsFolder, names: d
             piece = sl[(slice(a, b),) + rest]
         stats.add(piece)
         dst[i:j].copy_(piece)
+        del piece  # freed before the next read: one piece alive at a time
     stats.params += dst.numel() * dst.element_size()
     stats.tensors += 1
 
