@@ -49,6 +49,7 @@ def train_for_parity(cfg: Config, ctx, steps: int, seed: int = 50, prepare=None)
     ``prepare(chunks, ddp, optimizer)``, when given, replaces the perturbation (it must set the
     optimizer's main weights itself)."""
     from paratron.checkpoint.manager import copy_params_into_main
+    from paratron.training.data_iter import microbatch_preparer
     from paratron.training.runner import build_model_and_optimizer
     from paratron.training.step import run_global_batch
 
@@ -63,10 +64,12 @@ def train_for_parity(cfg: Config, ctx, steps: int, seed: int = 50, prepare=None)
     gbs, mbs, m = cfg.train.global_batch_size, cfg.train.micro_batch_size, cfg.model
     rows, r = gbs // ctx.dp.size, ctx.dp.rank
     losses = []
+    prepare = microbatch_preparer(cfg, ctx, eod=0)  # this CP rank's chunks of each sequence
     for step in range(steps):
         g = torch.Generator().manual_seed(seed + step)
         ids = torch.randint(0, m.vocab_size, (gbs, m.seq_length + 1), generator=g)[r * rows:(r + 1) * rows]
-        microbatches = [{"tokens": ids[i:i + mbs, :-1], "labels": ids[i:i + mbs, 1:]} for i in range(0, rows, mbs)]
+        microbatches = [prepare({"tokens": ids[i:i + mbs, :-1], "labels": ids[i:i + mbs, 1:]})
+                        for i in range(0, rows, mbs)]
         optimizer.zero_grad()
         out = run_global_batch(cfg, ctx, chunks, microbatches, forward_only=False,
                                loss_scale=optimizer.loss_scale, ddp=ddp)
