@@ -93,6 +93,18 @@ def test_sliced_load_equals_the_converter(hf_dirs, family):
     assert (ours - _hf_logits(model, ids)).abs().max().item() < TOL
 
 
+def test_sharded_folder_loads_the_same(hf_dirs, tmp_path):
+    """A folder saved in several safetensors files (``model.safetensors.index.json``)."""
+    path, model = hf_dirs["qwen3_moe"]
+    model.save_pretrained(tmp_path, safe_serialization=True, max_shard_size="20KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file() and len(list(tmp_path.glob("*.safetensors"))) > 2
+    cfg, tensors = hf_to_paratron(path)
+    (chunk,) = build_model_chunks(cfg, ParallelContext.single(), seed=0)
+    load_hf_slices([chunk], tmp_path, cfg)
+    for p in chunk.parameters():
+        assert torch.equal(p.shard.valid(p), tensors[p.logical_name]), p.logical_name
+
+
 # ---- through the run's model builder, at several layouts ----------------------------------
 def _config(path: str, tp=1, pp=1, ep=1, zero=0, world=1) -> Config:
     cfg = Config()
