@@ -46,6 +46,13 @@ MEGATRON_ALIASES: dict[str, str] = {
     "--load": "checkpoint.load",
     "--save-interval": "checkpoint.interval",
     "--log-interval": "logging.log_interval",
+    "--q-lora-rank": "model.q_lora_rank",
+    "--kv-lora-rank": "model.kv_lora_rank",
+    "--qk-head-dim": "model.qk_head_dim",
+    "--qk-pos-emb-head-dim": "model.qk_pos_emb_head_dim",
+    "--v-head-dim": "model.v_head_dim",
+    "--mtp-num-layers": "model.mtp_num_layers",
+    "--mtp-loss-scaling-factor": "model.mtp_loss_scaling_factor",
 }
 """Megatron-LM flag -> paratron key, for flags that take a value."""
 
@@ -62,6 +69,7 @@ MEGATRON_SWITCHES: dict[str, tuple[str, str]] = {
     "--disable-bias-linear": ("model.add_bias_linear", "false"),
     "--deterministic-mode": ("train.deterministic", "true"),
     "--overlap-moe-expert-parallel-comm": ("parallel.overlap_moe_expert_parallel_comm", "true"),
+    "--multi-latent-attention": ("model.multi_latent_attention", "true"),
 }
 """Megatron-LM flags without a value -> (paratron key, value)."""
 
