@@ -105,9 +105,9 @@ def test_mla_mtp_parity_world2():
         key = (kw.get("tie", False), kw.get("packed", False))
         if key not in refs:
             refs[key] = _train(_config(tie=key[0], packed=key[1]), ParallelContext.single(), grads=True)
-        ref = refs[key]
+        ref, seen = refs[key], set()
         for rank_out in results:
-            res, seen = rank_out[i], set()
+            res = rank_out[i]
             for got, want in zip(res["history"], ref["history"]):
                 for name, a, b in zip(("loss", "mtp_loss", "grad_norm"), got, want):
                     _close(a, b, f"{kw} {name}")
@@ -115,10 +115,10 @@ def test_mla_mtp_parity_world2():
                 torch.testing.assert_close(p, ref["params"][n][0][slices], rtol=1e-5, atol=1e-5,
                                            msg=lambda m: f"{kw} param {n}: {m}")
                 seen.add(n)
-            assert seen == set(ref["params"]), kw
             for n, (g, slices) in res["grads"].items():
                 torch.testing.assert_close(g, ref["grads"][n][0][slices], rtol=1e-5, atol=1e-6,
                                            msg=lambda m: f"{kw} grad {n}: {m}")
+        assert seen == set(ref["params"]), kw
     assert any(n.startswith(f"layers.{2 + 1}.eh_proj") for n in refs[(False, False)]["params"])
 
 
