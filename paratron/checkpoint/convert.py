@@ -64,7 +64,8 @@ def _paratron_to_hf(args) -> str:
     _export_tokenizer(cfg, out)
     from paratron.checkpoint.hf_moe import FAMILIES
 
-    arch = {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel", **FAMILIES}[hf_architecture_for(cfg.model)]
+    arch = {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel", "deepseek_v3": "DeepseekV3ForCausalLM",
+            **FAMILIES}[hf_architecture_for(cfg.model)]
     return f"{len(tensors)} tensors as a {cfg.model.num_layers}-layer {arch}"
 
 
