@@ -127,8 +127,7 @@ def run_global_batch(cfg, ctx, chunks, microbatches: list[dict], *, forward_only
         ddp: the chunks' :class:`~paratron.optim.ddp.DistributedDataParallel` (None: plain ``.grad``).
         timeline: a list: the pipeline runtime appends one event per action to it (``run_pipeline``).
 
-    Returns:
-        :class:`StepOutput` with the global-batch loss, known on every rank.
+    Returns: :class:`StepOutput` with the global-batch loss, known on every rank.
     """
     from paratron.models.moe.layer import update_expert_bias
     from paratron.optim import finalize_grads, precision_dtype
@@ -154,11 +153,10 @@ def run_global_batch(cfg, ctx, chunks, microbatches: list[dict], *, forward_only
         loss = mtp.add(loss, mtp_losses)
         return loss * loss_scale if loss_scale != 1.0 else loss
 
-    m = len(microbatches)
     if cfg.model.num_experts > 0:
         _scale_aux_losses(cfg, ctx, chunks, microbatches, loss_scale)
     if actions is None:
-        actions = rank_actions(cfg, ctx, m)
+        actions = rank_actions(cfg, ctx, len(microbatches))
     shapes = [_activation_shape(cfg, ctx, mb) for mb in microbatches]
     varied = any(shape != shapes[0] for shape in shapes)  # token-balanced rows (data.microbatch_tokens)
     run_pipeline(actions, chunks, ctx, microbatches, forward_step, tensor_shape=shapes[0],
@@ -171,9 +169,12 @@ def run_global_batch(cfg, ctx, chunks, microbatches: list[dict], *, forward_only
     t1 = time.perf_counter()
 
     stats = _global_stats(ctx, chunks, lm_losses, global_tokens, mtp.values)
-    has_aux = cfg.model.num_experts > 0 or any(getattr(mod, "last_aux_loss", None) is not None
-                                               for c in chunks for mod in c.modules())
-    return StepOutput(stats, has_aux, {"forward_backward": t1 - t0}, has_mtp=mtp.depth > 0)
+    return StepOutput(stats, _has_aux(cfg, chunks), {"forward_backward": t1 - t0}, has_mtp=mtp.depth > 0)
+
+
+def _has_aux(cfg, chunks) -> bool:
+    return cfg.model.num_experts > 0 or any(getattr(mod, "last_aux_loss", None) is not None
+                                            for c in chunks for mod in c.modules())
 
 
 class _MTPLoss:
