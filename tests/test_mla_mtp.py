@@ -4,12 +4,16 @@ decoupled RoPE, v_head_dim != q/k head) and 2 MTP modules, trained 3 AdamW steps
 real stack (model chunks, DDP, the pipeline runtime, the training step, the data loader's CP
 split and MTP targets) on 2 ranks at TP=2+SP, CP=2 ring, CP=2 all2all, PP=2 (1F1B; tied and
 untied embeddings, the MTP embedding copy kept in sync with stage 0's), CP=2 ring with packed
-documents, and recompute (full, selective). Losses (LM and MTP), grad norms and params match one
+documents, recompute (full, selective), ZeRO-3 at DP=2 (MLA without MTP: ZeRO-3 with MTP is
+refused), and with DeepSeek-V3-style MoE layers
+(sigmoid scores, aux-free expert bias, a shared expert; the MTP layer is MoE too) at EP=2. Losses (LM and MTP), grad norms and params match one
 process to 1e-5 (fp32). Also: MTP under PP=2 gives the MTP loss and every grad of PP=1, a
 lambda = 0 run is bitwise the same as one without MTP, and the bad configs are named.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
@@ -22,7 +26,7 @@ GBS, SEQ, VOCAB, STEPS = 4, 16, 32, 3
 
 
 def _config(*, cp=1, algorithm="ring", tp=1, sp=False, pp=1, recompute="none", mtp=2, lam=0.3, tie=False,
-            packed=False, world=1) -> Config:
+            packed=False, moe=False, ep=1, zero=0, world=1) -> Config:
     cfg = Config()
     m, p, t, o = cfg.model, cfg.parallel, cfg.train, cfg.optimizer
     m.num_layers, m.vocab_size, m.seq_length, m.make_vocab_size_divisible_by = 2, VOCAB, SEQ, 8
@@ -33,7 +37,11 @@ def _config(*, cp=1, algorithm="ring", tp=1, sp=False, pp=1, recompute="none", m
     m.qk_head_dim, m.qk_pos_emb_head_dim, m.v_head_dim = 8, 4, 6
     m.mtp_num_layers, m.mtp_loss_scaling_factor = mtp, lam
     m.recompute = recompute
+    if moe:  # DeepSeek-V3-style MoE: sigmoid scores, aux-free expert bias, a shared expert
+        m.num_experts, m.moe_top_k, m.moe_ffn_hidden_size, m.moe_router_score = 4, 2, 16, "sigmoid"
+        m.moe_router_enable_expert_bias, m.moe_shared_expert_ffn_hidden_size, m.moe_aux_loss_coeff = True, 16, 0.01
     p.context, p.context_algorithm, p.tensor, p.sequence_parallel, p.pipeline = cp, algorithm, tp, sp, pp
+    p.expert, p.zero = ep, zero
     p.bucket_size_mb = 0.001
     cfg.data.reset_attention_mask = cfg.data.reset_position_ids = packed
     t.micro_batch_size, t.global_batch_size, t.seed = 1, GBS, 1234
@@ -60,24 +68,27 @@ def _train(cfg: Config, ctx, steps: int = STEPS, grads: bool = False) -> dict:
     chunks, ddp, optimizer, _ = build_model_and_optimizer(cfg, ctx)
     prepare = microbatch_preparer(cfg, ctx, eod=0)
     history, grad = [], {}
+    rows = GBS // ctx.dp.size
     for step in range(steps):
-        tokens, labels = _batch(step)
-        mbs = [prepare({"tokens": tokens[i:i + 1], "labels": labels[i:i + 1]}) for i in range(GBS)]
+        tokens, labels = (t[ctx.dp.rank * rows:(ctx.dp.rank + 1) * rows] for t in _batch(step))
+        mbs = [prepare({"tokens": tokens[i:i + 1], "labels": labels[i:i + 1]}) for i in range(rows)]
         optimizer.zero_grad()
         out = run_global_batch(cfg, ctx, chunks, mbs, forward_only=False, loss_scale=optimizer.loss_scale, ddp=ddp)
         if grads and step == 0:
-            grad = {p.logical_name: (p.shard.valid(p.main_grad).detach().clone(), p.shard.slices())
-                    for c in chunks for p in c.parameters()}
+            grad = {p.logical_name: (p.shard.valid(getattr(p, "main_grad", p.grad)).detach().clone(), p.shard.slices())
+                    for c in chunks for p in c.parameters() if p.requires_grad}
         res = optimizer.step()
         history.append((out.loss, out.mtp_loss, res.grad_norm))
-    params = {p.logical_name: (p.shard.valid(p).detach().clone(), p.shard.slices())
-              for c in chunks for p in c.parameters()}
+    with ddp.param_shards.gathered() if ddp.param_shards is not None else contextlib.nullcontext():
+        params = {p.logical_name: (p.shard.valid(p).detach().clone(), p.shard.slices())
+                  for c in chunks for p in c.parameters()}
     return {"params": params, "history": history, "grads": grad}
 
 
 LAYOUTS = [dict(tp=2, sp=True), dict(cp=2, algorithm="ring"), dict(cp=2, algorithm="all2all"), dict(pp=2),
-           dict(pp=2, tie=True), dict(cp=2, algorithm="ring", packed=True), dict(tp=2, recompute="full"),
-           dict(cp=2, algorithm="all2all", recompute="selective")]
+           dict(moe=True, ep=2)]
+MORE = [dict(pp=2, tie=True), dict(cp=2, algorithm="ring", packed=True), dict(tp=2, recompute="full"),
+        dict(cp=2, algorithm="all2all", recompute="selective"), dict(zero=3, mtp=0)]
 
 
 def _rank(layouts):
@@ -85,26 +96,23 @@ def _rank(layouts):
     for kw in layouts:
         cfg = _config(world=2, **kw)
         p = cfg.parallel
-        ctx = ParallelContext.build(tp=p.tensor, cp=p.context, pp=p.pipeline)
+        ctx = ParallelContext.build(tp=p.tensor, cp=p.context, pp=p.pipeline, ep=p.expert)
         outs.append(_train(cfg, ctx, grads=kw.get("pp", 1) > 1))
     return outs
 
 
 def _close(a, b, what):
-    assert a == pytest.approx(b, rel=1e-5), f"{what}: {a} vs {b}"
+    assert a == (None if b is None else pytest.approx(b, rel=1e-5)), f"{what}: {a} vs {b}"
 
 
-def test_mla_mtp_parity_world2():
-    """TP=2+SP, CP=2 ring / all2all, PP=2 (untied, tied), packed documents under CP, full and
-    selective recompute: 3 AdamW steps of MLA + 2 MTP modules match one process to 1e-5 (LM loss,
-    MTP loss, grad norm, every param); under PP the first step's grads (main and MTP modules,
-    and the shared embedding) match PP=1."""
-    results = run_ranks(_rank, 2, LAYOUTS, timeout=600)
+def _check(layouts):
+    results = run_ranks(_rank, 2, layouts, timeout=900)
     refs = {}
-    for i, kw in enumerate(LAYOUTS):
-        key = (kw.get("tie", False), kw.get("packed", False))
+    for i, kw in enumerate(layouts):
+        key = (kw.get("tie", False), kw.get("packed", False), kw.get("moe", False), kw.get("mtp", 2))
         if key not in refs:
-            refs[key] = _train(_config(tie=key[0], packed=key[1]), ParallelContext.single(), grads=True)
+            refs[key] = _train(_config(tie=key[0], packed=key[1], moe=key[2], mtp=key[3]), ParallelContext.single(),
+                               grads=True)
         ref, seen = refs[key], set()
         for rank_out in results:
             res = rank_out[i]
@@ -119,7 +127,23 @@ def test_mla_mtp_parity_world2():
                 torch.testing.assert_close(g, ref["grads"][n][0][slices], rtol=1e-5, atol=1e-6,
                                            msg=lambda m: f"{kw} grad {n}: {m}")
         assert seen == set(ref["params"]), kw
-    assert any(n.startswith(f"layers.{2 + 1}.eh_proj") for n in refs[(False, False)]["params"])
+    return refs
+
+
+def test_mla_mtp_parity_world2():
+    """TP=2+SP, CP=2 ring / all2all, PP=2 (1F1B), and the MoE model at EP=2: 3 AdamW steps of
+    MLA + 2 MTP modules match one process to 1e-5 (LM loss, MTP loss, grad norm, every param);
+    under PP the first step's grads (main and MTP modules, and the shared embedding) match PP=1."""
+    refs = _check(LAYOUTS)
+    assert any(n.startswith(f"layers.{2 + 1}.eh_proj") for n in refs[(False, False, False, 2)]["params"])
+
+
+@pytest.mark.slow
+def test_mla_mtp_more_compositions_world2():
+    """PP=2 with tied embeddings (the MTP lookup uses the last stage's tied copy), packed
+    documents under CP=2 ring, full recompute at TP=2, selective recompute under CP=2 all2all,
+    and MLA under ZeRO-3 at DP=2: parity to 1e-5 as above."""
+    _check(MORE)
 
 
 def test_mtp_lambda_zero_is_bitwise_no_mtp():
@@ -154,6 +178,7 @@ def test_mtp_targets_shift_and_documents():
     ("parallel.tensor", 8, 8, "model.num_attention_heads=4 is not divisible by parallel.tensor=8"),
     ("model.mtp_num_layers", SEQ, 1, f"model.mtp_num_layers={SEQ} must be in [0, model.seq_length-1"),
     ("parallel.pipeline_layout", [1, 1], 2, "leaves the last stage no room"),
+    ("parallel.zero", 3, 2, "parallel.zero=3 with model.mtp_num_layers=2"),
 ])
 def test_bad_configs_named(field, value, world, message):
     cfg = _config()

@@ -130,8 +130,12 @@ def _mtp_last_stage(cfg: Config, world: int | None) -> None:
     """The MTP modules (one transformer layer each) run on the last pipeline stage, after its
     own layers: an explicit ``parallel.pipeline_layout`` must leave it room for them, i.e. the
     last stage's layers plus ``model.mtp_num_layers`` may not exceed the largest other stage
-    (Megatron-LM's advice for DeepSeek-V3 layouts: fewer layers on the stage with the MTP)."""
+    (Megatron-LM's advice for DeepSeek-V3 layouts: fewer layers on the stage with the MTP).
+    ZeRO-3 is refused with MTP (its gather units cover the chunk's layers and head only)."""
     p, d = cfg.parallel, cfg.model.mtp_num_layers
+    if d and p.zero == 3:
+        raise ConfigError(f"parallel.zero=3 with model.mtp_num_layers={d}: ZeRO-3's gather units do not cover the "
+                          "MTP modules yet; use parallel.zero <= 2")
     layout = p.pipeline_layout
     if not d or not layout or len(layout) < 2:
         return
