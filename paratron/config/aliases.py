@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import ast
 from pathlib import Path
 
 from .errors import ConfigError
 from .loading import load_config
+from .model_shape import moe_layer_fields
 from .sections import Config
 
 
@@ -46,6 +48,18 @@ MEGATRON_ALIASES: dict[str, str] = {
     "--load": "checkpoint.load",
     "--save-interval": "checkpoint.interval",
     "--log-interval": "logging.log_interval",
+    # DeepSeek-V3 routing and Qwen3 attention (Megatron-Core's MoE and attention flags)
+    "--kv-channels": "model.kv_channels",
+    "--moe-router-score-function": "model.moe_router_score",
+    "--moe-router-topk-scaling-factor": "model.moe_router_topk_scaling_factor",
+    "--moe-router-num-groups": "model.moe_router_num_groups",
+    "--moe-router-group-topk": "model.moe_router_group_topk",
+    "--moe-router-bias-update-rate": "model.moe_router_bias_update_rate",
+    "--moe-layer-freq": "model.moe_layer_freq",
+    "--moe-ffn-hidden-size": "model.moe_ffn_hidden_size",
+    "--moe-shared-expert-intermediate-size": "model.moe_shared_expert_ffn_hidden_size",
+    "--moe-aux-loss-coeff": "model.moe_aux_loss_coeff",
+    "--moe-z-loss-coeff": "model.moe_z_loss_coeff",
     "--q-lora-rank": "model.q_lora_rank",
     "--kv-lora-rank": "model.kv_lora_rank",
     "--qk-head-dim": "model.qk_head_dim",
@@ -69,6 +83,8 @@ MEGATRON_SWITCHES: dict[str, tuple[str, str]] = {
     "--disable-bias-linear": ("model.add_bias_linear", "false"),
     "--deterministic-mode": ("train.deterministic", "true"),
     "--overlap-moe-expert-parallel-comm": ("parallel.overlap_moe_expert_parallel_comm", "true"),
+    "--qk-layernorm": ("model.qk_layernorm", "true"),
+    "--moe-router-enable-expert-bias": ("model.moe_router_enable_expert_bias", "true"),
     "--multi-latent-attention": ("model.multi_latent_attention", "true"),
 }
 """Megatron-LM flags without a value -> (paratron key, value)."""
@@ -101,6 +117,8 @@ def megatron_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
             if not values:
                 raise ConfigError(f"{flag} needs a value")
             key = MEGATRON_ALIASES.get(flag, "_layers_per_virtual_stage")
+            if flag == "--moe-layer-freq" and not values[0].strip().isdigit():
+                key = "_moe_layer_pattern"  # Megatron's per-layer list, e.g. ([0]*1+[1]*3)
             out.append(f"{key}={' '.join(values)}")
             i = j
         elif flag in MEGATRON_SWITCHES:
@@ -113,12 +131,49 @@ def megatron_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
     return out, rest
 
 
+def _pattern_values(node: ast.AST, text: str) -> list[int]:
+    """The list an expression of list literals of ints, ``*`` by an int and ``+`` stands for."""
+    if isinstance(node, ast.List) and all(isinstance(e, ast.Constant) and type(e.value) is int for e in node.elts):
+        return [e.value for e in node.elts]
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        return _pattern_values(node.left, text) + _pattern_values(node.right, text)
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult) and isinstance(node.right, ast.Constant) \
+            and type(node.right.value) is int:
+        return _pattern_values(node.left, text) * node.right.value
+    raise ConfigError(f"--moe-layer-freq={text!r}: expected an integer or a list such as ([0]*1+[1]*3)")
+
+
+def moe_layer_pattern(text: str, num_layers: int) -> tuple[int, int]:
+    """Megatron's ``--moe-layer-freq`` list (1 = MoE layer, 0 = dense, one entry per layer) as
+    ``(first_k_dense_replace, moe_layer_freq)``: layer ``i`` is MoE iff ``i >= first_k`` and
+    ``i % freq == 0`` (:func:`paratron.config.model_shape.is_moe_layer`).
+
+    Raises:
+        ConfigError: not such a list, a length other than ``num_layers``, or a pattern those two
+            fields cannot express.
+    """
+    try:
+        values = _pattern_values(ast.parse(text.strip(), mode="eval").body, text)
+    except SyntaxError:
+        raise ConfigError(f"--moe-layer-freq={text!r}: expected an integer or a list such as ([0]*1+[1]*3)") from None
+    if len(values) != num_layers or set(values) - {0, 1}:
+        raise ConfigError(f"--moe-layer-freq={text!r}: needs one 0 or 1 per layer (model.num_layers={num_layers})")
+    fields = moe_layer_fields([bool(v) for v in values])
+    if fields is not None:
+        return fields
+    raise ConfigError(f"--moe-layer-freq={text!r}: paratron expresses MoE layers as the layers i >= "
+                      "model.first_k_dense_replace with i % model.moe_layer_freq == 0; this list is not of that form")
+
+
 def finish_aliases(cfg: Config, overrides: list[str]) -> list[str]:
-    """Resolve the derived alias ``_layers_per_virtual_stage`` against ``cfg``; return the rest."""
+    """Resolve the derived aliases ``_layers_per_virtual_stage`` and ``_moe_layer_pattern`` against
+    ``cfg``; return the rest."""
     plain = []
     for item in overrides:
         k, _, v = item.partition("=")
-        if k == "_layers_per_virtual_stage":
+        if k == "_moe_layer_pattern":
+            cfg.model.first_k_dense_replace, cfg.model.moe_layer_freq = moe_layer_pattern(v, cfg.model.num_layers)
+        elif k == "_layers_per_virtual_stage":
             n = int(v)
             stages = cfg.parallel.pipeline * n
             if n < 1 or cfg.model.num_layers % stages:

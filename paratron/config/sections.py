@@ -37,6 +37,12 @@ class ModelConfig:
     """Biases in the attention and MLP linears."""
     add_qkv_bias: Optional[bool] = None
     """Bias on the fused QKV projection; None follows ``add_bias_linear`` (Qwen2: only QKV)."""
+    kv_channels: Optional[int] = None
+    """Width of one attention head (Megatron's name); None means hidden_size / num_attention_heads.
+    Qwen3 sets it apart from the hidden size (e.g. h=1024, 16 heads of 128)."""
+    qk_layernorm: bool = False
+    """QK-norm (Qwen3, OLMo 2; Megatron's ``--qk-layernorm``): the config's norm over each head's
+    query and key, before RoPE, one ``kv_channels``-wide weight per layer for q and one for k."""
     tie_embeddings: bool = True
     """Share the input embedding with the output layer."""
     hidden_dropout: float = 0.0
@@ -110,6 +116,12 @@ class ModelConfig:
     """Group-limited routing (DeepSeek-V2/V3): experts in this many equal groups (e.g. one per
     node); each token picks among the experts of its ``moe_router_group_topk`` best groups."""
     moe_router_group_topk: Optional[int] = None
+    moe_router_topk_scaling_factor: Optional[float] = None
+    """Multiplies the combine weights of the chosen experts (DeepSeek-V3's ``routed_scaling_factor``,
+    2.5 there, which offsets sigmoid scores normalised over the top-k); None means 1."""
+    first_k_dense_replace: int = 0
+    """The first this many layers have a dense MLP (of ``ffn_hidden_size``) instead of an MoE one
+    (DeepSeek-V3: 3); the later layers follow ``moe_layer_freq``."""
 
 
 @dataclass
@@ -289,3 +301,11 @@ class Config:
 
 
 SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
+
+KEY_ALIASES: dict[str, str] = {
+    "model.moe_router_score_function": "model.moe_router_score",
+    "model.moe_router_topk": "model.moe_top_k",
+    "model.moe_shared_expert_intermediate_size": "model.moe_shared_expert_ffn_hidden_size",
+}
+"""Megatron-Core's ``TransformerConfig`` names of fields paratron spells otherwise: a config file
+or ``--set`` may use either."""

@@ -34,6 +34,8 @@ class Shape:
     expert_f: int
     moe_freq: int
     vocab_multiple: int = 128
+    first_dense: int = 0
+    qk_norm: bool = False
 
     @classmethod
     def of(cls, m: ModelConfig, seq_length: int) -> "Shape":
@@ -45,10 +47,11 @@ class Shape:
                    dropout=m.hidden_dropout > 0 or m.attention_dropout > 0, experts=m.num_experts,
                    top_k=m.moe_top_k if m.num_experts else 0, expert_f=spec.expert_ffn_size(m),
                    vocab_multiple=m.make_vocab_size_divisible_by,
-                   moe_freq=max(m.moe_layer_freq, 1))
+                   moe_freq=max(m.moe_layer_freq, 1), first_dense=m.first_k_dense_replace,
+                   qk_norm=m.qk_layernorm)
 
     def is_moe(self, layer: int) -> bool:
-        return self.experts > 0 and layer % self.moe_freq == 0
+        return spec.moe_at(layer, self.experts, self.moe_freq, self.first_dense)
 
     def padded_vocab(self, tp: int) -> int:
         """The vocabulary padded as the embedding pads it (a multiple of ``tp * vocab_multiple``)."""
@@ -65,7 +68,7 @@ class Shape:
             mlp += h * self.experts  # router, replicated
         else:
             mlp = (mats * h * self.f + (mats - 1) * self.f * bias) // tp + h * bias
-        return attn + mlp + 2 * self.norm_params()
+        return attn + mlp + 2 * self.norm_params() + 2 * self.d * int(self.qk_norm)
 
     def norm_params(self) -> int:
         return self.h * (2 if self.layernorm else 1)
