@@ -1,8 +1,11 @@
-"""Hugging Face ``DeepseekV3ForCausalLM`` (multi-head latent attention, dense SwiGLU layers):
-tiny random models built from transformers' own ``DeepseekV3Config`` (interleaved RoPE, with and
-without query compression), imported into paratron at TP=1 and TP=2; logits match transformers
-to 1e-5 (fp32). Exported back from TP=2, transformers reloads the folder as
-``DeepseekV3ForCausalLM`` with the same logits, and import -> export -> import is exact.
+"""Hugging Face ``DeepseekV3ForCausalLM`` (multi-head latent attention; dense SwiGLU layers, and
+DeepSeek-V3 MoE layers after ``first_k_dense_replace``): tiny random models built from
+transformers' own ``DeepseekV3Config`` (interleaved RoPE; with and without query compression; an
+MoE model with one dense layer first, 4 routed experts in 2 groups, a shared expert, the
+score-correction bias and the routed scaling factor), imported into paratron at TP=1 and TP=2;
+logits match transformers to 1e-5 (fp32). Exported back (dense: gathered from TP=2),
+transformers reloads the folder as ``DeepseekV3ForCausalLM`` with the same logits, and import ->
+export -> import is exact.
 """
 
 from __future__ import annotations
@@ -23,16 +26,23 @@ TOL = 1e-5
 VOCAB, SEQ, BATCH = 61, 10, 2
 
 
-def _make(path, q_lora_rank) -> torch.nn.Module:
+MOE = dict(first_k_dense_replace=1, n_routed_experts=4, n_shared_experts=1, moe_intermediate_size=12,
+           num_experts_per_tok=2, n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True)
+
+
+def _make(path, q_lora_rank, moe: bool) -> torch.nn.Module:
     cfg = transformers.DeepseekV3Config(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=4, q_lora_rank=q_lora_rank, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4,
-        v_head_dim=6, first_k_dense_replace=2, max_position_embeddings=64, rope_theta=5000.0, rms_norm_eps=1e-6,
-        tie_word_embeddings=False, rope_interleave=True)
+        v_head_dim=6, max_position_embeddings=64, rope_theta=5000.0, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, rope_interleave=True, **(MOE if moe else dict(first_k_dense_replace=2)))
     torch.manual_seed(0)
     model = transformers.DeepseekV3ForCausalLM(cfg).eval()
     g = torch.Generator().manual_seed(1)
-    with torch.no_grad():  # norms start at 1: randomise them so a mis-mapped one shows
+    with torch.no_grad():  # norms start at 1, the expert bias at 0: randomise them so a mis-mapped one shows
+        for name, p in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
         for p in model.parameters():
             if p.dim() == 1:
                 p.add_(0.1 * torch.randn(p.shape, generator=g))
@@ -40,10 +50,10 @@ def _make(path, q_lora_rank) -> torch.nn.Module:
     return model
 
 
-@pytest.fixture(scope="module", params=[16, None], ids=["q_lora", "q_full"])
+@pytest.fixture(scope="module", params=[(16, False), (None, False), (16, True)], ids=["q_lora", "q_full", "moe"])
 def hf_model(request, tmp_path_factory):
     path = tmp_path_factory.mktemp("deepseek")
-    return path, _make(path, request.param)
+    return path, _make(path, *request.param)
 
 
 def _ids() -> torch.Tensor:
@@ -64,7 +74,8 @@ def _paratron_logits(hf_dir, ids, tp: int, export_dir=None) -> torch.Tensor:
     with torch.no_grad():
         logits = full_logits(chunks[0](ids), ctx, cfg.vocab_size)
     if export_dir is not None:
-        state = gather_full_state(chunks, ctx)
+        # Expert params are not gathered by gather_full_state: export the MoE model's imported tensors.
+        state = gather_full_state(chunks, ctx) if not cfg.num_experts else tensors
         if ctx.rank == 0:
             paratron_to_hf(cfg, state, export_dir)
     return logits
@@ -76,6 +87,7 @@ def test_logits_match_tp1_and_roundtrip_exact(hf_model, tmp_path):
     assert (_paratron_logits(path, ids, 1) - _hf_logits(model, ids)).abs().max().item() < TOL
     cfg, tensors = hf_to_paratron(path)
     assert cfg.multi_latent_attention and cfg.kv_lora_rank == 12 and cfg.v_head_dim == 6
+    assert cfg.num_experts == (4 if model.config.first_k_dense_replace == 1 else 0)
     paratron_to_hf(cfg, tensors, tmp_path / "out")
     cfg2, tensors2 = hf_to_paratron(tmp_path / "out")
     assert cfg2 == cfg and tensors2.keys() == tensors.keys()
@@ -104,8 +116,6 @@ def test_unsupported_named():
                 kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, q_lora_rank=16)
     with pytest.raises(ConfigError, match="rms_norm_eps=1e-05"):
         deepseek_config(dict(base, first_k_dense_replace=4, rms_norm_eps=1e-5), "c.json")
-    with pytest.raises(ConfigError, match="first_k_dense_replace=1"):
-        deepseek_config(dict(base, n_routed_experts=8, first_k_dense_replace=1), "c.json")
     with pytest.raises(ConfigError, match="'yarn'"):
         deepseek_config(dict(base, first_k_dense_replace=4, rope_scaling={"rope_type": "yarn", "factor": 4.0}),
                         "c.json")

@@ -5,8 +5,9 @@ real stack (model chunks, DDP, the pipeline runtime, the training step, the data
 split and MTP targets) on 2 ranks at TP=2+SP, CP=2 ring, CP=2 all2all, PP=2 (1F1B; tied and
 untied embeddings, the MTP embedding copy kept in sync with stage 0's), CP=2 ring with packed
 documents, recompute (full, selective), ZeRO-3 at DP=2 (MLA without MTP: ZeRO-3 with MTP is
-refused), and with DeepSeek-V3-style MoE layers
-(sigmoid scores, aux-free expert bias, a shared expert; the MTP layer is MoE too) at EP=2. Losses (LM and MTP), grad norms and params match one
+refused), and the DeepSeek-V3-style model at EP=2 (MLA + MTP + one dense layer first, then
+sigmoid-routed MoE layers with the aux-free bias, group-limited top-k, the routed scaling factor
+and a shared expert; the MTP layers are MoE too). Losses (LM and MTP), grad norms and params match one
 process to 1e-5 (fp32). Also: MTP under PP=2 gives the MTP loss and every grad of PP=1, a
 lambda = 0 run is bitwise the same as one without MTP, and the bad configs are named.
 """
@@ -37,9 +38,12 @@ def _config(*, cp=1, algorithm="ring", tp=1, sp=False, pp=1, recompute="none", m
     m.qk_head_dim, m.qk_pos_emb_head_dim, m.v_head_dim = 8, 4, 6
     m.mtp_num_layers, m.mtp_loss_scaling_factor = mtp, lam
     m.recompute = recompute
-    if moe:  # DeepSeek-V3-style MoE: sigmoid scores, aux-free expert bias, a shared expert
+    if moe:  # DeepSeek-V3-style: one dense layer first, then MoE layers with sigmoid scores scaled by 2.5,
+        # the aux-free expert bias, 2 expert groups (1 chosen), a shared expert
         m.num_experts, m.moe_top_k, m.moe_ffn_hidden_size, m.moe_router_score = 4, 2, 16, "sigmoid"
         m.moe_router_enable_expert_bias, m.moe_shared_expert_ffn_hidden_size, m.moe_aux_loss_coeff = True, 16, 0.01
+        m.first_k_dense_replace, m.moe_router_topk_scaling_factor = 1, 2.5
+        m.moe_router_num_groups, m.moe_router_group_topk = 2, 1
     p.context, p.context_algorithm, p.tensor, p.sequence_parallel, p.pipeline = cp, algorithm, tp, sp, pp
     p.expert, p.zero = ep, zero
     p.bucket_size_mb = 0.001

@@ -1,13 +1,19 @@
 """Hugging Face ``DeepseekV3ForCausalLM`` import and export: multi-head latent attention
-(:mod:`paratron.models.mla`) with dense SwiGLU MLPs.
+(:mod:`paratron.models.mla`), dense SwiGLU MLPs in the first ``first_k_dense_replace`` layers and
+DeepSeek-V3 MoE layers after them (sigmoid router with the score-correction bias, group-limited
+top-k, normalised and scaled weights, shared experts; :mod:`paratron.models.moe.router`).
 
 Name mapping per layer ``i`` (Hugging Face ``model.layers.{i}.self_attn.*`` -> paratron
 ``layers.{i}.attention.*``): ``q_a_proj`` -> ``q_down``, ``q_a_layernorm`` -> ``q_norm``,
 ``q_b_proj`` -> ``q_up`` (or ``q_proj`` -> ``q_proj`` without query compression),
 ``kv_a_proj_with_mqa`` -> ``kv_down``, ``kv_a_layernorm`` -> ``kv_norm``, ``kv_b_proj`` ->
-``kv_up``, ``o_proj`` -> ``proj``; the norms, embeddings and MLPs as for Llama (:mod:`.hf`). The
-per-head layouts agree (q: ``[nope; rope]`` per head; ``kv_b``: ``[k_nope; v]`` per head;
-``kv_a``: ``[latent; rope key]``).
+``kv_up``, ``o_proj`` -> ``proj``; the norms, embeddings and dense MLPs as for Llama (:mod:`.hf`).
+The per-head layouts agree (q: ``[nope; rope]`` per head; ``kv_b``: ``[k_nope; v]`` per head;
+``kv_a``: ``[latent; rope key]``). MoE layers (``model.layers.{i}.mlp.*`` -> ``layers.{i}.mlp.*``):
+``gate.weight`` -> ``router.weight``, ``gate.e_score_correction_bias`` -> ``router.expert_bias``,
+``experts.{e}.gate_proj/up_proj/down_proj`` -> ``experts.{e}.gate/up/fc2``, and the shared
+experts (``n_shared_experts`` of width ``moe_intermediate_size``, one MLP of the summed width)
+``shared_experts.*`` -> ``shared_expert.fc1`` (``[gate; up]``) / ``fc2``.
 
 RoPE layout: with ``rope_interleave = true`` (the default, and DeepSeek's released weights)
 Hugging Face rotates interleaved pairs ``(x0, x1), (x2, x3), ...``; paratron rotates halves
@@ -18,9 +24,8 @@ permuted alike, so import reorders the RoPE rows of ``q_b_proj`` (each head's la
 that order, and export puts them back.
 
 Not mapped (refused, naming the field): ``rms_norm_eps`` other than 1e-6 (transformers
-normalises the latents with eps 1e-6 whatever the field says), MoE layers (``first_k_dense_replace`` below
-``num_hidden_layers``; DeepSeek-V3's sigmoid router is mapped elsewhere), YaRN RoPE scaling,
-attention biases. Hugging Face's ``DeepseekV3ForCausalLM`` has no multi-token-prediction
+normalises the latents with eps 1e-6 whatever the field says), YaRN RoPE scaling, attention
+biases. Hugging Face's ``DeepseekV3ForCausalLM`` has no multi-token-prediction
 modules (it skips ``model.layers.61``), so paratron's MTP modules are not exported and an
 imported model has none (``model.mtp_num_layers`` may be set before training: they are then
 drawn fresh).
@@ -51,15 +56,11 @@ def deepseek_config(hf: dict, where: str) -> ModelConfig:
     """The :class:`ModelConfig` of a DeepSeek-V3 ``config.json`` dict.
 
     Raises:
-        ConfigError: MoE layers, YaRN (or other) RoPE scaling, attention biases, an activation
+        ConfigError: YaRN (or other) RoPE scaling, attention biases, an activation
             other than SiLU, or ``rms_norm_eps`` other than :data:`LATENT_NORM_EPS`, named with the
             field.
     """
     layers = hf["num_hidden_layers"]
-    dense = hf.get("first_k_dense_replace", 0)
-    if hf.get("n_routed_experts") and dense < layers:
-        raise ConfigError(f"{where}: first_k_dense_replace={dense} < num_hidden_layers={layers}: the MoE layers "
-                          "of DeepSeek-V3 are not mapped here; only all-dense models import")
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     if rope.get("rope_type", rope.get("type", "default")) != "default":
         raise ConfigError(f"{where}: rope type {rope.get('rope_type', rope.get('type'))!r} (rope_scaling) is not "
@@ -82,7 +83,24 @@ def deepseek_config(hf: dict, where: str) -> ModelConfig:
         activation="swiglu", add_bias_linear=False, tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         attention_dropout=float(hf.get("attention_dropout", 0.0)), init_method_std=float(hf.get("initializer_range", 0.02)),
         multi_latent_attention=True, q_lora_rank=hf.get("q_lora_rank"), kv_lora_rank=hf["kv_lora_rank"],
-        qk_head_dim=hf["qk_nope_head_dim"], qk_pos_emb_head_dim=hf["qk_rope_head_dim"], v_head_dim=hf["v_head_dim"])
+        qk_head_dim=hf["qk_nope_head_dim"], qk_pos_emb_head_dim=hf["qk_rope_head_dim"], v_head_dim=hf["v_head_dim"],
+        **_moe_fields(hf))
+
+
+def _moe_fields(hf: dict) -> dict:
+    """The MoE fields of :class:`ModelConfig` (none when every layer is dense)."""
+    dense = min(hf.get("first_k_dense_replace", 0), hf["num_hidden_layers"])
+    if not hf.get("n_routed_experts") or dense == hf["num_hidden_layers"]:
+        return {}
+    width, shared, groups = hf["moe_intermediate_size"], hf.get("n_shared_experts") or 0, hf.get("n_group") or 1
+    return dict(num_experts=hf["n_routed_experts"], moe_top_k=hf["num_experts_per_tok"], moe_ffn_hidden_size=width,
+                moe_router_score="sigmoid", moe_router_enable_expert_bias=True,
+                moe_router_topk_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+                moe_router_norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+                moe_router_num_groups=groups if groups > 1 else None,
+                moe_router_group_topk=hf.get("topk_group") if groups > 1 else None,
+                moe_shared_expert_ffn_hidden_size=shared * width or None, first_k_dense_replace=dense,
+                moe_capacity_factor=None, moe_aux_loss_coeff=0.0)
 
 
 def _rope_order(d: int, inverse: bool) -> torch.Tensor:
@@ -111,13 +129,29 @@ def _attention_names(cfg: ModelConfig) -> list[tuple[str, str]]:
     return [(theirs, ours) for theirs, ours in _ATTENTION if theirs not in skip]
 
 
-def _layer_names(cfg: ModelConfig, i: int) -> list[tuple[str, str]]:
-    """(Hugging Face name, paratron name) of every tensor of layer ``i``."""
+def _layer_names(cfg: ModelConfig, i: int) -> tuple[list[tuple[str, str]], list[tuple[str, str, str]]]:
+    """Layer ``i``'s (Hugging Face name, paratron name) renames, and its fused SwiGLU inputs
+    (paratron ``fc1``, Hugging Face gate, Hugging Face up)."""
     h, p = f"model.layers.{i}", f"layers.{i}"
     names = [(f"{h}.input_layernorm.weight", f"{p}.input_norm.weight"),
-             (f"{h}.post_attention_layernorm.weight", f"{p}.post_attention_norm.weight"),
-             (f"{h}.mlp.down_proj.weight", f"{p}.mlp.fc2.weight")]
-    return names + [(f"{h}.self_attn.{a}.weight", f"{p}.attention.{b}.weight") for a, b in _attention_names(cfg)]
+             (f"{h}.post_attention_layernorm.weight", f"{p}.post_attention_norm.weight")]
+    names += [(f"{h}.self_attn.{a}.weight", f"{p}.attention.{b}.weight") for a, b in _attention_names(cfg)]
+    hm, pm = f"{h}.mlp", f"{p}.mlp"
+    if not model_shape.is_moe_layer(cfg, i):
+        return names + [(f"{hm}.down_proj.weight", f"{pm}.fc2.weight")], [_fused(f"{pm}.fc1", hm)]
+    names += [(f"{hm}.gate.weight", f"{pm}.router.weight"),
+              (f"{hm}.gate.e_score_correction_bias", f"{pm}.router.expert_bias")]
+    for e in range(cfg.num_experts):
+        names += [(f"{hm}.experts.{e}.{a}.weight", f"{pm}.experts.{e}.{b}.weight")
+                  for a, b in (("gate_proj", "gate"), ("up_proj", "up"), ("down_proj", "fc2"))]
+    if not cfg.moe_shared_expert_ffn_hidden_size:
+        return names, []
+    names.append((f"{hm}.shared_experts.down_proj.weight", f"{pm}.shared_expert.fc2.weight"))
+    return names, [_fused(f"{pm}.shared_expert.fc1", f"{hm}.shared_experts")]
+
+
+def _fused(ours: str, theirs: str) -> tuple[str, str, str]:
+    return f"{ours}.weight", f"{theirs}.gate_proj.weight", f"{theirs}.up_proj.weight"
 
 
 def deepseek_tensors(cfg: ModelConfig, hf: dict, take) -> Tensors:
@@ -128,29 +162,33 @@ def deepseek_tensors(cfg: ModelConfig, hf: dict, take) -> Tensors:
     if not cfg.tie_embeddings:
         out["output_layer.weight"] = take("lm_head.weight")
     for i in range(cfg.num_layers):
-        out.update({ours: take(theirs) for theirs, ours in _layer_names(cfg, i)})
-        h = f"model.layers.{i}.mlp"
-        out[f"layers.{i}.mlp.fc1.weight"] = torch.cat([take(f"{h}.gate_proj.weight"), take(f"{h}.up_proj.weight")])
+        names, fused = _layer_names(cfg, i)
+        out.update({ours: take(theirs) for theirs, ours in names})
+        out.update({fc1: torch.cat([take(gate), take(up)]) for fc1, gate, up in fused})
         if hf.get("rope_interleave", True):
             _permute_attention(cfg, out, f"layers.{i}", inverse=False)
     return out
 
 
 def deepseek_export(cfg: ModelConfig, t: Tensors) -> tuple[dict, Tensors]:
-    """``(config.json dict, Hugging Face tensors)`` of an MLA model with dense SwiGLU MLPs
-    (``rope_interleave = true``, as DeepSeek ships it). MTP modules are left out.
+    """``(config.json dict, Hugging Face tensors)`` of an MLA model with dense SwiGLU MLPs and
+    DeepSeek-V3 MoE layers (``rope_interleave = true``, as DeepSeek ships it). MTP modules are
+    left out.
 
     Raises:
-        ConfigError: the model is not an MLA / RMSNorm / RoPE / SwiGLU model without biases or
-            MoE layers.
+        ConfigError: the model is not an MLA / RMSNorm / SwiGLU model without biases, or its MoE
+            layers are not DeepSeek-V3's (each reason named).
     """
-    if not cfg.multi_latent_attention or cfg.num_experts > 0 or cfg.add_bias_linear or \
+    broken = _moe_export_problems(cfg) if cfg.num_experts else []
+    if not cfg.multi_latent_attention or cfg.add_bias_linear or \
             (cfg.normalization, cfg.activation, cfg.norm_epsilon) != ("rmsnorm", "swiglu", LATENT_NORM_EPS):
-        raise ConfigError("DeepseekV3ForCausalLM export needs model.multi_latent_attention=true with rmsnorm, "
-                          f"swiglu, model.norm_epsilon={LATENT_NORM_EPS}, no biases and no MoE layers")
+        broken.append(f"model.multi_latent_attention=true with rmsnorm, swiglu, model.norm_epsilon={LATENT_NORM_EPS} "
+                      "and no biases")
+    if broken:
+        raise ConfigError(f"DeepseekV3ForCausalLM export needs: {'; '.join(broken)}")
     hf = {"architectures": [ARCHITECTURE], "model_type": "deepseek_v3", "vocab_size": cfg.vocab_size,
           "hidden_size": cfg.hidden_size, "intermediate_size": model_shape.ffn_size(cfg),
-          "num_hidden_layers": cfg.num_layers, "first_k_dense_replace": cfg.num_layers,
+          "num_hidden_layers": cfg.num_layers, **_moe_export_fields(cfg),
           "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_attention_heads,
           "q_lora_rank": cfg.q_lora_rank, "kv_lora_rank": cfg.kv_lora_rank, "qk_nope_head_dim": cfg.qk_head_dim,
           "qk_rope_head_dim": cfg.qk_pos_emb_head_dim, "v_head_dim": cfg.v_head_dim,
@@ -165,7 +203,31 @@ def deepseek_export(cfg: ModelConfig, t: Tensors) -> tuple[dict, Tensors]:
         out["lm_head.weight"] = t["output_layer.weight"]
     for i in range(cfg.num_layers):
         _permute_attention(cfg, t, f"layers.{i}", inverse=True)
-        out.update({theirs: t[ours] for theirs, ours in _layer_names(cfg, i)})
-        gate, up = t[f"layers.{i}.mlp.fc1.weight"].chunk(2)
-        out.update({f"model.layers.{i}.mlp.gate_proj.weight": gate, f"model.layers.{i}.mlp.up_proj.weight": up})
+        names, fused = _layer_names(cfg, i)
+        out.update({theirs: t[ours] for theirs, ours in names})
+        for fc1, gate, up in fused:
+            out[gate], out[up] = t[fc1].chunk(2)
     return hf, out
+
+
+def _moe_export_problems(cfg: ModelConfig) -> list[str]:
+    width, shared = model_shape.expert_ffn_size(cfg), cfg.moe_shared_expert_ffn_hidden_size
+    rules = [(cfg.moe_router_score == "sigmoid", f"model.moe_router_score={cfg.moe_router_score!r} (sigmoid)"),
+             (cfg.moe_router_enable_expert_bias, "model.moe_router_enable_expert_bias=true"),
+             (cfg.moe_capacity_factor is None, "model.moe_capacity_factor unset (dropless)"),
+             (cfg.moe_layer_freq == 1, f"model.moe_layer_freq={cfg.moe_layer_freq} (1)"),
+             (not cfg.moe_shared_expert_gate, "no shared-expert gate"),
+             (not shared or shared % width == 0, f"a shared-expert width (now {shared}) that is a multiple of {width}")]
+    return [why for ok, why in rules if not ok]
+
+
+def _moe_export_fields(cfg: ModelConfig) -> dict:
+    if not cfg.num_experts:
+        return {"first_k_dense_replace": cfg.num_layers}
+    width, groups = model_shape.expert_ffn_size(cfg), cfg.moe_router_num_groups
+    return {"first_k_dense_replace": cfg.first_k_dense_replace, "n_routed_experts": cfg.num_experts,
+            "num_experts_per_tok": cfg.moe_top_k, "moe_intermediate_size": width,
+            "n_shared_experts": (cfg.moe_shared_expert_ffn_hidden_size or 0) // width,
+            "routed_scaling_factor": cfg.moe_router_topk_scaling_factor or 1.0,
+            "norm_topk_prob": cfg.moe_router_norm_topk_prob, "n_group": groups or 1,
+            "topk_group": cfg.moe_router_group_topk or 1}
