@@ -119,3 +119,51 @@ def test_unsupported_named():
     with pytest.raises(ConfigError, match="'yarn'"):
         deepseek_config(dict(base, first_k_dense_replace=4, rope_scaling={"rope_type": "yarn", "factor": 4.0}),
                         "c.json")
+
+
+def _train_converted(path, pp: int, ep: int) -> list[tuple[float, float]]:
+    """A converted MoE DeepSeek-V3 model with one MTP module added (drawn fresh, layout-free),
+    2 AdamW steps on a fixed batch: (LM loss, MTP loss) per step."""
+    from paratron.checkpoint.manager import copy_params_into_main
+    from paratron.config import Config, validate
+    from paratron.parallel.params import load_full_, unique_params
+    from paratron.training.data_iter import microbatch_preparer
+    from paratron.training.runner import build_model_and_optimizer
+    from paratron.training.step import run_global_batch
+
+    cfg = Config()
+    cfg.model, tensors = hf_to_paratron(path)
+    cfg.model.seq_length, cfg.model.mtp_num_layers, cfg.model.make_vocab_size_divisible_by = SEQ, 1, 8
+    cfg.parallel.pipeline, cfg.parallel.expert, cfg.parallel.bucket_size_mb = pp, ep, 0.001
+    cfg.train.micro_batch_size, cfg.train.global_batch_size = 1, 4
+    cfg.optimizer.lr, cfg.optimizer.clip_grad, cfg.optimizer.adam_eps = 1e-2, 0.0, 1e-5
+    cfg = validate(cfg, pp * ep)
+    ctx = ParallelContext.build(pp=pp, ep=ep) if pp * ep > 1 else ParallelContext.single()
+    chunks, ddp, optimizer, _ = build_model_and_optimizer(cfg, ctx)
+    for p in unique_params(chunks):
+        if p.logical_name in tensors:  # the MTP module keeps its own draw
+            load_full_(p, tensors[p.logical_name])
+    copy_params_into_main(chunks, optimizer)
+    prepare, rows = microbatch_preparer(cfg, ctx, eod=0), 4 // ctx.dp.size
+    ids = torch.randint(0, VOCAB, (4, SEQ + 1), generator=torch.Generator().manual_seed(5))
+    mine = ids[ctx.dp.rank * rows:(ctx.dp.rank + 1) * rows]
+    out = []
+    for _step in range(2):
+        mbs = [prepare({"tokens": mine[i:i + 1, :-1], "labels": mine[i:i + 1, 1:]}) for i in range(rows)]
+        optimizer.zero_grad()
+        res = run_global_batch(cfg, ctx, chunks, mbs, forward_only=False, ddp=ddp)
+        optimizer.step()
+        out.append((res.loss, res.mtp_loss))
+    return out
+
+
+@pytest.mark.slow
+def test_converted_moe_model_with_mtp_trains_at_ep2_pp2(tmp_path):
+    """The converted MoE model plus one MTP module, 2 AdamW steps at EP=2 x PP=2 (4 ranks): the LM
+    and MTP losses match one process to 1e-5."""
+    _make(tmp_path, 16, True)
+    want = _train_converted(str(tmp_path), 1, 1)
+    assert want[1][0] < want[0][0]
+    for got in run_ranks(_train_converted, 4, str(tmp_path), 2, 2, timeout=600):
+        for (loss, mtp), (wl, wm) in zip(got, want):
+            assert loss == pytest.approx(wl, rel=1e-5) and mtp == pytest.approx(wm, rel=1e-5)
