@@ -92,13 +92,15 @@ def _train(cfg: Config, ctx, steps: int = STEPS, grads: bool = False) -> dict:
 LAYOUTS = [dict(tp=2, sp=True), dict(cp=2, algorithm="ring"), dict(cp=2, algorithm="all2all"), dict(pp=2),
            dict(moe=True, ep=2)]
 MORE = [dict(pp=2, tie=True), dict(cp=2, algorithm="ring", packed=True), dict(tp=2, recompute="full"),
-        dict(cp=2, algorithm="all2all", recompute="selective"), dict(zero=3, mtp=0)]
+        dict(cp=2, algorithm="all2all", recompute="selective"), dict(zero=3, mtp=0)] + [
+    dict(kw, moe=True) for kw in (dict(tp=2, sp=True), dict(cp=2, algorithm="ring"), dict(cp=2, algorithm="all2all"),
+                                  dict(pp=2))]
 
 
-def _rank(layouts):
+def _rank(layouts, world=2):
     outs = []
     for kw in layouts:
-        cfg = _config(world=2, **kw)
+        cfg = _config(world=world, **kw)
         p = cfg.parallel
         ctx = ParallelContext.build(tp=p.tensor, cp=p.context, pp=p.pipeline, ep=p.expert)
         outs.append(_train(cfg, ctx, grads=kw.get("pp", 1) > 1))
@@ -109,8 +111,8 @@ def _close(a, b, what):
     assert a == (None if b is None else pytest.approx(b, rel=1e-5)), f"{what}: {a} vs {b}"
 
 
-def _check(layouts):
-    results = run_ranks(_rank, 2, layouts, timeout=900)
+def _check(layouts, world=2):
+    results = run_ranks(_rank, world, layouts, world, timeout=900)
     refs = {}
     for i, kw in enumerate(layouts):
         key = (kw.get("tie", False), kw.get("packed", False), kw.get("moe", False), kw.get("mtp", 2))
@@ -146,8 +148,16 @@ def test_mla_mtp_parity_world2():
 def test_mla_mtp_more_compositions_world2():
     """PP=2 with tied embeddings (the MTP lookup uses the last stage's tied copy), packed
     documents under CP=2 ring, full recompute at TP=2, selective recompute under CP=2 all2all,
-    and MLA under ZeRO-3 at DP=2: parity to 1e-5 as above."""
+    MLA under ZeRO-3 at DP=2, and the DeepSeek-V3-style MoE model at TP=2+SP, CP=2 ring and
+    all2all, PP=2: parity to 1e-5 as above."""
     _check(MORE)
+
+
+@pytest.mark.slow
+def test_deepseek_style_ep2_tp2_pp2_world8():
+    """The DeepSeek-V3-style model (MLA + MTP + one dense layer, then sigmoid-routed MoE) at
+    EP=2 x TP=2+SP x PP=2 on 8 ranks: parity to 1e-5."""
+    _check([dict(moe=True, ep=2, tp=2, sp=True, pp=2)], world=8)
 
 
 def test_mtp_lambda_zero_is_bitwise_no_mtp():
