@@ -47,6 +47,7 @@ def train_for_parity(cfg: Config, ctx, steps: int, seed: int = 50) -> dict:
     (:func:`perturb_1d_params_`). Returns ``{"params": {logical name: (this rank's slice, its
     index in the full tensor)}, "losses": [one per step]}`` for a comparison against one process."""
     from paratron.checkpoint.manager import copy_params_into_main
+    from paratron.training.data_iter import microbatch_preparer
     from paratron.training.runner import build_model_and_optimizer
     from paratron.training.step import run_global_batch
 
@@ -58,10 +59,12 @@ def train_for_parity(cfg: Config, ctx, steps: int, seed: int = 50) -> dict:
     gbs, mbs, m = cfg.train.global_batch_size, cfg.train.micro_batch_size, cfg.model
     rows, r = gbs // ctx.dp.size, ctx.dp.rank
     losses = []
+    prepare = microbatch_preparer(cfg, ctx, eod=0)  # this CP rank's chunks of each sequence
     for step in range(steps):
         g = torch.Generator().manual_seed(seed + step)
         ids = torch.randint(0, m.vocab_size, (gbs, m.seq_length + 1), generator=g)[r * rows:(r + 1) * rows]
-        microbatches = [{"tokens": ids[i:i + mbs, :-1], "labels": ids[i:i + mbs, 1:]} for i in range(0, rows, mbs)]
+        microbatches = [prepare({"tokens": ids[i:i + mbs, :-1], "labels": ids[i:i + mbs, 1:]})
+                        for i in range(0, rows, mbs)]
         optimizer.zero_grad()
         out = run_global_batch(cfg, ctx, chunks, microbatches, forward_only=False,
                                loss_scale=optimizer.loss_scale, ddp=ddp)

@@ -1,7 +1,8 @@
 """Hugging Face Qwen3 and Qwen3-MoE conversion both ways (fp32): tiny random models built from
 transformers' own config classes (no downloads; a head_dim apart from hidden/heads, QK-norm,
 Qwen3-MoE with its first layer dense and renormalised top-k), imported into paratron and exported
-back; logits match transformers to 1e-5 on one process, at TP=2 (dense) and EP=2 (MoE);
+back; logits match transformers to 1e-5 on one process, at TP=2 (dense) and EP=2 (MoE), and the
+converted Qwen3-MoE trains at EP=2 as on one process;
 ``paratron plan --hf-config`` takes their config.json; what paratron cannot model is named."""
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from paratron.checkpoint.hf import hf_config_to_model, hf_to_paratron, paratron_
 from paratron.config import ConfigError  # noqa: E402
 from paratron.parallel.context import ParallelContext  # noqa: E402
 from paratron.testing import run_ranks  # noqa: E402
-from test_hf_moe import TOL, VOCAB, _hf_logits, _ids, _paratron_logits, assert_round_trip  # noqa: E402
+from test_hf_moe import TOL, VOCAB, _hf_logits, _ids, _paratron_logits, _train_converted, assert_round_trip  # noqa: E402,E501
 from test_hf_parity import _perturb_  # noqa: E402  (randomised norms, QK-norm weights included)
 
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
@@ -72,6 +73,16 @@ def test_qwen3_logits_at_tp2_and_ep2(hf_qwen3):
         assert (ours - ref).abs().max().item() < TOL
 
 
+@pytest.mark.parametrize("hf_qwen3", ["qwen3_moe"], indirect=True)
+def test_converted_qwen3_moe_trains_at_ep2(hf_qwen3):
+    """The imported Qwen3-MoE (QK-norm, dense layer 0) trains 2 SGD steps at EP=2 exactly like one process."""
+    _, path, _ = hf_qwen3
+    want = _train_converted(str(path), 1)
+    assert want[1] < want[0]
+    for got in run_ranks(_train_converted, 2, str(path), 2, timeout=240):
+        assert got == pytest.approx(want, abs=TOL)
+
+
 def test_plan_takes_their_config_json(hf_qwen3, capsys):
     from paratron.cli import main
 
@@ -111,3 +122,17 @@ def test_qk_norm_of_the_wrong_width_is_named(hf_qwen3, tmp_path):
     (tmp_path / "config.json").write_text((path / "config.json").read_text())
     with pytest.raises(ValueError, match=r"model.layers.1.self_attn.k_norm.weight has shape \(8,\).*\(16,\)"):
         hf_to_paratron(tmp_path)
+
+
+def test_llama_with_an_explicit_head_dim_round_trips(tmp_path):
+    """Llama's ``head_dim`` apart from hidden/heads is model.kv_channels too (it used to be refused)."""
+    cfg = transformers.LlamaConfig(num_hidden_layers=1, attention_bias=False, mlp_bias=False, **COMMON)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    _perturb_(model, 2)
+    model.save_pretrained(tmp_path / "llama", safe_serialization=True)
+
+    def check(cfg, tensors):
+        assert cfg.kv_channels == 16 and not cfg.qk_layernorm
+
+    assert_round_trip(model, tmp_path / "llama", tmp_path / "out", check)

@@ -114,11 +114,11 @@ def test_megatron_names_and_flags():
         moe_layer_pattern("__import__('os')", 4)
 
 
-def _config(tp=1, ep=1, sp=False, world=1) -> Config:
+def _config(tp=1, ep=1, sp=False, pp=1, world=1) -> Config:
     cfg = Config()
     cfg.model = _model()
     p, t, o = cfg.parallel, cfg.train, cfg.optimizer
-    p.tensor, p.expert, p.sequence_parallel, p.bucket_size_mb = tp, ep, sp, 0.001
+    p.tensor, p.expert, p.sequence_parallel, p.pipeline, p.bucket_size_mb = tp, ep, sp, pp, 0.001
     t.micro_batch_size, t.global_batch_size, t.seed = 1, 4, 1234
     o.name, o.lr, o.weight_decay, o.clip_grad, o.lr_decay_style = "adamw", 1e-2, 0.1, 1.0, "constant"
     return validate(cfg, world)
@@ -127,10 +127,12 @@ def _config(tp=1, ep=1, sp=False, world=1) -> Config:
 def _rank(kw, world):
     cfg = _config(world=world, **kw)
     p = cfg.parallel
-    return train_for_parity(cfg, ParallelContext.build(tp=p.tensor, ep=p.expert), steps=3)
+    return train_for_parity(cfg, ParallelContext.build(tp=p.tensor, ep=p.expert, pp=p.pipeline), steps=3)
 
 
-LAYOUTS = {"ep2": (2, dict(ep=2)), "ep2-tp2-sp": (4, dict(ep=2, tp=2, sp=True)), "ep2-tp2": (4, dict(ep=2, tp=2))}
+LAYOUTS = {"ep2": (2, dict(ep=2)), "ep2-tp2-sp": (4, dict(ep=2, tp=2, sp=True)), "ep2-tp2": (4, dict(ep=2, tp=2)),
+           # Stage 0 holds only the dense layer 0: its EP ranks have no expert or router.
+           "ep2-pp2": (4, dict(ep=2, pp=2))}
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -182,3 +184,14 @@ def test_moe_layer_computes_transformers_deepseek_v3_moe():
     with torch.no_grad():
         want = hf(x.transpose(0, 1).contiguous()).transpose(0, 1)
         torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
+
+
+def test_planner_counts_the_parameters_of_such_a_model():
+    """The planner's parameter count (shared experts, dense first layers, QK-norm included) is
+    the built model's."""
+    from paratron.planner.shape import Shape
+
+    cfg = _model(num_layers=3, qk_layernorm=True, kv_channels=12)
+    (chunk,) = build_model_chunks(cfg, ParallelContext.single(), seed=0)
+    built = sum(p.numel() for p in chunk.parameters() if p.requires_grad)
+    assert Shape.of(cfg, cfg.seq_length).total_params() == built

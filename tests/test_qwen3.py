@@ -1,7 +1,8 @@
 """Qwen3 and Qwen3-MoE (fp32): QK-norm (the norm over each head's q and k before RoPE), a head
 width apart from h / heads (``model.kv_channels``), no QKV bias, and Qwen3-MoE's renormalised
-top-k; a tiny model of each trained for 3 AdamW steps at TP=2 x PP=2 (dense, QK-norm grads
-summed over TP) and EP=2 (MoE) against one process."""
+top-k; a tiny model of each trained for 3 AdamW steps at TP=2 x PP=2, TP=2 + SP and CP=2
+(Ulysses: heads of kv_channels width exchanged) for the dense model, QK-norm grads summed over TP,
+and at EP=2 for the MoE, against one process."""
 
 from __future__ import annotations
 
@@ -60,11 +61,12 @@ def test_bad_head_sizes_are_named_before_launch(fields, message):
         validate(cfg, 1)
 
 
-def _config(moe: bool, tp=1, pp=1, ep=1, sp=False, world=1) -> Config:
+def _config(moe: bool, tp=1, pp=1, ep=1, sp=False, cp=1, world=1) -> Config:
     cfg = Config()
     cfg.model = _model(moe)
     p, t, o = cfg.parallel, cfg.train, cfg.optimizer
     p.tensor, p.pipeline, p.expert, p.sequence_parallel, p.bucket_size_mb = tp, pp, ep, sp, 0.001
+    p.context, p.context_algorithm = cp, "all2all"
     t.micro_batch_size, t.global_batch_size, t.seed = 1, 4, 1234
     o.name, o.lr, o.weight_decay, o.clip_grad, o.lr_decay_style = "adamw", 1e-2, 0.1, 1.0, "constant"
     return validate(cfg, world)
@@ -73,11 +75,12 @@ def _config(moe: bool, tp=1, pp=1, ep=1, sp=False, world=1) -> Config:
 def _rank(moe, kw, world):
     cfg = _config(moe, world=world, **kw)
     p = cfg.parallel
-    return train_for_parity(cfg, ParallelContext.build(tp=p.tensor, pp=p.pipeline, ep=p.expert), steps=3)
+    return train_for_parity(cfg, ParallelContext.build(tp=p.tensor, pp=p.pipeline, ep=p.expert, cp=p.context),
+                            steps=3)
 
 
 LAYOUTS = {"dense-tp2-pp2": (False, 4, dict(tp=2, pp=2)), "dense-tp2-sp": (False, 2, dict(tp=2, sp=True)),
-           "moe-ep2": (True, 2, dict(ep=2))}
+           "dense-cp2-all2all": (False, 2, dict(cp=2)), "moe-ep2": (True, 2, dict(ep=2))}
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -90,3 +93,13 @@ def test_qwen3_parity(name):
     ref = train_for_parity(_config(moe), ParallelContext.single(), steps=3)
     assert "layers.1.attention.q_norm.weight" in ref["params"]
     assert_parity(results, ref, TOL, name)
+
+
+def test_the_tiny_qwen3_moe_run_config_validates():
+    from paratron.config import load_config
+    from paratron.config.model_shape import is_moe_layer
+
+    cfg = load_config("configs/qwen3-moe-tiny.toml")
+    cfg.model.vocab_size = 2048
+    validate(cfg, 2)
+    assert cfg.model.qk_layernorm and [is_moe_layer(cfg.model, i) for i in range(3)] == [False, True, True]

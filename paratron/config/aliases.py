@@ -48,6 +48,9 @@ MEGATRON_ALIASES: dict[str, str] = {
     "--load": "checkpoint.load",
     "--save-interval": "checkpoint.interval",
     "--log-interval": "logging.log_interval",
+    "--profile-ranks": "train.profile_ranks",
+    "--wandb-project": "train.wandb_project",
+    "--wandb-exp-name": "train.wandb_exp_name",
     # DeepSeek-V3 routing and Qwen3 attention (Megatron-Core's MoE and attention flags)
     "--kv-channels": "model.kv_channels",
     "--moe-router-score-function": "model.moe_router_score",
@@ -83,11 +86,28 @@ MEGATRON_SWITCHES: dict[str, tuple[str, str]] = {
     "--disable-bias-linear": ("model.add_bias_linear", "false"),
     "--deterministic-mode": ("train.deterministic", "true"),
     "--overlap-moe-expert-parallel-comm": ("parallel.overlap_moe_expert_parallel_comm", "true"),
+    # Both turn on train.profile_steps (torch.profiler; paratron has no nsys mode).
+    "--profile": ("_profile", "true"),
+    "--use-pytorch-profiler": ("_profile", "true"),
     "--qk-layernorm": ("model.qk_layernorm", "true"),
     "--moe-router-enable-expert-bias": ("model.moe_router_enable_expert_bias", "true"),
     "--multi-latent-attention": ("model.multi_latent_attention", "true"),
 }
 """Megatron-LM flags without a value -> (paratron key, value)."""
+
+DERIVED_ALIASES: dict[str, str] = {
+    "--num-layers-per-virtual-pipeline-stage": "_layers_per_virtual_stage",
+    "--profile-step-start": "_profile_step_start",
+    "--profile-step-end": "_profile_step_end",
+}
+"""Megatron-LM flags whose paratron value is derived after the other overrides
+(:func:`finish_aliases`), passed on as ``_name=value``."""
+
+MULTI_VALUE = ("--data-path", "--profile-ranks")
+"""Flags that take several values (Megatron's ``nargs='+'``)."""
+
+MEGATRON_PROFILE_STEPS = (10, 12)
+"""Megatron's ``--profile-step-start`` / ``--profile-step-end`` defaults."""
 
 
 def megatron_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -104,19 +124,19 @@ def megatron_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
     while i < len(argv):
         a = argv[i]
         flag, eq, inline = a.partition("=")
-        if flag in MEGATRON_ALIASES or flag == "--num-layers-per-virtual-pipeline-stage":
+        if flag in MEGATRON_ALIASES or flag in DERIVED_ALIASES:
             values = [inline] if eq else []
             j = i + 1
             if not eq:
-                # --data-path takes several values (weights and prefixes), the rest one.
+                # --data-path (weights and prefixes) and --profile-ranks take several values, the rest one.
                 while j < len(argv) and not argv[j].startswith("--"):
                     values.append(argv[j])
                     j += 1
-                    if flag != "--data-path":
+                    if flag not in MULTI_VALUE:
                         break
             if not values:
                 raise ConfigError(f"{flag} needs a value")
-            key = MEGATRON_ALIASES.get(flag, "_layers_per_virtual_stage")
+            key = MEGATRON_ALIASES.get(flag) or DERIVED_ALIASES[flag]
             if flag == "--moe-layer-freq" and not values[0].strip().isdigit():
                 key = "_moe_layer_pattern"  # Megatron's per-layer list, e.g. ([0]*1+[1]*3)
             out.append(f"{key}={' '.join(values)}")
@@ -129,6 +149,23 @@ def megatron_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
             rest.append(a)
             i += 1
     return out, rest
+
+
+def _profile_steps(cfg: Config, given: dict[str, str]) -> None:
+    """``train.profile_steps`` from Megatron's profiler flags. Megatron's torch profiler is
+    active for ``end - start`` steps from ``start`` (a half-open range), so ``[start, end - 1]``
+    here, with its defaults for a flag left out."""
+    if not given:
+        return
+    try:
+        start = int(given.get("_profile_step_start", MEGATRON_PROFILE_STEPS[0]))
+        end = int(given.get("_profile_step_end", MEGATRON_PROFILE_STEPS[1]))
+    except ValueError:
+        raise ConfigError(f"--profile-step-start/--profile-step-end must be integers, got {given}") from None
+    if end <= start or start < 1:
+        raise ConfigError(f"--profile-step-start={start} --profile-step-end={end}: need 1 <= start < end "
+                          "(the profiler runs steps start .. end-1)")
+    cfg.train.profile_steps = [start, end - 1]
 
 
 def _pattern_values(node: ast.AST, text: str) -> list[int]:
@@ -166,12 +203,14 @@ def moe_layer_pattern(text: str, num_layers: int) -> tuple[int, int]:
 
 
 def finish_aliases(cfg: Config, overrides: list[str]) -> list[str]:
-    """Resolve the derived aliases ``_layers_per_virtual_stage`` and ``_moe_layer_pattern`` against
-    ``cfg``; return the rest."""
-    plain = []
+    """Resolve the derived aliases (``_layers_per_virtual_stage``, ``_moe_layer_pattern``, the
+    profiler's steps) against ``cfg``; return the rest."""
+    plain, profile = [], {}
     for item in overrides:
         k, _, v = item.partition("=")
-        if k == "_moe_layer_pattern":
+        if k.startswith("_profile"):
+            profile[k] = v
+        elif k == "_moe_layer_pattern":
             cfg.model.first_k_dense_replace, cfg.model.moe_layer_freq = moe_layer_pattern(v, cfg.model.num_layers)
         elif k == "_layers_per_virtual_stage":
             n = int(v)
@@ -185,6 +224,7 @@ def finish_aliases(cfg: Config, overrides: list[str]) -> list[str]:
                 cfg.parallel.schedule = "interleaved"
         else:
             plain.append(item)
+    _profile_steps(cfg, profile)
     return plain
 
 

@@ -29,7 +29,7 @@ from paratron.config import ModelConfig, model_shape
 from paratron.layers.dropout import rng_fork
 
 from .context_parallel import context_attention
-from .layer_spec import make_norm
+from .norms import make_norm
 from .recompute import checkpointed
 from .rope import apply_rope
 

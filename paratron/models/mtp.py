@@ -42,7 +42,7 @@ from paratron.config import ModelConfig
 from paratron.layers.init import normal_
 
 from .blocks import BLOCKS
-from .layer_spec import make_norm
+from .norms import make_norm
 from .mla import ReplicatedLinear
 
 MTP_KEYS = ("mtp_tokens", "mtp_labels")
