@@ -76,7 +76,7 @@ class ModelConfig:
     """MLA: per-head width of the values."""
     # Multi-token prediction (DeepSeek-V3 section 2.2; paratron/models/mtp.py).
     mtp_num_layers: int = 0
-    """D sequential MTP modules on the last stage; module k predicts the token k + 1 ahead of the next."""
+    """D sequential MTP modules on the last stage; module k (1-based) predicts token i + k + 1 at position i."""
     mtp_loss_scaling_factor: float = 0.1
     """lambda: the MTP loss (mean over the D modules) is added to the LM loss times this."""
     # Mixture of experts (num_experts = 0 means dense).
