@@ -193,6 +193,7 @@ def test_mtp_targets_shift_and_documents():
     ("model.mtp_num_layers", SEQ, 1, f"model.mtp_num_layers={SEQ} must be in [0, model.seq_length-1"),
     ("parallel.pipeline_layout", [1, 1], 2, "leaves the last stage no room"),
     ("parallel.zero", 3, 2, "parallel.zero=3 with model.mtp_num_layers=2"),
+    ("model.kv_channels", 16, 1, "model.kv_channels=16 with model.multi_latent_attention=true"),
 ])
 def test_bad_configs_named(field, value, world, message):
     cfg = _config()

@@ -160,7 +160,8 @@ def check_mla(cfg: ModelConfig) -> None:
             a head width below 1; an odd or missing RoPE part (``qk_pos_emb_head_dim``, MLA
             needs ``position_embedding_type = "rope"``); ``v_head_dim`` above the query/key head
             (the values are zero-padded to it for the shared attention kernels);
-            ``num_query_groups`` set to other than the head count (MLA keys are per head).
+            ``num_query_groups`` set to other than the head count (MLA keys are per head);
+            ``kv_channels`` set (MLA has its own head widths).
     """
     h = cfg.hidden_size
     for name in ("q_lora_rank", "kv_lora_rank"):
@@ -181,6 +182,9 @@ def check_mla(cfg: ModelConfig) -> None:
     if cfg.num_query_groups not in (None, cfg.num_attention_heads):
         raise ConfigError(f"model.num_query_groups={cfg.num_query_groups} with model.multi_latent_attention=true: "
                           "MLA has one key/value head per query head; leave it unset")
+    if cfg.kv_channels is not None:
+        raise ConfigError(f"model.kv_channels={cfg.kv_channels} with model.multi_latent_attention=true: MLA's head "
+                          "widths are model.qk_head_dim, model.qk_pos_emb_head_dim and model.v_head_dim")
 
 
 def check_moe(cfg: ModelConfig, *, tp: int, ep: int, expert_tp: int) -> None:
