@@ -191,6 +191,13 @@ class ParallelConfig:
     hang_timeout_s: float = 300.0
     """Seconds one collective or p2p op may stay pending before the hang watchdog dumps every
     rank's recent ops to RUN_DIR/hang/ and ends the job; 0 turns the watchdog off."""
+    check_collectives: bool = False
+    """Before every collective, the members of its group exchange its signature (op, group,
+    reduce op, dtype, element count) on the host and stop with CollectiveMismatch, naming each
+    rank's op, when they differ; one extra host round trip per collective. Off, the stop
+    agreement that ends every step still compares a fingerprint of each group's collectives
+    (paratron/parallel/collcheck.py). Needs the hang watchdog's flight recorder
+    (parallel.hang_timeout_s > 0)."""
 
 
 @dataclass
