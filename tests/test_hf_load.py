@@ -2,9 +2,10 @@
 slices, following the converter's recipes, and the result is the Hugging Face model.
 
 * One process, every family the converter knows (Llama, GPT-2, Mixtral, Qwen2-MoE, Qwen3,
-  Qwen3-MoE): the sliced load gives bitwise the converter's tensors.
+  Qwen3-MoE, DeepSeek-V3 dense and MoE): the sliced load gives bitwise the converter's tensors.
 * TP2xPP2 (Llama, GQA) in one 4-rank launch, and EP2 (Mixtral, Qwen3-MoE), DP2 under ZeRO-3
-  (Llama) and TP2 (GPT-2, Qwen2-MoE, Qwen3) in one 2-rank launch: logits within 1e-5 of transformers' before any step, then
+  (Llama), TP2 (GPT-2, Qwen2-MoE, Qwen3, DeepSeek-V3 dense) and EP2 (DeepSeek-V3 MoE) in one
+  2-rank launch: logits within 1e-5 of transformers' before any step, then
   3 AdamW steps with the same losses (1e-5) as the one-process load, through the real model
   builder (``skip_draws``) and ``load_hf_weights``.
 * Memory: every tensor the safetensors slices return is counted from outside the loader
@@ -33,13 +34,14 @@ from paratron.config import Config, validate  # noqa: E402
 from paratron.models.gpt import build_model_chunks, full_logits  # noqa: E402
 from paratron.parallel.context import ParallelContext  # noqa: E402
 from paratron.testing import run_ranks  # noqa: E402
+from test_hf_deepseek import _make as make_deepseek  # noqa: E402
 from test_hf_moe import _make as make_moe  # noqa: E402
 from test_hf_parity import MAKERS, _perturb_  # noqa: E402
 from test_hf_qwen3 import _hf_config as qwen3_config  # noqa: E402
 
 TOL = 1e-5
 SEQ, BATCH = 12, 2
-FAMILIES = ["llama", "gpt2", "mixtral", "qwen2_moe", "qwen3", "qwen3_moe"]
+FAMILIES = ["llama", "gpt2", "mixtral", "qwen2_moe", "qwen3", "qwen3_moe", "deepseek_v3", "deepseek_v3_dense"]
 
 
 def _make(family: str, path):
@@ -49,6 +51,8 @@ def _make(family: str, path):
         return MAKERS[family](path)
     if family in ("mixtral", "qwen2_moe"):
         return make_moe(family, path)
+    if family.startswith("deepseek_v3"):  # MoE with query compression; dense without it
+        return make_deepseek(path, 16, True) if family == "deepseek_v3" else make_deepseek(path, None, False)
     cfg, cls = qwen3_config(family)
     torch.manual_seed(0)
     model = cls(cfg).eval()
@@ -229,10 +233,13 @@ def test_from_hf_at_ep2_zero3_and_tp2(hf_dirs):
     """One 2-rank launch: Mixtral and Qwen3-MoE at EP2, Llama at DP2 under ZeRO-3 (the load fills
     the gathered TP/PP-local params and writes the DP shards back), and the other families at TP2
     (GPT-2's transposed Conv1D weights read by columns, its tied head; Qwen2-MoE's shared
-    expert; Qwen3's QK-norm)."""
+    expert; Qwen3's QK-norm; DeepSeek-V3's MLA with its RoPE rows reordered), DeepSeek-V3's MoE
+    model at EP2."""
     cases = [("mixtral", dict(ep=2)), ("qwen3_moe", dict(ep=2)), ("llama", dict(zero=3)), ("gpt2", dict(tp=2)),
-             ("qwen2_moe", dict(tp=2)), ("qwen3", dict(tp=2))]
-    names = ["mixtral ep2", "qwen3_moe ep2", "llama dp2 zero3", "gpt2 tp2", "qwen2_moe tp2", "qwen3 tp2"]
+             ("qwen2_moe", dict(tp=2)), ("qwen3", dict(tp=2)), ("deepseek_v3", dict(ep=2)),
+             ("deepseek_v3_dense", dict(tp=2))]
+    names = ["mixtral ep2", "qwen3_moe ep2", "llama dp2 zero3", "gpt2 tp2", "qwen2_moe tp2", "qwen3 tp2",
+             "deepseek_v3 ep2", "deepseek_v3_dense tp2"]
     per_rank = run_ranks(_layout_rank, 2, [(hf_dirs[f][0], kw) for f, kw in cases], timeout=600)
     for i, (family, kw) in enumerate(cases):
         path, model = hf_dirs[family]
