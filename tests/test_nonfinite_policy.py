@@ -141,6 +141,18 @@ def test_consecutive_skips_stop_at_the_limit():
         NonFiniteGuard("stop", 5).check(2, True, where)
 
 
+def test_the_run_of_skips_round_trips_and_old_checkpoints_start_at_zero():
+    where = lambda: "w"  # noqa: E731
+    guard = NonFiniteGuard("skip", 3)
+    guard.check(1, True, where), guard.check(2, True, where)
+    fresh = NonFiniteGuard("skip", 3)
+    fresh.load_state_dict(guard.state_dict())
+    with pytest.raises(NonFiniteStop, match="3 non-finite steps in a row"):
+        fresh.check(3, True, where)
+    fresh.load_state_dict({"iteration": 7})  # a checkpoint from before the count was saved
+    assert fresh.in_a_row == 0
+
+
 @pytest.mark.parametrize("override", ["optimizer.lr=nan", "optimizer.lr=inf", "optimizer.weight_decay=-inf",
                                       "optimizer.clip_grad=nan"])
 def test_nonfinite_config_values_are_refused(override):

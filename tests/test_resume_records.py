@@ -1,16 +1,25 @@
 """The records of a run resumed into its own run directory: one record per iteration in
 ``metrics.jsonl`` (the redone iterations' earlier records moved to ``metrics.superseded.jsonl``),
 TensorBoard told to discard the redone steps, and ``loss.png`` drawn from the current records of
-the whole run. (The kill/resume soak checks the same after ten SIGKILLs: tests/test_soak.py.)"""
+the whole run. (The kill/resume soak checks the same after ten SIGKILLs: tests/test_soak.py.)
+And the loss scaler's counters, which a checkpoint carries in the optimizer's scalar state.
+(The trainer's counters across a resume: tests/test_nonfinite_policy.py.)"""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+import torch
 
+from paratron.checkpoint.manager import CheckpointManager
+from paratron.config import CheckpointConfig
+from paratron.models.gpt import build_model_chunks
+from paratron.optim import DistributedDataParallel, build_optimizer
+from paratron.parallel.context import ParallelContext
 from paratron.testing import run_ranks
-from paratron.training.metrics import SUPERSEDED, read_records, split_at_resume
+from paratron.training.metrics import SUPERSEDED, MetricsWriter, plot_losses, read_records, split_at_resume
+from test_weights_only_load import weights_config
 
 TINY = [
     "model.num_layers=2", "model.hidden_size=32", "model.num_attention_heads=4",
@@ -50,8 +59,6 @@ def _pixels(path):
 def test_a_resume_leaves_one_record_per_iteration(tiny_corpus, tmp_path):
     """One rank, 4 steps with saves and evaluations at 2 and 4; then a resume from step_2 into the
     same run directory (as after a kill between the saves) redoes steps 3 and 4."""
-    from paratron.training.metrics import plot_losses
-
     run, ck = tmp_path / "run", tmp_path / "ck"
     over = TINY + tiny_corpus + [f"checkpoint.save={ck}"]
     assert run_ranks(_train, 1, over, str(run), timeout=300) == [0]
@@ -77,8 +84,6 @@ def test_tensorboard_discards_the_redone_steps(tmp_path):
     """The writer of a run resumed after step 2 starts its events file with a purge of steps >= 3
     (TensorBoard then shows the earlier file's steps 1-2 and the new file's 3-4, each once);
     metrics.jsonl is cut the same way."""
-    from paratron.training.metrics import MetricsWriter
-
     for start, steps in ((0, (1, 2, 3, 4)), (2, (3, 4))):
         w = MetricsWriter(tmp_path, True, True)
         w.start(start)
@@ -105,3 +110,21 @@ def test_read_records_leaves_out_a_cut_line(tmp_path):
     path.write_text(json.dumps({"iteration": 1, "loss": 2.0}) + "\n" + '{"iteration": 2, "lo')
     assert read_records(path) == [{"iteration": 1, "loss": 2.0}]
     assert read_records(tmp_path / "none.jsonl") == []
+
+
+def test_loss_scaler_counters_survive_a_checkpoint(tmp_path):
+    """fp16: the scale, the clean steps since the last growth and the hysteresis left are saved
+    and restored with the optimizer (a resume must not restart the growth window)."""
+    cfg, ctx = weights_config(), ParallelContext.single()
+
+    def build():
+        chunks = build_model_chunks(cfg.model, ctx, seed=3, params_dtype=torch.float16)
+        opt = build_optimizer(chunks, ctx, cfg.optimizer, DistributedDataParallel(chunks, ctx), precision="fp16")
+        return chunks, opt
+
+    chunks, opt = build()
+    opt.scaler.scale, opt.scaler.growth_tracker, opt.scaler.hysteresis_tracker = 512.0, 7, 1
+    CheckpointManager(CheckpointConfig(save=str(tmp_path)), ctx, cfg).save(3, chunks, opt, None)
+    chunks, fresh = build()
+    CheckpointManager(CheckpointConfig(load=str(tmp_path)), ctx, cfg).load(chunks, fresh, None)
+    assert (fresh.scaler.scale, fresh.scaler.growth_tracker, fresh.scaler.hysteresis_tracker) == (512.0, 7, 1)
