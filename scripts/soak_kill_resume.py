@@ -75,9 +75,9 @@ def last_iteration(run_dir: Path) -> int:
     """The last training step logged in ``metrics.jsonl`` (0: none). A resumed run cuts the
     records of the steps it redoes from the file before its first step, so this is the last
     step of the current round once the round has saved."""
-    from paratron.training.metrics import read_records
+    from paratron.training.metrics import read_metrics
 
-    its = [r["iteration"] for r in read_records(run_dir / "metrics.jsonl") if "loss" in r]
+    its = [r["iteration"] for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]
     return its[-1] if its else 0
 
 
@@ -87,17 +87,17 @@ def check_records(run_dir: Path, reference: Path, train_iters: int) -> int:
     resumes replaced (kept in ``metrics.superseded.jsonl``)."""
     from matplotlib.image import imread
 
-    from paratron.training.metrics import SUPERSEDED, plot_losses, read_records
+    from paratron.training.metrics import SUPERSEDED, plot_losses, read_metrics
 
-    records = read_records(run_dir / "metrics.jsonl")
+    records = read_metrics(run_dir / "metrics.jsonl")
     losses = [(r["iteration"], r["loss"]) for r in records if "loss" in r]
     assert [it for it, _ in losses] == list(range(1, train_iters + 1)), f"steps logged: {[it for it, _ in losses]}"
-    want = [(r["iteration"], r["loss"]) for r in read_records(reference / "metrics.jsonl") if "loss" in r]
+    want = [(r["iteration"], r["loss"]) for r in read_metrics(reference / "metrics.jsonl") if "loss" in r]
     assert losses == want, "the logged losses differ from the uninterrupted run's"
     plot_losses(records, run_dir / "expected_loss.png")
     assert (imread(run_dir / "loss.png") == imread(run_dir / "expected_loss.png")).all(), \
         "loss.png is not the plot of metrics.jsonl"
-    return len(read_records(run_dir / SUPERSEDED))
+    return len(read_metrics(run_dir / SUPERSEDED))
 
 
 def rank_pids(run_dir: Path) -> dict[int, int]:

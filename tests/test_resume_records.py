@@ -18,7 +18,7 @@ from paratron.models.gpt import build_model_chunks
 from paratron.optim import DistributedDataParallel, build_optimizer
 from paratron.parallel.context import ParallelContext
 from paratron.testing import run_ranks
-from paratron.training.metrics import SUPERSEDED, MetricsWriter, plot_losses, read_records, split_at_resume
+from paratron.training.metrics import SUPERSEDED, MetricsWriter, plot_losses, read_metrics, split_at_resume
 from test_weights_only_load import weights_config
 
 TINY = [
@@ -62,15 +62,15 @@ def test_a_resume_leaves_one_record_per_iteration(tiny_corpus, tmp_path):
     run, ck = tmp_path / "run", tmp_path / "ck"
     over = TINY + tiny_corpus + [f"checkpoint.save={ck}"]
     assert run_ranks(_train, 1, over, str(run), timeout=300) == [0]
-    first = read_records(run / "metrics.jsonl")
+    first = read_metrics(run / "metrics.jsonl")
     assert run_ranks(_train, 1, over + [f"checkpoint.load={ck}", "checkpoint.load_step=2"], str(run),
                      timeout=300) == [0]
-    records = read_records(run / "metrics.jsonl")
+    records = read_metrics(run / "metrics.jsonl")
     assert [r["iteration"] for r in records if "loss" in r] == [1, 2, 3, 4]
     assert [r["iteration"] for r in records if "val_loss" in r] == [2, 4]
     assert len(records) == len((run / "metrics.jsonl").read_text().splitlines())
     # The replaced records, in order and marked; the deterministic rerun repeats their losses.
-    old = read_records(run / SUPERSEDED)
+    old = read_metrics(run / SUPERSEDED)
     assert [(r["iteration"], "loss" in r) for r in old] == [(3, True), (4, True), (4, False)]
     assert all(r["superseded_by_resume_at"] == 2 for r in old)
     assert [r["loss"] for r in records if r.get("iteration", 0) > 2 and "loss" in r] == \
@@ -91,7 +91,7 @@ def test_tensorboard_discards_the_redone_steps(tmp_path):
             w.write({"iteration": it, "loss": 10.0 - it - start})
         w.close()
     assert _tensorboard_purges(tmp_path / "tensorboard") == [[1], [3]]
-    assert [(r["iteration"], r["loss"]) for r in read_records(tmp_path / "metrics.jsonl")] == \
+    assert [(r["iteration"], r["loss"]) for r in read_metrics(tmp_path / "metrics.jsonl")] == \
         [(1, 9.0), (2, 8.0), (3, 5.0), (4, 4.0)]
 
 
@@ -105,11 +105,11 @@ def test_split_at_resume(lines, iteration, cut):
     assert split_at_resume(lines, iteration) == cut
 
 
-def test_read_records_leaves_out_a_cut_line(tmp_path):
+def test_read_metrics_leaves_out_a_cut_line(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text(json.dumps({"iteration": 1, "loss": 2.0}) + "\n" + '{"iteration": 2, "lo')
-    assert read_records(path) == [{"iteration": 1, "loss": 2.0}]
-    assert read_records(tmp_path / "none.jsonl") == []
+    assert read_metrics(path) == [{"iteration": 1, "loss": 2.0}]
+    assert read_metrics(tmp_path / "none.jsonl") == []
 
 
 def test_loss_scaler_counters_survive_a_checkpoint(tmp_path):

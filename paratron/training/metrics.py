@@ -65,11 +65,19 @@ def peak_flops_per_device(configured: float | None, device: torch.device) -> tup
     return measure_cpu_matmul_flops(), "measured: best fp32 512x512 matmul on one CPU thread"
 
 
+def scalars(record: dict) -> tuple[int, dict[str, float]]:
+    """``(step, {name: value})``: what TensorBoard and Weights & Biases log of a record, its
+    finite numbers at its ``iteration`` (0 for a record without one, e.g. ``startup``)."""
+    values = {k: v for k, v in record.items()
+              if k != "iteration" and isinstance(v, (int, float)) and math.isfinite(v)}
+    return record.get("iteration", 0), values
+
+
 METRICS = "metrics.jsonl"
 SUPERSEDED = "metrics.superseded.jsonl"
 
 
-def read_records(path: Path) -> list[dict]:
+def read_metrics(path: Path) -> list[dict]:
     """The records of a ``metrics.jsonl``, in order; [] when there is none. A line that is not a
     whole JSON object (the last one, when a writer was killed mid-line) is left out. After a
     resume into its own run directory the file holds exactly the current record of every
@@ -110,12 +118,14 @@ class MetricsWriter:
 
     Training records carry ``iteration, loss, grad_norm, lr, tokens_per_second`` (and more);
     validation records carry ``iteration, val_loss, val_ppl``. These names are a public interface.
-    Nothing is opened before :meth:`start`, which the trainer calls once it knows the iteration
-    the run continues from.
+    ``sinks``: more writers (``write(record)``, ``close()``) given every record, e.g.
+    :class:`~paratron.training.wandb_log.WandbWriter`. Nothing is opened before :meth:`start`,
+    which the trainer calls once it knows the iteration the run continues from.
     """
 
-    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool):
+    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool, sinks: list | None = None):
         self.enabled, self.run_dir, self.tensorboard = enabled, Path(run_dir), tensorboard
+        self.sinks = list(sinks or []) if enabled else []
         self._jsonl = None
         self._tb = None
 
@@ -170,22 +180,25 @@ class MetricsWriter:
             raise RuntimeError("MetricsWriter.write before start(iteration)")
         self._jsonl.write(json.dumps(record) + "\n")
         if self._tb is not None:
-            step = record.get("iteration", 0)
-            for k, v in record.items():
-                if k != "iteration" and isinstance(v, (int, float)) and math.isfinite(v):
-                    self._tb.add_scalar(k, v, step)
+            step, values = scalars(record)
+            for k, v in values.items():
+                self._tb.add_scalar(k, v, step)
+        for sink in self.sinks:
+            sink.write(record)
 
     def close(self) -> None:
         if self._jsonl is not None:
             self._jsonl.close()
         if self._tb is not None:
             self._tb.close()
+        for sink in self.sinks:
+            sink.close()
 
 
 def plot_losses(records: list[dict], path: Path) -> None:
     """Draw train and validation loss against iteration into a PNG (skipped, with a note, where
     matplotlib is not installed: a finished run must not fail for its plot). The trainer passes
-    the run's current records (:func:`read_records` of its ``metrics.jsonl``): the whole run,
+    the run's current records (:func:`read_metrics` of its ``metrics.jsonl``): the whole run,
     the iterations before a resume included, each once."""
     try:
         import matplotlib
