@@ -13,6 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2400)  # 11 launches: past the default 600 s on a loaded machine
 def test_kill_resume_soak(tiny_corpus, tmp_path):
     spec = importlib.util.spec_from_file_location("soak_kill_resume", ROOT / "scripts" / "soak_kill_resume.py")
     soak = importlib.util.module_from_spec(spec)
