@@ -50,6 +50,9 @@ def _positive(cfg: Config, world: int | None) -> None:
                     ("parallel.hang_timeout_s", cfg.parallel.hang_timeout_s)):
         if not 0 <= v < float("inf"):
             raise ConfigError(f"{name}={v} must be a finite number of seconds >= 0")
+    if cfg.parallel.check_collectives and cfg.parallel.hang_timeout_s == 0:
+        raise ConfigError("parallel.check_collectives=true needs the hang watchdog's flight recorder, "
+                          "which parallel.hang_timeout_s=0 turns off: set hang_timeout_s > 0")
     if cfg.optimizer.lr < 0:
         raise ConfigError(f"optimizer.lr={cfg.optimizer.lr} must be >= 0")
     for name, v in (("model.hidden_dropout", cfg.model.hidden_dropout),

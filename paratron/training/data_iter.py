@@ -10,6 +10,9 @@ count documents.
 
 from __future__ import annotations
 
+import os
+import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -82,8 +85,9 @@ class TrainingData:
 
         def make():
             prefixes, tok = prepare_run_data(cfg.data, progress=ctx.rank == 0 and cfg.logging.progress)
-            train, valid, _ = build_datasets(prefixes, cfg.model.seq_length, t.seed, split=cfg.data.split,
-                                             num_samples=num_samples, cache_dir=cfg.data.cache_dir)
+            with split_warnings_once():
+                train, valid, _ = build_datasets(prefixes, cfg.model.seq_length, t.seed, split=cfg.data.split,
+                                                 num_samples=num_samples, cache_dir=cfg.data.cache_dir)
             return prefixes, tok, train, valid
 
         if ctx.rank == 0:
@@ -121,7 +125,8 @@ class TrainingData:
             prefixes, tok = prepare_run_data(d, progress=False)
         if d.corpus and not d.data_path:
             d.data_path = [prefixes[0][1]]
-        train, valid = document_splits(prefixes[0][1], d.split)
+        with split_warnings_once():
+            train, valid = document_splits(prefixes[0][1], d.split)
 
         def sampler(src):
             return None if src is None else TokenBudgetSampler(
@@ -131,6 +136,19 @@ class TrainingData:
         entropy = unigram_entropy(prefixes) if ctx.rank == 0 else None
         return cls(tok, train, valid, sampler(train), sampler(valid), entropy, microbatch_preparer(cfg, ctx, tok.eod),
                    validation_prompt(prefixes, d.split, tok), row_multiple(cfg.parallel))
+
+
+@contextmanager
+def split_warnings_once():
+    """Silence the warnings of splits left out (:class:`~paratron.data.split_plan.SplitWarning`)
+    when the check before launch printed them already (:func:`paratron.training.preflight.prepare_data`)."""
+    from paratron.data.split_plan import SplitWarning
+    from paratron.training.preflight import SPLITS_CHECKED_ENV
+
+    with warnings.catch_warnings():
+        if os.environ.get(SPLITS_CHECKED_ENV):
+            warnings.simplefilter("ignore", SplitWarning)
+        yield
 
 
 def microbatch_preparer(cfg, ctx, eod: int) -> Callable[[dict], dict]:
