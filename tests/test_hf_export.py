@@ -1,7 +1,9 @@
-"""``paratron train --from-hf DIR --save-hf OUT`` end to end (one process, the real command): the
-run starts from a tiny random Llama with a byte-level BPE tokenizer, trains 2 steps, exports,
-prints the HF export check line, and transformers loads the export (model and tokenizer) with
-logits within 1e-5 of paratron's final checkpoint. The check itself reports a broken export."""
+"""The Hugging Face export. In process (default suite): ``export_hf`` loads in transformers
+(model and tokenizer) with paratron's logits within 1e-5, the check line agrees, and the check
+reports a broken export. ``paratron train --from-hf DIR --save-hf OUT`` end to end (slow: one
+process, the real command): the run starts from a tiny random Llama with a byte-level BPE
+tokenizer, trains 2 steps, exports, prints the HF export check line, and transformers loads the
+export with logits within 1e-5 of paratron's final checkpoint."""
 
 from __future__ import annotations
 
@@ -43,6 +45,32 @@ def hf_llama(tiny_corpus, tmp_path_factory):
     return path, data
 
 
+def test_export_hf_loads_in_transformers(hf_llama, tmp_path):
+    """In process: ``export_hf`` of changed weights (so not a copy of the source folder) loads in
+    transformers, model and tokenizer, with paratron's logits to 1e-5, and the check agrees."""
+    from paratron.checkpoint.hf_export import export_hf, single_process_model
+    from paratron.checkpoint.hf_load import apply_load_hf
+    from paratron.config import Config
+
+    path, _ = hf_llama
+    cfg = Config()
+    cfg.checkpoint.load_hf = str(path)
+    apply_load_hf(cfg, [])
+    _, tensors = hf_to_paratron(path)
+    g = torch.Generator().manual_seed(2)
+    tensors = {k: v + 0.01 * torch.randn(v.shape, generator=g) for k, v in tensors.items()}
+    out = export_hf(cfg, tensors, tmp_path / "out")
+    ids = torch.randint(0, cfg.model.vocab_size, (2, 12), generator=g)
+    with torch.no_grad():
+        ours = full_logits(single_process_model(cfg.model, tensors)(ids), ParallelContext.single(), cfg.model.vocab_size)
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(out).eval()(ids).logits
+    assert (ours - theirs).abs().max().item() < TOL
+    assert transformers.AutoTokenizer.from_pretrained(out).encode("ROMEO:", add_special_tokens=False)
+    line = hf_export_check(cfg.model, tensors, out, [5, 9, 3])
+    assert line == "HF export check: paratron and transformers agree on 8 greedy tokens"
+
+
+@pytest.mark.slow
 def test_from_hf_train_save_hf_end_to_end(hf_llama, tmp_path):
     path, data = hf_llama
     out, run = tmp_path / "hf_out", tmp_path / "run"
