@@ -226,6 +226,10 @@ class TrainConfig:
     """When set, rank 0 prints a text sample from the final checkpoint, continuing this prompt."""
     sample_tokens: int = 64
     """Tokens of the text sample printed after training (``sample_prompt``)."""
+    export_hf_at_end: bool = False
+    """After the last step, write the model as a Hugging Face folder (``checkpoint.save_hf``, else
+    ``RUN_DIR/hf``) from the final checkpoint, and print whether paratron and ``transformers``
+    agree on a few greedy tokens (needs ``checkpoint.save``; ``--save-hf DIR`` sets both keys)."""
     nonfinite: Literal["skip", "stop"] = "skip"
     """A step whose loss or grads hold an inf or NaN (decided globally) changes nothing; "skip"
     goes on with the next batch, "stop" ends the run with an error naming the step."""
@@ -354,6 +358,12 @@ class CheckpointConfig:
     """Write checkpoints in a background thread while training goes on."""
     load_optimizer: bool = True
     """Also restore the optimizer state on load; false starts a fresh optimizer."""
+    load_hf: Optional[str] = None
+    """A Hugging Face folder (``config.json``, safetensors, ``tokenizer.json``) to start from: the
+    model config and the tokenizer come from it, and each rank reads only its own slices of the
+    weights (``paratron train --from-hf DIR``). A checkpoint in ``checkpoint.load`` wins (resume)."""
+    save_hf: Optional[str] = None
+    """Where ``train.export_hf_at_end`` writes the Hugging Face folder (default ``RUN_DIR/hf``)."""
 
 
 @dataclass

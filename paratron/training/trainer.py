@@ -36,7 +36,8 @@ from paratron.training.metrics import (METRICS, SUPERSEDED, MetricsWriter, peak_
 from paratron.training.nonfinite import NonFiniteGuard, NonFiniteStop
 from paratron.training.profiling import StepObserver
 from paratron.training.setup import (build_checkpoint_manager, build_model_and_optimizer, builtin_callbacks,
-                                     count_params, print_sample, seed_everything, warn_if_saving_over)
+                                     count_params, export_hf_at_end, load_hf_start, print_sample,
+                                     seed_everything, warn_if_saving_over)
 from paratron.training.step import needs_microbatch_time, rank_actions, run_global_batch
 from paratron.training.startup import StartupClock
 from paratron.training.step_log import StepLog, log
@@ -242,6 +243,8 @@ class Trainer:
             note = data_position_mismatch(extra, cfg)
             if note:
                 log(self.ctx, "warning: " + note)
+        elif cfg.checkpoint.load_hf:
+            load_hf_start(cfg, self.ctx, self.chunks, self.optimizer)
         moved = self.writer.start(s.iteration)
         if moved:
             log(self.ctx, f"{moved} lines of {self.run_dir / METRICS} after iteration {s.iteration} (left by an "
@@ -297,6 +300,8 @@ class Trainer:
         prompt = self.cfg.train.sample_prompt or self.data.default_prompt
         if prompt and self.cfg.train.sample_tokens > 0 and self.cfg.checkpoint.save and not self.stopping:
             print_sample(self.cfg, self.ctx, prompt)
+        if self.cfg.train.export_hf_at_end and self.cfg.checkpoint.save and not self.stopping:
+            export_hf_at_end(self.cfg, self.ctx, self.run_dir, prompt)
 
 
 def data_position_unit(cfg: Config) -> str:
