@@ -32,6 +32,7 @@ from .clip import clip_coefficient, owns_for_norm, sum_of_squares
 from .ddp import DistributedDataParallel
 from .distributed_optimizer import gather_params
 from .precision import precision_dtype
+from .muon import MuonStep, uses_muon
 from .update_rules import adamw_step, fused_adamw_step, sgd_step
 from .scaler import ConstantLossScaler, DynamicLossScaler
 from .state_chunks import chunk_views, rectangles
@@ -108,8 +109,11 @@ class Optimizer:
 
     def __init__(self, ddp: DistributedDataParallel, ctx, cfg, *, precision: str = "fp32") -> None:
         precision_dtype(precision)  # validates the name
-        if cfg.name not in ("adamw", "sgd"):
-            raise ValueError(f"optimizer.name={cfg.name!r} must be 'adamw' or 'sgd'")
+        if cfg.name not in ("adamw", "sgd", "muon"):
+            raise ValueError(f"optimizer.name={cfg.name!r} must be 'adamw', 'sgd' or 'muon'")
+        self._state_dtypes = {"exp_avg": state_dtype(cfg, "exp_avg_dtype"),
+                              "exp_avg_sq": state_dtype(cfg, "exp_avg_sq_dtype")}
+        self._state_dtypes["momentum"] = self._state_dtypes["exp_avg"]
         self.ddp, self.ctx, self.cfg, self.precision = ddp, ctx, cfg, precision
         self.lr = float(cfg.lr)
         self.step_count = 0
@@ -118,13 +122,17 @@ class Optimizer:
                                             cfg.loss_scale_window, cfg.hysteresis)
         else:
             self.scaler = ConstantLossScaler(1.0)
-        self.state_names = (("exp_avg", "exp_avg_sq") if cfg.name == "adamw"
-                            else (("momentum",) if cfg.sgd_momentum else ()))
-        self._allocated: dict[str, list[torch.Tensor]] = {n: [] for n in ("main_param",) + self.state_names}
+        kinds = _state_kinds(cfg)
+        self.state_names = tuple(k for k, want in kinds.items() if want is None)  # segment-wide
+        self._allocated: dict[str, list[torch.Tensor]] = {n: [] for n in ("main_param",) + tuple(kinds)}
         self.segments: list[_Segment] = []
         self.pieces: list[_Piece] = []
         self._build_state()
+        self._run_state = {k: self._allocate_runs(k, want) for k, want in kinds.items() if want is not None}
+        self._piece_state = [self._state_of_piece(pc) for pc in self.pieces]
         self._build_views()
+        self._muon = (MuonStep(self, {id(pc): st["momentum"] for pc, st in zip(self.pieces, self._piece_state)
+                                      if "momentum" in st}) if cfg.name == "muon" else None)
 
     # ---- construction ------------------------------------------------------------------------
     def _build_state(self) -> None:
@@ -137,7 +145,7 @@ class Optimizer:
             main_flat = None if alias else torch.empty(total, dtype=torch.float32, device=dev)
             if main_flat is not None:
                 self._allocated["main_param"].append(main_flat)
-            flats = {n: torch.zeros(total, dtype=torch.float32, device=dev) for n in self.state_names}
+            flats = {n: torch.zeros(total, dtype=self._state_dtypes[n], device=dev) for n in self.state_names}
             for n, t in flats.items():
                 self._allocated[n].append(t)
             off = 0
@@ -158,6 +166,29 @@ class Optimizer:
                     if a < b:
                         self.pieces.append(_Piece(p, seg_id, a - ps, b - ps, a - s, tuple(buf.shapes[id(p)])))
                 off += n
+
+    def _allocate_runs(self, kind: str, want) -> list[tuple[int, int, int, torch.Tensor]]:
+        """State ``kind`` for the params with ``want(param)`` only (Muon's momentum, its AdamW
+        params' moments): one flat tensor over their runs; ``(segment, start, end, view)`` per run."""
+        runs = self._runs(want)
+        flat = torch.zeros(sum(b - a for _, a, b in runs), dtype=self._state_dtypes[kind], device=self.ctx.device)
+        self._allocated[kind].append(flat)
+        out, off = [], 0
+        for seg, a, b in runs:
+            out.append((seg, a, b, flat[off:off + b - a]))
+            off += b - a
+        return out
+
+    def _state_of_piece(self, pc: _Piece) -> dict[str, torch.Tensor]:
+        """The 1-D state views of one piece (``hi - lo`` long) by kind, main weights included."""
+        seg, n = self.segments[pc.segment], pc.hi - pc.lo
+        out = {"main_param": seg.main[pc.at:pc.at + n]}
+        out.update({k: v[pc.at:pc.at + n] for k, v in seg.state.items()})
+        for kind, runs in self._run_state.items():
+            for s, a, b, view in runs:
+                if s == pc.segment and a <= pc.at < b:
+                    out[kind] = view[pc.at - a:pc.at - a + n]
+        return out
 
     def _runs(self, want) -> list[tuple[int, int, int]]:
         """Merge pieces with ``want(param)`` into ``(segment, start, end)`` runs of segment
@@ -195,10 +226,21 @@ class Optimizer:
         self._mains = [s.main for s in self.segments]
         self._aliased = [buf.dtype == torch.float32 for buf in self.ddp.buffers]
         self._fused = self._fused_groups(decay_runs) if self._use_fused() else None
+        if self.cfg.name == "muon":
+            self._build_muon_adamw_views()
+
+    def _build_muon_adamw_views(self) -> None:
+        """Under Muon, AdamW steps the runs of the other params (:func:`muon.uses_muon`)."""
+        seg_of, runs = self.segments, self._run_state
+        self._adam_lists = ([seg_of[s].main[a:b] for s, a, b, _ in runs["exp_avg"]],
+                            [seg_of[s].grad[a:b] for s, a, b, _ in runs["exp_avg"]],
+                            [v for *_, v in runs["exp_avg"]], [v for *_, v in runs["exp_avg_sq"]])
+        decay = self._runs(lambda p: not uses_muon(p) and not getattr(p, "no_weight_decay", False))
+        self._decay_main = [seg_of[s].main[a:b] for s, a, b in decay]
 
     def _use_fused(self) -> bool:
         impl = self.cfg.adam_impl
-        if self.cfg.name != "adamw" or impl == "foreach":
+        if self.cfg.name != "adamw" or impl == "foreach" or self._low_precision_state():
             return False
         return impl == "fused" or self.ctx.device.type == "cuda"
 
@@ -307,6 +349,9 @@ class Optimizer:
                 return pc.param.logical_name
         return None
 
+    def _low_precision_state(self) -> bool:
+        return any(d != torch.float32 for d in self._state_dtypes.values())
+
     def _update(self) -> None:
         c = self.cfg
         st = [[s.state[n] for s in self.segments] for n in self.state_names]
@@ -315,13 +360,33 @@ class Optimizer:
             fused_adamw_step(self._fused, self._step_t, lr=self.lr, beta1=c.adam_beta1,
                              beta2=c.adam_beta2, eps=c.adam_eps)
         elif c.name == "adamw":
-            adamw_step(self._mains, self._grads, st[0], st[1], self._decay_main, step=self.step_count,
-                       lr=self.lr, beta1=c.adam_beta1, beta2=c.adam_beta2, eps=c.adam_eps,
-                       weight_decay=c.weight_decay)
+            self._adamw(self._mains, self._grads, st[0], st[1])
+        elif c.name == "muon":
+            self._adamw(*self._adam_lists)
+            self._muon.step(self.lr)
         else:
             sgd_step(self._mains, self._grads, st[0] if st else [], self._decay_main,
                      self._decay_grad, step=self.step_count, lr=self.lr, momentum=c.sgd_momentum,
                      weight_decay=c.weight_decay)
+
+    def _adamw(self, mains, grads, exp_avgs, exp_avg_sqs) -> None:
+        """AdamW on matching views, decaying ``self._decay_main``. Moments stored in bf16
+        (``optimizer.exp_avg_dtype`` / ``exp_avg_sq_dtype``, Megatron's precision-aware optimizer)
+        are stepped in fp32, one view at a time (so the fp32 copies are one bucket shard at most),
+        and rounded back to their dtype."""
+        c = self.cfg
+        if c.weight_decay and self._decay_main:
+            torch._foreach_mul_(self._decay_main, 1.0 - self.lr * c.weight_decay)
+        kw = dict(step=self.step_count, lr=self.lr, beta1=c.adam_beta1, beta2=c.adam_beta2, eps=c.adam_eps,
+                  weight_decay=0.0)
+        if not self._low_precision_state():
+            adamw_step(mains, grads, exp_avgs, exp_avg_sqs, [], **kw)
+            return
+        for main, grad, m, v in zip(mains, grads, exp_avgs, exp_avg_sqs):
+            m32, v32 = m.float(), v.float()
+            adamw_step([main], [grad], [m32], [v32], [], **kw)
+            m.copy_(m32)
+            v.copy_(v32)
 
     def _publish(self) -> None:
         """Copy main weights into the params (cast) and, with ZeRO-1/2, all-gather them (ZeRO-3
@@ -350,16 +415,13 @@ class Optimizer:
         embedding copies) appear on every rank that holds them, with identical ShardSpecs.
         """
         out: dict[str, list] = {}
-        for pc in self.pieces:
+        for pc, kinds in zip(self.pieces, self._piece_state):
             p = pc.param
             rects = rectangles(pc.shape, p.shard, pc.lo, pc.hi, p.logical_name)
             if not rects:
                 continue
-            seg = self.segments[pc.segment]
-            start = pc.at - pc.lo  # segment offset of the param's flat element 0
-            kinds = {"main_param": seg.main, **seg.state}
             for kind, flat in kinds.items():
-                views = chunk_views(flat[start + pc.lo:start + pc.hi], pc.lo, rects)
+                views = chunk_views(flat, pc.lo, rects)
                 out.setdefault(f"optimizer/{kind}/{p.logical_name}", []).extend(views)
         return out
 
@@ -382,6 +444,35 @@ class Optimizer:
     def state_bytes(self) -> int:
         """Bytes of the storages behind :meth:`allocated_state`."""
         return storage_bytes(t for ts in self._allocated.values() for t in ts)
+
+
+STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def state_dtype(cfg, field: str) -> torch.dtype:
+    """The storage dtype of a moment (``optimizer.exp_avg_dtype`` or ``exp_avg_sq_dtype``).
+
+    Raises:
+        ValueError: not ``fp32`` or ``bf16``, naming the field.
+    """
+    name = getattr(cfg, field, "fp32")
+    if name not in STATE_DTYPES:
+        raise ValueError(f"optimizer.{field}={name!r} must be one of {sorted(STATE_DTYPES)}")
+    return STATE_DTYPES[name]
+
+
+def _state_kinds(cfg) -> dict:
+    """State kind -> which params hold it: None for every param (segment-wide flats), else a
+    predicate (Muon: momentum for its matrices, AdamW moments for the rest)."""
+    if cfg.name == "adamw":
+        return {"exp_avg": None, "exp_avg_sq": None}
+    if cfg.name == "sgd":
+        return {"momentum": None} if cfg.sgd_momentum else {}
+
+    def adam(p) -> bool:
+        return not uses_muon(p)
+
+    return {"exp_avg": adam, "exp_avg_sq": adam, "momentum": uses_muon}
 
 
 def build_optimizer(chunks, ctx, opt_cfg, ddp: DistributedDataParallel | None = None, *,
