@@ -252,3 +252,67 @@ def test_bf16_moments_match_fp32_over_20_steps(name, tol):
     start = gather_full_state([init], ctx)
     moved = max((full32[n] - start[n]).abs().max().item() for n in full32)
     assert 0 < diff < tol and diff < 0.1 * moved, (diff, moved)
+
+
+# ---- checkpoints ------------------------------------------------------------------------------------
+
+def _muon_run(lay: dict):
+    """Config, context and (chunks, ddp, optimizer, scheduler) of the checkpoint tests' tiny model
+    (SwiGLU with biases, vocab 500) under ``lay``, with Muon."""
+    from paratron.training.runner import build_model_and_optimizer
+    from test_checkpoint_optim import train_config
+
+    cfg = train_config(lay)
+    cfg.optimizer.name = "muon"
+    ctx = ParallelContext.build(tp=lay["tp"], pp=lay["pp"])
+    return cfg, ctx, build_model_and_optimizer(cfg, ctx)
+
+
+def _full_params(cfg, ctx, model) -> dict[str, torch.Tensor]:
+    chunks, ddp, _, _ = model
+    with ddp.full_params():
+        return {k: t.clone() for k, t in gather_full_state(chunks, ctx).items()}
+
+
+def _muon_save_and_resume(root):
+    from paratron.checkpoint.io import load_tensors_full
+    from paratron.checkpoint.manager import CheckpointManager
+    from paratron.config import CheckpointConfig
+    from test_checkpoint_optim import check_against_checkpoint, train_steps
+
+    save_at, after = 2, range(3, 5)
+    cfg, ctx, model = _muon_run(dict(tp=2, pp=1, v=1, zero=1))
+    train_steps(cfg, ctx, model, range(1, save_at + 1))
+    cfg.checkpoint.save = root
+    chunks, _, opt, sched = model
+    CheckpointManager(cfg.checkpoint, ctx, cfg).save(save_at, chunks, opt, sched, {"iteration": save_at})
+    out = {"reference": (train_steps(cfg, ctx, model, after), _full_params(cfg, ctx, model))}
+    saved = load_tensors_full(root, "model/"), load_tensors_full(root, "optimizer/")
+    out["momentum_keys"] = sorted(load_tensors_full(root, "optimizer/momentum/"))
+    for name, lay in (("tp2", dict(tp=2, pp=1, v=1, zero=1)), ("dp4", dict(tp=1, pp=1, v=1, zero=1, mbs=2))):
+        cfg_b, ctx_b, model_b = _muon_run(lay)
+        chunks_b, _, opt_b, sched_b = model_b
+        CheckpointManager(CheckpointConfig(load=root), ctx_b, cfg_b).load(chunks_b, opt_b, sched_b)
+        checked = check_against_checkpoint(saved, model_b)
+        out[name] = (checked, train_steps(cfg_b, ctx_b, model_b, after), _full_params(cfg_b, ctx_b, model_b))
+    return out
+
+
+@pytest.mark.slow
+def test_muon_checkpoint_resumes_bitwise_at_tp2_and_at_dp4(tmp_path):
+    """Save a Muon run at TP2 x DP2 with ZeRO-1 after 2 steps (its momentum under
+    ``optimizer/momentum/<matrix>``, AdamW moments for the rest), resume at TP2 x DP2: the state
+    loads bitwise and the next 2 steps' losses and params equal the uninterrupted run's bitwise;
+    resume at DP4 with ZeRO-1 (the momentum resharded): losses within 1e-6."""
+    results = run_ranks(_muon_save_and_resume, 4, str(tmp_path / "ck"), timeout=600)
+    losses, params = results[0]["reference"]
+    assert results[0]["momentum_keys"] and all(k.endswith(".weight") for k in results[0]["momentum_keys"])
+    assert not any("embedding" in k or "output_layer" in k for k in results[0]["momentum_keys"])
+    for rank, r in enumerate(results):
+        checked, got, full = r["tp2"]
+        assert checked > 0 and got == losses, (rank, got, losses)
+        assert all(torch.equal(full[n], params[n]) for n in params), rank
+        checked, got, _ = r["dp4"]
+        assert checked > 0
+        for a, b in zip(got, losses):
+            assert abs(a - b) <= 1e-6 * abs(b), (rank, got, losses)
