@@ -37,16 +37,20 @@ ZeRO and TP split:
 2. with ZeRO (stages 1-3 shard alike), each bucket that holds a Muon matrix all-gathers ``U``
    over its DP group, as the params are all-gathered after a step: every rank then holds the
    TP-local ``U`` of every matrix of the bucket;
-3. a TP-split matrix is all-gathered over its TP group along ``partition_dim``
-   (:func:`paratron.parallel.params.gather_full`, which puts strided blocks back in order);
-4. every rank orthogonalises the whole logical matrices and keeps the rows/columns of its TP slice
-   and the flat range it owns.
+3. the whole matrices are split over the DP ranks (greedily by Newton-Schulz cost, as Megatron's
+   layer-wise distributed optimizer splits whole matrices); the rank that orthogonalises a
+   TP-split matrix all-gathers it over its TP group along ``partition_dim``
+   (:func:`paratron.parallel.params.gather_full`, which puts strided blocks back in order), and
+   every TP rank of it does the same (Megatron's ``duplicated`` TP mode: no extra collective);
+4. each rank writes the rows/columns of its TP slice of its matrices' ``O`` into a zero buffer
+   of the bucket (or buffer), and one reduce-scatter (ZeRO) or all-reduce (replicas) over the DP
+   group hands every rank ``O`` of the range it owns. Each element is non-zero on one rank only,
+   so the sum is exact.
 
-The orthogonalisation is thus duplicated over the TP and DP ranks that hold a matrix (Megatron's
-``duplicated`` TP mode) rather than split by whole matrices across ranks: it costs no collective
-beyond the gathers, and the gathers (``U`` once per step, the size of the params) are the price of
-exactness. Every rank runs the same fp32 arithmetic on the same full matrix, so the update matches
-a single process to the rounding of the grads' reductions.
+The collectives per step are therefore an all-gather and a reduce-scatter of the Muon buckets
+(ZeRO) or one all-reduce (replicas), plus the TP all-gathers of the matrices; the Newton-Schulz
+work per rank is divided by the DP size. Every rank runs the same fp32 arithmetic on the same
+full matrix, so the update matches a single process to the rounding of the grads' reductions.
 """
 
 from __future__ import annotations
@@ -193,18 +197,47 @@ class MuonStep:
         DP groups must call it: it runs their collectives)."""
         c = self.opt.cfg
         updates = self._local_updates(c.muon_momentum, c.muon_use_nesterov)
-        wd = float(c.weight_decay)
         for si, bucket, params in self._regions:
-            base, region = self._full_region(si, bucket, updates[si])
             seg = self.opt.segments[si]
             buf = self.opt.ddp.buffers[seg.buffer]
-            for p in params:
+            base, region = self._full_region(si, bucket, updates[si])
+            out = torch.zeros_like(region)
+            for p in self._assigned(params, buf):
                 s, e = buf.index[id(p)]
                 local = region[s - base:e - base].view(buf.shapes[id(p)])
-                full = self._gather_tp(local, p)
-                out = orthogonalised_update(full, p, c)
-                mine = out[p.shard.slices()].reshape(-1)
-                self._apply(si, p, mine, s, lr, wd)
+                full = orthogonalised_update(self._gather_tp(local, p), p, c)
+                out[s - base:e - base] = full[p.shard.slices()].reshape(-1)
+            self._apply(si, self._share(si, bucket, out), lr, float(c.weight_decay))
+
+    def _assigned(self, params: list, buf) -> list:
+        """The matrices of a region this rank orthogonalises: whole matrices split over the
+        buffer's DP group, greedily by Newton-Schulz cost (``numel * min(shape)``), the same
+        choice on every rank (TP peers share their DP rank, so they gather the same matrices)."""
+        g = buf.group
+        if g.size == 1:
+            return params
+        load = [0] * g.size
+        mine = []
+        for p in params:
+            shape = p.shard.global_shape
+            r = min(range(g.size), key=lambda k: (load[k], k))
+            load[r] += shape[0] * shape[1] * min(shape)
+            if r == max(g.rank, 0):
+                mine.append(p)
+        return mine
+
+    def _share(self, si: int, bucket, out: torch.Tensor) -> torch.Tensor:
+        """Hand every DP rank the orthogonalised updates of its segment: a reduce-scatter of the
+        bucket (ZeRO) or an all-reduce of the buffer (replicas); each element is non-zero on one
+        rank only, so the sum is exact. Returns the segment's flat update."""
+        seg = self.opt.segments[si]
+        group = self.opt.ddp.buffers[seg.buffer].group
+        if bucket is not None:
+            shard = torch.empty(seg.end - seg.start, dtype=out.dtype, device=out.device)
+            group.reduce_scatter_into(shard, out)
+            return shard
+        group.all_reduce(out)
+        return out
 
     def _local_updates(self, beta: float, nesterov: bool) -> dict[int, torch.Tensor]:
         """Advance the momentum of the owned Muon pieces; ``U`` per segment of a region, as a
@@ -240,14 +273,15 @@ class MuonStep:
         group = ctx.expert_tp if getattr(p, "is_expert", False) else ctx.tp
         return gather_full(local, p, group)
 
-    def _apply(self, si: int, p, mine: torch.Tensor, start: int, lr: float, wd: float) -> None:
-        """``W <- W (1 - lr wd) - lr O`` on the owned pieces of ``p`` in segment ``si``
-        (``mine``: this TP rank's flat ``O``; ``start``: ``p``'s buffer offset)."""
+    def _apply(self, si: int, update: torch.Tensor, lr: float, wd: float) -> None:
+        """``W <- W (1 - lr wd) - lr O`` on the Muon pieces this rank owns in segment ``si``
+        (``update``: the segment's flat ``O``)."""
         seg = self.opt.segments[si]
-        a, b = max(start, seg.start), min(start + mine.numel(), seg.end)
-        if a >= b:
-            return
-        main = seg.main[a - seg.start:b - seg.start]
-        if wd:
-            main.mul_(1.0 - lr * wd)
-        main.add_(mine[a - start:b - start], alpha=-lr)
+        for pc in self.pieces:
+            if pc.segment != si:
+                continue
+            n = pc.hi - pc.lo
+            main = seg.main[pc.at:pc.at + n]
+            if wd:
+                main.mul_(1.0 - lr * wd)
+            main.add_(update[pc.at:pc.at + n], alpha=-lr)
