@@ -316,3 +316,22 @@ def test_muon_checkpoint_resumes_bitwise_at_tp2_and_at_dp4(tmp_path):
         assert checked > 0
         for a, b in zip(got, losses):
             assert abs(a - b) <= 1e-6 * abs(b), (rank, got, losses)
+
+
+def test_muon_config_keys_and_megatron_flags():
+    """Megatron's flags set the keys; bad values stop before any process group."""
+    from paratron.config import ConfigError, build_config, load_config, megatron_overrides, validate
+
+    overrides, rest = megatron_overrides(["--optimizer", "muon", "--muon-scale-mode", "unit_rms_norm",
+                                          "--muon-momentum", "0.9", "--muon-no-split-qkv",
+                                          "--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16"])
+    assert rest == []
+    o = build_config(None, overrides).optimizer
+    assert (o.name, o.muon_scale_mode, o.muon_momentum, o.muon_split_qkv) == ("muon", "unit_rms_norm", 0.9, False)
+    assert (o.exp_avg_dtype, o.exp_avg_sq_dtype) == ("bf16", "bf16")
+    for bad, msg in (("optimizer.muon_momentum=1.0", "muon_momentum"),
+                     ("optimizer.muon_num_ns_steps=0", "muon_num_ns_steps")):
+        with pytest.raises(ConfigError, match=msg):
+            validate(load_config(None, [bad]), 1)
+    with pytest.raises(ConfigError, match="exp_avg_dtype"):
+        load_config(None, ["optimizer.exp_avg_dtype=fp8"])

@@ -38,6 +38,13 @@ MEGATRON_ALIASES: dict[str, str] = {
     "--clip-grad": "optimizer.clip_grad",
     "--lr-warmup-iters": "optimizer.lr_warmup_iters",
     "--lr-decay-style": "optimizer.lr_decay_style",
+    "--optimizer": "optimizer.name",
+    "--muon-momentum": "optimizer.muon_momentum",
+    "--muon-num-ns-steps": "optimizer.muon_num_ns_steps",
+    "--muon-scale-mode": "optimizer.muon_scale_mode",
+    "--muon-extra-scale-factor": "optimizer.muon_extra_scale_factor",
+    "--exp-avg-dtype": "optimizer.exp_avg_dtype",
+    "--exp-avg-sq-dtype": "optimizer.exp_avg_sq_dtype",
     "--data-path": "data.data_path",
     "--split": "data.split",
     "--vocab-file": "data.vocab_file",
@@ -62,6 +69,7 @@ MEGATRON_SWITCHES: dict[str, tuple[str, str]] = {
     "--disable-bias-linear": ("model.add_bias_linear", "false"),
     "--deterministic-mode": ("train.deterministic", "true"),
     "--overlap-moe-expert-parallel-comm": ("parallel.overlap_moe_expert_parallel_comm", "true"),
+    "--muon-no-split-qkv": ("optimizer.muon_split_qkv", "false"),
 }
 """Megatron-LM flags without a value -> (paratron key, value)."""
 

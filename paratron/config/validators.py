@@ -51,8 +51,11 @@ def _positive(cfg: Config, world: int | None) -> None:
             raise ConfigError(f"{name}={v} must be a finite number of seconds >= 0")
     if cfg.optimizer.lr < 0:
         raise ConfigError(f"optimizer.lr={cfg.optimizer.lr} must be >= 0")
+    if cfg.optimizer.muon_num_ns_steps < 1:
+        raise ConfigError(f"optimizer.muon_num_ns_steps={cfg.optimizer.muon_num_ns_steps} must be >= 1")
     for name, v in (("model.hidden_dropout", cfg.model.hidden_dropout),
-                    ("model.attention_dropout", cfg.model.attention_dropout)):
+                    ("model.attention_dropout", cfg.model.attention_dropout),
+                    ("optimizer.muon_momentum", cfg.optimizer.muon_momentum)):
         if not 0.0 <= v < 1.0:
             raise ConfigError(f"{name}={v} must be in [0, 1)")
 
