@@ -5,9 +5,11 @@ The optimizer never sees a model: it works on the flat ranges of
 buffer, or with ZeRO-1 its shard of every bucket, Rajbhandari et al. 2020 section 5.1) and on
 the param attributes of :func:`paratron.parallel.params.mark`.
 
-State per owned range, all fp32: main weights (a view of the params themselves when they are
+State per owned range: fp32 main weights (a view of the params themselves when they are
 fp32, else an fp32 copy: Micikevicius et al. 2018, section 3.1), and the AdamW moments or the SGD
-momentum. The grads must be final before :meth:`Optimizer.step` (the training step calls
+momentum (fp32, or bf16 with ``optimizer.exp_avg_dtype`` / ``exp_avg_sq_dtype``: stored in bf16,
+stepped in fp32). Under Muon (:mod:`paratron.optim.muon`) its matrices hold a momentum and the
+other params the AdamW moments, each allocated over its own params' runs only. The grads must be final before :meth:`Optimizer.step` (the training step calls
 :func:`~paratron.optim.finalize.finalize_grads` once: model-parallel all-reduces, then the DP
 reduction); ``step()`` only updates, in order:
 
@@ -90,7 +92,7 @@ class _Piece:
 
 
 class Optimizer:
-    """AdamW or SGD with fp32 main weights and grads, loss scaling, global clipping, ZeRO-1.
+    """AdamW, SGD or Muon with fp32 main weights and grads, loss scaling, global clipping, ZeRO-1.
 
     Build with :func:`build_optimizer`. Per step: :meth:`zero_grad`, forward/backward of every
     microbatch (backward of :meth:`scale_loss` ``(loss)`` for fp16), then :meth:`step`.
