@@ -330,8 +330,11 @@ def test_muon_config_keys_and_megatron_flags():
     assert (o.name, o.muon_scale_mode, o.muon_momentum, o.muon_split_qkv) == ("muon", "unit_rms_norm", 0.9, False)
     assert (o.exp_avg_dtype, o.exp_avg_sq_dtype) == ("bf16", "bf16")
     for bad, msg in (("optimizer.muon_momentum=1.0", "muon_momentum"),
-                     ("optimizer.muon_num_ns_steps=0", "muon_num_ns_steps")):
+                     ("optimizer.muon_num_ns_steps=0", "muon_num_ns_steps"),
+                     ("optimizer.offload_fraction=1.5", "offload_fraction")):
         with pytest.raises(ConfigError, match=msg):
             validate(load_config(None, [bad]), 1)
+    with pytest.raises(ConfigError, match="cpu_offload is not supported"):
+        validate(load_config(None, ["optimizer.name=muon", "optimizer.cpu_offload=true"]), 1)
     with pytest.raises(ConfigError, match="exp_avg_dtype"):
         load_config(None, ["optimizer.exp_avg_dtype=fp8"])

@@ -217,6 +217,11 @@ class OptimizerConfig:
     arithmetic stays fp32 (Megatron's precision-aware optimizer)."""
     exp_avg_sq_dtype: Literal["fp32", "bf16"] = "fp32"
     """Storage of AdamW's second moment."""
+    cpu_offload: bool = False
+    """Keep the fp32 main weights and optimizer state in host memory and step them there
+    (:mod:`paratron.optim.offload`; AdamW and SGD)."""
+    offload_fraction: float = 1.0
+    """The share of this rank's optimizer state that ``cpu_offload`` moves to the host."""
 
 
 @dataclass

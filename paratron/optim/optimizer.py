@@ -35,6 +35,7 @@ from .ddp import DistributedDataParallel
 from .distributed_optimizer import gather_params
 from .precision import precision_dtype
 from .muon import MuonStep, uses_muon
+from .offload import copy_grads_to_host, offload_plan
 from .update_rules import adamw_step, fused_adamw_step, sgd_step
 from .scaler import ConstantLossScaler, DynamicLossScaler
 from .state_chunks import chunk_views, rectangles
@@ -76,6 +77,8 @@ class _Segment:
     main: torch.Tensor
     state: dict[str, torch.Tensor]
     param: torch.Tensor  # the model's storage of the range (a view, or a ZeRO-3 shard)
+    aliased: bool = False  # main is the param itself (fp32 params, not offloaded)
+    host_grad: torch.Tensor | None = None  # offloaded: the host copy of grad the step reads
 
 
 @dataclass
@@ -129,6 +132,7 @@ class Optimizer:
         self._allocated: dict[str, list[torch.Tensor]] = {n: [] for n in ("main_param",) + tuple(kinds)}
         self.segments: list[_Segment] = []
         self.pieces: list[_Piece] = []
+        self._offload = offload_plan(ddp, cfg)
         self._build_state()
         self._run_state = {k: self._allocate_runs(k, want) for k, want in kinds.items() if want is not None}
         self._piece_state = [self._state_of_piece(pc) for pc in self.pieces]
@@ -141,25 +145,19 @@ class Optimizer:
         for i, buf in enumerate(self.ddp.buffers):
             ranges = self.ddp.owned_ranges(i)
             views = self.ddp.owned_params(i)
-            total = sum(e - s for s, e, _ in ranges)
-            dev = buf.device
-            alias = buf.dtype == torch.float32
-            main_flat = None if alias else torch.empty(total, dtype=torch.float32, device=dev)
-            if main_flat is not None:
-                self._allocated["main_param"].append(main_flat)
-            flats = {n: torch.zeros(total, dtype=self._state_dtypes[n], device=dev) for n in self.state_names}
-            for n, t in flats.items():
-                self._allocated[n].append(t)
-            off = 0
-            for (s, e, grad), pview in zip(ranges, views):
-                n = e - s
-                if alias:
-                    main = pview
-                else:
-                    main = main_flat[off:off + n]
+            host = [self._offload.pop(0) for _ in ranges]
+            pools = {h: self._pool(buf, sum(e - s for (s, e, _), hh in zip(ranges, host) if hh == h), h)
+                     for h in set(host)}
+            offs = dict.fromkeys(pools, 0)
+            for (s, e, grad), pview, h in zip(ranges, views, host):
+                n, off = e - s, offs[h]
+                main_flat, flats, grad_flat = pools[h]
+                main = pview if main_flat is None else main_flat[off:off + n]
+                if main_flat is not None:
                     main.copy_(pview)
-                seg = _Segment(i, s, e, grad, main, {k: v[off:off + n] for k, v in flats.items()},
-                               pview)
+                seg = _Segment(i, s, e, grad, main, {k: v[off:off + n] for k, v in flats.items()}, pview,
+                               aliased=main_flat is None,
+                               host_grad=grad_flat[off:off + n] if grad_flat is not None else None)
                 seg_id = len(self.segments)
                 self.segments.append(seg)
                 for p in buf.params:
@@ -167,7 +165,26 @@ class Optimizer:
                     a, b = max(ps, s), min(pe, e)
                     if a < b:
                         self.pieces.append(_Piece(p, seg_id, a - ps, b - ps, a - s, tuple(buf.shapes[id(p)])))
-                off += n
+                offs[h] += n
+
+    def _pool(self, buf, total: int, host: bool):
+        """``(main weights or None when they alias fp32 params, {kind: state}, host grads or
+        None)``: flat storage for ``total`` owned elements of ``buf``, on its device or, offloaded,
+        in (pinned, on CUDA) host memory."""
+        dev = torch.device("cpu") if host else buf.device
+        pin = host and buf.device.type == "cuda"
+
+        def new(dtype, zero=True):
+            t = torch.empty(total, dtype=dtype, device=dev, pin_memory=pin)
+            return t.zero_() if zero else t
+
+        main = None if buf.dtype == torch.float32 and not host else new(torch.float32, zero=False)
+        if main is not None:
+            self._allocated["main_param"].append(main)
+        flats = {n: new(self._state_dtypes[n]) for n in self.state_names}
+        for n, t in flats.items():
+            self._allocated[n].append(t)
+        return main, flats, (new(torch.float32, zero=False) if host else None)
 
     def _allocate_runs(self, kind: str, want) -> list[tuple[int, int, int, torch.Tensor]]:
         """State ``kind`` for the params with ``want(param)`` only (Muon's momentum, its AdamW
@@ -223,13 +240,28 @@ class Optimizer:
         self._norm_views = [seg_of[s].grad[a:b] for s, a, b in self._runs(owner)]
         decay_runs = self._runs(lambda p: not getattr(p, "no_weight_decay", False))
         self._decay_main = [seg_of[s].main[a:b] for s, a, b in decay_runs]
-        self._decay_grad = [seg_of[s].grad[a:b] for s, a, b in decay_runs]
         self._grads = [s.grad for s in self.segments]
-        self._mains = [s.main for s in self.segments]
-        self._aliased = [buf.dtype == torch.float32 for buf in self.ddp.buffers]
+        self._places = self._place_views(decay_runs)
         self._fused = self._fused_groups(decay_runs) if self._use_fused() else None
         if self.cfg.name == "muon":
             self._build_muon_adamw_views()
+
+    def _place_views(self, decay_runs) -> list[dict]:
+        """The update's views per place (device segments, then offloaded ones): ``mains``,
+        ``grads`` (the host copies when offloaded), ``state`` (per state name), ``decay`` and
+        ``decay_grads``. One foreach call never mixes host and device tensors."""
+        out = []
+        for host in (False, True):
+            segs = [(k, sg) for k, sg in enumerate(self.segments) if (sg.host_grad is not None) == host]
+            if not segs:
+                continue
+            grad = {k: (sg.host_grad if host else sg.grad) for k, sg in segs}
+            decay = [(k, a, b) for k, a, b in decay_runs if k in grad]
+            out.append({"mains": [sg.main for _, sg in segs], "grads": [grad[k] for k, _ in segs],
+                        "state": [[sg.state[n] for _, sg in segs] for n in self.state_names],
+                        "decay": [self.segments[k].main[a:b] for k, a, b in decay],
+                        "decay_grads": [grad[k][a:b] for k, a, b in decay]})
+        return out
 
     def _build_muon_adamw_views(self) -> None:
         """Under Muon, AdamW steps the runs of the other params (:func:`muon.uses_muon`)."""
@@ -242,7 +274,8 @@ class Optimizer:
 
     def _use_fused(self) -> bool:
         impl = self.cfg.adam_impl
-        if self.cfg.name != "adamw" or impl == "foreach" or self._low_precision_state():
+        if self.cfg.name != "adamw" or impl == "foreach" or self._low_precision_state() \
+                or any(sg.host_grad is not None for sg in self.segments):
             return False
         return impl == "fused" or self.ctx.device.type == "cuda"
 
@@ -356,29 +389,32 @@ class Optimizer:
 
     def _update(self) -> None:
         c = self.cfg
-        st = [[s.state[n] for s in self.segments] for n in self.state_names]
         if self._fused is not None:
             self._step_t.fill_(self.step_count)  # a host-to-device write, no sync
             fused_adamw_step(self._fused, self._step_t, lr=self.lr, beta1=c.adam_beta1,
                              beta2=c.adam_beta2, eps=c.adam_eps)
-        elif c.name == "adamw":
-            self._adamw(self._mains, self._grads, st[0], st[1])
-        elif c.name == "muon":
-            self._adamw(*self._adam_lists)
+            return
+        if c.name == "muon":
+            self._adamw(*self._adam_lists, self._decay_main)
             self._muon.step(self.lr)
-        else:
-            sgd_step(self._mains, self._grads, st[0] if st else [], self._decay_main,
-                     self._decay_grad, step=self.step_count, lr=self.lr, momentum=c.sgd_momentum,
-                     weight_decay=c.weight_decay)
+            return
+        copy_grads_to_host(self.segments)
+        for pl in self._places:
+            if c.name == "adamw":
+                self._adamw(pl["mains"], pl["grads"], *pl["state"], pl["decay"])
+            else:
+                sgd_step(pl["mains"], pl["grads"], pl["state"][0] if pl["state"] else [], pl["decay"],
+                         pl["decay_grads"], step=self.step_count, lr=self.lr, momentum=c.sgd_momentum,
+                         weight_decay=c.weight_decay)
 
-    def _adamw(self, mains, grads, exp_avgs, exp_avg_sqs) -> None:
-        """AdamW on matching views, decaying ``self._decay_main``. Moments stored in bf16
+    def _adamw(self, mains, grads, exp_avgs, exp_avg_sqs, decay) -> None:
+        """AdamW on matching views, decaying ``decay`` (sub-views of ``mains``). Moments stored in bf16
         (``optimizer.exp_avg_dtype`` / ``exp_avg_sq_dtype``, Megatron's precision-aware optimizer)
         are stepped in fp32, one view at a time (so the fp32 copies are one bucket shard at most),
         and rounded back to their dtype."""
         c = self.cfg
-        if c.weight_decay and self._decay_main:
-            torch._foreach_mul_(self._decay_main, 1.0 - self.lr * c.weight_decay)
+        if c.weight_decay and decay:
+            torch._foreach_mul_(decay, 1.0 - self.lr * c.weight_decay)
         kw = dict(step=self.step_count, lr=self.lr, beta1=c.adam_beta1, beta2=c.adam_beta2, eps=c.adam_eps,
                   weight_decay=0.0)
         if not self._low_precision_state():
@@ -394,8 +430,8 @@ class Optimizer:
         """Copy main weights into the params (cast) and, with ZeRO-1/2, all-gather them (ZeRO-3
         gathers each unit at its next use)."""
         for seg in self.segments:
-            if not self._aliased[seg.buffer]:
-                seg.param.copy_(seg.main)
+            if not seg.aliased:  # host to device when offloaded, overlapping the next copies
+                seg.param.copy_(seg.main, non_blocking=seg.host_grad is not None)
         if self.ddp.zero in (1, 2):
             gather_params(self.ddp)
 
