@@ -37,3 +37,56 @@ def perturb_1d_params_(chunks, seed: int = 11) -> None:
                 full = 0.1 * torch.randn(p.shard.global_shape, generator=g)
                 with torch.no_grad():
                     p.add_(full[p.shard.slices()].to(p.dtype))
+
+
+def train_for_parity(cfg: Config, ctx, steps: int, seed: int = 50) -> dict:
+    """Train ``cfg`` through the real stack (DDP / ZeRO, the pipeline runtime, the training step)
+    for ``steps`` steps, each on a fresh random global batch of ``train.global_batch_size`` samples
+    of which this rank takes its DP share in microbatches of ``train.micro_batch_size``; the same
+    samples on every layout. Norm weights and biases are perturbed first
+    (:func:`perturb_1d_params_`). Returns ``{"params": {logical name: (this rank's slice, its
+    index in the full tensor)}, "losses": [one per step]}`` for a comparison against one process."""
+    from paratron.checkpoint.manager import copy_params_into_main
+    from paratron.training.data_iter import microbatch_preparer
+    from paratron.training.runner import build_model_and_optimizer
+    from paratron.training.step import run_global_batch
+
+    torch.manual_seed(0)
+    chunks, ddp, optimizer, _ = build_model_and_optimizer(cfg, ctx)
+    with ddp.full_params():
+        perturb_1d_params_(chunks)
+    copy_params_into_main(chunks, optimizer)
+    gbs, mbs, m = cfg.train.global_batch_size, cfg.train.micro_batch_size, cfg.model
+    rows, r = gbs // ctx.dp.size, ctx.dp.rank
+    losses = []
+    prepare = microbatch_preparer(cfg, ctx, eod=0)  # this CP rank's chunks of each sequence
+    for step in range(steps):
+        g = torch.Generator().manual_seed(seed + step)
+        ids = torch.randint(0, m.vocab_size, (gbs, m.seq_length + 1), generator=g)[r * rows:(r + 1) * rows]
+        microbatches = [prepare({"tokens": ids[i:i + mbs, :-1], "labels": ids[i:i + mbs, 1:]})
+                        for i in range(0, rows, mbs)]
+        optimizer.zero_grad()
+        out = run_global_batch(cfg, ctx, chunks, microbatches, forward_only=False,
+                               loss_scale=optimizer.loss_scale, ddp=ddp)
+        optimizer.step()
+        losses.append(out.loss)
+    params = {}
+    with ddp.full_params():
+        for c in chunks:
+            for p in c.parameters():
+                params[p.logical_name] = (p.shard.valid(p).detach().clone(), p.shard.slices())
+    return {"params": params, "losses": losses}
+
+
+def assert_parity(results: list[dict], ref: dict, tol: float, name: str) -> None:
+    """Every rank's params of :func:`train_for_parity` match one process's ``ref`` to ``tol``
+    (absolute and relative), the losses too, and together the ranks hold every param of ``ref``."""
+    seen = set()
+    for res in results:
+        for n, (p, slices) in res["params"].items():
+            torch.testing.assert_close(p, ref["params"][n][0][slices], rtol=tol, atol=tol,
+                                       msg=lambda m: f"{name} param {n}: {m}")
+            seen.add(n)
+        for loss, want in zip(res["losses"], ref["losses"], strict=True):
+            assert abs(loss - want) <= tol * max(1.0, abs(want)), f"{name}: loss {loss} vs {want}"
+    assert seen == set(ref["params"]), f"{name}: params held by no rank: {set(ref['params']) - seen}"

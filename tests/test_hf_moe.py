@@ -63,21 +63,32 @@ def _paratron_logits(cfg, tensors, ids, ctx) -> torch.Tensor:
         return full_logits(model.eval()(ids), ctx, cfg.vocab_size)
 
 
-def test_moe_logits_match_and_round_trip(hf_moe, tmp_path):
-    kind, path, model = hf_moe
+def assert_round_trip(model, path, out, check=lambda cfg, tensors: None) -> None:
+    """``path`` (saved from ``model``) imports to logits within TOL of transformers'; its export
+    to ``out`` loads back in transformers as the same class with those logits, and imports again
+    to the same config and tensors. ``check(cfg, tensors)`` looks at the import first."""
     ids = _ids()
     ref = _hf_logits(model, ids)
     cfg, tensors = hf_to_paratron(path)
-    assert cfg.num_experts == 4 and (cfg.moe_shared_expert_gate == (kind == "qwen2_moe"))
+    check(cfg, tensors)
     ours = _paratron_logits(cfg, tensors, ids, ParallelContext.single())
     assert (ours - ref).abs().max().item() < TOL
-    paratron_to_hf(cfg, tensors, tmp_path / "out")
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    paratron_to_hf(cfg, tensors, out)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     assert type(reloaded) is type(model)
     assert (_hf_logits(reloaded, ids) - ref).abs().max().item() < TOL
-    cfg2, tensors2 = hf_to_paratron(tmp_path / "out")
+    cfg2, tensors2 = hf_to_paratron(out)
     assert cfg2 == cfg and tensors2.keys() == tensors.keys()
     assert all(torch.equal(tensors[k], tensors2[k]) for k in tensors)
+
+
+def test_moe_logits_match_and_round_trip(hf_moe, tmp_path):
+    kind, path, model = hf_moe
+
+    def check(cfg, tensors):
+        assert cfg.num_experts == 4 and (cfg.moe_shared_expert_gate == (kind == "qwen2_moe"))
+
+    assert_round_trip(model, path, tmp_path / "out", check)
 
 
 def _ep_rank(path, ids):

@@ -3,8 +3,8 @@
     paratron convert hf-to-paratron SRC_DIR DST_DIR [--config run.toml] [--set section.key=value ...]
     paratron convert paratron-to-hf SRC_DIR DST_DIR [--step N]
 
-``hf-to-paratron`` reads a ``LlamaForCausalLM``, ``GPT2LMHeadModel``, ``MixtralForCausalLM`` or
-``Qwen2MoeForCausalLM`` folder (config.json and
+``hf-to-paratron`` reads a ``LlamaForCausalLM``, ``GPT2LMHeadModel``, ``MixtralForCausalLM``,
+``Qwen2MoeForCausalLM``, ``Qwen3ForCausalLM`` or ``Qwen3MoeForCausalLM`` folder (config.json and
 safetensors) and writes a layout-free paratron checkpoint directory (loadable under any TP/PP
 layout); the run sections other than ``[model]`` come from ``--config`` (default: the defaults),
 with ``--set`` overrides on top. A ``tokenizer.json`` next to the weights is copied and selected
@@ -63,8 +63,10 @@ def _paratron_to_hf(args) -> str:
     out = paratron_to_hf(cfg.model, tensors, args.dst)
     _export_tokenizer(cfg, out)
     from paratron.checkpoint.hf_moe import FAMILIES
+    from paratron.checkpoint.hf_qwen3 import FAMILIES as QWEN3_FAMILIES
 
-    arch = {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel", **FAMILIES}[hf_architecture_for(cfg.model)]
+    arch = {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel", **FAMILIES,
+            **QWEN3_FAMILIES}[hf_architecture_for(cfg.model)]
     return f"{len(tensors)} tensors as a {cfg.model.num_layers}-layer {arch}"
 
 

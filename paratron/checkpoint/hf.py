@@ -1,7 +1,8 @@
 """Hugging Face import and export for ``LlamaForCausalLM`` and ``GPT2LMHeadModel`` folders
 (``config.json`` plus ``model.safetensors`` or a sharded ``model.safetensors.index.json``), and
 through :mod:`.hf_moe` the MoE families ``MixtralForCausalLM`` and ``Qwen2MoeForCausalLM``
-(Llama blocks with MoE MLPs).
+(Llama blocks with MoE MLPs), and through :mod:`.hf_qwen3` ``Qwen3ForCausalLM`` and
+``Qwen3MoeForCausalLM`` (Llama blocks with QK-norm; MoE MLPs).
 
 Both directions work on *full* logical tensors keyed by paratron's layout-independent names
 (``layers.3.attention.qkv.weight``, ...), so an imported model loads into any TP/PP layout with
@@ -29,6 +30,8 @@ from pathlib import Path
 import torch
 
 from paratron.config import ConfigError, ModelConfig, model_shape
+
+from . import hf_qwen3
 
 Tensors = dict[str, torch.Tensor]
 
@@ -86,7 +89,7 @@ def _architecture(hf: dict, where: str) -> str:
 
     kind = hf.get("model_type")
     archs = hf.get("architectures") or []
-    family = moe_family(hf, where)
+    family = hf_qwen3.qwen3_family(hf) or moe_family(hf, where)
     if family is not None:
         return family
     if kind == "llama" or "LlamaForCausalLM" in archs:
@@ -94,15 +97,16 @@ def _architecture(hf: dict, where: str) -> str:
     if kind == "gpt2" or "GPT2LMHeadModel" in archs:
         return "gpt2"
     raise ConfigError(f"{where}: model_type={kind!r}, architectures={archs}: supported: LlamaForCausalLM, "
-                      "GPT2LMHeadModel, MixtralForCausalLM, Qwen2MoeForCausalLM")
+                      "GPT2LMHeadModel, MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3ForCausalLM, "
+                      "Qwen3MoeForCausalLM")
 
 
 def _llama_config(hf: dict, where: str) -> ModelConfig:
     heads = hf["num_attention_heads"]
     hidden = hf["hidden_size"]
-    if hf.get("head_dim") not in (None, hidden // heads):
-        raise ConfigError(f"{where}: head_dim={hf['head_dim']} differs from hidden_size/num_attention_heads="
-                          f"{hidden // heads}; paratron derives the head dim from hidden_size")
+    # An explicit head_dim (Qwen3: 128 at h=1024 with 16 heads) is model.kv_channels.
+    head_dim = hf.get("head_dim")
+    kv_channels = None if head_dim is None or (head_dim * heads == hidden) else int(head_dim)
     if hf.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"{where}: hidden_act={hf['hidden_act']!r}; Llama import supports 'silu' (SwiGLU)")
     if bool(hf.get("attention_bias", False)) != bool(hf.get("mlp_bias", False)):
@@ -116,7 +120,8 @@ def _llama_config(hf: dict, where: str) -> ModelConfig:
     max_pos = hf.get("max_position_embeddings", 2048)
     return ModelConfig(
         num_layers=hf["num_hidden_layers"], hidden_size=hidden, num_attention_heads=heads,
-        num_query_groups=hf.get("num_key_value_heads") or heads, ffn_hidden_size=hf["intermediate_size"],
+        num_query_groups=hf.get("num_key_value_heads") or heads, kv_channels=kv_channels,
+        ffn_hidden_size=hf["intermediate_size"],
         vocab_size=hf["vocab_size"], seq_length=max_pos, max_position_embeddings=max_pos,
         normalization="rmsnorm", norm_epsilon=float(hf.get("rms_norm_eps", 1e-6)),
         position_embedding_type="rope", rope_theta=float(theta), activation="swiglu",
@@ -174,7 +179,9 @@ def _llama_tensors(cfg: ModelConfig, src: Tensors, where: str, family: str = "ll
             out[f"{p}.attention.qkv.{kind}"] = fuse_qkv(q, k, v, heads, groups)
         for kind in _kinds(cfg.add_bias_linear):
             out[f"{p}.attention.proj.{kind}"] = _take(src, f"{h}.self_attn.o_proj.{kind}", where)
-        if family != "llama":
+        if cfg.qk_layernorm:
+            out.update(hf_qwen3.import_qk_norm(cfg, lambda name: _take(src, name, where), h, p))
+        if model_shape.is_moe_layer(cfg, i):
             from .hf_moe import import_moe_mlp
 
             out.update(import_moe_mlp(cfg, family, lambda name: _take(src, name, where), h, p))
@@ -214,7 +221,7 @@ def _gpt2_tensors(cfg: ModelConfig, src: Tensors, where: str) -> Tensors:
 
 def hf_config_to_model(hf: dict, where: str = "config.json") -> ModelConfig:
     """A :class:`ModelConfig` from a Hugging Face ``config.json`` dict (Llama, GPT-2, Mixtral,
-    Qwen2-MoE).
+    Qwen2-MoE, Qwen3, Qwen3-MoE).
 
     Raises:
         ConfigError: another architecture, or a feature paratron does not model (named).
@@ -225,14 +232,16 @@ def hf_config_to_model(hf: dict, where: str = "config.json") -> ModelConfig:
     cfg = _llama_config(hf, where)
     if arch == "llama":
         return cfg
+    if arch in hf_qwen3.FAMILIES:
+        return hf_qwen3.qwen3_config(cfg, hf, arch, where)
     from .hf_moe import moe_config
 
     return moe_config(cfg, hf, arch, where)
 
 
 def hf_to_paratron(hf_dir: str | Path) -> tuple[ModelConfig, Tensors]:
-    """Read a Hugging Face ``LlamaForCausalLM``, ``GPT2LMHeadModel``, ``MixtralForCausalLM`` or
-    ``Qwen2MoeForCausalLM`` folder.
+    """Read a Hugging Face ``LlamaForCausalLM``, ``GPT2LMHeadModel``, ``MixtralForCausalLM``,
+    ``Qwen2MoeForCausalLM``, ``Qwen3ForCausalLM`` or ``Qwen3MoeForCausalLM`` folder.
 
     Returns:
         ``(model config, {logical name: full tensor})``, tensors in the checkpoint's dtype.
@@ -240,7 +249,8 @@ def hf_to_paratron(hf_dir: str | Path) -> tuple[ModelConfig, Tensors]:
         FileNotFoundError: no config.json or safetensors file.
         ConfigError: an unsupported architecture or feature (DeepSeek's MLA included).
         KeyError: a tensor the config calls for is missing.
-        ValueError: the checkpoint holds tensors this mapping does not know (named).
+        ValueError: the checkpoint holds tensors this mapping does not know (named), or a QK-norm
+            weight is not ``head_dim`` wide.
     """
     hf_dir = Path(hf_dir)
     cfg_path = hf_dir / "config.json"
@@ -268,12 +278,14 @@ def hf_to_paratron(hf_dir: str | Path) -> tuple[ModelConfig, Tensors]:
 # Writing a Hugging Face folder
 # ------------------------------------------------------------------------------------------
 def hf_architecture_for(cfg: ModelConfig) -> str:
-    """``"llama"``, ``"gpt2"``, ``"mixtral"`` or ``"qwen2_moe"``: the Hugging Face architecture
-    that computes exactly this model.
+    """``"llama"``, ``"gpt2"``, ``"mixtral"``, ``"qwen2_moe"``, ``"qwen3"`` or ``"qwen3_moe"``: the
+    Hugging Face architecture that computes exactly this model (QK-norm: a Qwen3 family).
 
     Raises:
         ConfigError: no supported architecture matches; the message names the fields.
     """
+    if cfg.qk_layernorm:
+        return hf_qwen3.export_family(cfg)
     if cfg.num_experts > 0:
         from .hf_moe import export_family
 
@@ -312,6 +324,8 @@ def _llama_export(cfg: ModelConfig, t: Tensors, family: str = "llama") -> tuple[
           "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": cfg.add_bias_linear,
           "mlp_bias": cfg.add_bias_linear, "attention_dropout": cfg.attention_dropout,
           "initializer_range": cfg.init_method_std}
+    if family in hf_qwen3.FAMILIES:
+        hf_qwen3.export_config(cfg, hf, family)
     out = {"model.embed_tokens.weight": t["embedding.word_embeddings.weight"], "model.norm.weight": t["final_norm.weight"]}
     if not cfg.tie_embeddings:
         out["lm_head.weight"] = t["output_layer.weight"]
@@ -325,7 +339,9 @@ def _llama_export(cfg: ModelConfig, t: Tensors, family: str = "llama") -> tuple[
                         f"{h}.self_attn.v_proj.{kind}": v})
         for kind in _kinds(cfg.add_bias_linear):
             out[f"{h}.self_attn.o_proj.{kind}"] = t[f"{p}.attention.proj.{kind}"]
-        if family != "llama":
+        if cfg.qk_layernorm:
+            out.update(hf_qwen3.export_qk_norm(t, h, p))
+        if model_shape.is_moe_layer(cfg, i):
             from .hf_moe import export_moe
 
             out.update(export_moe(cfg, family, hf, t, h, p))
@@ -366,8 +382,8 @@ def _gpt2_export(cfg: ModelConfig, t: Tensors) -> tuple[dict, Tensors]:
 
 def paratron_to_hf(cfg: ModelConfig, tensors: Tensors, out_dir: str | Path) -> Path:
     """Write ``config.json`` and ``model.safetensors`` that ``transformers`` loads as
-    ``LlamaForCausalLM``, ``GPT2LMHeadModel``, ``MixtralForCausalLM`` or ``Qwen2MoeForCausalLM``
-    (chosen by :func:`hf_architecture_for`).
+    ``LlamaForCausalLM``, ``GPT2LMHeadModel``, ``MixtralForCausalLM``, ``Qwen2MoeForCausalLM``,
+    ``Qwen3ForCausalLM`` or ``Qwen3MoeForCausalLM`` (chosen by :func:`hf_architecture_for`).
 
     Args:
         cfg: the model config (``vocab_size`` set).

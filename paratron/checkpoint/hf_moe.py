@@ -1,4 +1,5 @@
-"""Hugging Face mixture-of-experts families: ``MixtralForCausalLM`` and ``Qwen2MoeForCausalLM``.
+"""Hugging Face mixture-of-experts families: ``MixtralForCausalLM`` and ``Qwen2MoeForCausalLM``
+(and the MoE blocks of ``Qwen3MoeForCausalLM``, whose other fields :mod:`.hf_qwen3` maps).
 
 Their attention, norms, RoPE and embeddings are Llama's (:mod:`.hf` maps those); this module maps
 the config's MoE fields and the MoE blocks, in the per-expert layout transformers writes to disk:
@@ -28,7 +29,8 @@ from paratron.config import ConfigError, ModelConfig, model_shape
 
 Tensors = dict[str, torch.Tensor]
 FAMILIES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
-_EXPERT_NAMES = {"mixtral": ("w1", "w3", "w2"), "qwen2_moe": ("gate_proj", "up_proj", "down_proj")}
+_EXPERT_NAMES = {"mixtral": ("w1", "w3", "w2"), "qwen2_moe": ("gate_proj", "up_proj", "down_proj"),
+                 "qwen3_moe": ("gate_proj", "up_proj", "down_proj")}  # Qwen3-MoE: see .hf_qwen3
 
 
 def moe_family(hf: dict, where: str) -> str | None:
@@ -91,21 +93,31 @@ def import_moe_mlp(cfg: ModelConfig, family: str, take: Callable[[str], torch.Te
     return out
 
 
+def moe_export_problems(cfg: ModelConfig) -> list[str]:
+    """What keeps an MoE model from every softmax-routed Hugging Face family (Mixtral, Qwen2-MoE,
+    Qwen3-MoE), one entry per field; empty when nothing does."""
+    rules = [(cfg.moe_router_score == "softmax", f"model.moe_router_score={cfg.moe_router_score!r} (softmax)"),
+             (not cfg.add_bias_linear, "model.add_bias_linear=true (no MLP/output biases)"),
+             (cfg.moe_capacity_factor is None, "model.moe_capacity_factor set (dropless only)"),
+             (not cfg.moe_router_enable_expert_bias and cfg.moe_router_num_groups is None,
+              "expert bias / group-limited routing"),
+             (cfg.moe_router_topk_scaling_factor is None, "model.moe_router_topk_scaling_factor set (none)"),
+             (cfg.activation == "swiglu" and cfg.normalization == "rmsnorm" and cfg.position_embedding_type == "rope",
+              "Llama-style blocks (swiglu, rmsnorm, rope)")]
+    return [why for ok, why in rules if not ok]
+
+
 def export_family(cfg: ModelConfig) -> str:
-    """The Hugging Face MoE family that computes exactly this model.
+    """The Hugging Face MoE family without QK-norm (Mixtral, Qwen2-MoE) that computes exactly
+    this model.
 
     Raises:
         ConfigError: no family matches; the message names the fields.
     """
-    rules = [(cfg.moe_router_score == "softmax", f"model.moe_router_score={cfg.moe_router_score!r} (softmax)"),
-             (not cfg.add_bias_linear, "model.add_bias_linear=true (no MLP/output biases)"),
-             (cfg.moe_layer_freq == 1, f"model.moe_layer_freq={cfg.moe_layer_freq} (every layer MoE)"),
-             (cfg.moe_capacity_factor is None, "model.moe_capacity_factor set (dropless only)"),
-             (not cfg.moe_router_enable_expert_bias and cfg.moe_router_num_groups is None,
-              "expert bias / group-limited routing"),
-             (cfg.activation == "swiglu" and cfg.normalization == "rmsnorm" and cfg.position_embedding_type == "rope",
-              "Llama-style blocks (swiglu, rmsnorm, rope)")]
-    broken = [why for ok, why in rules if not ok]
+    broken = moe_export_problems(cfg)
+    if cfg.moe_layer_freq != 1 or cfg.first_k_dense_replace:
+        broken.append(f"model.moe_layer_freq={cfg.moe_layer_freq}, model.first_k_dense_replace="
+                      f"{cfg.first_k_dense_replace} (every layer MoE)")
     if broken:
         raise ConfigError(f"MoE export needs: {'; '.join(broken)}")
     if cfg.moe_shared_expert_ffn_hidden_size and cfg.moe_shared_expert_gate:
@@ -120,18 +132,18 @@ def export_family(cfg: ModelConfig) -> str:
 def export_moe(cfg: ModelConfig, family: str, hf: dict, t: Tensors, h: str, p: str) -> Tensors:
     """Layer ``p``'s MoE tensors under Hugging Face names (inverse of :func:`import_moe_mlp`), and
     the family's config fields written into ``hf`` (the Llama-style dict)."""
-    hf.update(architectures=[FAMILIES[family]], model_type=family, num_experts_per_tok=cfg.moe_top_k,
-              router_aux_loss_coef=cfg.moe_aux_loss_coeff, output_router_logits=False)
+    block = f"{h}.block_sparse_moe" if family == "mixtral" else f"{h}.mlp"
+    if family in ("mixtral", "qwen2_moe"):  # Qwen3-MoE writes its fields in .hf_qwen3.export_config
+        hf.update(architectures=[FAMILIES[family]], model_type=family, num_experts_per_tok=cfg.moe_top_k,
+                  router_aux_loss_coef=cfg.moe_aux_loss_coeff, output_router_logits=False)
     if family == "mixtral":
         hf.update(num_local_experts=cfg.num_experts, intermediate_size=t[f"{p}.mlp.experts.0.gate.weight"].shape[0],
                   sliding_window=None, router_jitter_noise=0.0)
-        block = f"{h}.block_sparse_moe"
-    else:
+    elif family == "qwen2_moe":
         hf.update(num_experts=cfg.num_experts, moe_intermediate_size=t[f"{p}.mlp.experts.0.gate.weight"].shape[0],
                   shared_expert_intermediate_size=cfg.moe_shared_expert_ffn_hidden_size, decoder_sparse_step=1,
                   mlp_only_layers=[], norm_topk_prob=cfg.moe_router_norm_topk_prob, use_sliding_window=False,
                   qkv_bias=model_shape.qkv_bias(cfg))
-        block = f"{h}.mlp"
     out = {f"{block}.gate.weight": t[f"{p}.mlp.router.weight"]}
     for e in range(cfg.num_experts):
         for ours, theirs in zip(("gate", "up", "fc2"), _EXPERT_NAMES[family]):

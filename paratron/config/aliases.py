@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import ast
 from pathlib import Path
 
 from .errors import ConfigError
 from .loading import load_config
+from .model_shape import moe_layer_fields
 from .sections import Config
 
 
@@ -53,6 +55,21 @@ MEGATRON_ALIASES: dict[str, str] = {
     "--load": "checkpoint.load",
     "--save-interval": "checkpoint.interval",
     "--log-interval": "logging.log_interval",
+    "--profile-ranks": "train.profile_ranks",
+    "--wandb-project": "train.wandb_project",
+    "--wandb-exp-name": "train.wandb_exp_name",
+    # DeepSeek-V3 routing and Qwen3 attention (Megatron-Core's MoE and attention flags)
+    "--kv-channels": "model.kv_channels",
+    "--moe-router-score-function": "model.moe_router_score",
+    "--moe-router-topk-scaling-factor": "model.moe_router_topk_scaling_factor",
+    "--moe-router-num-groups": "model.moe_router_num_groups",
+    "--moe-router-group-topk": "model.moe_router_group_topk",
+    "--moe-router-bias-update-rate": "model.moe_router_bias_update_rate",
+    "--moe-layer-freq": "model.moe_layer_freq",
+    "--moe-ffn-hidden-size": "model.moe_ffn_hidden_size",
+    "--moe-shared-expert-intermediate-size": "model.moe_shared_expert_ffn_hidden_size",
+    "--moe-aux-loss-coeff": "model.moe_aux_loss_coeff",
+    "--moe-z-loss-coeff": "model.moe_z_loss_coeff",
 }
 """Megatron-LM flag -> paratron key, for flags that take a value."""
 
@@ -69,9 +86,28 @@ MEGATRON_SWITCHES: dict[str, tuple[str, str]] = {
     "--disable-bias-linear": ("model.add_bias_linear", "false"),
     "--deterministic-mode": ("train.deterministic", "true"),
     "--overlap-moe-expert-parallel-comm": ("parallel.overlap_moe_expert_parallel_comm", "true"),
+    # Both turn on train.profile_steps (torch.profiler; paratron has no nsys mode).
+    "--profile": ("_profile", "true"),
+    "--use-pytorch-profiler": ("_profile", "true"),
+    "--qk-layernorm": ("model.qk_layernorm", "true"),
+    "--moe-router-enable-expert-bias": ("model.moe_router_enable_expert_bias", "true"),
     "--muon-no-split-qkv": ("optimizer.muon_split_qkv", "false"),
 }
 """Megatron-LM flags without a value -> (paratron key, value)."""
+
+DERIVED_ALIASES: dict[str, str] = {
+    "--num-layers-per-virtual-pipeline-stage": "_layers_per_virtual_stage",
+    "--profile-step-start": "_profile_step_start",
+    "--profile-step-end": "_profile_step_end",
+}
+"""Megatron-LM flags whose paratron value is derived after the other overrides
+(:func:`finish_aliases`), passed on as ``_name=value``."""
+
+MULTI_VALUE = ("--data-path", "--profile-ranks")
+"""Flags that take several values (Megatron's ``nargs='+'``)."""
+
+MEGATRON_PROFILE_STEPS = (10, 12)
+"""Megatron's ``--profile-step-start`` / ``--profile-step-end`` defaults."""
 
 
 def megatron_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -88,19 +124,21 @@ def megatron_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
     while i < len(argv):
         a = argv[i]
         flag, eq, inline = a.partition("=")
-        if flag in MEGATRON_ALIASES or flag == "--num-layers-per-virtual-pipeline-stage":
+        if flag in MEGATRON_ALIASES or flag in DERIVED_ALIASES:
             values = [inline] if eq else []
             j = i + 1
             if not eq:
-                # --data-path takes several values (weights and prefixes), the rest one.
+                # --data-path (weights and prefixes) and --profile-ranks take several values, the rest one.
                 while j < len(argv) and not argv[j].startswith("--"):
                     values.append(argv[j])
                     j += 1
-                    if flag != "--data-path":
+                    if flag not in MULTI_VALUE:
                         break
             if not values:
                 raise ConfigError(f"{flag} needs a value")
-            key = MEGATRON_ALIASES.get(flag, "_layers_per_virtual_stage")
+            key = MEGATRON_ALIASES.get(flag) or DERIVED_ALIASES[flag]
+            if flag == "--moe-layer-freq" and not values[0].strip().isdigit():
+                key = "_moe_layer_pattern"  # Megatron's per-layer list, e.g. ([0]*1+[1]*3)
             out.append(f"{key}={' '.join(values)}")
             i = j
         elif flag in MEGATRON_SWITCHES:
@@ -113,12 +151,68 @@ def megatron_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
     return out, rest
 
 
+def _profile_steps(cfg: Config, given: dict[str, str]) -> None:
+    """``train.profile_steps`` from Megatron's profiler flags. Megatron's torch profiler is
+    active for ``end - start`` steps from ``start`` (a half-open range), so ``[start, end - 1]``
+    here, with its defaults for a flag left out."""
+    if not given:
+        return
+    try:
+        start = int(given.get("_profile_step_start", MEGATRON_PROFILE_STEPS[0]))
+        end = int(given.get("_profile_step_end", MEGATRON_PROFILE_STEPS[1]))
+    except ValueError:
+        raise ConfigError(f"--profile-step-start/--profile-step-end must be integers, got {given}") from None
+    if end <= start or start < 1:
+        raise ConfigError(f"--profile-step-start={start} --profile-step-end={end}: need 1 <= start < end "
+                          "(the profiler runs steps start .. end-1)")
+    cfg.train.profile_steps = [start, end - 1]
+
+
+def _pattern_values(node: ast.AST, text: str) -> list[int]:
+    """The list an expression of list literals of ints, ``*`` by an int and ``+`` stands for."""
+    if isinstance(node, ast.List) and all(isinstance(e, ast.Constant) and type(e.value) is int for e in node.elts):
+        return [e.value for e in node.elts]
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        return _pattern_values(node.left, text) + _pattern_values(node.right, text)
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult) and isinstance(node.right, ast.Constant) \
+            and type(node.right.value) is int:
+        return _pattern_values(node.left, text) * node.right.value
+    raise ConfigError(f"--moe-layer-freq={text!r}: expected an integer or a list such as ([0]*1+[1]*3)")
+
+
+def moe_layer_pattern(text: str, num_layers: int) -> tuple[int, int]:
+    """Megatron's ``--moe-layer-freq`` list (1 = MoE layer, 0 = dense, one entry per layer) as
+    ``(first_k_dense_replace, moe_layer_freq)``: layer ``i`` is MoE iff ``i >= first_k`` and
+    ``i % freq == 0`` (:func:`paratron.config.model_shape.is_moe_layer`).
+
+    Raises:
+        ConfigError: not such a list, a length other than ``num_layers``, or a pattern those two
+            fields cannot express.
+    """
+    try:
+        values = _pattern_values(ast.parse(text.strip(), mode="eval").body, text)
+    except SyntaxError:
+        raise ConfigError(f"--moe-layer-freq={text!r}: expected an integer or a list such as ([0]*1+[1]*3)") from None
+    if len(values) != num_layers or set(values) - {0, 1}:
+        raise ConfigError(f"--moe-layer-freq={text!r}: needs one 0 or 1 per layer (model.num_layers={num_layers})")
+    fields = moe_layer_fields([bool(v) for v in values])
+    if fields is not None:
+        return fields
+    raise ConfigError(f"--moe-layer-freq={text!r}: paratron expresses MoE layers as the layers i >= "
+                      "model.first_k_dense_replace with i % model.moe_layer_freq == 0; this list is not of that form")
+
+
 def finish_aliases(cfg: Config, overrides: list[str]) -> list[str]:
-    """Resolve the derived alias ``_layers_per_virtual_stage`` against ``cfg``; return the rest."""
-    plain = []
+    """Resolve the derived aliases (``_layers_per_virtual_stage``, ``_moe_layer_pattern``, the
+    profiler's steps) against ``cfg``; return the rest."""
+    plain, profile = [], {}
     for item in overrides:
         k, _, v = item.partition("=")
-        if k == "_layers_per_virtual_stage":
+        if k.startswith("_profile"):
+            profile[k] = v
+        elif k == "_moe_layer_pattern":
+            cfg.model.first_k_dense_replace, cfg.model.moe_layer_freq = moe_layer_pattern(v, cfg.model.num_layers)
+        elif k == "_layers_per_virtual_stage":
             n = int(v)
             stages = cfg.parallel.pipeline * n
             if n < 1 or cfg.model.num_layers % stages:
@@ -130,6 +224,7 @@ def finish_aliases(cfg: Config, overrides: list[str]) -> list[str]:
                 cfg.parallel.schedule = "interleaved"
         else:
             plain.append(item)
+    _profile_steps(cfg, profile)
     return plain
 
 

@@ -17,7 +17,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from .errors import ConfigError
-from .sections import SECTIONS, Config
+from .sections import KEY_ALIASES, SECTIONS, Config
 
 
 # ------------------------------------------------------------------------------------------
@@ -81,7 +81,8 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
 
 
 def set_value(cfg: Config, dotted: str, value: Any) -> None:
-    """Set ``section.key`` to ``value``, converted to the field's type.
+    """Set ``section.key`` (or a Megatron-Core name of :data:`~.sections.KEY_ALIASES`) to
+    ``value``, converted to the field's type.
 
     Raises:
         ConfigError: unknown section or key (with a did-you-mean), or a value of the wrong type.
@@ -89,7 +90,7 @@ def set_value(cfg: Config, dotted: str, value: Any) -> None:
     if "." not in dotted:
         raise ConfigError(f"override {dotted!r} must look like section.key=value, "
                           f"with section one of {', '.join(SECTIONS)}")
-    section, key = dotted.split(".", 1)
+    section, key = KEY_ALIASES.get(dotted, dotted).split(".", 1)
     if section not in SECTIONS:
         raise ConfigError(f"unknown config section {section!r}{_did_you_mean(section, SECTIONS)}")
     types_ = _section_types(section)

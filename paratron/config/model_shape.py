@@ -15,8 +15,8 @@ LLAMA_FFN_MULTIPLE_OF = 256
 
 
 def head_dim(cfg: ModelConfig) -> int:
-    """Width of one attention head: ``hidden_size / num_attention_heads``."""
-    return cfg.hidden_size // cfg.num_attention_heads
+    """Width of one attention head: ``kv_channels``, else ``hidden_size / num_attention_heads``."""
+    return cfg.kv_channels if cfg.kv_channels is not None else cfg.hidden_size // cfg.num_attention_heads
 
 
 def query_groups(cfg: ModelConfig) -> int:
@@ -50,8 +50,25 @@ def max_positions(cfg: ModelConfig) -> int:
 
 
 def is_moe_layer(cfg: ModelConfig, layer: int) -> bool:
-    """Whether global layer ``layer`` (0-based) holds an MoE MLP: ``layer % moe_layer_freq == 0``."""
-    return cfg.num_experts > 0 and layer % cfg.moe_layer_freq == 0
+    """Whether global layer ``layer`` (0-based) holds an MoE MLP: ``layer >= first_k_dense_replace``
+    and ``layer % moe_layer_freq == 0`` (the rule of DeepSeek-V3's Hugging Face port)."""
+    return moe_at(layer, cfg.num_experts, cfg.moe_layer_freq, cfg.first_k_dense_replace)
+
+
+def moe_at(layer: int, num_experts: int, freq: int, first_dense: int) -> bool:
+    """:func:`is_moe_layer` on the bare sizes (the planner keeps them without the config)."""
+    return num_experts > 0 and layer >= first_dense and layer % freq == 0
+
+
+def moe_layer_fields(moe: list[bool]) -> tuple[int, int] | None:
+    """``(first_k_dense_replace, moe_layer_freq)`` that make exactly the layers flagged in ``moe``
+    (one flag per layer) MoE layers under :func:`is_moe_layer`, or None when no such pair exists."""
+    n = len(moe)
+    for first in range(n + 1):
+        for freq in range(1, n + 1):
+            if all(flag == moe_at(i, 1, freq, first) for i, flag in enumerate(moe)):
+                return first, freq
+    return None
 
 
 def check_model(cfg: ModelConfig, tp: int) -> None:
@@ -82,9 +99,12 @@ def check_shape(cfg: ModelConfig, tp: int) -> None:
         if v < (0 if name == "num_layers" else 1):
             raise ConfigError(f"model.{name}={v} must be a positive integer")
     heads, groups = cfg.num_attention_heads, query_groups(cfg)
-    if cfg.hidden_size % heads:
+    if cfg.kv_channels is not None and cfg.kv_channels < 1:
+        raise ConfigError(f"model.kv_channels={cfg.kv_channels} must be a positive integer (or unset: "
+                          "hidden_size / num_attention_heads)")
+    if cfg.kv_channels is None and cfg.hidden_size % heads:
         raise ConfigError(f"model.hidden_size={cfg.hidden_size} is not divisible by "
-                          f"model.num_attention_heads={heads}")
+                          f"model.num_attention_heads={heads} (or set model.kv_channels, the head width)")
     if groups < 1 or heads % groups:
         raise ConfigError(f"model.num_attention_heads={heads} is not divisible by "
                           f"model.num_query_groups={groups}")
@@ -94,8 +114,9 @@ def check_shape(cfg: ModelConfig, tp: int) -> None:
         raise ConfigError(f"model.num_query_groups={groups} is not divisible by parallel.tensor={tp} "
                           "(each tensor-parallel rank holds whole KV groups)")
     if cfg.position_embedding_type == "rope" and head_dim(cfg) % 2:
-        raise ConfigError(f"RoPE needs an even head dim; model.hidden_size/model.num_attention_heads "
-                          f"= {head_dim(cfg)}")
+        where = "model.kv_channels" if cfg.kv_channels is not None else \
+            "model.hidden_size/model.num_attention_heads"
+        raise ConfigError(f"RoPE needs an even head dim; {where} = {head_dim(cfg)}")
     if ffn_size(cfg) % tp:
         raise ConfigError(f"model.ffn_hidden_size={ffn_size(cfg)} is not divisible by parallel.tensor={tp}")
     if cfg.position_embedding_type == "learned" and cfg.seq_length > max_positions(cfg):
@@ -110,16 +131,22 @@ def check_moe(cfg: ModelConfig, *, tp: int, ep: int, expert_tp: int) -> None:
     Raises:
         ConfigError: naming the field, value and rule: a negative expert count; expert parallelism
             without experts; experts not divisible by ``ep``; ``moe_top_k`` outside
-            ``[1, num_experts]``; ``moe_layer_freq < 1``; a capacity factor <= 0; padding to
+            ``[1, num_experts]``; ``moe_layer_freq < 1``; ``first_k_dense_replace`` negative, set
+            on a dense model, or leaving no MoE layer; a capacity factor <= 0; padding to
             capacity without a capacity factor; an expert width not divisible by ``expert_tp``; a
             shared-expert width not divisible by ``tp``; a rule of :func:`check_routing`.
     """
     E = cfg.num_experts
     if E < 0:
         raise ConfigError(f"model.num_experts={E} must be >= 0")
+    if cfg.first_k_dense_replace < 0:
+        raise ConfigError(f"model.first_k_dense_replace={cfg.first_k_dense_replace} must be >= 0")
     if E == 0:
         if ep > 1:
             raise ConfigError(f"parallel.expert={ep} needs model.num_experts > 0")
+        if cfg.first_k_dense_replace:
+            raise ConfigError(f"model.first_k_dense_replace={cfg.first_k_dense_replace} makes the first "
+                              "layers dense instead of MoE, but model.num_experts=0: every layer is dense")
         return
     if E % ep:
         raise ConfigError(f"model.num_experts={E} is not divisible by parallel.expert={ep}")
@@ -127,6 +154,10 @@ def check_moe(cfg: ModelConfig, *, tp: int, ep: int, expert_tp: int) -> None:
         raise ConfigError(f"model.moe_top_k={cfg.moe_top_k} must be in [1, model.num_experts={E}]")
     if cfg.moe_layer_freq < 1:
         raise ConfigError(f"model.moe_layer_freq={cfg.moe_layer_freq} must be >= 1")
+    if not any(is_moe_layer(cfg, i) for i in range(cfg.num_layers)):
+        raise ConfigError(f"model.first_k_dense_replace={cfg.first_k_dense_replace} with model.num_layers="
+                          f"{cfg.num_layers} and model.moe_layer_freq={cfg.moe_layer_freq} leaves no MoE layer "
+                          "(the first first_k_dense_replace layers are dense)")
     if cfg.moe_capacity_factor is not None and cfg.moe_capacity_factor <= 0:
         raise ConfigError(f"model.moe_capacity_factor={cfg.moe_capacity_factor} must be > 0 (or unset: dropless)")
     if cfg.moe_pad_to_capacity and cfg.moe_capacity_factor is None:
@@ -149,7 +180,7 @@ def check_routing(cfg: ModelConfig) -> None:
     """Rules of the router options (an MoE model, ``num_experts > 0``).
 
     Raises:
-        ConfigError: ``moe_router_bias_update_rate < 0``; only one of ``moe_router_num_groups`` /
+        ConfigError: ``moe_router_bias_update_rate < 0``; ``moe_router_topk_scaling_factor <= 0``; only one of ``moe_router_num_groups`` /
             ``moe_router_group_topk`` set; groups not dividing ``num_experts``; ``group_topk``
             outside ``[1, num_groups]`` or above ``moe_top_k`` (each chosen group contributes
             ``moe_top_k // group_topk`` scores to its group score); ``moe_top_k`` above the
@@ -157,6 +188,9 @@ def check_routing(cfg: ModelConfig) -> None:
     """
     if cfg.moe_router_bias_update_rate < 0:
         raise ConfigError(f"model.moe_router_bias_update_rate={cfg.moe_router_bias_update_rate} must be >= 0")
+    factor = cfg.moe_router_topk_scaling_factor
+    if factor is not None and not factor > 0:
+        raise ConfigError(f"model.moe_router_topk_scaling_factor={factor} must be > 0 (or unset: 1)")
     groups, gk = cfg.moe_router_num_groups, cfg.moe_router_group_topk
     if groups is None and gk is None:
         return

@@ -37,6 +37,12 @@ class ModelConfig:
     """Biases in the attention and MLP linears."""
     add_qkv_bias: Optional[bool] = None
     """Bias on the fused QKV projection; None follows ``add_bias_linear`` (Qwen2: only QKV)."""
+    kv_channels: Optional[int] = None
+    """Width of one attention head (Megatron's name); None means hidden_size / num_attention_heads.
+    Qwen3 sets it apart from the hidden size (e.g. h=1024, 16 heads of 128)."""
+    qk_layernorm: bool = False
+    """QK-norm (Qwen3, OLMo 2; Megatron's ``--qk-layernorm``): the config's norm over each head's
+    query and key, before RoPE, one ``kv_channels``-wide weight per layer for q and one for k."""
     tie_embeddings: bool = True
     """Share the input embedding with the output layer."""
     hidden_dropout: float = 0.0
@@ -92,6 +98,12 @@ class ModelConfig:
     """Group-limited routing (DeepSeek-V2/V3): experts in this many equal groups (e.g. one per
     node); each token picks among the experts of its ``moe_router_group_topk`` best groups."""
     moe_router_group_topk: Optional[int] = None
+    moe_router_topk_scaling_factor: Optional[float] = None
+    """Multiplies the combine weights of the chosen experts (DeepSeek-V3's ``routed_scaling_factor``,
+    2.5 there, which offsets sigmoid scores normalised over the top-k); None means 1."""
+    first_k_dense_replace: int = 0
+    """The first this many layers have a dense MLP (of ``ffn_hidden_size``) instead of an MoE one
+    (DeepSeek-V3: 3); the later layers follow ``moe_layer_freq``."""
 
 
 @dataclass
@@ -171,6 +183,31 @@ class TrainConfig:
     goes on with the next batch, "stop" ends the run with an error naming the step."""
     max_consecutive_skips: int = 5
     """Under ``nonfinite = "skip"``, stop after this many non-finite steps in a row."""
+    profile_steps: list[int] = field(default_factory=list)
+    """``[start, end]``: run ``torch.profiler`` from the start of step ``start`` to the end of step
+    ``end`` (1-based iterations, both included) and write one Chrome trace per rank to
+    ``RUN_DIR/profile/rank_N.json``, with ranges named by paratron's actions (``F mb3 stage1``),
+    DP bucket reductions and MoE all-to-alls. Empty: no profiler (Megatron's
+    ``--profile-step-start/--profile-step-end``, ``--use-pytorch-profiler``)."""
+    profile_ranks: list[int] = field(default_factory=list)
+    """Global ranks that run the profiler of ``profile_steps``; empty: every rank
+    (Megatron's ``--profile-ranks``)."""
+    memory_snapshot_steps: list[int] = field(default_factory=list)
+    """Steps after which each rank writes its memory: on a GPU ``torch.cuda.memory._snapshot()``
+    (``RUN_DIR/memory/rank_N_step_S.pickle``, for pytorch.org/memory_viz; allocation history is
+    recorded from the start), on CPU an inventory of live tensors by device, dtype and shape
+    (``rank_N_step_S.json``)."""
+    timeline_steps: list[int] = field(default_factory=list)
+    """Steps whose measured timeline (every pipeline action's start and end per rank, the intervals
+    recorded inside them: MoE all-to-alls and expert compute; DP bucket reductions) rank 0 writes
+    as Chrome trace-event JSON to ``RUN_DIR/timeline/step_N.json``, one track per global rank
+    (``paratron simulate --trace`` writes the planned one in the same format)."""
+    wandb_project: Optional[str] = None
+    """Weights & Biases project: rank 0 logs the records it writes to TensorBoard, with the config
+    (needs ``pip install 'paratron[wandb]'``; ``WANDB_MODE=offline`` writes locally). None: off
+    (Megatron's ``--wandb-project``)."""
+    wandb_exp_name: Optional[str] = None
+    """The Weights & Biases run name; None: wandb picks one (Megatron's ``--wandb-exp-name``)."""
 
 
 @dataclass
@@ -295,3 +332,11 @@ class Config:
 
 
 SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
+
+KEY_ALIASES: dict[str, str] = {
+    "model.moe_router_score_function": "model.moe_router_score",
+    "model.moe_router_topk": "model.moe_top_k",
+    "model.moe_shared_expert_intermediate_size": "model.moe_shared_expert_ffn_hidden_size",
+}
+"""Megatron-Core's ``TransformerConfig`` names of fields paratron spells otherwise: a config file
+or ``--set`` may use either."""

@@ -19,6 +19,7 @@ import math
 
 from . import model_shape
 from .context_rules import check_context
+from .observe_rules import check_observability
 from .token_rules import check_microbatch_tokens, token_balanced
 from .errors import ConfigError
 from .sections import Config
@@ -261,7 +262,8 @@ def _lr_schedule(cfg: Config, world: int | None) -> None:
 
 
 VALIDATORS = [_finite, _positive, _nonfinite_policy, _lr_schedule, _grid, _model, _batch, _sequence, _link_latency, _schedule, _pipeline_layers,
-              _experts, _moe_fb_overlap, _zero, _split, check_context, check_microbatch_tokens]
+              _experts, _moe_fb_overlap, _zero, _split, check_context, check_microbatch_tokens,
+              check_observability]
 """Every config rule, in order. Each takes ``(cfg, world_size_or_None)`` and raises ConfigError."""
 
 

@@ -11,6 +11,12 @@ order, the ``heads/groups`` query heads of that group, then its key head, then i
 A contiguous row slice of ``1/tp`` is then ``groups/tp`` whole groups, and a TP rank needs no
 reshuffle (query head ``j * heads/groups + r`` belongs to group ``j``, as in Hugging Face's
 ``repeat_kv``).
+
+QK-norm (``model.qk_layernorm``; Dehghani et al. 2023, "Scaling Vision Transformers to 22B",
+section 3.1; Qwen3): the config's norm over each head's ``d`` query and key channels, before
+RoPE, with one ``[d]`` weight for all query heads and one for all key heads. Each TP rank
+normalises its own heads, so the replicated weights get partial grads on each TP rank; they are
+marked like sequence-parallel norm weights, whose grads are summed over TP.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from paratron.config import ModelConfig, model_shape
 from paratron.layers.dropout import rng_fork
 
 from .context_parallel import context_attention
+from .norms import make_norm
 from .recompute import checkpointed
 from .rope import apply_rope
 
@@ -61,7 +68,8 @@ class SelfAttention(nn.Module):
 
     Forward: ``[s, b, h]`` (``[s/tp, b, h]`` under sequence parallelism) -> same layout.
     Parameters (logical names under ``layers.{i}.attention``): ``qkv.weight`` ``[(n + 2g) d, h]``,
-    ``proj.weight`` ``[h, n d]``, and their biases when ``add_bias_linear``.
+    ``proj.weight`` ``[h, n d]``, and their biases when ``add_bias_linear``; ``q_norm.weight`` and
+    ``k_norm.weight`` ``[d]`` under QK-norm.
     """
 
     def __init__(self, cfg: ModelConfig, ctx, *, layer_number: int, seed: int, sequence_parallel: bool,
@@ -90,6 +98,10 @@ class SelfAttention(nn.Module):
             heads * self.head_dim, cfg.hidden_size, ctx, logical_name=f"{prefix}.proj", seed=seed,
             bias=cfg.add_bias_linear, input_is_parallel=True, sequence_parallel=sequence_parallel,
             init_method=output_init, params_dtype=params_dtype)
+        self.q_norm = self.k_norm = None
+        if cfg.qk_layernorm:
+            self.q_norm, self.k_norm = (make_norm(cfg, ctx, f"{prefix}.{n}", tp > 1, params_dtype, self.head_dim)
+                                        for n in ("q_norm", "k_norm"))
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
                 layout=None) -> torch.Tensor:
@@ -101,6 +113,8 @@ class SelfAttention(nn.Module):
         qkv = qkv.view(s, b, self.local_groups, self.q_per_group + 2, self.head_dim)
         q = qkv[:, :, :, :self.q_per_group].reshape(s, b, self.local_groups * self.q_per_group, self.head_dim)
         k, v = qkv[:, :, :, self.q_per_group], qkv[:, :, :, self.q_per_group + 1]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         p = self.attention_dropout if self.training else 0.0

@@ -21,7 +21,7 @@ from paratron.config import ConfigError, ModelConfig, model_shape
 
 from .embedding import WORD_EMBEDDINGS, Embedding
 from .blocks import BLOCKS
-from .layer_spec import make_norm
+from .norms import make_norm
 from .recompute import checkpointed
 from .context_parallel import sequence_layout
 from .rope import rope_tables, rope_tables_at

@@ -27,6 +27,8 @@ from torch import nn
 
 from paratron.config import ModelConfig, model_shape
 
+from .norms import make_norm
+
 
 @dataclass(frozen=True)
 class LayerInputs:
@@ -53,16 +55,6 @@ class LayerInputs:
 
 
 SubmoduleBuilder = Callable[[LayerInputs, str], nn.Module]
-
-
-def make_norm(cfg: ModelConfig, ctx, logical_name: str, sequence_parallel: bool, params_dtype: torch.dtype
-              ) -> nn.Module:
-    """LayerNorm or RMSNorm over h, per ``model.normalization`` (weights named ``{logical_name}.weight``)."""
-    from paratron.layers import LayerNorm, RMSNorm
-
-    cls = RMSNorm if cfg.normalization == "rmsnorm" else LayerNorm
-    return cls(cfg.hidden_size, ctx, logical_name=logical_name, eps=cfg.norm_epsilon,
-               sequence_parallel=sequence_parallel, params_dtype=params_dtype)
 
 
 def norm(inputs: LayerInputs, name: str) -> nn.Module:

@@ -86,12 +86,22 @@ def _needs_model_parallel_reduction(p) -> bool:
 class _BucketState:
     """Per-step bookkeeping of one bucket: params not yet ready, and the reduction in flight."""
 
-    __slots__ = ("pending", "launched", "handle")
+    __slots__ = ("pending", "launched", "handle", "timed")
 
     def __init__(self) -> None:
         self.pending = 0
         self.launched = False
         self.handle = None
+        self.timed = None  # (recorder, interval) while a timeline is recorded (ledger.intervals)
+
+    def wait(self) -> None:
+        """Wait for the reduction in flight; close its recorded interval, if any."""
+        self.handle.wait()
+        self.handle = None
+        if self.timed is not None:
+            rec, iv = self.timed
+            rec.waited(iv)
+            self.timed = None
 
 
 class DistributedDataParallel:
@@ -247,8 +257,7 @@ class DistributedDataParallel:
             for states in self._states:
                 for st in states:
                     if st.handle is not None:
-                        st.handle.wait()
-                        st.handle = None
+                        st.wait()
         self.finalized = True
 
     # ---- grad events -------------------------------------------------------------------------
@@ -312,6 +321,9 @@ class DistributedDataParallel:
         else:
             st.handle = buf.group.all_reduce(flat, async_op=True)
         st.launched = True
+        rec = self.ctx.ledger.intervals
+        if rec is not None and st.handle is not None:  # recorded for a step's timeline
+            st.timed = rec, rec.issued("bucket_reduce", st.handle)
 
     def _reset_step(self) -> None:
         self._closing.clear()
@@ -324,8 +336,8 @@ class DistributedDataParallel:
             for b in buf.buckets:
                 st = self._states[i][b.index]
                 if st.handle is not None:
-                    st.handle.wait()
-                st.handle, st.launched, st.pending = None, False, len(b.params)
+                    st.wait()
+                st.launched, st.pending = False, len(b.params)
 
     # ---- introspection -----------------------------------------------------------------------
     def owned_ranges(self, i: int) -> list[tuple[int, int, torch.Tensor]]:

@@ -54,10 +54,11 @@ from torch import nn
 
 from ..parallel.grads import WeightGradStore
 from ..parallel.intervals import IntervalRecorder
+from ..parallel.profiling import labelled
 from ..parallel.random import capture_default_states, restore_default_states
 from .actions import (Action, batches, forward_only as strip_backward, halves, last_backward_actions, recomputed,
                       stages_of)
-from .timeline import TraceEvent, from_intervals
+from .timeline import TraceEvent, event_name, from_intervals
 
 ForwardStep = Callable[[int, nn.Module, "torch.Tensor | None", Any], torch.Tensor]
 
@@ -178,7 +179,8 @@ class _Run:
         self.pair_events: list[TraceEvent] = []
         self.tracker = next((m.rng_tracker for c in chunks for m in c.modules()
                              if getattr(m, "rng_tracker", None) is not None), None)
-        self.t0 = time.perf_counter()
+        # A RecordedTimeline fixes the clock's zero (a training step's start); else this call's.
+        self.t0 = getattr(timeline, "origin", None) or time.perf_counter()
 
     def execute(self, actions: list[Action]) -> None:
         steps = batches(actions)
@@ -253,11 +255,12 @@ class _Run:
     def compute(self, a: Action) -> None:
         run = getattr(self, "do_" + a.kind)
         last = sorted({self.local[h.stage] for h in halves(a) if self.last_backward.get(h.stage) == a})
-        if self.grad_sync is None or not last:
-            run(a)
-            return
-        with self.grad_sync.last_backward(last):
-            run(a)
+        with labelled(event_name(a.kind, a.microbatch, a.stage)):  # a torch.profiler range, if profiling
+            if self.grad_sync is None or not last:
+                run(a)
+                return
+            with self.grad_sync.last_backward(last):
+                run(a)
 
     def do_F(self, a: Action) -> None:
         key, s = (a.microbatch, a.stage), a.stage

@@ -8,6 +8,9 @@ Example::
     paratron simulate --schedule zb-h1 --pipeline 4 --microbatches 8 --comm-f 0.5 --comm-b 0.5 --overlap-fb
 
 The output format follows the file extension: ``.png`` (matplotlib) or ``.json`` (Chrome trace).
+``--trace FILE`` writes the Chrome trace-event JSON whatever the name, with the p2p actions, in the
+format of a training run's measured ``RUN_DIR/timeline/step_N.json`` (``train.timeline_steps``),
+so both open side by side in Perfetto.
 """
 
 from __future__ import annotations
@@ -44,6 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="pair forwards and backwards of different microbatches (FB, pipeline.overlap) "
                              "and print the plain schedule's makespan for comparison")
     parser.add_argument("--output", default=None, help="timeline file: .png or .json (Chrome trace)")
+    parser.add_argument("--trace", default=None, metavar="FILE",
+                        help="write the simulated timeline, p2p included, as Chrome trace-event JSON (the "
+                             "format of a training run's RUN_DIR/timeline/step_N.json)")
 
 
 def _checked_costs(args: argparse.Namespace, p: int) -> tuple[float, ...] | None:
@@ -100,18 +106,31 @@ def run(args: argparse.Namespace) -> int:
     result = simulate(schedule, costs)
     print(f"schedule {args.schedule}: p={p} m={m} v={v}")
     print(result.summary())
+    planned = from_spans(result.spans, compute_only=False)  # with the p2p, as a measured step's timeline
+    if args.trace and _write("--trace", args.trace, lambda path: write_chrome_trace(planned, path)):
+        return 2
     if args.output:
         events = from_spans(result.spans)
-        try:
-            if args.output.endswith(".json"):
-                write_chrome_trace(events, args.output)
-            elif args.output.endswith(".png"):
-                draw_png(events, args.output, title=f"{args.schedule} p={p} m={m} v={v}", unit="cost units")
-            else:
-                print(f"paratron simulate: --output={args.output!r} must end in .png or .json", file=sys.stderr)
-                return 2
-        except OSError as e:
-            print(f"paratron simulate: cannot write --output: {e}", file=sys.stderr)
+        if args.output.endswith(".json"):
+            def write(path):
+                write_chrome_trace(events, path)
+        elif args.output.endswith(".png"):
+            def write(path):
+                draw_png(events, path, title=f"{args.schedule} p={p} m={m} v={v}", unit="cost units")
+        else:
+            print(f"paratron simulate: --output={args.output!r} must end in .png or .json", file=sys.stderr)
             return 2
-        print(f"wrote {args.output}")
+        if _write("--output", args.output, write):
+            return 2
     return 0
+
+
+def _write(flag: str, path: str, write) -> bool:
+    """``write(path)``; False when it worked (and says so), True after printing why not."""
+    try:
+        write(path)
+    except OSError as e:
+        print(f"paratron simulate: cannot write {flag}: {e}", file=sys.stderr)
+        return True
+    print(f"wrote {path}")
+    return False

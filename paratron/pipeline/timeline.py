@@ -9,12 +9,19 @@ actions (:mod:`paratron.parallel.intervals`, e.g. the MoE dispatcher's all-to-al
 compute): lane ``"compute"`` and lane ``"comm"``, drawn as extra rows under each rank (in the
 Chrome trace: processes 1 and 2, one thread per rank), so overlapping communication shows as
 boxes stacked over compute.
+
+Names: every event (and every ``record_function`` range the runtime opens under
+``torch.profiler``) is called :func:`event_name` of its kind, microbatch and virtual stage, e.g.
+``"F mb3 stage1"``; its ``cat`` is the kind, the legend entry of the drawn picture, and each
+rank's track is ``"rank r"``, the picture's row label. A training run's step timeline
+(``train.timeline_steps``) and ``paratron simulate --trace`` are written by
+:func:`write_chrome_trace`, so the measured and the planned step open side by side in Perfetto.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from paratron.parallel.intervals import Interval
@@ -44,6 +51,26 @@ class TraceEvent:
     lane: str = ""
 
 
+def event_name(kind: str, microbatch: int = -1, stage: int = -1) -> str:
+    """The one name of an action or recorded interval in traces and profiler ranges:
+    ``"F mb3 stage1"`` (kind, microbatch, virtual stage in model order, which fixes the rank's
+    model chunk); just the kind outside any action (``"bucket_reduce"`` after the schedule)."""
+    if microbatch < 0:
+        return kind
+    return f"{kind} mb{microbatch}" + (f" stage{stage}" if stage >= 0 else "")
+
+
+class RecordedTimeline(list):
+    """A list for ``run_pipeline(timeline=)`` whose events count from ``origin`` (a
+    ``time.perf_counter()`` value the caller chose, e.g. the start of a training step) instead of
+    the start of the pipeline call, so that intervals recorded outside the call (the DP bucket
+    reductions waited after it) share its clock."""
+
+    def __init__(self, origin: float) -> None:
+        super().__init__()
+        self.origin = origin
+
+
 def from_intervals(intervals: list[Interval], rank: int, t0: float) -> list[TraceEvent]:
     """Recorded intervals -> trace events on ``rank``, in seconds since ``t0`` (a
     ``time.perf_counter()`` value). A comm event spans issue to completion (``Interval.end``);
@@ -55,6 +82,20 @@ def from_intervals(intervals: list[Interval], rank: int, t0: float) -> list[Trac
         mb, stage = iv.scope if len(iv.scope) == 2 else (-1, -1)
         out.append(TraceEvent(rank, iv.kind, mb, stage, iv.start - t0, iv.end - t0,
                               "comm" if iv.comm else "compute"))
+    return out
+
+
+def merge_ranks(parts: list[tuple[int, float, list[TraceEvent]]]) -> list[TraceEvent]:
+    """Several ranks' timelines -> one, on a shared clock: each part is ``(track, wall-clock
+    seconds (``time.time()``) of its time zero, its events)``; the result counts from the
+    earliest zero, and each event's ``rank`` becomes its part's track (a global rank: pipeline
+    ranks repeat over TP and DP). Wall clocks agree within one host; across hosts they are as
+    close as the hosts' clock sync."""
+    base = min((wall for _, wall, _ in parts), default=0.0)
+    out = []
+    for track, wall, events in parts:
+        shift = wall - base  # small: adding the ~1e9 s wall clock to each time would cost its microseconds
+        out += [replace(e, rank=track, start=e.start + shift, end=e.end + shift) for e in events]
     return out
 
 
@@ -79,7 +120,7 @@ def chrome_trace(events: list[TraceEvent], time_unit_us: float = 1e6) -> dict:
         for r in sorted({e.rank for e in events if e.lane == lane}):
             out.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": r, "args": {"name": f"rank {r}"}})
     for e in events:
-        out.append({"name": f"{e.kind}{e.microbatch}", "cat": e.kind, "ph": "X", "pid": LANES.index(e.lane),
+        out.append({"name": event_name(e.kind, e.microbatch, e.stage), "cat": e.kind, "ph": "X", "pid": LANES.index(e.lane),
                     "tid": e.rank, "ts": e.start * time_unit_us, "dur": max(e.end - e.start, 0.0) * time_unit_us,
                     "args": {"microbatch": e.microbatch, "stage": e.stage}})
     return {"traceEvents": out, "displayTimeUnit": "ms"}

@@ -28,7 +28,7 @@ GPT2_VOCAB = 50257
 def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--config", help="TOML config of the model (its parallel/batch fields are replaced)")
-    src.add_argument("--hf-config", help="a Hugging Face config.json (Llama or GPT-2)")
+    src.add_argument("--hf-config", help="a Hugging Face config.json (Llama, GPT-2, Mixtral, Qwen2-MoE, Qwen3, Qwen3-MoE)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key of the base config (repeatable)")
     p.add_argument("--nodes", type=int, default=1)

@@ -81,6 +81,8 @@ def layer_gemms(shape: Shape, lay: Layout, b: int, layer: int) -> list[tuple[int
         local = max(shape.experts // lay.ep, 1)
         rows = max(T * shape.top_k * lay.ep // shape.experts, 1)
         out += [(rows, shape.expert_f, h, mats * local), (rows, h, shape.expert_f, local)]
+        if shape.shared_f:
+            out += [(T, shape.shared_f // t, h, mats), (T, h, shape.shared_f // t, 1)]
     else:
         out += [(T, shape.f // t, h, mats), (T, h, shape.f // t, 1)]
     return out

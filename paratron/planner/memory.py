@@ -77,7 +77,7 @@ def layer_activation_bytes(shape: Shape, lay: Layout, b: int, a: int, fused: boo
         whole += 2 * (shape.n + shape.g) * shape.d / t
     elif shape.g != shape.n:
         whole += shape.n * shape.d / t  # grouped Q heads are reshaped out of the QKV output: a copy
-    f = shape.expert_f * shape.top_k if shape.is_moe(0) else shape.f / t
+    f = shape.mlp_activation_width(t)
     whole += (4 if shape.swiglu else 2) * f
     if shape.dropout:
         whole += 2 * hs / a  # hidden-dropout masks, one byte each

@@ -34,6 +34,9 @@ class Shape:
     expert_f: int
     moe_freq: int
     vocab_multiple: int = 128
+    first_dense: int = 0
+    qk_norm: bool = False
+    shared_f: int = 0
 
     @classmethod
     def of(cls, m: ModelConfig, seq_length: int) -> "Shape":
@@ -45,10 +48,22 @@ class Shape:
                    dropout=m.hidden_dropout > 0 or m.attention_dropout > 0, experts=m.num_experts,
                    top_k=m.moe_top_k if m.num_experts else 0, expert_f=spec.expert_ffn_size(m),
                    vocab_multiple=m.make_vocab_size_divisible_by,
-                   moe_freq=max(m.moe_layer_freq, 1))
+                   moe_freq=max(m.moe_layer_freq, 1), first_dense=m.first_k_dense_replace,
+                   qk_norm=m.qk_layernorm, shared_f=(m.moe_shared_expert_ffn_hidden_size or 0) if m.num_experts else 0)
 
     def is_moe(self, layer: int) -> bool:
-        return self.experts > 0 and layer % self.moe_freq == 0
+        return spec.moe_at(layer, self.experts, self.moe_freq, self.first_dense)
+
+    def mlp_activation_width(self, tp: int) -> float:
+        """Inner MLP width whose activations one token keeps per layer on one TP rank: the wider
+        of the dense MLP's and the MoE MLP's (``top_k`` experts plus the shared expert), over the
+        kinds of layer the model has (a per-layer memory bound for models mixing both)."""
+        moe = self.expert_f * self.top_k + self.shared_f / tp
+        if self.experts == 0:
+            return self.f / tp
+        # A dense layer exists: layer 0 under first_dense > 0, else layer 1 under moe_freq > 1.
+        has_dense = self.first_dense > 0 or (self.moe_freq > 1 and self.L > 1)
+        return max(moe, self.f / tp) if has_dense else moe
 
     def padded_vocab(self, tp: int) -> int:
         """The vocabulary padded as the embedding pads it (a multiple of ``tp * vocab_multiple``)."""
@@ -63,9 +78,10 @@ class Shape:
         if self.is_moe(layer):
             mlp = (self.experts // ep) * (mats * h * self.expert_f + (mats - 1) * self.expert_f * bias + h * bias)
             mlp += h * self.experts  # router, replicated
+            mlp += (mats * h * self.shared_f + (mats - 1) * self.shared_f * bias) // tp + h * bias * (self.shared_f > 0)
         else:
             mlp = (mats * h * self.f + (mats - 1) * self.f * bias) // tp + h * bias
-        return attn + mlp + 2 * self.norm_params()
+        return attn + mlp + 2 * self.norm_params() + 2 * self.d * int(self.qk_norm)
 
     def norm_params(self) -> int:
         return self.h * (2 if self.layernorm else 1)

@@ -64,15 +64,26 @@ def peak_flops_per_device(configured: float | None, device: torch.device) -> tup
     return measure_cpu_matmul_flops(), "measured: best fp32 512x512 matmul on one CPU thread"
 
 
+def scalars(record: dict) -> tuple[int, dict[str, float]]:
+    """``(step, {name: value})``: what TensorBoard and Weights & Biases log of a record, its
+    finite numbers at its ``iteration`` (0 for a record without one, e.g. ``startup``)."""
+    values = {k: v for k, v in record.items()
+              if k != "iteration" and isinstance(v, (int, float)) and math.isfinite(v)}
+    return record.get("iteration", 0), values
+
+
 class MetricsWriter:
     """Writes records to ``RUN_DIR/metrics.jsonl`` and TensorBoard (rank 0 only).
 
     Training records carry ``iteration, loss, grad_norm, lr, tokens_per_second`` (and more);
     validation records carry ``iteration, val_loss, val_ppl``. These names are a public interface.
+    ``sinks``: more writers (``write(record)``, ``close()``) given every record, e.g.
+    :class:`~paratron.training.wandb_log.WandbWriter`.
     """
 
-    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool):
+    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool, sinks: list | None = None):
         self.enabled = enabled
+        self.sinks = list(sinks or []) if enabled else []
         self.records: list[dict] = []
         self._jsonl = None
         self._tb = None
@@ -94,16 +105,19 @@ class MetricsWriter:
         self.records.append(record)
         self._jsonl.write(json.dumps(record) + "\n")
         if self._tb is not None:
-            step = record.get("iteration", 0)
-            for k, v in record.items():
-                if k != "iteration" and isinstance(v, (int, float)) and math.isfinite(v):
-                    self._tb.add_scalar(k, v, step)
+            step, values = scalars(record)
+            for k, v in values.items():
+                self._tb.add_scalar(k, v, step)
+        for sink in self.sinks:
+            sink.write(record)
 
     def close(self) -> None:
         if self._jsonl is not None:
             self._jsonl.close()
         if self._tb is not None:
             self._tb.close()
+        for sink in self.sinks:
+            sink.close()
 
 
 def plot_losses(records: list[dict], path: Path) -> None:

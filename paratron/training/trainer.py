@@ -32,12 +32,14 @@ from paratron.training.callbacks import CallbackList, TrainState, load_callback
 from paratron.training.evaluator import Evaluator
 from paratron.training.metrics import MetricsWriter, peak_flops_per_device, plot_losses
 from paratron.training.nonfinite import NonFiniteGuard, NonFiniteStop
+from paratron.training.profiling import StepObserver
 from paratron.training.setup import (build_checkpoint_manager, build_model_and_optimizer, builtin_callbacks,
                                      count_params, print_sample, seed_everything, warn_if_saving_over)
 from paratron.training.step import needs_microbatch_time, rank_actions, run_global_batch
 from paratron.training.startup import StartupClock
 from paratron.training.step_log import StepLog, log
 from paratron.training.timers import PhaseTimer
+from paratron.training.wandb_log import wandb_sinks
 
 
 class StopFlag:
@@ -88,7 +90,9 @@ class Trainer:
         if ctx.rank == 0:
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "config.toml").write_text(to_toml(cfg), encoding="utf-8")
-        self.writer = MetricsWriter(run_dir, ctx.rank == 0, cfg.logging.tensorboard)
+        self.writer = MetricsWriter(run_dir, ctx.rank == 0, cfg.logging.tensorboard,
+                                    sinks=wandb_sinks(cfg, run_dir, ctx.rank))
+        self.observer = StepObserver(cfg, ctx, run_dir)  # profiler, memory snapshots, timelines
         self.state = TrainState(cfg, ctx, self.chunks, self.optimizer, self.scheduler, run_dir)
         self.callbacks = CallbackList(builtin_callbacks(cfg, ctx, self.state) +
                                       [load_callback(s, self.state) for s in cfg.train.callbacks])
@@ -136,6 +140,7 @@ class Trainer:
                 self.on_exception(exc)
                 raise
             finally:
+                self.observer.close()
                 self.writer.close()
         self.report()
         return 0
@@ -148,10 +153,11 @@ class Trainer:
         t0 = time.perf_counter()
         with timer.phase("data"):
             microbatches = self.data.train_microbatches(s.consumed_train_samples, s.dp_microbatches)
-        timeline = [] if self.measure_step else None
-        out, result, lr = train_batch(self.cfg, self.ctx, self.chunks, self.ddp, self.optimizer, self.scheduler,
-                                      microbatches, self.actions_for(len(microbatches)), timer, timeline)
-        if timeline is not None:
+        with self.observer.step(s.iteration + 1, record=self.measure_step) as timeline:
+            out, result, lr = train_batch(self.cfg, self.ctx, self.chunks, self.ddp, self.optimizer,
+                                          self.scheduler, microbatches, self.actions_for(len(microbatches)),
+                                          timer, timeline)
+        if self.measure_step:
             self.use_measured_microbatch_time(timeline, len(microbatches))
         warning = self.guard.check(s.iteration + 1, result.nonfinite, self.first_nonfinite)
         if warning:

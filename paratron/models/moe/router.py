@@ -23,6 +23,9 @@ Sources:
 * normalised top-k probabilities (k > 1): Mixtral (Jiang et al. 2024, section 2.1: softmax over
   the top-k logits, which equals the renormalised top-k of the full softmax); sigmoid scores
   normalised over the chosen experts: DeepSeek-V3 (Liu et al. 2024, section 2.1.2).
+* routed scaling factor: the combine weights times a constant (DeepSeek-V3's
+  ``routed_scaling_factor``, Megatron-Core's ``moe_router_topk_scaling_factor``), after the
+  normalisation; the aux losses see the unscaled scores.
 """
 
 from __future__ import annotations
@@ -47,7 +50,8 @@ class Routing:
     """One rank's routing decision for its ``T`` tokens.
 
     Attributes:
-        probs: ``[T, k]`` combine weights of the chosen experts (fp32, differentiable).
+        probs: ``[T, k]`` combine weights of the chosen experts (fp32, differentiable), times
+            ``moe_router_topk_scaling_factor`` when set.
         indices: ``[T, k]`` int64 expert ids, best first; ties go to the lowest expert id.
         aux_loss: this rank's differentiable share of the microbatch aux loss (the shares of the
             ranks in the stats group sum to the microbatch value).
@@ -110,8 +114,9 @@ class TopKRouter(nn.Module):
     sensitive to rounding).
 
     Args:
-        cfg: ``num_experts``, ``moe_top_k``, ``moe_router_score``, ``hidden_size``,
-            ``init_method_std``.
+        cfg: ``num_experts``, ``moe_top_k``, ``moe_router_score`` (softmax, or DeepSeek-V3's
+            sigmoid), ``moe_router_norm_topk_prob``, ``moe_router_topk_scaling_factor``, the expert
+            bias and group options, ``hidden_size``, ``init_method_std``.
         ctx: the parallel context (device).
         logical_name: e.g. ``layers.0.mlp.router``.
         seed: the run's seed.
@@ -124,6 +129,7 @@ class TopKRouter(nn.Module):
         super().__init__()
         self.num_experts, self.k, self.score = cfg.num_experts, cfg.moe_top_k, cfg.moe_router_score
         self.norm_topk = cfg.moe_router_norm_topk_prob
+        self.scaling_factor = cfg.moe_router_topk_scaling_factor
         shape = (cfg.num_experts, cfg.hidden_size)
         weight = torch.empty(shape, device=ctx.device, dtype=params_dtype)
         self.weight = nn.Parameter(init_shard_(weight, normal_(cfg.init_method_std), ShardSpec.replicated(shape),
@@ -184,6 +190,8 @@ class TopKRouter(nn.Module):
         # Renormalise only for k > 1: with k = 1 the weight would be exactly 1 and the router
         # would get no gradient from the LM loss (Switch keeps the raw probability).
         probs = chosen / chosen.sum(dim=-1, keepdim=True) if self.k > 1 and self.norm_topk else chosen
+        if self.scaling_factor is not None:
+            probs = probs * self.scaling_factor
 
         E, T = self.num_experts, tokens.shape[0]
         counts = torch.bincount(indices.reshape(-1), minlength=E).to(torch.float32)
