@@ -135,6 +135,10 @@ class Optimizer:
         self._offload = offload_plan(ddp, cfg)
         self._build_state()
         self._run_state = {k: self._allocate_runs(k, want) for k, want in kinds.items() if want is not None}
+        self._runs_by_segment = {}
+        for kind, runs in self._run_state.items():
+            for s, a, b, view in runs:
+                self._runs_by_segment.setdefault(s, []).append((kind, a, b, view))
         self._piece_state = [self._state_of_piece(pc) for pc in self.pieces]
         self._build_views()
         self._muon = (MuonStep(self, {id(pc): st["momentum"] for pc, st in zip(self.pieces, self._piece_state)
@@ -203,10 +207,9 @@ class Optimizer:
         seg, n = self.segments[pc.segment], pc.hi - pc.lo
         out = {"main_param": seg.main[pc.at:pc.at + n]}
         out.update({k: v[pc.at:pc.at + n] for k, v in seg.state.items()})
-        for kind, runs in self._run_state.items():
-            for s, a, b, view in runs:
-                if s == pc.segment and a <= pc.at < b:
-                    out[kind] = view[pc.at - a:pc.at - a + n]
+        for kind, a, b, view in self._runs_by_segment.get(pc.segment, ()):
+            if a <= pc.at < b:
+                out[kind] = view[pc.at - a:pc.at - a + n]
         return out
 
     def _runs(self, want) -> list[tuple[int, int, int]]:
