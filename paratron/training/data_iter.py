@@ -154,12 +154,14 @@ def split_warnings_once():
 def microbatch_preparer(cfg, ctx, eod: int) -> Callable[[dict], dict]:
     """The function applied to every collated microbatch ``{"tokens", "labels"}`` ``[b, s]``: the
     packed-document fields of ``data.reset_position_ids`` / ``reset_attention_mask`` /
-    ``eod_mask_loss`` (:func:`paratron.data.packing.pack_microbatch`), then this CP rank's chunks
+    ``eod_mask_loss`` (:func:`paratron.data.packing.pack_microbatch`), the multi-token-prediction
+    targets (:func:`paratron.models.mtp.add_mtp_targets`), then this CP rank's chunks
     (:func:`paratron.models.context_parallel.shard_microbatch`; the data loader hands each CP rank
     only its tokens). Token-balanced rows (``data.microbatch_tokens``) already hold their
     positions and segments: only the loss mask and the CP split apply to them."""
     from paratron.data.packing import pack_microbatch
     from paratron.models.context_parallel import shard_microbatch
+    from paratron.models.mtp import add_mtp_targets
 
     d, p = cfg.data, cfg.parallel
     fixed = d.microbatch_tokens is None
@@ -167,6 +169,7 @@ def microbatch_preparer(cfg, ctx, eod: int) -> Callable[[dict], dict]:
     def prepare(mb: dict) -> dict:
         mb = pack_microbatch(mb, eod, reset_position_ids=d.reset_position_ids and fixed,
                              reset_attention_mask=d.reset_attention_mask and fixed, eod_mask_loss=d.eod_mask_loss)
+        mb = add_mtp_targets(mb, cfg.model.mtp_num_layers)  # on whole rows, before the CP split
         return shard_microbatch(mb, ctx.cp.rank, ctx.cp.size, p.context_algorithm)
 
     return prepare
