@@ -93,13 +93,18 @@ def prepare_data(cfg: Config, progress: bool = True):
         ConfigError: bad input (``FILE:LINE: reason``), a tokenizer mismatch (both named), a missing
             file, a malformed or truncated dataset (the file named).
     """
-    from paratron.data import corpus, prepare
+    from paratron.config.record_rules import record_based
+    from paratron.data import corpus, prepare, records
 
     try:
+        if record_based(cfg):  # records are tokenised on demand: check them and the tokenizer
+            tok = prepare.build_tokenizer(cfg.data)
+            records.check_records(cfg.data, tok, cfg.model.seq_length)
+            return tok
         pairs, tok = prepare.prepare_run_data(cfg.data, progress=progress)
         for _, prefix in pairs:
             check_dataset_files(prefix)
-    except (corpus.BadInputError, ValueError, FileNotFoundError) as e:
+    except (corpus.BadInputError, ValueError, FileNotFoundError, ImportError) as e:
         raise ConfigError(str(e)) from None
     return tok
 

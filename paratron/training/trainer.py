@@ -224,7 +224,7 @@ class Trainer:
                        {"iteration": s.iteration, "consumed_train_samples": s.consumed_train_samples,
                         "consumed_valid_samples": s.consumed_valid_samples,
                         "consumed_train_tokens": s.consumed_train_tokens,
-                        "data_position_unit": data_position_unit(self.cfg)})
+                        "data_position_unit": data_position_unit(self.cfg), "data_state": self.data.state_dict()})
         self.callbacks.on_save_end(s, path)
 
     # ---- around the loop -----------------------------------------------------------------
@@ -239,6 +239,7 @@ class Trainer:
             s.consumed_train_samples = int(extra.get("consumed_train_samples", 0))
             s.consumed_valid_samples = int(extra.get("consumed_valid_samples", 0))
             s.consumed_train_tokens = int(extra.get("consumed_train_tokens", 0))
+            self.data.load_state_dict(extra.get("data_state") or {})
             log(self.ctx, f"resumed from {cfg.checkpoint.load} at iteration {s.iteration}")
             note = data_position_mismatch(extra, cfg)
             if note:
