@@ -30,11 +30,11 @@ TURNS = [
     ("How many legs has a spider?", "Eight.", "An ant?", "Six legs."),
     ("Say hello.", "Hello!", "Say goodbye.", "Goodbye, and good luck."),
 ]
-SEQ = 64
+SEQ = 96
 MODEL = ["model.num_layers=2", "model.hidden_size=16", "model.num_attention_heads=4", "model.num_query_groups=2",
          f"model.seq_length={SEQ}", "model.make_vocab_size_divisible_by=64", "model.hidden_dropout=0.0",
          "model.attention_dropout=0.0", "train.seed=5", "train.global_batch_size=4", "train.micro_batch_size=2",
-         "train.train_iters=1", "data.split=100,0,0", "data.tokenizer_type=GPT2BPETokenizer", "data.format=chat",
+         "train.train_iters=1", "data.split=100,0,0", "data.tokenizer_type=HuggingFaceTokenizer", "data.format=chat",
          "logging.progress=false", "logging.tensorboard=false"]
 
 
@@ -57,9 +57,21 @@ def _by_hand(tok, q1, a1, q2, a2):
 
 @pytest.fixture(scope="module")
 def chat_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("chat") / "chat.jsonl"
+    """The conversations as chat JSONL, and a small byte-level BPE trained on them beside it
+    (``tok.json``: a small vocabulary keeps the model tiny)."""
+    from paratron.data.tokenizer import train_byte_level_bpe
+
+    d = tmp_path_factory.mktemp("chat")
+    path = d / "chat.jsonl"
     path.write_text("".join(json.dumps({"messages": _messages(*t)}) + "\n" for t in TURNS))
+    train_byte_level_bpe([" ".join(t) + " <|user|> <|assistant|>" for t in TURNS] * 4, 300).save(d / "tok.json")
     return path
+
+
+def _tok(chat_file):
+    from paratron.data.tokenizer import from_file
+
+    return from_file(chat_file.parent / "tok.json")
 
 
 def test_renderer_masks_only_the_assistant_replies():
@@ -122,14 +134,13 @@ def test_config_rules_and_aliases(tmp_path):
 
 
 # ---- the loss is the mean over the assistant tokens ---------------------------------------------
-def _reference_loss(cfg, every_token: bool = False) -> float:
+def _reference_loss(cfg, tok, every_token: bool = False) -> float:
     """Each conversation alone through one process's model; cross-entropy of the logits at the
     positions whose next token is an assistant token, averaged over all of them (``every_token``:
     over every position, the loss without a mask)."""
     from paratron.models.gpt import build_model_chunks
     from paratron.parallel.context import ParallelContext
 
-    tok = gpt2_bpe()
     (model,) = build_model_chunks(cfg.model, ParallelContext.single(), seed=cfg.train.seed)
     total, count = 0.0, 0
     with torch.no_grad():
@@ -159,8 +170,8 @@ def _paratron_loss(cfg, ctx) -> float:
 
 
 def _config(chat_file, extra):
-    cfg = load_config(None, MODEL + [f"data.corpus={chat_file}"] + extra)
-    return cfg
+    return load_config(None, MODEL + [f"data.corpus={chat_file}", f"data.tokenizer_model={chat_file.parent / 'tok.json'}"]
+                       + extra)
 
 
 def _layouts(chat_file, layouts):
@@ -177,22 +188,22 @@ def _layouts(chat_file, layouts):
 def test_loss_is_the_mean_over_assistant_tokens_one_process(chat_file):
     from paratron.parallel.context import ParallelContext
 
-    cfg = _config(chat_file, [])
-    cfg.model.vocab_size = gpt2_bpe().vocab_size
-    want = _reference_loss(cfg)
-    for extra in ([], ["data.microbatch_tokens=128"]):
+    cfg, tok = _config(chat_file, []), _tok(chat_file)
+    cfg.model.vocab_size = tok.vocab_size
+    want = _reference_loss(cfg, tok)
+    for extra in ([], ["data.microbatch_tokens=192"]):
         got = _paratron_loss(_config(chat_file, extra), ParallelContext.single())
         assert got == pytest.approx(want, rel=1e-5), (extra, got, want)
-    unmasked = _reference_loss(cfg, every_token=True)
-    assert abs(unmasked - want) > 1e-3 * want, (unmasked, want)  # the mask changes the loss: a test that can fail
+    unmasked = _reference_loss(cfg, tok, every_token=True)
+    assert abs(unmasked - want) > 1e-4 * want, (unmasked, want)  # 10x the tolerance: the mask shows
 
 
 def test_loss_is_the_mean_over_assistant_tokens_cp2_pp2(chat_file):
     """Packing + CP=2 (ring) and PP=2, on 2 ranks each, against the same hand-computed mean."""
-    cfg = _config(chat_file, [])
-    cfg.model.vocab_size = gpt2_bpe().vocab_size
-    want = _reference_loss(cfg)
-    layouts = [(["data.microbatch_tokens=128", "parallel.context=2", "parallel.tensor=1"], {"cp": 2}),
+    cfg, tok = _config(chat_file, []), _tok(chat_file)
+    cfg.model.vocab_size = tok.vocab_size
+    want = _reference_loss(cfg, tok)
+    layouts = [(["data.microbatch_tokens=192", "parallel.context=2", "parallel.tensor=1"], {"cp": 2}),
                (["parallel.pipeline=2"], {"pp": 2})]
     for rank, losses in enumerate(run_ranks(_layouts, 2, chat_file, layouts, timeout=240)):
         for (extra, _), got in zip(layouts, losses):

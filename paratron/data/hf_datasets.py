@@ -113,7 +113,8 @@ class StreamRecords:
         """Put the cursor at run position ``pos``: the pass it falls in when the pass length is
         known (reading only that pass up to it), else the first pass (reading on from there)."""
         epoch, offset = divmod(pos, self.pass_length) if self.pass_length else (0, 0)
-        self._epoch, self._offset, self._cursor = epoch, 0, pos - offset
+        self._epoch, self._offset = epoch, 0
+        self._cursor = pos - offset if self.pass_length else 0  # unknown length: read on from the start
         self._it = self.open_pass(epoch)
         for _ in islice(self._it, offset):
             self.records_read += 1

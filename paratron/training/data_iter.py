@@ -65,9 +65,10 @@ class TrainingData:
         ids_of = getattr(ds, "sample_id", None)
         if not isinstance(sampler, TokenBudgetSampler):
             steps = sampler.step(consumed, counts)
-            if ids_of:
+            out = [self.prepare(collate([ds[int(i)] for i in ids])) for ids in steps]
+            if ids_of:  # after the reads: a stream knows its pass length once it has seen the end
                 self.last_sample_ids = [[ids_of(int(i)) for i in ids] for ids in steps]
-            return [self.prepare(collate([ds[int(i)] for i in ids])) for ids in steps]
+            return out
         if counts is not None:
             raise ValueError(f"an uneven split of the microbatches over DP ranks ({list(counts)}) does not apply "
                              "to data.microbatch_tokens: the data sets the microbatch count")
