@@ -20,17 +20,16 @@ import pytest
 import torch
 
 from paratron.testing import run_ranks
-from paratron.training.callbacks import Callback
+from test_flexpipe_resume import STOP_AT  # its StopAt callback stops the runs here
 
 datasets = pytest.importorskip("datasets")
 
 ROWS = 10
-STOP_AT = "PARATRON_TEST_HF_STOP_AT"
 TINY = ["model.num_layers=2", "model.hidden_size=16", "model.num_attention_heads=4", "model.seq_length=16",
         "model.make_vocab_size_divisible_by=16", "model.hidden_dropout=0.1",
         "train.global_batch_size=4", "train.micro_batch_size=2", "train.train_iters=6", "train.eval_interval=0",
         "train.deterministic=true", "train.seed=3", "data.split=100,0,0", "logging.progress=false",
-        "logging.tensorboard=false", "logging.log_interval=1", "train.callbacks=test_hf_datasets:StopAt"]
+        "logging.tensorboard=false", "logging.log_interval=1", "train.callbacks=test_flexpipe_resume:StopAt"]
 
 
 def _text(i: int) -> str:
@@ -134,17 +133,6 @@ def test_bad_split_and_bad_record_are_named(hf_files):
 
 
 # ---- exact resume ---------------------------------------------------------------------------------
-class StopAt(Callback):
-    """Stops after iteration ``$PARATRON_TEST_HF_STOP_AT`` (the runner then saves)."""
-
-    def __init__(self, state):
-        self.stop_at = int(os.environ.get(STOP_AT, "0"))
-
-    def on_step_end(self, state, metrics, timings):
-        if self.stop_at and state.iteration >= self.stop_at:
-            state.should_stop = True
-
-
 def _rows_in(mb: dict, tok) -> list[int]:
     """The dataset row each document of a training microbatch spells (``rNN`` starts its text)."""
     starts = [(b, int(c)) for b in range(mb["tokens"].shape[0])

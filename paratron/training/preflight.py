@@ -61,7 +61,8 @@ def apply_data_argument(cfg: Config, data: str | None, overrides: list[str]) -> 
 
     ``--data PATH`` names a corpus (tokenised on first use) or an existing ``.bin/.idx`` prefix;
     either replaces ``data.corpus`` and ``data.data_path``. ``--data-path`` (or ``--set
-    data.data_path=...``) without a ``data.corpus`` override drops the config file's corpus.
+    data.data_path=...``) without a ``data.corpus`` override drops the config file's corpus;
+    ``--set data.hf_dataset=...`` drops the config file's corpus and prefixes alike.
     """
     from paratron.data.prepare import split_data_argument
 
@@ -73,6 +74,9 @@ def apply_data_argument(cfg: Config, data: str | None, overrides: list[str]) -> 
     keys = {o.split("=", 1)[0].strip() for o in overrides}
     if "data.data_path" in keys and "data.corpus" not in keys:
         cfg.data.corpus = None
+    if "data.hf_dataset" in keys:
+        cfg.data.corpus = None if "data.corpus" not in keys else cfg.data.corpus
+        cfg.data.data_path = [] if "data.data_path" not in keys else cfg.data.data_path
 
 
 def apply_run_dir_defaults(cfg: Config, run_dir: str | os.PathLike) -> None:
