@@ -132,6 +132,32 @@ def test_bad_split_and_bad_record_are_named(hf_files):
         prepare_data(cfg, progress=False)
 
 
+def test_chat_records_from_a_dataset(hf_files, tmp_path):
+    """data.format=chat over data.hf_dataset with another data.messages_key: each row's tokens and
+    mask are the renderer's, and data.split cuts the rows into train and validation."""
+    from paratron.config import ConfigError, load_config, validate
+    from paratron.data.chat import ChatRenderer, SIMPLE_TEMPLATE
+    from paratron.data.records import record_splits
+    from paratron.data.tokenizer import from_file
+
+    convs = [[{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": _text(i)}] for i in range(ROWS)]
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps({"conv": c}) + "\n" for c in convs))
+    cfg = load_config(None, ["data.format=chat", f"data.hf_dataset={tmp_path / 'chat.jsonl'}", "data.messages_key=conv",
+                             "data.split=80,20,0", f"data.cache_dir={tmp_path / 'cache'}"])
+    tok = from_file(hf_files / "tok.json")
+    train, valid, _ = record_splits(cfg.data, tok, 16)
+    assert (len(train), len(valid)) == (8, 2)
+    render = ChatRenderer(SIMPLE_TEMPLATE, tok.encode, tok.eod, {})
+    for docs, lo in ((train, 0), (valid, 8)):
+        for i in range(len(docs)):
+            tokens, mask = docs.document(i)
+            want_tokens, want_mask = render(convs[lo + i])
+            assert tokens.tolist() == want_tokens.tolist() and mask.tolist() == want_mask.tolist()
+    cfg.data.split = "train"
+    with pytest.raises(ConfigError, match="is data.hf_split"):
+        validate(cfg)
+
+
 # ---- exact resume ---------------------------------------------------------------------------------
 def _rows_in(mb: dict, tok) -> list[int]:
     """The dataset row each document of a training microbatch spells (``rNN`` starts its text)."""

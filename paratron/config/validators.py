@@ -234,7 +234,8 @@ def _split(cfg: Config, world: int | None) -> None:
     try:
         vals = [float(x) for x in parts]
     except ValueError:
-        raise ConfigError(f"data.split={cfg.data.split!r} must be comma-separated numbers like '969,30,1'") from None
+        hint = " (the split of data.hf_dataset to read is data.hf_split)" if cfg.data.hf_dataset else ""
+        raise ConfigError(f"data.split={cfg.data.split!r} must be comma-separated numbers like '969,30,1'{hint}") from None
     if len(vals) > 3 or any(v < 0 for v in vals) or sum(vals) <= 0:
         raise ConfigError(f"data.split={cfg.data.split!r} must be up to 3 non-negative numbers with a positive sum")
 
