@@ -1,4 +1,4 @@
-"""The ``paratron`` command: ``train | preprocess | generate | convert | simulate | info | plan``.
+"""The ``paratron`` command: ``train | preprocess | generate | convert | simulate | info | plan | config``.
 
 Each subcommand lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``;
 this file only maps names to modules and imports the chosen one, so that ``paratron --help``
@@ -11,6 +11,8 @@ import argparse
 import importlib
 import sys
 
+from paratron import markup
+
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("paratron.training.command", "train a model (under torchrun, or --nproc-per-node N)"),
     "info": ("paratron.training.info", "show the process groups of a layout (under torchrun too)"),
@@ -19,12 +21,25 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "convert": ("paratron.checkpoint.convert", "convert checkpoints to and from Hugging Face"),
     "simulate": ("paratron.pipeline.simulate_command", "simulate and draw a pipeline schedule"),
     "plan": ("paratron.planner.command", "rank parallel layouts with a cost model; write the best as a config"),
+    "config": ("paratron.config.command", "list every config key, or show a config as resolved"),
 }
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """argparse's layout, with the reST markup of the docstrings used as help texts removed
+    (``paratron --help`` prints ``paratron``, not the double backticks)."""
+
+    def _format_text(self, text: str) -> str:
+        return super()._format_text(markup.plain(text))
+
+    def _expand_help(self, action: argparse.Action) -> str:
+        return markup.plain(super()._expand_help(action))
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="paratron", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="paratron", description=__doc__.splitlines()[0],
+                                     formatter_class=HelpFormatter)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (_, help_) in COMMANDS.items():
         sub.add_parser(name, help=help_, add_help=False)
@@ -40,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"paratron {name}: not available in this version ({module_name} is missing)", file=sys.stderr)
             return 2
         raise
-    cmd_parser = argparse.ArgumentParser(prog=f"paratron {name}", description=COMMANDS[name][1])
+    cmd_parser = argparse.ArgumentParser(prog=f"paratron {name}", description=COMMANDS[name][1],
+                                         formatter_class=HelpFormatter)
     module.add_arguments(cmd_parser)
     if hasattr(module, "parse"):
         args = module.parse(cmd_parser, argv[1:])

@@ -10,6 +10,9 @@ layout); the run sections other than ``[model]`` come from ``--config`` (default
 with ``--set`` overrides on top. A ``tokenizer.json`` next to the weights is copied and selected
 as the run's tokenizer. ``paratron-to-hf`` writes config.json and model.safetensors that
 ``transformers`` loads (and copies the run's tokenizer.json, if it has one).
+
+On a terminal a progress bar names the stage running (read, write, tokenizer) and its size
+(``--quiet``: none; never in a log).
 """
 
 from __future__ import annotations
@@ -19,7 +22,11 @@ import shutil
 import sys
 from pathlib import Path
 
+from paratron.progress import progress_bar
+
 DIRECTIONS = ("hf-to-paratron", "paratron-to-hf")
+STAGES = 3
+"""Read, write, tokenizer: the steps of the progress bar, either way."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -32,13 +39,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="hf-to-paratron: override a config value (repeatable)")
     p.add_argument("--step", type=int, default=None,
                    help="paratron-to-hf: the step to export when SRC is a checkpoint root (default: latest)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
-def _hf_to_paratron(args) -> str:
+def _stage(bar, name: str, done: bool = True) -> None:
+    """Count the previous stage ``done`` on the bar and name the next one."""
+    bar.set_description_str(f"convert: {name}", refresh=not done)
+    if done:
+        bar.update()
+
+
+def _gb(tensors) -> str:
+    return f"{sum(t.numel() * t.element_size() for t in tensors.values()) / 1e9:.2f} GB"
+
+
+def _hf_to_paratron(args, bar) -> str:
     from paratron.checkpoint.hf import hf_to_paratron
     from paratron.checkpoint.io import save_model_full
     from paratron.config import apply_overrides, load_config, validate
 
+    shards = sorted(Path(args.src).glob("*.safetensors"))
+    _stage(bar, f"reading {len(shards)} safetensors file(s), "
+                f"{sum(f.stat().st_size for f in shards) / 1e9:.2f} GB", done=False)
     model_cfg, tensors = hf_to_paratron(args.src)
     cfg = load_config(args.config)
     cfg.model = model_cfg
@@ -48,25 +70,30 @@ def _hf_to_paratron(args) -> str:
         cfg.data.tokenizer_model = str(Path(args.dst).resolve() / "tokenizer.json")
     apply_overrides(cfg, args.overrides)
     validate(cfg)
+    _stage(bar, f"writing {len(tensors)} tensors, {_gb(tensors)}")
     save_model_full(args.dst, cfg, tensors)
+    _stage(bar, "tokenizer")
     if tokenizer.is_file():
         shutil.copyfile(tokenizer, Path(args.dst) / "tokenizer.json")
     n = sum(t.numel() for t in tensors.values())
     return f"{len(tensors)} tensors, {n / 1e6:.2f}M parameters"
 
 
-def _paratron_to_hf(args) -> str:
+def _paratron_to_hf(args, bar) -> str:
     from paratron.checkpoint.hf import hf_architecture_for, paratron_to_hf
     from paratron.checkpoint.io import load_model_full, resolve
 
+    _stage(bar, "reading and verifying the checkpoint", done=False)
     cfg, tensors = load_model_full(resolve(args.src, args.step))
+    _stage(bar, f"writing {len(tensors)} tensors, {_gb(tensors)}")
     out = paratron_to_hf(cfg.model, tensors, args.dst)
+    _stage(bar, "tokenizer")
     _export_tokenizer(cfg, out)
     from paratron.checkpoint.hf_moe import FAMILIES
     from paratron.checkpoint.hf_qwen3 import FAMILIES as QWEN3_FAMILIES
 
-    arch = {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel", **FAMILIES,
-            **QWEN3_FAMILIES}[hf_architecture_for(cfg.model)]
+    arch = {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel", "deepseek_v3": "DeepseekV3ForCausalLM",
+            **FAMILIES, **QWEN3_FAMILIES}[hf_architecture_for(cfg.model)]
     return f"{len(tensors)} tensors as a {cfg.model.num_layers}-layer {arch}"
 
 
@@ -89,7 +116,10 @@ def run(args) -> int:
     from paratron.config import ConfigError
 
     try:
-        summary = (_hf_to_paratron if args.direction == "hf-to-paratron" else _paratron_to_hf)(args)
+        with progress_bar(STAGES, "convert", quiet=args.quiet, unit="stage",
+                          bar_format="{desc} [{n_fmt}/{total_fmt} stages, {elapsed}]") as bar:
+            summary = (_hf_to_paratron if args.direction == "hf-to-paratron" else _paratron_to_hf)(args, bar)
+            _stage(bar, "done")
     except (ConfigError, CheckpointError, FileNotFoundError, KeyError, ValueError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"paratron convert {args.direction}: {msg}", file=sys.stderr)

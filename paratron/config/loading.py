@@ -168,20 +168,33 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
     Raises:
         ConfigError: a missing or malformed file, an unknown key, a value of the wrong type.
     """
-    data: dict[str, Any] = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {str(p)!r} does not exist")
-        try:
-            data = tomllib.loads(p.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"{p}: invalid TOML: {e}") from None
+    data = read_toml(path)
     cfg = from_dict(data, str(path) if path else "<defaults>")
     apply_overrides(cfg, list(overrides))
-    given = {f"{section}.{key}" for section, values in data.items() for key in values} | _override_keys(overrides)
-    imply_schedule_defaults(cfg, given)
+    imply_schedule_defaults(cfg, given_keys(data, overrides))
     return cfg
+
+
+def read_toml(path: str | Path | None) -> dict[str, Any]:
+    """The tables of a TOML config file ({} when ``path`` is None).
+
+    Raises:
+        ConfigError: a missing or malformed file.
+    """
+    if path is None:
+        return {}
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {str(p)!r} does not exist")
+    try:
+        return tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{p}: invalid TOML: {e}") from None
+
+
+def given_keys(data: dict[str, Any], overrides: list[str]) -> set[str]:
+    """The dotted keys a file's tables (``data``) and ``section.key=value`` overrides set."""
+    return {f"{section}.{key}" for section, values in data.items() for key in values} | _override_keys(overrides)
 
 
 def to_toml(cfg: Config) -> str:

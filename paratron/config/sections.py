@@ -28,9 +28,13 @@ class ModelConfig:
     max_position_embeddings: Optional[int] = None
     """Rows of the learned position table; None means seq_length."""
     normalization: Literal["layernorm", "rmsnorm"] = "layernorm"
+    """LayerNorm (GPT-2) or RMSNorm (Llama) before attention, MLP and the output layer."""
     norm_epsilon: float = 1e-5
+    """Epsilon added to the variance inside each norm."""
     position_embedding_type: Literal["learned", "rope"] = "learned"
+    """A learned position table (GPT-2) or rotary embeddings on q and k (RoPE, Llama)."""
     rope_theta: float = 10000.0
+    """RoPE base: the rotation frequencies are rope_theta ** (-2i / head_dim)."""
     activation: Literal["gelu", "gelu_tanh", "swiglu"] = "gelu"
     """gelu (erf), gelu_tanh (the tanh approximation GPT-2 uses), or swiglu (gated, Llama)."""
     add_bias_linear: bool = True
@@ -46,20 +50,46 @@ class ModelConfig:
     tie_embeddings: bool = True
     """Share the input embedding with the output layer."""
     hidden_dropout: float = 0.0
+    """Dropout probability on the attention and MLP outputs and the embeddings."""
     attention_dropout: float = 0.0
+    """Dropout probability on the attention probabilities."""
     init_method_std: float = 0.02
+    """Std of the normal init of the weights; output projections use std / sqrt(2 num_layers) (GPT-2)."""
     recompute: Literal["none", "full", "selective"] = "none"
     """Activation recompute (Korthikanti et al. 2022): whole layer, or the attention core only."""
     compile: bool = False
     """``torch.compile`` each transformer layer (opt-in; the first steps pay for compilation)."""
     block: str = "transformer"
     """Name of the transformer block in the block registry."""
+    # Multi-head latent attention (DeepSeek-V2 section 2.1; Megatron-Core's MLATransformerConfig names).
+    multi_latent_attention: bool = False
+    """MLA instead of multi-head/grouped-query attention (paratron/models/mla.py)."""
+    q_lora_rank: Optional[int] = None
+    """MLA: rank of the query down-projection; None projects the queries at full rank (V2-Lite)."""
+    kv_lora_rank: int = 512
+    """MLA: rank of the joint key/value latent (the KV cache per token, with the RoPE key)."""
+    qk_head_dim: int = 128
+    """MLA: per-head width of the query/key part without position (DeepSeek's qk_nope_head_dim)."""
+    qk_pos_emb_head_dim: int = 64
+    """MLA: per-head width of the decoupled RoPE part of q; its key part is one head shared by all."""
+    v_head_dim: int = 128
+    """MLA: per-head width of the values."""
+    # Multi-token prediction (DeepSeek-V3 section 2.2; paratron/models/mtp.py).
+    mtp_num_layers: int = 0
+    """D sequential MTP modules on the last stage; module k (1-based) predicts token i + k + 1 at position i."""
+    mtp_loss_scaling_factor: float = 0.1
+    """lambda: the MTP loss (mean over the D modules) is added to the LM loss times this."""
     # Mixture of experts (num_experts = 0 means dense).
     num_experts: int = 0
+    """Routed experts per MoE layer; 0 means a dense model."""
     moe_top_k: int = 2
+    """Experts each token is routed to."""
     moe_router_score: Literal["softmax", "sigmoid"] = "softmax"
+    """Router scores: softmax over the experts (Mixtral), or a sigmoid per expert (DeepSeek-V3)."""
     moe_aux_loss_coeff: float = 0.0
+    """Weight of the load-balancing auxiliary loss (Switch Transformer); 0 turns it off."""
     moe_z_loss_coeff: float = 0.0
+    """Weight of the router z-loss on the logits' log-sum-exp (ST-MoE); 0 turns it off."""
     moe_capacity_factor: Optional[float] = None
     """None means dropless."""
     moe_layer_freq: int = 1
@@ -86,6 +116,7 @@ class ModelConfig:
     """DeepSeek-V3's auxiliary-loss-free balancing: a per-expert bias added to the scores for the
     top-k choice only, moved by ``moe_router_bias_update_rate`` against the load error each step."""
     moe_router_bias_update_rate: float = 1e-3
+    """Step size of the expert-bias update under ``moe_router_enable_expert_bias``."""
     moe_expert_gemm: Literal["auto", "grouped_mm", "bmm", "loop"] = "auto"
     """How the local experts run: grouped GEMMs (torch._grouped_mm, padded bmm), one GEMM per
     expert (loop), or auto (grouped on CUDA, the loop on CPU where it measured faster)."""
@@ -98,6 +129,7 @@ class ModelConfig:
     """Group-limited routing (DeepSeek-V2/V3): experts in this many equal groups (e.g. one per
     node); each token picks among the experts of its ``moe_router_group_topk`` best groups."""
     moe_router_group_topk: Optional[int] = None
+    """Groups each token chooses among under group-limited routing (with ``moe_router_num_groups``)."""
     moe_router_topk_scaling_factor: Optional[float] = None
     """Multiplies the combine weights of the chosen experts (DeepSeek-V3's ``routed_scaling_factor``,
     2.5 there, which offsets sigmoid scores normalised over the top-k); None means 1."""
@@ -124,6 +156,7 @@ class ParallelConfig:
     expert_tensor: int = 1
     """Tensor-parallel size of expert layers."""
     sequence_parallel: bool = False
+    """Split the activations outside the TP regions along the sequence over the TP ranks (tensor > 1)."""
     zero: int = 0
     """ZeRO stage over DP: 0 plain DDP; 1 optimizer state sharded; 2 also grads; 3 also params."""
     zero3_reshard_after_forward: bool = True
@@ -158,19 +191,33 @@ class ParallelConfig:
     hang_timeout_s: float = 300.0
     """Seconds one collective or p2p op may stay pending before the hang watchdog dumps every
     rank's recent ops to RUN_DIR/hang/ and ends the job; 0 turns the watchdog off."""
+    check_collectives: bool = False
+    """Before every collective, the members of its group exchange its signature (op, group,
+    reduce op, dtype, element count) on the host and stop with CollectiveMismatch, naming each
+    rank's op, when they differ; one extra host round trip per collective. Off, the stop
+    agreement that ends every step still compares a fingerprint of each group's collectives
+    (paratron/parallel/collcheck.py). Needs the hang watchdog's flight recorder
+    (parallel.hang_timeout_s > 0)."""
 
 
 @dataclass
 class TrainConfig:
     train_iters: int = 200
+    """Optimizer steps to train for."""
     seed: int = 1234
+    """Seed of the init, the data order and dropout."""
     micro_batch_size: int = 4
+    """Samples per microbatch on one DP rank."""
     global_batch_size: int = 16
+    """Samples per optimizer step over all DP ranks (microbatch x DP x microbatches)."""
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Compute precision; bf16 and fp16 keep fp32 main weights and grads (fp16 with loss scaling)."""
     deterministic: bool = False
     """Bitwise-repeatable CPU fp32 runs."""
     eval_interval: int = 50
+    """Evaluate every this many steps and after the last; 0 only after the last."""
     eval_iters: int = 4
+    """Global batches of the validation split per evaluation."""
     callbacks: list[str] = field(default_factory=list)
     """Import paths ``module:Class`` of training-loop callbacks (plugins)."""
     peak_flops_per_device: Optional[float] = None
@@ -178,6 +225,7 @@ class TrainConfig:
     sample_prompt: Optional[str] = None
     """When set, rank 0 prints a text sample from the final checkpoint, continuing this prompt."""
     sample_tokens: int = 64
+    """Tokens of the text sample printed after training (``sample_prompt``)."""
     nonfinite: Literal["skip", "stop"] = "skip"
     """A step whose loss or grads hold an inf or NaN (decided globally) changes nothing; "skip"
     goes on with the next batch, "stop" ends the run with an error naming the step."""
@@ -213,25 +261,39 @@ class TrainConfig:
 @dataclass
 class OptimizerConfig:
     name: Literal["adamw", "sgd"] = "adamw"
+    """AdamW or SGD (with ``sgd_momentum``)."""
     lr: float = 3e-4
+    """Peak learning rate, reached after the warmup."""
     min_lr: float = 0.0
+    """Learning rate at the end of the decay."""
     weight_decay: float = 0.1
+    """Decoupled weight decay; norms and biases get none."""
     adam_beta1: float = 0.9
+    """AdamW's first-moment decay."""
     adam_beta2: float = 0.95
+    """AdamW's second-moment decay."""
     adam_eps: float = 1e-8
+    """AdamW's epsilon in the denominator."""
     sgd_momentum: float = 0.0
+    """SGD momentum; 0 means plain SGD (no momentum buffer)."""
     clip_grad: float = 1.0
     """Max global grad norm; 0 disables clipping."""
     lr_decay_style: Literal["cosine", "linear", "constant", "wsd"] = "cosine"
+    """Decay after the warmup: cosine, linear, constant, or warmup-stable-decay (wsd)."""
     lr_warmup_iters: int = 0
+    """Steps of linear warmup from 0 to lr."""
     lr_decay_iters: Optional[int] = None
     """None means train.train_iters."""
     lr_wsd_decay_iters: Optional[int] = None
     """Length of WSD's final decay; None means 10% of lr_decay_iters."""
     initial_loss_scale: float = 65536.0
+    """fp16: the loss scale of the first step."""
     min_loss_scale: float = 1.0
+    """fp16: the loss scale never drops below this."""
     loss_scale_window: int = 1000
+    """fp16: clean steps in a row before the loss scale doubles."""
     hysteresis: int = 2
+    """fp16: overflowing steps before the loss scale halves (each one is skipped)."""
     adam_impl: Literal["auto", "fused", "foreach"] = "auto"
     """AdamW kernels on the flat fp32 buffers: ``fused`` (``torch._fused_adamw_``, one kernel per
     group of views), ``foreach`` (``torch._foreach_*``); ``auto`` is fused on CUDA, foreach on CPU."""
@@ -244,14 +306,19 @@ class DataConfig:
     corpus: Optional[str] = None
     """A JSONL or text corpus preprocessed into data_path on first use."""
     json_key: str = "text"
+    """Key of the text in each JSONL line of data.corpus."""
     tokenizer_type: Literal["GPT2BPETokenizer", "HuggingFaceTokenizer", "ByteLevelBPE"] = "GPT2BPETokenizer"
+    """GPT-2's BPE (vocab_file, merge_file), a tokenizer.json, or a byte-level BPE trained on data.corpus."""
     vocab_file: Optional[str] = None
+    """GPT-2 vocab.json; None means the bundled one."""
     merge_file: Optional[str] = None
+    """GPT-2 merges.txt; None means the bundled one."""
     tokenizer_model: Optional[str] = None
     """A tokenizer.json (HuggingFaceTokenizer)."""
     tokenizer_vocab_size: int = 8192
     """Vocab size when training a byte-level BPE on the corpus."""
     split: str = "969,30,1"
+    """Train, validation and test weights of the documents, Megatron-style ("969,30,1")."""
     num_workers: int = 1
     """Preprocessing worker processes."""
     cache_dir: Optional[str] = None
@@ -297,30 +364,43 @@ class CheckpointConfig:
     load: Optional[str] = None
     """Directory to resume from (its ``latest``, or load_step)."""
     load_step: Optional[int] = None
+    """Step to resume from under checkpoint.load; None means its latest."""
     interval: int = 0
     """Save every N iterations (0: only at the end)."""
     keep_last: int = 3
+    """Checkpoints kept in checkpoint.save; older ones are deleted."""
     async_save: bool = False
+    """Write checkpoints in a background thread while training goes on."""
     load_optimizer: bool = True
+    """Also restore the optimizer state on load; false starts a fresh optimizer."""
 
 
 @dataclass
 class LoggingConfig:
     log_interval: int = 10
+    """Print the step line every this many steps (and at step 1)."""
     tensorboard: bool = True
+    """Write TensorBoard events to RUN_DIR/tensorboard/."""
     progress: bool = True
-    """Show a progress bar while the corpus is tokenised on first use."""
+    """Show a progress bar (on a terminal, not in a log) while the corpus is tokenised on first use."""
 
 
 @dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
+    """The model's architecture."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """How the model and batch are split over ranks."""
     train: TrainConfig = field(default_factory=TrainConfig)
+    """The training loop: steps, batch, precision, evaluation."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """The optimizer, learning-rate schedule and loss scaling."""
     data: DataConfig = field(default_factory=DataConfig)
+    """Datasets, corpus and tokenizer."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Saving and resuming."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Console, TensorBoard and progress output."""
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)

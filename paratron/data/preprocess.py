@@ -24,6 +24,7 @@ from typing import Sequence
 
 import numpy as np
 
+from paratron import progress
 from paratron.data import corpus, indexed, provenance
 from paratron.data import tokenizer as tokenizers_
 from paratron.data.workers import ordered_map
@@ -136,12 +137,9 @@ def preprocess(inputs: Sequence[str], output_prefix: str, tok: tokenizers_.Token
 
 
 def _progress_bar(total: int, enabled: bool):
-    if not enabled:
+    if not progress.shows(quiet=not enabled):  # no TTY (a rank's log) or --quiet
         return None
-    from tqdm import tqdm
-
-    return tqdm(total=total, unit="B", unit_scale=True, desc="preprocess", file=sys.stderr,
-                dynamic_ncols=True)
+    return progress.progress_bar(total, "preprocess", unit="B", unit_scale=True)
 
 
 def build(args: argparse.Namespace) -> tokenizers_.Tokenizer:

@@ -231,7 +231,7 @@ def record_splits(data_cfg, tok, seq_length: int, cache_size: int = 4096
     all training (:mod:`paratron.data.hf_datasets`).
     """
     from paratron.data import hf_datasets
-    from paratron.data.gpt_dataset import split_ranges
+    from paratron.data.split_plan import split_ranges
     from paratron.data.paths import resolve_input
 
     tokenise, desc = record_tokeniser(data_cfg, tok)
@@ -248,6 +248,8 @@ def record_splits(data_cfg, tok, seq_length: int, cache_size: int = 4096
         rows = JsonlRows(resolve_input(data_cfg.corpus, "data.corpus"))
         source = data_cfg.corpus
     (lo, hi), (vlo, vhi) = split_ranges(len(rows), data_cfg.split)[:2]
+    if hi == lo:  # the rule of paratron.data.split_plan: a run cannot train on an empty split
+        raise ValueError(f"{source}: data.split={data_cfg.split!r} leaves no training record of {len(rows)}")
     valid = docs(RowRange(rows, vlo, vhi)) if vhi > vlo else None
     return docs(RowRange(rows, lo, hi)), valid, f"{desc} from {source} ({hi - lo} train, {vhi - vlo} valid rows)"
 

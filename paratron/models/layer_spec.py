@@ -27,6 +27,8 @@ from torch import nn
 
 from paratron.config import ModelConfig, model_shape
 
+from .norms import make_norm
+
 
 @dataclass(frozen=True)
 class LayerInputs:
@@ -55,17 +57,6 @@ class LayerInputs:
 SubmoduleBuilder = Callable[[LayerInputs, str], nn.Module]
 
 
-def make_norm(cfg: ModelConfig, ctx, logical_name: str, sequence_parallel: bool, params_dtype: torch.dtype,
-              width: int | None = None) -> nn.Module:
-    """LayerNorm or RMSNorm over h (or ``width``), per ``model.normalization`` (weights named
-    ``{logical_name}.weight``)."""
-    from paratron.layers import LayerNorm, RMSNorm
-
-    cls = RMSNorm if cfg.normalization == "rmsnorm" else LayerNorm
-    return cls(width or cfg.hidden_size, ctx, logical_name=logical_name, eps=cfg.norm_epsilon,
-               sequence_parallel=sequence_parallel, params_dtype=params_dtype)
-
-
 def norm(inputs: LayerInputs, name: str) -> nn.Module:
     """The config's norm (``model.normalization``)."""
     return make_norm(inputs.cfg, inputs.ctx, f"{inputs.prefix}.{name}", inputs.sequence_parallel,
@@ -73,9 +64,15 @@ def norm(inputs: LayerInputs, name: str) -> nn.Module:
 
 
 def self_attention(inputs: LayerInputs, name: str) -> nn.Module:
-    """:class:`~paratron.models.attention.SelfAttention` (its parameters are named
-    ``{prefix}.attention.*`` whatever ``name`` is)."""
+    """:class:`~paratron.models.attention.SelfAttention`, or under ``model.multi_latent_attention``
+    :class:`~paratron.models.mla.LatentAttention` (its parameters are named ``{prefix}.attention.*``
+    whatever ``name`` is)."""
     from .attention import SelfAttention
+
+    if inputs.cfg.multi_latent_attention:
+        from .mla import latent_attention
+
+        return latent_attention(inputs, name)
 
     return SelfAttention(inputs.cfg, inputs.ctx, layer_number=inputs.layer_number, seed=inputs.seed,
                          sequence_parallel=inputs.sequence_parallel, params_dtype=inputs.params_dtype,

@@ -13,7 +13,8 @@ loaded as it will be for the runs):
 * ``gloo_bandwidth`` and ``gloo_latency``: all-reduces of 1 KB and 16 MB over all ranks, solved
   for the ring model of :mod:`.communication` (``t = 2 (n-1)/n x / B + 2 (n-1) l``).
 
-The medians over ranks are written as JSON; ``--gpu cpu`` plans read them.
+The medians over ranks are written as JSON; ``--gpu cpu`` plans read them. Rank 0 shows a
+progress bar over these five measurements on a terminal (:func:`paratron.progress.progress_bar`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,12 @@ import os
 import statistics
 import time
 from pathlib import Path
+
+from paratron.progress import progress_bar
+
+MEASUREMENTS = ("GEMM", "memory bandwidth", "autograd op overhead", "gloo all-reduce 1 KB",
+                "gloo all-reduce 16 MB")
+"""What each rank measures, in order (the progress bar's steps; the cores are read, not timed)."""
 
 
 def _typical_time(fn, trials: int) -> float:
@@ -37,15 +44,28 @@ def _typical_time(fn, trials: int) -> float:
     return statistics.median(times)
 
 
-def _rank_measure() -> dict:
+def _rank_measure(quiet: bool = True) -> dict:
+    import torch.distributed as dist
+
+    with progress_bar(len(MEASUREMENTS), "calibrate", quiet=quiet or dist.get_rank() != 0) as bar:
+        return _measure(bar)
+
+
+def _measure(bar) -> dict:
+    """The figures of the module docstring on this rank; ``bar`` advances after each."""
     import torch
     import torch.distributed as dist
 
+    def step(name: str, value: float) -> float:
+        bar.set_postfix_str(f"{name} done", refresh=False)
+        bar.update()
+        return value
+
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(1024, 512, generator=g), torch.randn(512, 512, generator=g)
-    gemm = 2 * 1024 * 512 * 512 / _typical_time(lambda: torch.mm(a, b), 15)
+    gemm = step(MEASUREMENTS[0], 2 * 1024 * 512 * 512 / _typical_time(lambda: torch.mm(a, b), 15))
     x, y = torch.randn(4 * 2**20, generator=g), torch.randn(4 * 2**20, generator=g)
-    mem = 3 * x.numel() * 4 / _typical_time(lambda: x.add_(y), 15)
+    mem = step(MEASUREMENTS[1], 3 * x.numel() * 4 / _typical_time(lambda: x.add_(y), 15))
 
     def chain():
         z = torch.ones(4, requires_grad=True)
@@ -54,23 +74,24 @@ def _rank_measure() -> dict:
             w = w * 1.0001
         w.sum().backward()
 
-    op = _typical_time(chain, 7) / 400
+    op = step(MEASUREMENTS[2], _typical_time(chain, 7) / 400)
     n = dist.get_world_size()
     small, big = torch.zeros(256), torch.zeros(4 * 2**20)
     dist.barrier()
-    t_small = _typical_time(lambda: dist.all_reduce(small), 21)
-    t_big = _typical_time(lambda: dist.all_reduce(big), 7)
+    t_small = step(MEASUREMENTS[3], _typical_time(lambda: dist.all_reduce(small), 21))
+    t_big = step(MEASUREMENTS[4], _typical_time(lambda: dist.all_reduce(big), 7))
     ring = 2 * (n - 1) / n
     bw = ring * (big.numel() - small.numel()) * 4 / max(t_big - t_small, 1e-9)
     lat = max(t_small - ring * small.numel() * 4 / bw, 1e-7) / (2 * (n - 1))
     return {"gemm_flops": gemm, "mem_bandwidth": mem, "op_overhead": op, "gloo_bandwidth": bw, "gloo_latency": lat}
 
 
-def calibrate(nproc: int) -> dict:
-    """Medians over ``nproc`` ranks of each figure (module docstring), plus ``nproc``."""
+def calibrate(nproc: int, quiet: bool = True) -> dict:
+    """Medians over ``nproc`` ranks of each figure (module docstring), plus ``nproc``; unless
+    ``quiet``, rank 0 draws a progress bar (on a terminal)."""
     from paratron.testing import run_ranks
 
-    per_rank = run_ranks(_rank_measure, nproc, timeout=600)
+    per_rank = run_ranks(_rank_measure, nproc, quiet, timeout=600)
     out = {k: statistics.median(r[k] for r in per_rank) for k in per_rank[0]}
     out["cores"] = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     out["nproc"] = nproc

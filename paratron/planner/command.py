@@ -7,6 +7,9 @@ Usage::
         --global-batch-size 512 --seq-length 4096 --explain
     paratron plan --calibrate --gpus-per-node 4          # measure this CPU for --gpu cpu
 
+``--gpu cpu`` without a calibration file measures this CPU first (as ``--calibrate``) and writes
+the file. On a terminal, progress bars count the layouts bounded, simulated and pruned (``--quiet``:
+none; never in a log).
 ``paratron train --config plan.toml --nproc-per-node G`` runs the written plan as it is.
 """
 
@@ -45,7 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--explain", nargs="?", type=int, const=1, default=None, metavar="RANK",
                    help="show the cost breakdown of plan RANK (default 1)")
     p.add_argument("--calibrate", action="store_true", help="measure this CPU (GEMM rate, gloo) and exit")
-    p.add_argument("--calibration", default=DEFAULT_CALIBRATION, help="CPU calibration file (read or written)")
+    p.add_argument("--calibration", default=DEFAULT_CALIBRATION,
+                   help="CPU calibration file (read; measured and written first when missing)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
 def base_config(args: argparse.Namespace) -> Config:
@@ -93,7 +98,13 @@ def problem(args: argparse.Namespace, cfg: Config):
     for name, v in (("--nodes", args.nodes), ("--gpus-per-node", gpn), ("--top-k", args.top_k)):
         if v < 1:
             raise ConfigError(f"{name}={v} must be a positive integer (>= 1)")
-    cal = load(args.calibration) if args.gpu == "cpu" else None
+    cal = None
+    if args.gpu == "cpu":
+        if not Path(args.calibration).is_file():
+            print(f"paratron plan: {args.calibration} does not exist: calibrating this CPU on {gpn} ranks first",
+                  file=sys.stderr)
+            write_calibration(args.calibration, gpn, args.quiet)
+        cal = load(args.calibration)
     hw = device(args.gpu, memory_gb=args.memory_gb, intra_bw_gbs=args.intra_bw_gbs,
                 inter_bw_gbs=args.inter_bw_gbs, calibration=cal)
     gbs = cfg.train.global_batch_size if args.global_batch_size is None else args.global_batch_size
@@ -115,15 +126,22 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
 
-def _calibrate(args: argparse.Namespace) -> int:
+def write_calibration(path: str | Path, nproc: int, quiet: bool = False) -> dict:
+    """Measure this CPU on ``nproc`` ranks (:func:`.calibrate.calibrate`) and write the figures
+    to ``path`` as JSON; returns them."""
     from .calibrate import calibrate
 
-    out = calibrate(args.gpus_per_node or 4)
-    path = Path(args.calibration)
+    out = calibrate(nproc, quiet=quiet)
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=2) + "\n")
+    print(f"paratron plan: wrote {path}", file=sys.stderr)
+    return out
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    out = write_calibration(args.calibration, args.gpus_per_node or 4, args.quiet)
     print(json.dumps(out, indent=2))
-    print(f"wrote {path}")
     return 0
 
 
@@ -133,7 +151,7 @@ def _plan(args: argparse.Namespace) -> int:
 
     cfg = base_config(args)
     prob = problem(args, cfg)
-    result = plan(prob, cfg, args.top_k)
+    result = plan(prob, cfg, args.top_k, quiet=args.quiet)
     hw = prob.cluster.hw
     print(f"{prob.cluster.world} x {hw.name} ({prob.cluster.nodes} node(s) x {prob.cluster.gpus_per_node}), "
           f"{hw.memory_bytes / 1e9:.3g} GB each; global batch {prob.global_batch_size} x {prob.seq_length} tokens; "

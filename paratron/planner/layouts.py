@@ -22,6 +22,7 @@ from typing import Iterator
 from paratron.config import VALIDATORS, Config, ConfigError
 from paratron.config.validators import check_schedule
 from paratron.pipeline.registry import SCHEDULES
+from paratron.progress import progress_bar
 
 from .layout import Layout, apply
 
@@ -67,15 +68,16 @@ def accepted(cfg: Config, world: int) -> tuple[int, str] | None:
     return None
 
 
-def enumerate_layouts(base: Config, world: int, global_batch_size: int, seq_length: int,
-                      precision: str) -> tuple[list[Layout], dict[str, tuple[int, int]]]:
+def enumerate_layouts(base: Config, world: int, global_batch_size: int, seq_length: int, precision: str,
+                      quiet: bool = True) -> tuple[list[Layout], dict[str, tuple[int, int]]]:
     """(accepted layouts, {rule's first 160 characters: (rules passed before it, candidates refused)}).
 
     ``base`` supplies the model and everything the planner does not choose. Choices are made level
     by level (axis sizes; chunks and schedule; the rest); a level's candidate is first tried with
     the simplest remaining choices, and dropped with all of them when the rule it breaks names
     none of the remaining fields (every rule message names its fields), which keeps the search
-    fast on thousands of ranks without a rule of the planner's own.
+    fast on thousands of ranks without a rule of the planner's own. Unless ``quiet``, a progress
+    bar counts the axis sizes tried.
     """
     scratch = copy.deepcopy(base)
     layouts, refused = [], {}
@@ -89,7 +91,8 @@ def enumerate_layouts(base: Config, world: int, global_batch_size: int, seq_leng
             return False
         return True
 
-    for tp, cp, pp, dp, ep in _axes(base, world):
+    axes = list(_axes(base, world))
+    for tp, cp, pp, dp, ep in progress_bar(desc="plan: enumerate", iterable=axes, quiet=quiet, unit="axes"):
         if not check(Layout(tp, pp, 1, dp, cp, ep, 0, "1f1b", 1, "none", False), CHOICE_FIELDS):
             continue
         for vpp, schedule in itertools.product(divisors(max(base.model.num_layers // pp, 1)), SCHEDULES.names()):

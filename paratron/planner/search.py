@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from paratron.config import Config, validate
+from paratron.progress import progress_bar
 
 from .compute import stage_works
 from .estimate import Estimate, Problem, estimate, fixed_seconds, lower_bound, memory_per_rank
@@ -43,8 +44,11 @@ class PlanResult:
     all_layouts: list[Layout] = field(default_factory=list, repr=False)
 
 
-def plan(prob: Problem, base: Config, top_k: int = 5, cache: ScheduleCache | None = None) -> PlanResult:
+def plan(prob: Problem, base: Config, top_k: int = 5, cache: ScheduleCache | None = None,
+         quiet: bool = True) -> PlanResult:
     """The ``top_k`` fastest layouts that fit in device memory (equal step times: the leaner first).
+    Unless ``quiet``, progress bars (:func:`paratron.progress.progress_bar`) count the axis sizes
+    enumerated, the layouts bounded, then those simulated and pruned.
 
     Raises:
         PlanError: no layout is accepted (the most frequent rule is named), or none fits in memory
@@ -52,13 +56,14 @@ def plan(prob: Problem, base: Config, top_k: int = 5, cache: ScheduleCache | Non
     """
     cache = cache or ScheduleCache()
     world = prob.cluster.world
-    layouts, refused = enumerate_layouts(base, world, prob.global_batch_size, prob.seq_length, prob.precision)
+    layouts, refused = enumerate_layouts(base, world, prob.global_batch_size, prob.seq_length, prob.precision,
+                                         quiet)
     if not layouts:
         raise PlanError(f"no layout of {world} ranks is accepted for --global-batch-size={prob.global_batch_size} "
                         f"--seq-length={prob.seq_length}; the candidates break:\n  " + "\n  ".join(_by_field(refused)))
     costed = distinct(layouts)
-    cands, floors = _candidates(prob, costed)
-    best, too_big, simulated = _best_first(prob, cands, cache, top_k, refused)
+    cands, floors = _candidates(prob, costed, quiet)
+    best, too_big, simulated = _best_first(prob, cands, cache, top_k, refused, quiet)
     if not best:
         raise PlanError(_no_fit_message(prob, floors, cache, prob.cluster.hw.memory_bytes))
     for e in best:  # every rule, the deferred one included, on exactly what will be printed
@@ -71,29 +76,41 @@ def rank_key(e: Estimate) -> tuple[float, float, str]:
     return e.step_time, e.memory.total, e.layout.short()
 
 
-def _candidates(prob: Problem, costed: list[Layout]) -> tuple[list[tuple], list[tuple[float, Layout]]]:
+def _candidates(prob: Problem, costed: list[Layout],
+                quiet: bool = True) -> tuple[list[tuple], list[tuple[float, Layout]]]:
     """((step-time bound, layout, stage works, fixed seconds) of the layouts whose memory floor fits,
     best bound first; (memory floor, layout) of all)."""
     cands, floors = [], []
-    for lay in costed:
-        floor = memory_per_rank(prob, lay, [1] * lay.pp)[0].total
-        floors.append((floor, lay))
-        if floor <= prob.cluster.hw.memory_bytes:
-            works = stage_works(prob.shape, lay, prob.cluster, prob.fused_attention)
-            fixed = fixed_seconds(prob, lay, works)
-            cands.append((lower_bound(prob, lay, works, fixed), lay, works, fixed))
+    with progress_bar(len(costed), "plan: bound", quiet=quiet, unit="layout") as bar:
+        for lay in costed:
+            floor = memory_per_rank(prob, lay, [1] * lay.pp)[0].total
+            floors.append((floor, lay))
+            if floor <= prob.cluster.hw.memory_bytes:
+                works = stage_works(prob.shape, lay, prob.cluster, prob.fused_attention)
+                fixed = fixed_seconds(prob, lay, works)
+                cands.append((lower_bound(prob, lay, works, fixed), lay, works, fixed))
+            bar.update()
     cands.sort(key=lambda c: c[0])
     return cands, floors
 
 
 def _best_first(prob: Problem, cands: list[tuple], cache: ScheduleCache, top_k: int,
-                refused: dict[str, tuple[int, int]]) -> tuple[list[Estimate], int, int]:
+                refused: dict[str, tuple[int, int]], quiet: bool = True) -> tuple[list[Estimate], int, int]:
     """(top ``top_k`` estimates, layouts too big with their schedule's in-flight microbatches,
     layouts simulated); stops at the first bound above the k-th best (module docstring)."""
+    with progress_bar(len(cands), "plan: simulate", quiet=quiet, unit="layout") as bar:
+        return _best_first_loop(prob, cands, cache, top_k, refused, bar)
+
+
+def _best_first_loop(prob, cands, cache, top_k, refused, bar) -> tuple[list[Estimate], int, int]:
     best: list[Estimate] = []
     too_big = simulated = 0
-    for lb, lay, works, fixed in cands:
+    for i, (lb, lay, works, fixed) in enumerate(cands):
+        bar.set_postfix(simulated=simulated, too_big=too_big, refresh=False)
+        bar.update()
         if len(best) >= top_k and lb > best[-1].step_time * (1 + ROUNDING):
+            bar.set_postfix(simulated=simulated, too_big=too_big, pruned=len(cands) - i, refresh=False)
+            bar.update(len(cands) - i - 1)
             break
         try:
             m = lay.microbatches(prob.global_batch_size)

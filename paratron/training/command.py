@@ -142,7 +142,7 @@ def launch_training(cmd: list[str], args: argparse.Namespace, cfg: Config) -> in
 
     run_dir = Path(args.run_dir or default_run_dir(args.config))
     with run_locks(run_dir, cfg, take=args.node_rank == 0) as refused:
-        return 2 if refused else run_torchrun(cmd, run_dir)
+        return 2 if refused else run_torchrun(cmd, run_dir, args.node_rank)
 
 
 @contextmanager

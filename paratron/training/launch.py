@@ -6,7 +6,8 @@
   ranks. SIGTERM, SIGINT and SIGHUP to the launcher go to the ranks only: they finish the step,
   save and exit 0 (signalled itself, the agent would stop them after a grace period).
 * The ranks write everything to ``RUN_DIR/logs/rank_N.log`` (rank 0's progress lines also reach
-  the terminal); torchrun's own messages go to ``RUN_DIR/logs/torchrun.log``.
+  the terminal); torchrun's own messages go to ``RUN_DIR/logs/torchrun.log`` (node I > 0 of a
+  multi-node job: ``torchrun_nodeI.log``, as the nodes may share the run directory).
 * While the job runs, the launcher watches the ranks' processes (their pids come from
   ``logs/rank_N.status.json``) and notes when each disappears. When torchrun exits non-zero it
   prints one diagnosis: the hang report (:mod:`paratron.training.hang`) when a watchdog fired,
@@ -25,7 +26,7 @@ import time
 from pathlib import Path
 
 from paratron.training.failures import collect, read_records, summarize, torchrun_exit_codes
-from paratron.training.hang import diagnose, load_dumps
+from paratron.training.hang import diagnose, load_dumps, load_rings
 from paratron.training.startup import LAUNCH_ENV
 from paratron.training.rankproc import LOG_DIR_ENV, PR_SET_PDEATHSIG
 
@@ -100,7 +101,12 @@ class RankWatch:
         return left
 
 
-def run_torchrun(cmd: list[str], run_dir: Path | None = None) -> int:
+def torchrun_log(log_dir: Path, node_rank: int = 0) -> Path:
+    """Where this node's torchrun agent writes its messages (module docstring)."""
+    return log_dir / ("torchrun.log" if node_rank == 0 else f"torchrun_node{node_rank}.log")
+
+
+def run_torchrun(cmd: list[str], run_dir: Path | None = None, node_rank: int = 0) -> int:
     """Run torchrun; with ``run_dir``, log the ranks there and summarise a failure (see module doc)."""
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default too; keep it without its warning
@@ -108,7 +114,7 @@ def run_torchrun(cmd: list[str], run_dir: Path | None = None) -> int:
     if run_dir is not None:
         log_dir = prepare_run_dir(Path(run_dir)).resolve()
         env[LOG_DIR_ENV] = str(log_dir)
-        stderr = open(log_dir / "torchrun.log", "wb")  # this job's messages only
+        stderr = open(torchrun_log(log_dir, node_rank), "wb")  # this job's messages only
     try:
         env[LAUNCH_ENV] = repr(time.time())  # the start-up breakdown's "spawn" starts here
         proc = subprocess.Popen(cmd, env=env, stderr=stderr, preexec_fn=_agent_dies_with_us)
@@ -142,24 +148,26 @@ def run_torchrun(cmd: list[str], run_dir: Path | None = None) -> int:
     watch.update()
     left = watch.kill_leftovers()
     if rc != 0:
-        for line in failure_report(Path(run_dir), log_dir, watch, rc, left):
+        for line in failure_report(Path(run_dir), log_dir, watch, rc, left, node_rank):
             print(line, file=sys.stderr)
     return 128 - rc if rc < 0 else rc  # killed by a signal: the shell's convention
 
 
-def failure_report(run_dir: Path, log_dir: Path, watch: RankWatch, rc: int, left: list[int]) -> list[str]:
+def failure_report(run_dir: Path, log_dir: Path, watch: RankWatch, rc: int, left: list[int],
+                   node_rank: int = 0) -> list[str]:
     """The lines printed after a failed job: the hang diagnosis or the first failure."""
     lines = []
     if rc < 0:
         lines.append(f"paratron train: the torchrun agent died by {signal.Signals(-rc).name}; "
                      "its ranks were ended with it")
-    hang = diagnose(load_dumps(run_dir / "hang"), where=str(run_dir / "hang"))
+    dumps = load_dumps(run_dir / "hang")
+    hang = diagnose(dumps, where=str(run_dir / "hang"), rings=load_rings(run_dir / "hang", dumps))
     if hang is not None:
         lines.append("paratron train: " + hang)
         lines.append(f"  full output of each rank: {log_dir}/rank_N.log")
     elif rc > 0 or read_records(log_dir, "error"):
         try:
-            codes = torchrun_exit_codes((log_dir / "torchrun.log").read_text(errors="replace")[-200_000:])
+            codes = torchrun_exit_codes(torchrun_log(log_dir, node_rank).read_text(errors="replace")[-200_000:])
         except OSError:
             codes = {}
         body = summarize(collect(log_dir, watch.deaths, codes), log_dir)

@@ -157,6 +157,8 @@ def format_log_line(r: dict, total_iters: int) -> str:
              f"grad norm {r['grad_norm']:.3f}"]
     if "aux_loss" in r:
         parts.append(f"aux loss {r['aux_loss']:.4f}")
+    if "mtp_loss" in r:
+        parts.append(f"mtp loss {r['mtp_loss']:.4f}")
     if "loss_scale" in r:
         parts.append(f"loss scale {r['loss_scale']:.0f}")
     parts += [f"skipped {r['skipped_iterations']}",

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from paratron.config import Config, to_toml
+from paratron.parallel.collcheck import agree_to_stop
 from paratron.pipeline.delay import measured_microbatch_time
 from paratron.training.callbacks import CallbackList, TrainState, load_callback
 from paratron.training.evaluator import Evaluator
@@ -232,7 +233,7 @@ class Trainer:
         """Load ``checkpoint.load`` if set, and print the run's header lines."""
         s, cfg = self.state, self.cfg
         warn_if_saving_over(cfg, self.ctx)
-        extra = self.ckpt.load(self.chunks, self.optimizer, self.scheduler) if (
+        extra = self.ckpt.load_everywhere(self.chunks, self.optimizer, self.scheduler) if (
             self.ckpt is not None and cfg.checkpoint.load) else None
         if extra:
             s.iteration = int(extra.get("iteration", 0))
@@ -323,11 +324,3 @@ def train_batch(cfg: Config, ctx, chunks, ddp, optimizer, scheduler, microbatche
         scheduler.step()
     timer.end_step()
     return out, result, lr
-
-
-def agree_to_stop(ctx, local: bool) -> bool:
-    """Every rank stops at the same step if any rank was asked to (signals arrive unevenly).
-    A host-side all-reduce (gloo, the CPU side of the process groups): the device never waits."""
-    t = torch.tensor([1.0 if local else 0.0])
-    ctx.world.host_all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t[0] > 0)
