@@ -137,7 +137,7 @@ def test_chat_records_from_a_dataset(hf_files, tmp_path):
     mask are the renderer's, and data.split cuts the rows into train and validation."""
     from paratron.config import ConfigError, load_config, validate
     from paratron.data.chat import ChatRenderer, SIMPLE_TEMPLATE
-    from paratron.data.records import record_splits
+    from paratron.data.records import first_prompt, record_splits
     from paratron.data.tokenizer import from_file
 
     convs = [[{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": _text(i)}] for i in range(ROWS)]
@@ -153,6 +153,7 @@ def test_chat_records_from_a_dataset(hf_files, tmp_path):
             tokens, mask = docs.document(i)
             want_tokens, want_mask = render(convs[lo + i])
             assert tokens.tolist() == want_tokens.tolist() and mask.tolist() == want_mask.tolist()
+    assert first_prompt(cfg.data, tok, valid) == "<|user|>\nq8\n<|assistant|>\n"
     cfg.data.split = "train"
     with pytest.raises(ConfigError, match="is data.hf_split"):
         validate(cfg)

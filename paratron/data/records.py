@@ -268,3 +268,19 @@ def check_records(data_cfg, tok, seq_length: int, limit: int = 100) -> str:
     for i in range(count):
         train.document(i)
     return desc
+
+
+def first_prompt(data_cfg, tok, docs: TokenisedDocuments | None) -> str | None:
+    """A sample prompt from the data: the first record's conversation up to its first assistant
+    turn, rendered with the generation prompt (chat), or its first 8 tokens (text). None for no
+    record, and for a stream (reading it would move the reader)."""
+    from paratron.data.chat import build_renderer, conversation
+
+    if docs is None or len(docs) == 0 or data_cfg.streaming:
+        return None
+    record = docs.records.record(0)
+    if data_cfg.format != "chat":
+        return tok.decode(docs.document(0)[0][:8].tolist())
+    messages = conversation(record, data_cfg.messages_key, docs.describe(0))
+    first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    return build_renderer(data_cfg, tok)[0].render(messages[:first], add_generation_prompt=True)

@@ -171,7 +171,7 @@ class TrainingData:
         Rank 0 loads first (``datasets`` builds its Arrow cache once); the others then reuse it."""
         from paratron.config.token_rules import row_multiple
         from paratron.data.prepare import build_tokenizer
-        from paratron.data.records import PositionSampler, record_splits
+        from paratron.data.records import PositionSampler, first_prompt, record_splits
         from paratron.data.sampler import PretrainingSampler
         from paratron.data.token_batches import TokenBudgetSampler
         from paratron.training.step_log import log
@@ -203,7 +203,7 @@ class TrainingData:
                                       seed=t.seed)
 
         return cls(tok, train, valid, sampler(train), sampler(valid), None, microbatch_preparer(cfg, ctx, tok.eod),
-                   None, row_multiple(cfg.parallel))
+                   first_prompt(d, tok, valid or train), row_multiple(cfg.parallel))
 
 
 @contextmanager
