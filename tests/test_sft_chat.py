@@ -95,6 +95,16 @@ def test_prompt_completion_and_bad_records(tmp_path):
         conversation({"messages": [{"role": "bot", "content": "x"}]})
 
 
+def test_missing_jinja2_names_the_extra(monkeypatch):
+    import sys
+
+    from paratron.data.chat import require_jinja2
+
+    monkeypatch.setitem(sys.modules, "jinja2", None)
+    with pytest.raises(ImportError, match=r"paratron\[hf\]"):
+        require_jinja2()
+
+
 def test_template_comes_from_the_tokenizer(tmp_path):
     """tokenizer_config.json's chat_template, chat_template.jinja over it, else 'simple'."""
     (tmp_path / "tokenizer.json").write_text("{}")

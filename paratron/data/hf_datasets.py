@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from paratron.data.paths import locate
-from paratron.data.records import STREAM_LENGTH
+from paratron.data.sampler import STREAM_LENGTH
 
 BUILDERS = {".parquet": "parquet", ".arrow": "arrow", ".json": "json", ".jsonl": "json", ".ndjson": "json"}
 """File suffix -> the ``datasets`` packaged builder that reads it."""

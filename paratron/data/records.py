@@ -30,13 +30,14 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from paratron.data.sampler import PretrainingSampler
+from paratron.data import hf_datasets
+from paratron.data.chat import build_renderer, conversation, read_jsonl
+from paratron.data.paths import resolve_input
+from paratron.data.sampler import STREAM_LENGTH, PretrainingSampler
+from paratron.data.split_plan import split_ranges
 
 IGNORE_INDEX = -100
 
-STREAM_LENGTH = 2**62
-"""The length a stream of unknown size reports (positions grow without end; see
-:class:`PositionSampler`)."""
 
 
 class RowRange:
@@ -185,8 +186,6 @@ def text_tokeniser(tok, text_key: str) -> Callable:
 
 def chat_tokeniser(renderer, messages_key: str) -> Callable:
     """``(record, where) -> (tokens, mask)`` of a conversation (:mod:`paratron.data.chat`)."""
-    from paratron.data.chat import conversation
-
     def tokenise(record, where: str):
         return renderer(conversation(record, messages_key, where), where)
 
@@ -197,9 +196,7 @@ class JsonlRows:
     """The records of a JSONL file by row, each with its ``FILE:LINE``."""
 
     def __init__(self, path):
-        from paratron.data.chat import read_jsonl
-
-        self.places, self.rows = zip(*read_jsonl(path))
+            self.places, self.rows = zip(*read_jsonl(path))
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -214,8 +211,6 @@ class JsonlRows:
 def record_tokeniser(data_cfg, tok) -> tuple[Callable, str]:
     """``(tokenise, description)`` of a run's records: conversations with the chat template
     (``data.format = "chat"``), else text records of ``data.json_key``."""
-    from paratron.data.chat import build_renderer
-
     if data_cfg.format == "chat":
         renderer, desc = build_renderer(data_cfg, tok)
         return chat_tokeniser(renderer, data_cfg.messages_key), f"chat records, template {desc}"
@@ -230,10 +225,6 @@ def record_splits(data_cfg, tok, seq_length: int, cache_size: int = 4096
     ``data.split`` into contiguous train / validation rows (None when empty); a streamed one is
     all training (:mod:`paratron.data.hf_datasets`).
     """
-    from paratron.data import hf_datasets
-    from paratron.data.split_plan import split_ranges
-    from paratron.data.paths import resolve_input
-
     tokenise, desc = record_tokeniser(data_cfg, tok)
 
     def docs(records):
@@ -274,8 +265,6 @@ def first_prompt(data_cfg, tok, docs: TokenisedDocuments | None) -> str | None:
     """A sample prompt from the data: the first record's conversation up to its first assistant
     turn, rendered with the generation prompt (chat), or its first 8 tokens (text). None for no
     record, and for a stream (reading it would move the reader)."""
-    from paratron.data.chat import build_renderer, conversation
-
     if docs is None or len(docs) == 0 or data_cfg.streaming:
         return None
     record = docs.records.record(0)
