@@ -209,12 +209,16 @@ def test_loss_is_the_mean_over_assistant_tokens_one_process(chat_file):
 
 
 def test_loss_is_the_mean_over_assistant_tokens_cp2_pp2(chat_file):
-    """Packing + CP=2 (ring) and PP=2, on 2 ranks each, against the same hand-computed mean."""
+    """Packing + CP=2 (ring), PP=2 (fixed rows and packed), DP=2 (fixed rows and packed: the
+    conversations differ in their assistant token counts), on 2 ranks each, against the same
+    hand-computed mean."""
     cfg, tok = _config(chat_file, []), _tok(chat_file)
     cfg.model.vocab_size = tok.vocab_size
     want = _reference_loss(cfg, tok)
     layouts = [(["data.microbatch_tokens=192", "parallel.context=2", "parallel.tensor=1"], {"cp": 2}),
-               (["parallel.pipeline=2"], {"pp": 2})]
+               (["parallel.pipeline=2"], {"pp": 2}),
+               (["data.microbatch_tokens=192", "parallel.pipeline=2"], {"pp": 2}),
+               ([], {}), (["data.microbatch_tokens=192"], {})]  # DP=2: the count of targets is global
     for rank, losses in enumerate(run_ranks(_layouts, 2, chat_file, layouts, timeout=240)):
         for (extra, _), got in zip(layouts, losses):
             assert got == pytest.approx(want, rel=1e-5), (rank, extra, got, want)
