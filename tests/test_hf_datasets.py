@@ -192,8 +192,9 @@ def _runs(runs: list[tuple[list[str], str, int]]) -> list[dict]:
         real = TrainingData.train_microbatches
 
         def spy(self, consumed, counts=None):
+            known = getattr(self.train_ds.records, "pass_length", None)  # before this step's reads
             mbs = real(self, consumed, counts)
-            seen.append({"consumed": consumed, "ids": self.last_sample_ids,
+            seen.append({"consumed": consumed, "ids": self.last_sample_ids, "pass_length": known,
                          "rows": [r for mb in mbs for r in _rows_in(mb, self.tokenizer)]})
             return mbs
 
@@ -262,6 +263,8 @@ def test_streamed_resume_twice_reads_on_exactly(hf_files, tmp_path):
     assert [s["consumed"] for s in seen] == [0, 4, 8, 12, 16, 20]
     assert _passes(seen) == [list(range(ROWS)), list(range(ROWS)), [0, 1, 2, 3]]
     assert [r for s in seen for r in s["rows"]] == [p % ROWS for p in range(24)]
+    # the pass length learnt in step 3 came back with both resumes (from the checkpoint, not re-read)
+    assert [s["pass_length"] for s in seen] == [None, None, None, ROWS, ROWS, ROWS]
 
 
 @pytest.mark.slow
