@@ -20,6 +20,7 @@ import math
 from . import model_shape
 from .context_rules import check_context
 from .observe_rules import check_observability
+from .record_rules import check_records
 from .token_rules import check_microbatch_tokens, token_balanced
 from .errors import ConfigError
 from .sections import Config
@@ -263,7 +264,8 @@ def _split(cfg: Config, world: int | None) -> None:
     try:
         vals = [float(x) for x in parts]
     except ValueError:
-        raise ConfigError(f"data.split={cfg.data.split!r} must be comma-separated numbers like '969,30,1'") from None
+        hint = " (the split of data.hf_dataset to read is data.hf_split)" if cfg.data.hf_dataset else ""
+        raise ConfigError(f"data.split={cfg.data.split!r} must be comma-separated numbers like '969,30,1'{hint}") from None
     if len(vals) > 3 or any(v < 0 for v in vals) or sum(vals) <= 0:
         raise ConfigError(f"data.split={cfg.data.split!r} must be up to 3 non-negative numbers with a positive sum")
 
@@ -302,7 +304,7 @@ def _fp8(cfg: Config, world: int | None) -> None:
 
 VALIDATORS = [_finite, _positive, _nonfinite_policy, _lr_schedule, _grid, _model, _batch, _sequence, _link_latency, _schedule, _pipeline_layers, _mtp_last_stage,
               _experts, _moe_fb_overlap, _zero, _fp8, _split, check_context, check_microbatch_tokens,
-              check_observability]
+              check_observability, check_records]
 """Every config rule, in order. Each takes ``(cfg, world_size_or_None)`` and raises ConfigError."""
 
 
