@@ -156,3 +156,16 @@ def test_fp8_param_gather_moves_half_the_bytes_of_bf16():
             torch.testing.assert_close(g, (q.float() * inv).to(g.dtype), rtol=0, atol=0)
             assert not torch.equal(g, e)
             assert torch.equal(a, e)
+
+
+def test_fp8_covers_the_dense_linears_only():
+    """Precision rules: FP8 goes to attention QKV/projection and MLP fc1/fc2; the embedding, the
+    output head and the norms keep their own paths (no ``fp8`` recipe)."""
+    from paratron.layers.fp8 import enable_fp8
+    from paratron.models.gpt import build_model_chunks
+
+    cfg = _config()
+    chunks = build_model_chunks(cfg.model, ParallelContext.single(), seed=0)
+    assert enable_fp8(chunks, recipe_of(cfg.train)) == 4 * cfg.model.num_layers
+    on = {name.split(".")[-1] for name, m in chunks[0].named_modules() if getattr(m, "fp8", None) is not None}
+    assert on == {"qkv", "proj", "fc1", "fc2"}, on

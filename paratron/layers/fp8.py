@@ -24,9 +24,10 @@ ZeRO-3 gathers params before the forward (its FP8 param gather reduces over DP a
 remains is fp32 summation order, as without FP8.
 
 Which layers: only :class:`~paratron.layers.linear.ColumnParallelLinear` and
-:class:`~paratron.layers.linear.RowParallelLinear` (attention QKV/projection, MLP fc1/fc2).
+:class:`~paratron.layers.linear.RowParallelLinear` (attention QKV/projection and MLA's
+projections, MLP fc1/fc2, a MoE layer's shared expert).
 The embedding, the output head and the MoE router do not go through them and stay in the run's
-precision; norms stay fp32. MoE expert linears stay high precision too: their token groups
+precision; norms stay fp32. Routed MoE expert linears stay high precision too: their token groups
 change with the expert-parallel size, so a tensorwise activation amax (and any amax along the
 token dim of the weight-grad matmul) would change with the layout.
 
