@@ -59,6 +59,10 @@ def test_fp8_config_fields_and_megatron_aliases():
     cfg.train.fp8_param_gather = True
     with pytest.raises(ConfigError, match="train.fp8_param_gather=true needs parallel.zero=3"):
         validate(cfg, 1)
+    cfg.train.fp8_param_gather, cfg.parallel.context = False, 2
+    with pytest.raises(ConfigError, match="train.fp8 needs parallel.context=1"):
+        validate(cfg, 2)
+    cfg.train.fp8_param_gather, cfg.parallel.context = True, 1
     cfg.parallel.zero, cfg.train.fp8 = 3, "rowwise"
     with pytest.raises(ConfigError, match="train.fp8_param_gather=true needs train.fp8='tensorwise'"):
         validate(cfg, 1)

@@ -265,7 +265,8 @@ class TrainConfig:
     per tensor ("tensorwise") or one per row along the contraction dim ("rowwise"), from amaxes
     reduced over every group that splits them, so every layout casts the same values. The
     embedding, output head, router, norms and MoE experts stay in ``precision``. None: off, unless
-    ``fp8_format`` is set (then "tensorwise"). Megatron's ``--fp8-recipe``."""
+    ``fp8_format`` is set (then "tensorwise"). Not with ``parallel.context > 1``. Megatron's
+    ``--fp8-recipe``."""
     fp8_format: Optional[Literal["e4m3", "hybrid"]] = None
     """FP8 formats: "e4m3" everywhere, or "hybrid" (e4m3 activations and weights, e5m2 grads; the
     default when FP8 is on). Setting it turns FP8 on. Megatron's ``--fp8-format``."""

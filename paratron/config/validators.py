@@ -295,6 +295,10 @@ def _fp8(cfg: Config, world: int | None) -> None:
     if t.fp8_param_gather and (cfg.parallel.zero != 3 or (t.fp8 is None and t.fp8_format is None)):
         raise ConfigError(f"train.fp8_param_gather=true needs parallel.zero=3 (is {cfg.parallel.zero}) "
                           "and FP8 on (train.fp8 or train.fp8_format)")
+    if (t.fp8 is not None or t.fp8_format is not None) and cfg.parallel.context > 1:
+        # CP splits each sequence: activation amaxes would be per chunk, unlike at CP=1.
+        raise ConfigError(f"train.fp8 needs parallel.context=1 (is {cfg.parallel.context}): the FP8 "
+                          "scales are not reduced over context-parallel ranks")
     if t.fp8_param_gather and t.fp8 == "rowwise":
         # The gather casts each weight with one scale; rowwise linears cast it per row (forward)
         # and per column (input grad), so a weight gathered in FP8 would be rounded twice.

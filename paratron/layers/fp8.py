@@ -21,7 +21,8 @@ rowwise, only when the contraction dim is split (the row-parallel forward, the c
 input grad). Sequence-parallel inputs are cast after their all-gather, so they are whole, and
 ZeRO-3 gathers params before the forward (its FP8 param gather reduces over DP and TP itself:
 :mod:`paratron.optim.param_gather`). FP8 at TP=4 thus casts the same values as at TP=1; what
-remains is fp32 summation order, as without FP8.
+remains is fp32 summation order, as without FP8. Context parallelism splits each sequence, so
+its activation amaxes would be per chunk; the config refuses FP8 with ``parallel.context > 1``.
 
 Which layers: only :class:`~paratron.layers.linear.ColumnParallelLinear` and
 :class:`~paratron.layers.linear.RowParallelLinear` (attention QKV/projection and MLA's
