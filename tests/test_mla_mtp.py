@@ -47,6 +47,7 @@ def _config(*, cp=1, algorithm="ring", tp=1, sp=False, pp=1, recompute="none", m
         m.moe_router_num_groups, m.moe_router_group_topk = 2, 1
     p.context, p.context_algorithm, p.tensor, p.sequence_parallel, p.pipeline = cp, algorithm, tp, sp, pp
     p.expert, p.zero, p.schedule = ep, zero, schedule
+    p.virtual_pipeline = 2 if schedule == "dualpipev" else 1
     p.bucket_size_mb = 0.001
     cfg.data.reset_attention_mask = cfg.data.reset_position_ids = packed
     t.micro_batch_size, t.global_batch_size, t.seed = 1, GBS, 1234
