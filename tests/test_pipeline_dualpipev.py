@@ -109,9 +109,34 @@ def test_simulated_makespan_at_most_zbv_at_equal_memory(p, factor):
     assert d.makespan < simulate(build_schedule("1f1b", p, m), stage).makespan
 
 
+def test_simulate_command_defaults_to_two_chunks(capsys):
+    from paratron.cli import main
+
+    assert main(["simulate", "--schedule", "dualpipev", "--pipeline", "4", "--microbatches", "8",
+                 "--comm-f", "0.25", "--comm-b", "0.25"]) == 0
+    text = capsys.readouterr().out
+    assert "p=4 m=8 v=2" in text and "makespan 49" in text
+
+
 def test_timeline_draws_pairs(tmp_path):
     lists = build_schedule("dualpipev", 2, 4, 2)
     events = from_spans(simulate(lists, DEFAULT_COSTS).spans)
     write_chrome_trace(events, tmp_path / "dualpipev.json")
     assert (tmp_path / "dualpipev.json").stat().st_size > 0
     assert any(e.kind == "FB" for e in events)
+
+
+def test_zero3_refused_before_launch():
+    """ZeRO-3 frees a layer's params after its forward and backward; DualPipeV's pairs run one
+    microbatch's backward inside another's forward, so the config is refused, naming both."""
+    from paratron.config import Config, ConfigError, validate
+
+    cfg = Config()
+    cfg.model.num_layers = 4
+    p = cfg.parallel
+    p.pipeline, p.virtual_pipeline, p.schedule, p.zero = 2, 2, "dualpipev", 3
+    cfg.train.micro_batch_size, cfg.train.global_batch_size = 1, 8
+    with pytest.raises(ConfigError, match="parallel.schedule='dualpipev'.*parallel.zero=3"):
+        validate(cfg, 4)
+    p.zero = 1
+    validate(cfg, 4)
