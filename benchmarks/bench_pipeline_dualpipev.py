@@ -11,6 +11,9 @@ run their halves one after the other: the measured case is the simulator's no-ov
 table also gives the simulated makespan when a quarter of each F and B is all-to-all that a pair
 hides (``overlap.DEFAULT_COSTS``). Makespan: end of the last action of any rank, the ranks
 starting together after a barrier; medians over ``--repeats`` steps, the schedules taking turns.
+A per-action overhead fitted on the measured 1F1B step (the layers' own compute and the p2p host
+work, large on a loaded machine) is added to every action for a calibrated prediction of the
+other two.
 
 Usage::
 
@@ -118,12 +121,24 @@ def _rank(a):
     return {name: statistics.median(v) for name, v in got.items()}
 
 
-def simulated(a, name: str, v: int, comm: float) -> float:
-    """Simulated makespan (s) of ``name``'s lists with the fixed costs per chunk; ``comm``: the
-    fraction of F and B that is all-to-all an FB pair can hide."""
+def simulated(a, name: str, v: int, comm: float, overhead: float = 0.0) -> float:
+    """Simulated makespan (s) of ``name``'s lists with the fixed costs per chunk plus ``overhead``
+    s per compute action (an FB pays it twice, once per half); ``comm``: the fraction of F and B
+    that is all-to-all an FB pair can hide."""
     f, b, w = a.f_ms / 1e3 / v, a.b_ms / 1e3 / v, a.w_ms / 1e3 / v
-    costs = Costs(F=f, B=b, W=w, comm_F=comm * f, comm_B=comm * b)
+    o = overhead
+    costs = Costs(F=f + o, B=b + o, W=w + o, BW=b + w + o, comm_F=comm * f, comm_B=comm * b)
     return simulate(build_schedule(name, P, a.microbatches, v), costs).makespan
+
+
+def fitted_overhead(a, measured_1f1b: float) -> float:
+    """The per-action time (the layers' real compute, the p2p host work, a loaded machine waking
+    a rank) that makes the simulator reproduce the measured 1F1B step: bisection."""
+    lo, hi = 0.0, 1.0
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if simulated(a, "1f1b", 1, 0.0, mid) < measured_1f1b else (lo, mid)
+    return (lo + hi) / 2
 
 
 def main() -> None:
@@ -136,13 +151,15 @@ def main() -> None:
     print(f"load average before {load}, after {os.getloadavg()}; PP={P}, m={a.microbatches}, fixed cost per "
           f"stage F {a.f_ms} ms, B {a.b_ms} ms, W {a.w_ms} ms (V schedules: half per chunk); "
           f"medians of {a.repeats} steps")
-    print("| schedule | measured (s) | simulated (s) | measured/simulated | simulated, 1/4 of F and B hidden "
-          "by FB pairs (s) | measured / 1f1b measured |")
-    print("|---|---|---|---|---|---|")
+    o = fitted_overhead(a, measured["1f1b"])
+    print(f"per-action overhead fitted on the measured 1f1b step: {o * 1e3:.1f} ms")
+    print("| schedule | measured (s) | simulated (s) | simulated + fitted overhead (s) | measured / that | "
+          "simulated, 1/4 of F and B hidden by FB pairs (s) | measured / 1f1b measured |")
+    print("|---|---|---|---|---|---|---|")
     for name, v in SCHEDULES:
-        sim, hidden = simulated(a, name, v, 0.0), simulated(a, name, v, 0.25)
-        print(f"| {name} | {measured[name]:.3f} | {sim:.3f} | {measured[name] / sim:.3f} | {hidden:.3f} | "
-              f"{measured[name] / measured['1f1b']:.3f} |")
+        sim, fit, hidden = simulated(a, name, v, 0.0), simulated(a, name, v, 0.0, o), simulated(a, name, v, 0.25)
+        print(f"| {name} | {measured[name]:.3f} | {sim:.3f} | {fit:.3f} | {measured[name] / fit:.3f} | "
+              f"{hidden:.3f} | {measured[name] / measured['1f1b']:.3f} |")
 
 
 if __name__ == "__main__":
