@@ -405,7 +405,31 @@ def copy_params_into_main(chunks, optimizer) -> None:
             # A rectangle lies inside one block (one, unless the shard is strided).
             local2d, roff, coff = next(b for b in blocks if b[1] <= r < b[1] + b[0].shape[0]
                                        and b[2] <= c < b[2] + b[0].shape[1])
-            view.copy_(local2d[r - roff:r - roff + nr, c - coff:c - coff + nc])
+            copy_aliased_(view, local2d[r - roff:r - roff + nr, c - coff:c - coff + nc])
+
+
+def copy_aliased_(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)``, also where the two share memory.
+
+    In fp32 the optimizer's main weights are the params' own storage, so a main-weight chunk and
+    the param rectangle it is filled from are the same elements; where a ZeRO shard boundary cuts
+    a row, the chunk is a ``[1, k]`` view with another (irrelevant) row stride, which
+    ``Tensor.copy_`` refuses as a partial overlap. The same elements: nothing to copy. Any other
+    overlap: through a copy of ``src``.
+    """
+    if dst.numel() and src.numel() and dst.untyped_storage().data_ptr() == src.untyped_storage().data_ptr():
+        if dst.dtype == src.dtype and _same_elements(dst, src):
+            return
+        src = src.clone()
+    dst.copy_(src)
+
+
+def _same_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two views of one storage address the same elements in the same order (the
+    strides of size-1 dims never matter)."""
+    if a.shape != b.shape or a.storage_offset() != b.storage_offset():
+        return False
+    return all(sa == sb for n, sa, sb in zip(a.shape, a.stride(), b.stride()) if n > 1)
 
 
 def _param_blocks_2d(p) -> list[tuple[torch.Tensor, int, int]]:

@@ -55,8 +55,16 @@ def _positive(cfg: Config, world: int | None) -> None:
                           "which parallel.hang_timeout_s=0 turns off: set hang_timeout_s > 0")
     if cfg.optimizer.lr < 0:
         raise ConfigError(f"optimizer.lr={cfg.optimizer.lr} must be >= 0")
+    if not 0.0 <= cfg.optimizer.offload_fraction <= 1.0:
+        raise ConfigError(f"optimizer.offload_fraction={cfg.optimizer.offload_fraction} must be in [0, 1]")
+    if cfg.optimizer.cpu_offload and cfg.optimizer.name == "muon":
+        raise ConfigError("optimizer.cpu_offload is not supported with optimizer.name='muon' (its "
+                          "orthogonalisation runs on the device); use adamw or sgd, or turn the offload off")
+    if cfg.optimizer.muon_num_ns_steps < 1:
+        raise ConfigError(f"optimizer.muon_num_ns_steps={cfg.optimizer.muon_num_ns_steps} must be >= 1")
     for name, v in (("model.hidden_dropout", cfg.model.hidden_dropout),
-                    ("model.attention_dropout", cfg.model.attention_dropout)):
+                    ("model.attention_dropout", cfg.model.attention_dropout),
+                    ("optimizer.muon_momentum", cfg.optimizer.muon_momentum)):
         if not 0.0 <= v < 1.0:
             raise ConfigError(f"{name}={v} must be in [0, 1)")
 

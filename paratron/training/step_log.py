@@ -48,6 +48,16 @@ class StepLog:
         self.skipped = 0
         self._window_tokens, self._window_time = 0, 0.0
 
+    def state_dict(self) -> dict:
+        """The counts that run across steps and must survive a resume (carried in every
+        checkpoint's ``extra``): ``skipped_iterations`` so far. The console's token-rate window
+        is not one of them: it measures the time since the last line of this process."""
+        return {"skipped_iterations": self.skipped}
+
+    def load_state_dict(self, d: dict) -> None:
+        """Restore :meth:`state_dict` (a checkpoint written before it was saved: 0)."""
+        self.skipped = int(d.get("skipped_iterations", 0))
+
     def header(self, unigram_entropy: float | None) -> None:
         log(self.ctx, f"peak FLOP/s per device for MFU: {self.peak / 1e12:.3f} TFLOP/s ({self.peak_source})")
         if unigram_entropy is not None:
