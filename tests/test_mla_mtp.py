@@ -144,7 +144,7 @@ def test_mla_mtp_parity_world2():
     MLA + 2 MTP modules match one process to 1e-5 (LM loss, MTP loss, grad norm, every param);
     under PP the first step's grads (main and MTP modules, and the shared embedding) match PP=1."""
     refs = _check(LAYOUTS)
-    assert any(n.startswith(f"layers.{2 + 1}.eh_proj") for n in refs[(False, False, False, 2)]["params"])
+    assert any(n.startswith(f"layers.{2 + 1}.eh_proj") for n in refs[(False, False, False, 2, 2)]["params"])
 
 
 @pytest.mark.slow
