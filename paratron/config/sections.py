@@ -260,6 +260,19 @@ class TrainConfig:
     (Megatron's ``--wandb-project``)."""
     wandb_exp_name: Optional[str] = None
     """The Weights & Biases run name; None: wandb picks one (Megatron's ``--wandb-exp-name``)."""
+    fp8: Optional[Literal["tensorwise", "rowwise"]] = None
+    """FP8 matmuls in the column/row-parallel linears (paratron/layers/fp8.py): dynamic scales, one
+    per tensor ("tensorwise") or one per row along the contraction dim ("rowwise"), from amaxes
+    reduced over every group that splits them, so every layout casts the same values. The
+    embedding, output head, router, norms and MoE experts stay in ``precision``. None: off, unless
+    ``fp8_format`` is set (then "tensorwise"). Not with ``parallel.context > 1``. Megatron's
+    ``--fp8-recipe``."""
+    fp8_format: Optional[Literal["e4m3", "hybrid"]] = None
+    """FP8 formats: "e4m3" everywhere, or "hybrid" (e4m3 activations and weights, e5m2 grads; the
+    default when FP8 is on). Setting it turns FP8 on. Megatron's ``--fp8-format``."""
+    fp8_param_gather: bool = False
+    """Under ``parallel.zero = 3``, all-gather the FP8 linears' weights as FP8 (one byte an
+    element, with a scale reduced over DP and TP) instead of in ``precision``. Tensorwise only."""
 
 
 @dataclass

@@ -79,6 +79,7 @@ def build_model_and_optimizer(cfg: Config, ctx):
     """Model chunks of this rank, wrapped for data parallelism, with optimizer and LR schedule."""
     from paratron.checkpoint.hf_load import hf_param_names
     from paratron.checkpoint.manager import params_to_load
+    from paratron.layers.fp8 import enable_fp8, fp8_weights, recipe_of
     from paratron.layers.init import skip_draws
     from paratron.models.gpt import build_model_chunks
     from paratron.optim import DistributedDataParallel, build_lr_scheduler, build_optimizer, precision_dtype
@@ -93,6 +94,7 @@ def build_model_and_optimizer(cfg: Config, ctx):
                                     context_algorithm=p.context_algorithm)
     for c in chunks:
         c.to(ctx.device)
+    enable_fp8(chunks, recipe_of(cfg.train))  # train.fp8: FP8 column/row-parallel linears
     if chunks and chunks[0].rng_tracker is not None:
         # Hidden dropout on replicated activations must draw the same mask on every TP rank.
         chunks[0].rng_tracker.seed_default_stream()
@@ -100,6 +102,8 @@ def build_model_and_optimizer(cfg: Config, ctx):
                                   overlap_grad_reduce=p.overlap_grad_reduce,
                                   zero=p.zero, zero3_reshard_after_forward=p.zero3_reshard_after_forward,
                                   zero3_prefetch=p.zero3_prefetch)
+    if cfg.train.fp8_param_gather:  # validated: ZeRO-3 and FP8 on
+        ddp.param_shards.enable_fp8_gather(fp8_weights(chunks), ctx.tp)
     optimizer = build_optimizer(chunks, ctx, cfg.optimizer, ddp, precision=cfg.train.precision)
     scheduler = build_lr_scheduler(cfg.optimizer, cfg.train.train_iters, optimizer)
     return chunks, ddp, optimizer, scheduler
