@@ -86,7 +86,7 @@ def build_model_and_optimizer(cfg: Config, ctx):
 
 
 def build_checkpoint_manager(cfg: Config, ctx):
-    if not (cfg.checkpoint.save or cfg.checkpoint.load):
+    if not (cfg.checkpoint.save or cfg.checkpoint.load or cfg.checkpoint.pretrained_checkpoint):
         return None
     from paratron.checkpoint.manager import CheckpointManager
 

@@ -233,7 +233,7 @@ class Trainer:
         s, cfg = self.state, self.cfg
         warn_if_saving_over(cfg, self.ctx)
         extra = self.ckpt.load(self.chunks, self.optimizer, self.scheduler) if (
-            self.ckpt is not None and cfg.checkpoint.load) else None
+            self.ckpt is not None and (cfg.checkpoint.load or cfg.checkpoint.pretrained_checkpoint)) else None
         if extra:
             s.iteration = int(extra.get("iteration", 0))
             s.consumed_train_samples = int(extra.get("consumed_train_samples", 0))
