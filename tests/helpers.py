@@ -53,9 +53,9 @@ def train_for_parity(cfg: Config, ctx, steps: int, seed: int = 50) -> dict:
 
     torch.manual_seed(0)
     chunks, ddp, optimizer, _ = build_model_and_optimizer(cfg, ctx)
-    with ddp.full_params():
+    with ddp.full_params():  # ZeRO-3: the params are gathered only inside
         perturb_1d_params_(chunks)
-    copy_params_into_main(chunks, optimizer)
+        copy_params_into_main(chunks, optimizer)
     gbs, mbs, m = cfg.train.global_batch_size, cfg.train.micro_batch_size, cfg.model
     rows, r = gbs // ctx.dp.size, ctx.dp.rank
     losses = []

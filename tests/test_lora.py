@@ -38,14 +38,14 @@ def _model(**kw) -> ModelConfig:
     return ModelConfig(**{**base, **kw})
 
 
-def _config(tp=1, dp=1, sp=False, zero=0) -> Config:
+def _config(tp=1, dp=1, pp=1, sp=False, zero=0) -> Config:
     cfg = Config()
     cfg.model = _model()
     p, t, o = cfg.parallel, cfg.train, cfg.optimizer
-    p.tensor, p.sequence_parallel, p.zero, p.bucket_size_mb = tp, sp, zero, 0.001
+    p.tensor, p.pipeline, p.sequence_parallel, p.zero, p.bucket_size_mb = tp, pp, sp, zero, 0.001
     t.micro_batch_size, t.global_batch_size, t.seed = 1, 4, 1234
     o.name, o.lr, o.weight_decay, o.clip_grad, o.lr_decay_style = "adamw", 1e-2, 0.1, 1.0, "constant"
-    return validate(cfg, tp * dp)
+    return validate(cfg, tp * dp * pp)
 
 
 def _initial_base(cfg: Config, ctx) -> dict[str, torch.Tensor]:
@@ -68,17 +68,19 @@ def _assert_base_unchanged(cfg, ctx, trained: dict) -> None:
 
 
 def _rank(kw, world):
-    cfg = _config(dp=world // kw.get("tp", 1), **kw)
-    ctx = ParallelContext.build(tp=cfg.parallel.tensor)
+    cfg = _config(dp=world // (kw.get("tp", 1) * kw.get("pp", 1)), **kw)
+    ctx = ParallelContext.build(tp=cfg.parallel.tensor, pp=cfg.parallel.pipeline)
     out = train_for_parity(cfg, ctx, steps=3)
     _assert_base_unchanged(cfg, ctx, out["params"])
     return out
 
 
-LAYOUTS = {"tp2": (2, dict(tp=2)), "tp2-sp-dp2-zero1": (4, dict(tp=2, sp=True, zero=1))}
+LAYOUTS = {"tp2": (2, dict(tp=2)), "tp2-sp-dp2-zero1": (4, dict(tp=2, sp=True, zero=1)),
+           "pp2-dp2-zero3": (4, dict(pp=2, zero=3))}
+SLOW = {"pp2-dp2-zero3"}
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in LAYOUTS])
 def test_lora_matches_one_process(name):
     """Adapters (replicated A / sharded B on qkv and fc1, sharded A / replicated B on proj and
     fc2) after 3 steps, and the losses, match one process to 1e-5; the base is bitwise unchanged
@@ -210,3 +212,65 @@ def test_peft_loads_the_exported_adapter(tmp_path):
     merged = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "merged-hf").eval()
     with torch.no_grad():
         torch.testing.assert_close(merged(ids).logits.float(), ours, rtol=TOL, atol=TOL)
+
+
+def _lora_run(tmp_path, **ckpt):
+    from paratron.checkpoint.manager import CheckpointManager
+    from paratron.training.setup import build_model_and_optimizer
+
+    cfg = _config()
+    for k, v in ckpt.items():
+        setattr(cfg.checkpoint, k, str(v))
+    ctx = ParallelContext.single()
+    chunks, _, optimizer, scheduler = build_model_and_optimizer(cfg, ctx)
+    manager = CheckpointManager(cfg.checkpoint, ctx, cfg)
+    return chunks, optimizer, scheduler, manager, manager.load(chunks, optimizer, scheduler)
+
+
+def test_adapter_only_checkpoints(tmp_path):
+    """A LoRA run's checkpoint holds the adapters and their optimizer state only; it loads onto
+    the base from checkpoint.pretrained_checkpoint, and is refused without one."""
+    from paratron.checkpoint.io import load_tensors_full, read_json, resolve, save_model_full
+    from paratron.checkpoint.items import CheckpointError
+    from paratron.checkpoint.manager import copy_params_into_main
+
+    base_cfg = Config()
+    base_cfg.model = _model(lora_rank=0)
+    (chunk,) = build_model_chunks(base_cfg.model, ParallelContext.single(), seed=7)  # not the run's seed
+    base = gather_full_state([chunk], ParallelContext.single())
+    save_model_full(tmp_path / "base", base_cfg, base)
+
+    chunks, optimizer, scheduler, manager, extra = _lora_run(tmp_path, pretrained_checkpoint=tmp_path / "base",
+                                                             save=tmp_path / "ckpt")
+    assert extra is None
+    params = {p.logical_name: p for c in chunks for p in c.parameters()}
+    for name, t in base.items():
+        assert torch.equal(params[name].shard.valid(params[name]), t), f"{name} not loaded from the base"
+    g = torch.Generator().manual_seed(9)
+    with torch.no_grad():
+        for name, p in params.items():
+            if is_adapter_name(name):
+                p.copy_(torch.randn(p.shape, generator=g))
+    copy_params_into_main(chunks, optimizer)
+    manager.save(3, chunks, optimizer, scheduler, {"iteration": 3})
+    saved = load_tensors_full(tmp_path / "ckpt", "model/")
+    assert set(saved) == {n for n in params if is_adapter_name(n)}
+    assert set(load_tensors_full(tmp_path / "ckpt", "optimizer/exp_avg/")) == set(saved)
+    assert read_json(resolve(tmp_path / "ckpt") / "paratron.json")["adapter_only"] is True
+
+    chunks2, optimizer2, _, _, extra = _lora_run(tmp_path, pretrained_checkpoint=tmp_path / "base",
+                                                 load=tmp_path / "ckpt")
+    assert extra == {"iteration": 3}
+    for name, p in ((p.logical_name, p) for c in chunks2 for p in c.parameters()):
+        assert torch.equal(p.shard.valid(p), p.shard.valid(params[name]).detach()), name
+    for key, pieces in optimizer2.sharded_state_dict().items():
+        for (got, _), (want, _) in zip(pieces, optimizer.sharded_state_dict()[key]):
+            assert torch.equal(got, want), key
+    with pytest.raises(CheckpointError, match="only LoRA adapters"):
+        _lora_run(tmp_path, load=tmp_path / "ckpt")
+    # A full checkpoint as checkpoint.load is the base of a new fine-tune: step 0, fresh adapters.
+    chunks3, _, _, _, extra = _lora_run(tmp_path, load=tmp_path / "base")
+    assert extra is None
+    for p in (p for c in chunks3 for p in c.parameters()):
+        if not is_adapter_name(p.logical_name):
+            assert torch.equal(p.shard.valid(p), base[p.logical_name]), p.logical_name
