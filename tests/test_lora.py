@@ -274,3 +274,23 @@ def test_adapter_only_checkpoints(tmp_path):
     for p in (p for c in chunks3 for p in c.parameters()):
         if not is_adapter_name(p.logical_name):
             assert torch.equal(p.shard.valid(p), base[p.logical_name]), p.logical_name
+
+
+def test_lora_dropout_is_on_the_adapter_input_only():
+    """Dropout draws on the adapter's input in training and is off in eval: with B = 0 the
+    output is the base's either way; with B != 0 two training forwards differ."""
+    cfg = _model(lora_dropout=0.5)
+    ctx = ParallelContext.single()
+    (chunk,) = build_model_chunks(cfg, ctx, seed=0)
+    fc1 = chunk.layers["0"].mlp.fc1
+    x = torch.randn(SEQ, 2, cfg.hidden_size)
+    with torch.no_grad():
+        base = torch.nn.functional.linear(x, fc1.weight)
+        torch.testing.assert_close(fc1(x), base, rtol=0, atol=0)  # B = 0
+        fc1.lora.lora_B.normal_()
+        chunk.eval()
+        want = base + 2.0 * (x @ fc1.lora.lora_A.t()) @ fc1.lora.lora_B.t()
+        torch.testing.assert_close(fc1(x), want, rtol=1e-5, atol=1e-5)
+        chunk.train()
+        a, b = fc1(x), fc1(x)
+    assert not torch.allclose(a, b) and not torch.allclose(a, want)

@@ -128,8 +128,12 @@ def _lora_merge(args, bar) -> str:
     _stage(bar, f"writing {len(tensors)} tensors, {_gb(tensors)}")
     save_model_full(args.dst, cfg, tensors)
     _stage(bar, "tokenizer")
-    return f"{len(tensors)} tensors with the adapters folded in" + (
-        f"; PEFT adapter in {args.save_peft}" if args.save_peft else "")
+    return f"{len(tensors)} tensors with the adapters folded in" + _peft_note(args)
+
+
+def _peft_note(args) -> str:
+    return (f"; PEFT adapter in {args.save_peft} (load it with peft.PeftModel.from_pretrained; "
+            "pip install 'paratron[hf]')") if args.save_peft else ""
 
 
 def _paratron_to_hf(args, bar) -> str:
@@ -145,7 +149,7 @@ def _paratron_to_hf(args, bar) -> str:
 
     arch = {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel", **FAMILIES,
             **QWEN3_FAMILIES}[hf_architecture_for(cfg.model)]
-    return f"{len(tensors)} tensors as a {cfg.model.num_layers}-layer {arch}"
+    return f"{len(tensors)} tensors as a {cfg.model.num_layers}-layer {arch}" + _peft_note(args)
 
 
 def _export_tokenizer(cfg, out: Path) -> None:

@@ -20,8 +20,8 @@ its rows of ``B`` (split exactly as :mod:`paratron.checkpoint.hf` splits the wei
 is ``[r, in]`` and ``lora_B`` ``[out, r]``, PEFT's ``nn.Linear`` layouts; PEFT's scale
 ``lora_alpha / r`` is paratron's.
 
-transformers and peft are not needed to write the folder (safetensors and JSON); loading it
-needs ``pip install 'paratron[hf]'``.
+transformers and peft are not needed to write the folder (safetensors and JSON), so paratron
+never imports them; loading it needs ``pip install 'paratron[hf]'`` (both).
 """
 
 from __future__ import annotations
@@ -113,11 +113,3 @@ def save_peft(cfg: ModelConfig, tensors: dict[str, torch.Tensor], out_dir: str |
     (out / "adapter_config.json").write_text(json.dumps(adapter_config(cfg, base_model), indent=2) + "\n")
     return out
 
-
-def require_peft():
-    """Import ``peft``, or raise ImportError naming the extra that installs it."""
-    try:
-        import peft
-    except ImportError as e:
-        raise ImportError("loading a LoRA adapter into transformers needs peft: pip install 'paratron[hf]'") from e
-    return peft
