@@ -31,6 +31,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
+from paratron.where import package_relpath
+
 AUDIT_DEVICE_TYPE = "auditgpu"
 aten = torch.ops.aten
 
@@ -96,10 +98,12 @@ def _wrap(t):
 
 
 def _caller() -> str:
-    """``file:line`` of the innermost paratron frame outside this module (where a sync came from)."""
+    """``file:line`` of the innermost frame of the paratron package (by its real location,
+    :mod:`paratron.where`) outside this module: where a sync came from."""
     for frame in reversed(traceback.extract_stack()):
-        if "paratron" in frame.filename and not frame.filename.endswith("device_audit.py"):
-            return f"{frame.filename.split('paratron/')[-1]}:{frame.lineno}"
+        rel = package_relpath(frame.filename)
+        if rel is not None and rel != "device_audit.py":
+            return f"{rel}:{frame.lineno}"
     return "?"
 
 

@@ -5,11 +5,18 @@
 * ``raise``: raise ``RuntimeError`` at the start of the step;
 * ``kill``: SIGKILL this rank at the start of the step;
 * ``skip``: after the step's update, skip this rank's next ``ctx.world.host_all_reduce`` (the
-  stop-agreement all-reduce that ends every step), so that its peers wait in it for ever.
+  stop-agreement all-reduce that ends every step), so that its peers wait in it for ever;
+* ``redop``: after the step's update, every rank all-reduces a metric over the world, this rank
+  with MAX where the others use SUM (gloo pairs them without a word);
+* ``extra``: after the step's update, this rank alone issues an extra host all-reduce of one
+  float (as a stray metric would), just before the stop agreement.
 """
 
 import os
 import signal
+
+import torch
+import torch.distributed as dist
 
 from paratron.training.callbacks import Callback
 
@@ -37,3 +44,8 @@ class Fault(Callback):
                 return None
 
             world.host_all_reduce = skip_once
+        if self.kind == "redop" and state.iteration == self.step:
+            op = dist.ReduceOp.MAX if self.armed else dist.ReduceOp.SUM
+            state.ctx.world.host_all_reduce(torch.ones(2), op=op)
+        if self.armed and self.kind == "extra" and state.iteration == self.step:
+            state.ctx.world.host_all_reduce(torch.ones(1))

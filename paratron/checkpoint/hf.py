@@ -1,8 +1,9 @@
 """Hugging Face import and export for ``LlamaForCausalLM`` and ``GPT2LMHeadModel`` folders
 (``config.json`` plus ``model.safetensors`` or a sharded ``model.safetensors.index.json``), and
 through :mod:`.hf_moe` the MoE families ``MixtralForCausalLM`` and ``Qwen2MoeForCausalLM``
-(Llama blocks with MoE MLPs), and through :mod:`.hf_qwen3` ``Qwen3ForCausalLM`` and
-``Qwen3MoeForCausalLM`` (Llama blocks with QK-norm; MoE MLPs).
+(Llama blocks with MoE MLPs), through :mod:`.hf_qwen3` ``Qwen3ForCausalLM`` and
+``Qwen3MoeForCausalLM`` (Llama blocks with QK-norm; MoE MLPs), and through :mod:`.hf_deepseek`
+``DeepseekV3ForCausalLM`` (multi-head latent attention).
 
 Both directions work on *full* logical tensors keyed by paratron's layout-independent names
 (``layers.3.attention.qkv.weight``, ...), so an imported model loads into any TP/PP layout with
@@ -85,10 +86,13 @@ def _read_safetensors(hf_dir: Path) -> Tensors:
 
 
 def _architecture(hf: dict, where: str) -> str:
+    from .hf_deepseek import is_deepseek_v3
     from .hf_moe import moe_family
 
     kind = hf.get("model_type")
     archs = hf.get("architectures") or []
+    if is_deepseek_v3(hf):
+        return "deepseek_v3"
     family = hf_qwen3.qwen3_family(hf) or moe_family(hf, where)
     if family is not None:
         return family
@@ -229,6 +233,10 @@ def hf_config_to_model(hf: dict, where: str = "config.json") -> ModelConfig:
     arch = _architecture(hf, where)
     if arch == "gpt2":
         return _gpt2_config(hf, where)
+    if arch == "deepseek_v3":
+        from .hf_deepseek import deepseek_config
+
+        return deepseek_config(hf, where)
     cfg = _llama_config(hf, where)
     if arch == "llama":
         return cfg
@@ -261,7 +269,11 @@ def hf_to_paratron(hf_dir: str | Path) -> tuple[ModelConfig, Tensors]:
     src = _read_safetensors(hf_dir)
     where = str(hf_dir)
     arch = _architecture(hf, where)
-    if arch != "gpt2":
+    if arch == "deepseek_v3":
+        from .hf_deepseek import deepseek_tensors
+
+        tensors = deepseek_tensors(cfg, hf, lambda name: _take(src, name, where))
+    elif arch != "gpt2":
         tensors = _llama_tensors(cfg, src, where, arch)
     else:
         # Checkpoints saved by GPT2LMHeadModel prefix "transformer."; the original ones do not.
@@ -284,6 +296,8 @@ def hf_architecture_for(cfg: ModelConfig) -> str:
     Raises:
         ConfigError: no supported architecture matches; the message names the fields.
     """
+    if cfg.multi_latent_attention:
+        return "deepseek_v3"  # hf_deepseek.deepseek_export checks the rest
     if cfg.qk_layernorm:
         return hf_qwen3.export_family(cfg)
     if cfg.num_experts > 0:
@@ -399,7 +413,12 @@ def paratron_to_hf(cfg: ModelConfig, tensors: Tensors, out_dir: str | Path) -> P
 
     arch = hf_architecture_for(cfg)
     try:
-        hf, out = _gpt2_export(cfg, tensors) if arch == "gpt2" else _llama_export(cfg, tensors, arch)
+        if arch == "deepseek_v3":
+            from .hf_deepseek import deepseek_export
+
+            hf, out = deepseek_export(cfg, tensors)
+        else:
+            hf, out = _gpt2_export(cfg, tensors) if arch == "gpt2" else _llama_export(cfg, tensors, arch)
     except KeyError as e:
         raise KeyError(f"paratron_to_hf: tensor {e.args[0]!r} is missing") from None
     hf["dtype"] = hf["torch_dtype"] = _dtype_name(tensors)

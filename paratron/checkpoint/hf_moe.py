@@ -14,8 +14,8 @@ paratron's expert tensors keep one logical name per expert (``layers.{i}.mlp.exp
 fc2.weight``), so the mapping is a rename; the shared expert's gate and up are fused into the dense
 MLP's ``fc1 = [gate; up]``.
 
-DeepSeek-V2/V3 models use multi-head latent attention (MLA), which paratron does not implement:
-they are refused with a clear error rather than imported wrongly.
+DeepSeek-V3 models go to :mod:`.hf_deepseek` (checked first); other DeepSeek models (V2) are
+refused with a clear error rather than imported wrongly.
 """
 
 from __future__ import annotations
@@ -37,14 +37,14 @@ def moe_family(hf: dict, where: str) -> str | None:
     """``"mixtral"``, ``"qwen2_moe"`` or None (not an MoE family) for a ``config.json`` dict.
 
     Raises:
-        ConfigError: a DeepSeek model (MLA attention is out of scope).
+        ConfigError: a DeepSeek model other than DeepSeek-V3.
     """
     kind = hf.get("model_type") or ""
     archs = hf.get("architectures") or []
     if kind.startswith("deepseek") or any(a.lower().startswith("deepseek") for a in archs):
-        raise ConfigError(f"{where}: model_type={kind!r}: DeepSeek models use multi-head latent attention "
-                          "(MLA, kv_lora_rank / q_lora_rank), which paratron does not implement; MoE import "
-                          "supports MixtralForCausalLM and Qwen2MoeForCausalLM")
+        raise ConfigError(f"{where}: model_type={kind!r}: of the DeepSeek models (multi-head latent attention) "
+                          "only DeepseekV3ForCausalLM converts; MoE import supports MixtralForCausalLM and "
+                          "Qwen2MoeForCausalLM")
     for family, arch in FAMILIES.items():
         if kind == family or arch in archs:
             return family

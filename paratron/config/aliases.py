@@ -63,6 +63,13 @@ MEGATRON_ALIASES: dict[str, str] = {
     "--moe-shared-expert-intermediate-size": "model.moe_shared_expert_ffn_hidden_size",
     "--moe-aux-loss-coeff": "model.moe_aux_loss_coeff",
     "--moe-z-loss-coeff": "model.moe_z_loss_coeff",
+    "--q-lora-rank": "model.q_lora_rank",
+    "--kv-lora-rank": "model.kv_lora_rank",
+    "--qk-head-dim": "model.qk_head_dim",
+    "--qk-pos-emb-head-dim": "model.qk_pos_emb_head_dim",
+    "--v-head-dim": "model.v_head_dim",
+    "--mtp-num-layers": "model.mtp_num_layers",
+    "--mtp-loss-scaling-factor": "model.mtp_loss_scaling_factor",
 }
 """Megatron-LM flag -> paratron key, for flags that take a value."""
 
@@ -84,6 +91,7 @@ MEGATRON_SWITCHES: dict[str, tuple[str, str]] = {
     "--use-pytorch-profiler": ("_profile", "true"),
     "--qk-layernorm": ("model.qk_layernorm", "true"),
     "--moe-router-enable-expert-bias": ("model.moe_router_enable_expert_bias", "true"),
+    "--multi-latent-attention": ("model.multi_latent_attention", "true"),
 }
 """Megatron-LM flags without a value -> (paratron key, value)."""
 

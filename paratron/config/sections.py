@@ -61,6 +61,24 @@ class ModelConfig:
     """``torch.compile`` each transformer layer (opt-in; the first steps pay for compilation)."""
     block: str = "transformer"
     """Name of the transformer block in the block registry."""
+    # Multi-head latent attention (DeepSeek-V2 section 2.1; Megatron-Core's MLATransformerConfig names).
+    multi_latent_attention: bool = False
+    """MLA instead of multi-head/grouped-query attention (paratron/models/mla.py)."""
+    q_lora_rank: Optional[int] = None
+    """MLA: rank of the query down-projection; None projects the queries at full rank (V2-Lite)."""
+    kv_lora_rank: int = 512
+    """MLA: rank of the joint key/value latent (the KV cache per token, with the RoPE key)."""
+    qk_head_dim: int = 128
+    """MLA: per-head width of the query/key part without position (DeepSeek's qk_nope_head_dim)."""
+    qk_pos_emb_head_dim: int = 64
+    """MLA: per-head width of the decoupled RoPE part of q; its key part is one head shared by all."""
+    v_head_dim: int = 128
+    """MLA: per-head width of the values."""
+    # Multi-token prediction (DeepSeek-V3 section 2.2; paratron/models/mtp.py).
+    mtp_num_layers: int = 0
+    """D sequential MTP modules on the last stage; module k (1-based) predicts token i + k + 1 at position i."""
+    mtp_loss_scaling_factor: float = 0.1
+    """lambda: the MTP loss (mean over the D modules) is added to the LM loss times this."""
     # Mixture of experts (num_experts = 0 means dense).
     num_experts: int = 0
     """Routed experts per MoE layer; 0 means a dense model."""
@@ -184,6 +202,13 @@ class ParallelConfig:
     hang_timeout_s: float = 300.0
     """Seconds one collective or p2p op may stay pending before the hang watchdog dumps every
     rank's recent ops to RUN_DIR/hang/ and ends the job; 0 turns the watchdog off."""
+    check_collectives: bool = False
+    """Before every collective, the members of its group exchange its signature (op, group,
+    reduce op, dtype, element count) on the host and stop with CollectiveMismatch, naming each
+    rank's op, when they differ; one extra host round trip per collective. Off, the stop
+    agreement that ends every step still compares a fingerprint of each group's collectives
+    (paratron/parallel/collcheck.py). Needs the hang watchdog's flight recorder
+    (parallel.hang_timeout_s > 0)."""
 
 
 @dataclass

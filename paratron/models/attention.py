@@ -40,26 +40,27 @@ def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p:
 
     Args:
         q: ``[s, b, n_q, d]`` query heads of this TP rank.
-        k, v: ``[s, b, n_kv, d]`` key/value heads (``n_q`` a multiple of ``n_kv``).
+        k, v: ``[s, b, n_kv, d]`` key/value heads (``n_q`` a multiple of ``n_kv``); ``v`` may
+            have another head width ``d_v`` (multi-head latent attention).
         dropout_p: attention dropout probability (0 in eval).
         rng_tracker: dropout draws from its ``model-parallel`` stream, since each TP rank holds
             different heads and must draw different masks (Shoeybi et al. 2019, section 3).
     Returns:
-        ``[s, b, n_q * d]``.
+        ``[s, b, n_q * d_v]``.
 
     Softmax precision: for bf16/fp16 inputs every SDPA backend computes the softmax in fp32: the
     flash kernels (GPU, and the CPU one) accumulate in fp32, and the math fallback (taken with
     dropout on CPU) upcasts to fp32 unless ``torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp``
     is switched on (off by default since torch 2.5). So no upcast is needed here.
     """
-    s, b, n_q, d = q.shape
+    s, b, n_q = q.shape[:3]
     n_kv = k.shape[2]
     # SDPA wants [b, heads, s, d].
     q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
     with rng_fork(rng_tracker, dropout_p > 0.0):
         out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
                                              enable_gqa=n_kv != n_q)
-    return out.permute(2, 0, 1, 3).reshape(s, b, n_q * d)
+    return out.permute(2, 0, 1, 3).reshape(s, b, n_q * v.shape[-1])
 
 
 class SelfAttention(nn.Module):

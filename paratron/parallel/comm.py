@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from .collcheck import exchange
+
 
 @dataclass
 class LedgerEntry:
@@ -159,9 +161,14 @@ class Group:
         return self.rank >= 0
 
     # ---- flight recorder hook (one attribute check when off) ---------------------------------
-    def _begin(self, op: str, t: torch.Tensor | None):
+    def _begin(self, op: str, t: torch.Tensor | None, reduce=None):
         fr = self.ledger.flight
-        return None if fr is None else fr.begin(op, self.name, tuple(self.ranks), t)
+        if fr is None:
+            return None
+        entry = fr.begin(op, self.name, tuple(self.ranks), t, reduce)
+        if fr.exhaustive and entry.cseq is not None:  # parallel.check_collectives
+            exchange(self.pg, self.size, entry)
+        return entry
 
     def _end(self, entry, work=None):
         if entry is not None:
@@ -179,7 +186,7 @@ class Group:
             return None
         pg = self._handle("all_reduce")
         self.ledger.record("all_reduce", self.name, _nbytes(t))
-        e = self._begin("all_reduce", t)
+        e = self._begin("all_reduce", t, op)
         return self._end(e, dist.all_reduce(t, op=op, group=pg, async_op=async_op))
 
     def all_gather(self, t: torch.Tensor, dim: int = 0) -> torch.Tensor:
@@ -216,7 +223,7 @@ class Group:
         self.ledger.record("reduce_scatter", self.name, _nbytes(t))
         moved = t.movedim(dim, 0).contiguous() if dim else t.contiguous()
         out = torch.empty((moved.shape[0] // self.size,) + tuple(moved.shape[1:]), dtype=t.dtype, device=t.device)
-        e = self._begin("reduce_scatter", t)
+        e = self._begin("reduce_scatter", t, dist.ReduceOp.SUM)
         self._end(e, dist.reduce_scatter_single(out, moved, group=pg))
         return out.movedim(0, dim).contiguous() if dim else out
 
@@ -230,7 +237,7 @@ class Group:
             return None
         pg = self._handle("reduce_scatter")
         self.ledger.record("reduce_scatter", self.name, _nbytes(t))
-        e = self._begin("reduce_scatter", t)
+        e = self._begin("reduce_scatter", t, op)
         return self._end(e, dist.reduce_scatter_single(out, t, op=op, group=pg, async_op=async_op))
 
     def all_to_all(self, out: torch.Tensor, t: torch.Tensor, out_splits: list[int] | None = None,
@@ -267,7 +274,7 @@ class Group:
             return
         pg = self._handle("host_all_reduce")
         self.ledger.record("host_all_reduce", self.name, _nbytes(t))
-        e = self._begin("host_all_reduce", t)
+        e = self._begin("host_all_reduce", t, op)
         self._end(e, dist.all_reduce(t, op=op, group=pg))
 
     def all_gather_object(self, obj) -> list:

@@ -14,12 +14,22 @@ group (its ranks), how many ops it has entered. An op is identified across ranks
 3. The message names the root op (op, group and its ranks, ``seq``, step, shape and dtype), the
    ranks waiting in it and for how long, and for each rank that never entered it the last op it
    completed in that group and where it is now.
+
+Before all that, the rings are compared (:func:`paratron.parallel.collcheck.first_disagreement`):
+members of a group whose n-th collectives differ were paired with the wrong op, whatever
+followed (a hang, a crash, a mismatch found by the stop agreement), so the first such collective
+is named first, with what each rank ran there. That holds for dumps of any reason, and a rank
+that left no dump (aborted by gloo, killed) is compared by its black box, ``rank_N.ring``
+(:func:`load_rings`).
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+
+from paratron.parallel.collcheck import first_disagreement, mismatch_text
+from paratron.parallel.flight import read_black_box
 
 
 def load_dumps(directory: Path | str, pattern: str = "rank_*.json") -> dict[int, dict]:
@@ -34,6 +44,20 @@ def load_dumps(directory: Path | str, pattern: str = "rank_*.json") -> dict[int,
         except (OSError, ValueError, KeyError):
             continue
     return out
+
+
+def load_rings(directory: Path | str, dumps: dict[int, dict]) -> dict[int, list[dict]]:
+    """Each rank's ring entries: from its dump in ``dumps``, else from its black box
+    ``rank_N.ring`` in ``directory`` (unreadable files are skipped)."""
+    rings = {r: d.get("entries", []) for r, d in dumps.items()}
+    for p in sorted(Path(directory).glob("rank_*.ring")):
+        try:
+            rank = int(p.stem.split("_", 1)[1])
+            if rank not in rings:
+                rings[rank] = read_black_box(p)
+        except (OSError, ValueError):
+            continue
+    return rings
 
 
 def _key(ranks) -> str:
@@ -77,8 +101,13 @@ def _last_completed(d: dict, key: str | None = None) -> dict | None:
     return max(done, key=lambda e: e["end"]) if done else None
 
 
-def diagnose(dumps: dict[int, dict], where: str = "RUN_DIR/hang") -> str | None:
-    """The diagnosis text, or None when no dump reports a hang."""
+def diagnose(dumps: dict[int, dict], where: str = "RUN_DIR/hang",
+             rings: dict[int, list[dict]] | None = None) -> str | None:
+    """The diagnosis text: a collective mismatch between the rings (``rings``, default: the
+    dumps' entries; see :func:`load_rings`) when there is one, else the hang; None when neither."""
+    rings = rings if rings is not None else {r: d.get("entries", []) for r, d in dumps.items()}
+    if first_disagreement(rings) is not None:
+        return f"{mismatch_text(rings)}\n  ring buffers: {where}/rank_N.json"
     if not any(d.get("reason") == "hang" for d in dumps.values()):
         return None
     timeout = max(d.get("hang_timeout_s", 0) for d in dumps.values())

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from paratron.training.failures import collect, read_records, summarize, torchrun_exit_codes
-from paratron.training.hang import diagnose, load_dumps
+from paratron.training.hang import diagnose, load_dumps, load_rings
 from paratron.training.startup import LAUNCH_ENV
 from paratron.training.rankproc import LOG_DIR_ENV, PR_SET_PDEATHSIG
 
@@ -160,7 +160,8 @@ def failure_report(run_dir: Path, log_dir: Path, watch: RankWatch, rc: int, left
     if rc < 0:
         lines.append(f"paratron train: the torchrun agent died by {signal.Signals(-rc).name}; "
                      "its ranks were ended with it")
-    hang = diagnose(load_dumps(run_dir / "hang"), where=str(run_dir / "hang"))
+    dumps = load_dumps(run_dir / "hang")
+    hang = diagnose(dumps, where=str(run_dir / "hang"), rings=load_rings(run_dir / "hang", dumps))
     if hang is not None:
         lines.append("paratron train: " + hang)
         lines.append(f"  full output of each rank: {log_dir}/rank_N.log")

@@ -26,7 +26,8 @@ def builtin_callbacks(cfg: Config, ctx, state) -> list:
     if cfg.parallel.hang_timeout_s > 0 and ctx.world_size > 1:
         from paratron.training.watchdog import HangWatchdog
 
-        return [HangWatchdog(state, cfg.parallel.hang_timeout_s)]
+        return [HangWatchdog(state, cfg.parallel.hang_timeout_s,
+                             check_collectives=cfg.parallel.check_collectives)]
     return []
 
 

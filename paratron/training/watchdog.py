@@ -11,6 +11,12 @@ list) when ``parallel.hang_timeout_s > 0`` and the world has more than one rank.
   its own buffer too (each watchdog checks for the trigger when it wakes), and ends the process
   with exit code :data:`EXIT_HANG`; the launcher then prints one diagnosis
   (:func:`paratron.training.hang.diagnose`), or rank 0 does under a bare torchrun;
+* keeps the recorder's collectives in a black box, ``RUN_DIR/hang/rank_N.ring``, that outlives
+  a rank aborted by gloo (:class:`~paratron.parallel.flight.BlackBox`);
+* dumps the ring buffer too when the loop raises
+  :class:`~paratron.parallel.collcheck.CollectiveMismatch` (reason ``"mismatch"``), so that the
+  diagnosis can compare the ranks' rings; with ``check_collectives`` the recorder makes every
+  collective exchange its signature first (``parallel.check_collectives``);
 * keeps a rank killable while its main thread is blocked inside a collective: Python runs signal
   handlers only between bytecodes, so a rank stuck in C++ would never see its SIGTERM. The
   watchdog registers a wakeup fd (``signal.set_wakeup_fd``) and learns of SIGTERM/SIGINT even
@@ -33,7 +39,8 @@ import time
 from pathlib import Path
 
 from paratron.checkpoint.io import write_json_atomic
-from paratron.parallel.flight import FlightRecorder
+from paratron.parallel.collcheck import CollectiveMismatch
+from paratron.parallel.flight import BlackBox, FlightRecorder
 from paratron.training.callbacks import Callback
 from paratron.training.rankproc import LOG_DIR_ENV
 
@@ -52,14 +59,15 @@ def hang_dir(run_dir: Path | str) -> Path:
 class HangWatchdog(Callback):
     """See the module docstring. ``exit_fn`` is ``os._exit`` (tests may pass another)."""
 
-    def __init__(self, state, timeout_s: float, capacity: int = 256, exit_fn=os._exit) -> None:
+    def __init__(self, state, timeout_s: float, capacity: int = 256, exit_fn=os._exit,
+                 check_collectives: bool = False) -> None:
         if timeout_s <= 0:
             raise ValueError(f"parallel.hang_timeout_s={timeout_s} must be > 0 for a watchdog")
         self.timeout_s = float(timeout_s)
         self.poll_s = min(1.0, self.timeout_s / 10)
         self.rank = state.ctx.rank
         self.dir = hang_dir(state.run_dir or "runs/latest")
-        self.recorder = FlightRecorder(capacity)
+        self.recorder = FlightRecorder(capacity, exhaustive=check_collectives)
         self.exit_fn = exit_fn
         self._ledger = state.ctx.ledger
         self._stop = threading.Event()
@@ -73,6 +81,7 @@ class HangWatchdog(Callback):
 
     # ---- callback hooks (training thread) --------------------------------------------------
     def on_train_start(self, state) -> None:
+        self.recorder.box = BlackBox(self.dir / f"rank_{self.rank}.ring", self.recorder.capacity)
         self._ledger.flight = self.recorder
         self._started = time.time()
         if threading.current_thread() is threading.main_thread():
@@ -96,6 +105,8 @@ class HangWatchdog(Callback):
     def on_exception(self, state, exc) -> None:
         exc.paratron_step = state.iteration + 1  # for the launcher's failure summary
         self.stop()
+        if isinstance(exc, CollectiveMismatch):
+            self.dump("mismatch")  # the launcher's diagnosis compares the ranks' rings
 
     def stop(self) -> None:
         """End the thread, detach the recorder and restore the previous wakeup fd."""
@@ -105,6 +116,9 @@ class HangWatchdog(Callback):
         self._thread = None
         if self._ledger.flight is self.recorder:
             self._ledger.flight = None
+        if self.recorder.box is not None:
+            self.recorder.box.close()
+            self.recorder.box = None
         if self._pipe is not None:
             if threading.current_thread() is threading.main_thread():
                 signal.set_wakeup_fd(self._old_wakeup)
@@ -172,10 +186,11 @@ class HangWatchdog(Callback):
 
     def print_diagnosis(self) -> None:
         """Wait for the peers' dumps, then print the diagnosis to stderr (rank 0, bare torchrun)."""
-        from paratron.training.hang import diagnose, load_dumps
+        from paratron.training.hang import diagnose, load_dumps, load_rings
 
         time.sleep(min(2.5 * self.poll_s, 2.5))
-        text = diagnose(load_dumps(self.dir), where=str(self.dir))
+        dumps = load_dumps(self.dir)
+        text = diagnose(dumps, where=str(self.dir), rings=load_rings(self.dir, dumps))
         if text is not None:
             print(f"[paratron] {text}", file=sys.stderr)
 
