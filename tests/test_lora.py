@@ -7,7 +7,8 @@ PEFT export.
 * after ``paratron convert lora-merge`` the logits equal the adapted model's within 1e-5;
 * ``peft`` loads the ``--save-peft`` adapter onto the exported HF base (a tiny transformers
   LlamaForCausalLM with GQA) and its logits match paratron's within 1e-5;
-* adapter-only checkpoints save and load onto a base from ``checkpoint.pretrained_checkpoint``.
+* adapter-only checkpoints save and load onto a base from ``checkpoint.pretrained_checkpoint``;
+* (slow) ``paratron train``: base run, LoRA fine-tune at TP2, resume.
 """
 
 from __future__ import annotations
@@ -268,6 +269,13 @@ def test_adapter_only_checkpoints(tmp_path):
             assert torch.equal(got, want), key
     with pytest.raises(CheckpointError, match="only LoRA adapters"):
         _lora_run(tmp_path, load=tmp_path / "ckpt")
+    # One process (paratron generate, the end-of-run sample) finds the base in the saved config.
+    from paratron.training.generate import load_single_process_model
+
+    _, one = load_single_process_model(str(tmp_path / "ckpt"))
+    for p in one.parameters():
+        assert torch.equal(p.shard.valid(p), p.shard.valid(params[p.logical_name]).detach()), p.logical_name
+    _convert("lora-merge", tmp_path / "ckpt", tmp_path / "merged")  # no --base needed either
     # A full checkpoint as checkpoint.load is the base of a new fine-tune: step 0, fresh adapters.
     chunks3, _, _, _, extra = _lora_run(tmp_path, load=tmp_path / "base")
     assert extra is None
@@ -294,3 +302,38 @@ def test_lora_dropout_is_on_the_adapter_input_only():
         chunk.train()
         a, b = fc1(x), fc1(x)
     assert not torch.allclose(a, b) and not torch.allclose(a, want)
+
+
+def _train(argv):
+    from paratron.cli import main
+
+    return main(argv)
+
+
+@pytest.mark.slow
+def test_paratron_train_lora_end_to_end(tmp_path, tiny_corpus):
+    """``paratron train``: a base run, a LoRA fine-tune of it at TP2 (adapter-only checkpoint, the
+    end-of-run sample generated from it), and a resume onto checkpoint.pretrained_checkpoint."""
+    import json
+
+    from paratron.checkpoint.io import load_tensors_full
+
+    from test_e2e_train import TINY
+
+    def run(name, world, *sets):
+        argv = ["train", "--run-dir", str(tmp_path / name)]
+        for o in TINY + tiny_corpus + ["data.split=90,10,0", "train.train_iters=2", "train.sample_tokens=4",
+                                       *sets]:
+            argv += ["--set", o]
+        assert run_ranks(_train, world, argv, timeout=300) == [0] * world
+        return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+
+    run("base", 1)
+    base = str(tmp_path / "base" / "checkpoints")
+    lora = ["model.lora_rank=4", "model.lora_alpha=8"]
+    run("lora", 2, *lora, "parallel.tensor=2", f"checkpoint.load={base}")
+    saved = load_tensors_full(tmp_path / "lora" / "checkpoints", "model/")
+    assert saved and all(is_adapter_name(n) for n in saved)
+    records = run("resumed", 1, *lora, f"checkpoint.pretrained_checkpoint={base}", "train.train_iters=3",
+                  f"checkpoint.load={tmp_path / 'lora' / 'checkpoints'}")
+    assert [r["iteration"] for r in records if "loss" in r] == [3]

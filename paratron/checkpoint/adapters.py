@@ -16,14 +16,14 @@ step and the RNG like any resume. Both are read with DCP into any layout, like a
 
 from __future__ import annotations
 
-import dataclasses
+from pathlib import Path
 
-from paratron.models.lora import is_adapter_name
+import torch
 
-from .items import MODEL_PREFIX, StateItems
-from .safety import check_same_model
+from paratron.models.lora import adapter_names, is_adapter_name
 
-LORA_FIELDS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets")
+from .io import holds_no_checkpoint, load_model_full, read_manifest, resolve
+from .items import MODEL_PREFIX, CheckpointError, StateItems
 
 
 def lora_on(config) -> bool:
@@ -46,14 +46,35 @@ def base_weights(items: StateItems) -> StateItems:
     return {k: v for k, v in items.items() if k.startswith(MODEL_PREFIX) and not _model_key_is_adapter(k)}
 
 
-def check_same_base(saved: dict, current: dict, where: str) -> None:
-    """:func:`~paratron.checkpoint.safety.check_same_model` on everything but the LoRA fields (a
-    base checkpoint was saved without adapters, or with others).
+def base_source(config) -> str | None:
+    """Where the base of a LoRA run's checkpoint lives, from its config: ``pretrained_checkpoint``,
+    else ``checkpoint.load`` when that holds a full (not adapter-only) checkpoint; else None."""
+    c = config.checkpoint
+    if c.pretrained_checkpoint:
+        return c.pretrained_checkpoint
+    if c.load and not holds_no_checkpoint(c.load):
+        try:
+            if not read_manifest(resolve(c.load)).get("adapter_only"):
+                return c.load
+        except Exception:  # noqa: BLE001 - an unreadable load names no base; the caller says so
+            return None
+    return None
+
+
+def with_base(config, tensors: dict[str, torch.Tensor], base: str | Path | None = None,
+              where: str = "checkpoint") -> dict[str, torch.Tensor]:
+    """Full tensors of an adapter-only checkpoint completed with its base's (``base``, else
+    :func:`base_source` of its config); other checkpoints are returned as they are.
 
     Raises:
-        CheckpointError: a weight-relevant base field differs.
+        CheckpointError: adapters without a base to put them on.
     """
-    from paratron.config import ModelConfig
-
-    defaults = {k: v for k, v in dataclasses.asdict(ModelConfig()).items() if k in LORA_FIELDS}
-    check_same_model({**saved, **defaults}, {**current, **defaults}, where)
+    adapter_only = bool(adapter_names(tensors)) and all(is_adapter_name(n) for n in tensors)
+    if base is None and adapter_only:
+        base = base_source(config)
+        if base is None:
+            raise CheckpointError(f"{where} holds only LoRA adapters and its config names no base "
+                                  "(checkpoint.pretrained_checkpoint): give the base checkpoint")
+    if base is None:
+        return tensors
+    return {**load_model_full(resolve(base))[1], **tensors}

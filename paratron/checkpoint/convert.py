@@ -47,7 +47,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--step", type=int, default=None,
                    help="paratron-to-hf: the step to export when SRC is a checkpoint root (default: latest)")
     p.add_argument("--base", default=None,
-                   help="paratron-to-hf, lora-merge: a checkpoint with the base weights of an adapter-only SRC")
+                   help="paratron-to-hf, lora-merge: a checkpoint with the base weights of an adapter-only SRC "
+                        "(default: the checkpoint.pretrained_checkpoint its config names)")
     p.add_argument("--save-peft", dest="save_peft", default=None, metavar="DIR",
                    help="paratron-to-hf, lora-merge: also write SRC's LoRA adapters as a PEFT folder "
                         "(adapter_model.safetensors, adapter_config.json); paratron-to-hf then exports the "
@@ -98,13 +99,13 @@ def _read_lora_aware(args, bar, merge: bool):
     says ``lora_rank = 0``)."""
     import dataclasses
 
+    from paratron.checkpoint.adapters import with_base
     from paratron.checkpoint.io import load_model_full, resolve
     from paratron.models.lora import adapter_names, merge_lora_tensors
 
     _stage(bar, "reading and verifying the checkpoint", done=False)
     cfg, tensors = load_model_full(resolve(args.src, args.step))
-    if args.base:
-        tensors = {**load_model_full(resolve(args.base))[1], **tensors}
+    tensors = with_base(cfg, tensors, args.base, where=str(args.src))
     if not adapter_names(tensors):
         if args.save_peft or args.direction == "lora-merge":
             raise ValueError(f"{args.src} holds no LoRA adapters (model.lora_rank = {cfg.model.lora_rank})")

@@ -40,13 +40,14 @@ import torch
 import torch.distributed as dist
 
 from . import integrity, rng, storage
-from .adapters import base_weights, check_same_base, lora_on, only_adapters
+from .adapters import base_weights, lora_on, only_adapters
 from .async_save import BackgroundWriter, Staging
 from .io import (LATEST, STEP_DIR, holds_no_checkpoint, read_items, read_json, resolve, resume_manifest,
                  saved_tensors, verify_directory, write_items, write_json_atomic, write_manifest, write_text_atomic)
 from .items import (MODEL_PREFIX, CheckpointError, PeerCheckpointError, StateItems, iter_params, merge, model_items,
                     naming_the_save, optimizer_items, shared_embedding_names)
 from .plainjson import decode, encode
+from .safety import check_same_base
 from .finite import first_nonfinite, refuse_nonfinite
 
 

@@ -59,12 +59,14 @@ def sample(chunk, ids: list[int], *, max_new_tokens: int, temperature: float, to
 
 def load_single_process_model(checkpoint_dir: str):
     """(config, model chunk on one process) from any saved layout."""
+    from paratron.checkpoint.adapters import with_base
     from paratron.checkpoint.io import load_model_full
     from paratron.models.gpt import build_model_chunks
     from paratron.parallel.context import ParallelContext
     from paratron.parallel.params import load_full_
 
     cfg, tensors = load_model_full(checkpoint_dir)
+    tensors = with_base(cfg, tensors, where=str(checkpoint_dir))  # a LoRA run's adapter-only checkpoint
     ctx = ParallelContext.single()
     (chunk,) = build_model_chunks(cfg.model, ctx, seed=cfg.train.seed, sequence_parallel=False)
     missing = [p.logical_name for p in chunk.parameters() if p.logical_name not in tensors]
