@@ -33,9 +33,13 @@ drawn fresh).
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from paratron.config import ConfigError, ModelConfig, model_shape
+
+from .hf_recipe import Recipe, cat_rows
 
 Tensors = dict[str, torch.Tensor]
 
@@ -154,19 +158,27 @@ def _fused(ours: str, theirs: str) -> tuple[str, str, str]:
     return f"{ours}.weight", f"{theirs}.gate_proj.weight", f"{theirs}.up_proj.weight"
 
 
-def deepseek_tensors(cfg: ModelConfig, hf: dict, take) -> Tensors:
-    """paratron's full tensors from a DeepSeek-V3 checkpoint; ``take(name)`` pops one tensor
-    (raising KeyError when missing)."""
-    out: Tensors = {"embedding.word_embeddings.weight": take("model.embed_tokens.weight"),
-                    "final_norm.weight": take("model.norm.weight")}
+def _rope_rows_to_halves(parts: list[torch.Tensor], cfg: ModelConfig, heads: int) -> torch.Tensor:
+    return _reorder_rope_rows(parts[0], cfg, heads, inverse=False)
+
+
+def deepseek_recipes(cfg: ModelConfig, hf: dict) -> dict[str, Recipe]:
+    """``{paratron name: Recipe}`` of a DeepSeek-V3 checkpoint (:mod:`.hf_recipe`): renames, the
+    fused ``[gate; up]``, and with ``rope_interleave`` the RoPE rows of the query up-projection and
+    ``kv_down`` reordered to halves (a row permutation, so it slices like the rest)."""
+    out = {"embedding.word_embeddings.weight": Recipe(("model.embed_tokens.weight",)),
+           "final_norm.weight": Recipe(("model.norm.weight",))}
     if not cfg.tie_embeddings:
-        out["output_layer.weight"] = take("lm_head.weight")
+        out["output_layer.weight"] = Recipe(("lm_head.weight",))
     for i in range(cfg.num_layers):
         names, fused = _layer_names(cfg, i)
-        out.update({ours: take(theirs) for theirs, ours in names})
-        out.update({fc1: torch.cat([take(gate), take(up)]) for fc1, gate, up in fused})
+        out.update({ours: Recipe((theirs,)) for theirs, ours in names})
+        out.update({fc1: Recipe((gate, up), cat_rows) for fc1, gate, up in fused})
         if hf.get("rope_interleave", True):
-            _permute_attention(cfg, out, f"layers.{i}", inverse=False)
+            p = f"layers.{i}.attention"
+            q = f"{p}.q_up.weight" if cfg.q_lora_rank is not None else f"{p}.q_proj.weight"
+            for name, heads in ((q, cfg.num_attention_heads), (f"{p}.kv_down.weight", 1)):
+                out[name] = Recipe(out[name].sources, partial(_rope_rows_to_halves, cfg=cfg, heads=heads))
     return out
 
 

@@ -40,6 +40,13 @@ MEGATRON_ALIASES: dict[str, str] = {
     "--clip-grad": "optimizer.clip_grad",
     "--lr-warmup-iters": "optimizer.lr_warmup_iters",
     "--lr-decay-style": "optimizer.lr_decay_style",
+    "--optimizer": "optimizer.name",
+    "--muon-momentum": "optimizer.muon_momentum",
+    "--muon-num-ns-steps": "optimizer.muon_num_ns_steps",
+    "--muon-scale-mode": "optimizer.muon_scale_mode",
+    "--muon-extra-scale-factor": "optimizer.muon_extra_scale_factor",
+    "--exp-avg-dtype": "optimizer.exp_avg_dtype",
+    "--exp-avg-sq-dtype": "optimizer.exp_avg_sq_dtype",
     "--data-path": "data.data_path",
     "--split": "data.split",
     "--vocab-file": "data.vocab_file",
@@ -79,6 +86,7 @@ MEGATRON_SWITCHES: dict[str, tuple[str, str]] = {
     "--reset-position-ids": ("data.reset_position_ids", "true"),
     "--reset-attention-mask": ("data.reset_attention_mask", "true"),
     "--eod-mask-loss": ("data.eod_mask_loss", "true"),
+    "--sft": ("data.format", "chat"),
     "--bf16": ("train.precision", "bf16"),
     "--fp16": ("train.precision", "fp16"),
     "--swiglu": ("model.activation", "swiglu"),
@@ -92,6 +100,7 @@ MEGATRON_SWITCHES: dict[str, tuple[str, str]] = {
     "--qk-layernorm": ("model.qk_layernorm", "true"),
     "--moe-router-enable-expert-bias": ("model.moe_router_enable_expert_bias", "true"),
     "--multi-latent-attention": ("model.multi_latent_attention", "true"),
+    "--muon-no-split-qkv": ("optimizer.muon_split_qkv", "false"),
 }
 """Megatron-LM flags without a value -> (paratron key, value)."""
 

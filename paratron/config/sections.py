@@ -237,6 +237,10 @@ class TrainConfig:
     """When set, rank 0 prints a text sample from the final checkpoint, continuing this prompt."""
     sample_tokens: int = 64
     """Tokens of the text sample printed after training (``sample_prompt``)."""
+    export_hf_at_end: bool = False
+    """After the last step, write the model as a Hugging Face folder (``checkpoint.save_hf``, else
+    ``RUN_DIR/hf``) from the final checkpoint, and print whether paratron and ``transformers``
+    agree on a few greedy tokens (needs ``checkpoint.save``; ``--save-hf DIR`` sets both keys)."""
     nonfinite: Literal["skip", "stop"] = "skip"
     """A step whose loss or grads hold an inf or NaN (decided globally) changes nothing; "skip"
     goes on with the next batch, "stop" ends the run with an error naming the step."""
@@ -271,8 +275,9 @@ class TrainConfig:
 
 @dataclass
 class OptimizerConfig:
-    name: Literal["adamw", "sgd"] = "adamw"
-    """AdamW or SGD (with ``sgd_momentum``)."""
+    name: Literal["adamw", "sgd", "muon"] = "adamw"
+    """AdamW, SGD (with ``sgd_momentum``), or ``muon``: Muon for the 2-D hidden weights, AdamW (the
+    ``adam_*`` fields) for embeddings, the output head, norms and biases (:mod:`paratron.optim.muon`)."""
     lr: float = 3e-4
     """Peak learning rate, reached after the warmup."""
     min_lr: float = 0.0
@@ -308,6 +313,29 @@ class OptimizerConfig:
     adam_impl: Literal["auto", "fused", "foreach"] = "auto"
     """AdamW kernels on the flat fp32 buffers: ``fused`` (``torch._fused_adamw_``, one kernel per
     group of views), ``foreach`` (``torch._foreach_*``); ``auto`` is fused on CUDA, foreach on CPU."""
+    muon_momentum: float = 0.95
+    """Muon's momentum EMA coefficient."""
+    muon_use_nesterov: bool = True
+    """Nesterov momentum: the update orthogonalises ``lerp(grad, momentum, muon_momentum)``."""
+    muon_num_ns_steps: int = 5
+    """Newton-Schulz iterations."""
+    muon_scale_mode: Literal["spectral", "unit_rms_norm", "shape_scaling"] = "spectral"
+    """The shape-based scale of the orthogonalised update (Megatron-Core's names)."""
+    muon_extra_scale_factor: float = 0.2
+    """Times the scale: 0.2 with ``spectral`` matches AdamW's update RMS (Moonshot's Muon), so
+    ``lr`` and ``weight_decay`` tuned for AdamW carry over."""
+    muon_split_qkv: bool = True
+    """Orthogonalise Q, K and V of the fused QKV weight separately."""
+    exp_avg_dtype: Literal["fp32", "bf16"] = "fp32"
+    """Storage of AdamW's first moment (and Muon's or SGD's momentum); bf16 halves it, the step's
+    arithmetic stays fp32 (Megatron's precision-aware optimizer)."""
+    exp_avg_sq_dtype: Literal["fp32", "bf16"] = "fp32"
+    """Storage of AdamW's second moment."""
+    cpu_offload: bool = False
+    """Keep the fp32 main weights and optimizer state in host memory and step them there
+    (:mod:`paratron.optim.offload`; AdamW and SGD)."""
+    offload_fraction: float = 1.0
+    """The share of this rank's optimizer state that ``cpu_offload`` moves to the host."""
 
 
 @dataclass
@@ -347,6 +375,25 @@ class DataConfig:
     documents (``train.micro_batch_size`` is unused). Documents longer than ``model.seq_length``
     positions are split. Rule and layout: :mod:`paratron.data.token_batches`. None: fixed-length
     samples."""
+    format: Literal["text", "chat"] = "text"
+    """``"chat"``: SFT records (``{"messages": [{"role", "content"}, ...]}`` or prompt/completion
+    pairs) rendered with a chat template, the loss on the assistant's tokens only
+    (:mod:`paratron.data.chat`; Megatron's ``--sft``). Read from ``data.corpus`` (a JSONL file) or
+    ``data.hf_dataset``."""
+    chat_template: Optional[str] = None
+    """A built-in template name (``"simple"``, ``"chatml"``) or a ``.jinja`` file; None: the
+    tokenizer's own beside ``data.tokenizer_model``, else ``"simple"``."""
+    messages_key: str = "messages"
+    """The field of a chat record that holds its messages."""
+    hf_dataset: Optional[str] = None
+    """A Hugging Face ``datasets`` input: a local Parquet / Arrow / JSON(L) file or folder, a
+    ``save_to_disk`` folder, or a dataset name (:mod:`paratron.data.hf_datasets`). Text records
+    use ``data.text_key`` (= ``data.json_key``)."""
+    hf_split: str = "train"
+    """The split of ``data.hf_dataset`` to train on (``data.split`` still cuts it into train and
+    validation rows when not streaming)."""
+    streaming: bool = False
+    """Read ``data.hf_dataset`` lazily, in order, as an ``IterableDataset`` (no validation split)."""
 
 
 @dataclass
@@ -365,6 +412,12 @@ class CheckpointConfig:
     """Write checkpoints in a background thread while training goes on."""
     load_optimizer: bool = True
     """Also restore the optimizer state on load; false starts a fresh optimizer."""
+    load_hf: Optional[str] = None
+    """A Hugging Face folder (``config.json``, safetensors, ``tokenizer.json``) to start from: the
+    model config and the tokenizer come from it, and each rank reads only its own slices of the
+    weights (``paratron train --from-hf DIR``). A checkpoint in ``checkpoint.load`` wins (resume)."""
+    save_hf: Optional[str] = None
+    """Where ``train.export_hf_at_end`` writes the Hugging Face folder (default ``RUN_DIR/hf``)."""
     pretrained_checkpoint: Optional[str] = None
     """LoRA (``model.lora_rank > 0``): a paratron checkpoint whose model weights fill the frozen
     base before ``checkpoint.load`` (an adapter-only checkpoint of the run) is loaded; its own
@@ -408,6 +461,7 @@ KEY_ALIASES: dict[str, str] = {
     "model.moe_router_score_function": "model.moe_router_score",
     "model.moe_router_topk": "model.moe_top_k",
     "model.moe_shared_expert_intermediate_size": "model.moe_shared_expert_ffn_hidden_size",
+    "data.text_key": "data.json_key",
 }
 """Megatron-Core's ``TransformerConfig`` names of fields paratron spells otherwise: a config file
 or ``--set`` may use either."""

@@ -20,6 +20,7 @@ import math
 from . import model_shape
 from .context_rules import check_context
 from .observe_rules import check_observability
+from .record_rules import check_records
 from .token_rules import check_microbatch_tokens, token_balanced
 from .errors import ConfigError
 from .sections import Config
@@ -55,8 +56,16 @@ def _positive(cfg: Config, world: int | None) -> None:
                           "which parallel.hang_timeout_s=0 turns off: set hang_timeout_s > 0")
     if cfg.optimizer.lr < 0:
         raise ConfigError(f"optimizer.lr={cfg.optimizer.lr} must be >= 0")
+    if not 0.0 <= cfg.optimizer.offload_fraction <= 1.0:
+        raise ConfigError(f"optimizer.offload_fraction={cfg.optimizer.offload_fraction} must be in [0, 1]")
+    if cfg.optimizer.cpu_offload and cfg.optimizer.name == "muon":
+        raise ConfigError("optimizer.cpu_offload is not supported with optimizer.name='muon' (its "
+                          "orthogonalisation runs on the device); use adamw or sgd, or turn the offload off")
+    if cfg.optimizer.muon_num_ns_steps < 1:
+        raise ConfigError(f"optimizer.muon_num_ns_steps={cfg.optimizer.muon_num_ns_steps} must be >= 1")
     for name, v in (("model.hidden_dropout", cfg.model.hidden_dropout),
-                    ("model.attention_dropout", cfg.model.attention_dropout)):
+                    ("model.attention_dropout", cfg.model.attention_dropout),
+                    ("optimizer.muon_momentum", cfg.optimizer.muon_momentum)):
         if not 0.0 <= v < 1.0:
             raise ConfigError(f"{name}={v} must be in [0, 1)")
 
@@ -255,7 +264,8 @@ def _split(cfg: Config, world: int | None) -> None:
     try:
         vals = [float(x) for x in parts]
     except ValueError:
-        raise ConfigError(f"data.split={cfg.data.split!r} must be comma-separated numbers like '969,30,1'") from None
+        hint = " (the split of data.hf_dataset to read is data.hf_split)" if cfg.data.hf_dataset else ""
+        raise ConfigError(f"data.split={cfg.data.split!r} must be comma-separated numbers like '969,30,1'{hint}") from None
     if len(vals) > 3 or any(v < 0 for v in vals) or sum(vals) <= 0:
         raise ConfigError(f"data.split={cfg.data.split!r} must be up to 3 non-negative numbers with a positive sum")
 
@@ -277,7 +287,7 @@ def _lr_schedule(cfg: Config, world: int | None) -> None:
 
 VALIDATORS = [_finite, _positive, _nonfinite_policy, _lr_schedule, _grid, _model, _batch, _sequence, _link_latency, _schedule, _pipeline_layers, _mtp_last_stage,
               _experts, _moe_fb_overlap, _zero, _split, check_context, check_microbatch_tokens,
-              check_observability]
+              check_observability, check_records]
 """Every config rule, in order. Each takes ``(cfg, world_size_or_None)`` and raises ConfigError."""
 
 
