@@ -337,3 +337,31 @@ def test_paratron_train_lora_end_to_end(tmp_path, tiny_corpus):
     records = run("resumed", 1, *lora, f"checkpoint.pretrained_checkpoint={base}", "train.train_iters=3",
                   f"checkpoint.load={tmp_path / 'lora' / 'checkpoints'}")
     assert [r["iteration"] for r in records if "loss" in r] == [3]
+
+
+@pytest.mark.slow
+def test_from_hf_lora_exports_merged_at_end(tmp_path, tiny_corpus, tmp_path_factory):
+    """``paratron train --from-hf DIR --save-hf OUT`` with LoRA: the adapter-only checkpoint, read
+    onto the HF base, gives transformers' logits of the merged export to 1e-5."""
+    transformers = pytest.importorskip("transformers")
+    from test_hf_export import hf_llama as make_hf_llama
+    from paratron.checkpoint.io import load_tensors_full
+    from paratron.training.generate import load_single_process_model
+
+    path, data = make_hf_llama.__wrapped__(tiny_corpus, tmp_path_factory)
+    out, run = tmp_path / "hf_out", tmp_path / "run"
+    argv = ["train", "--from-hf", str(path), "--save-hf", str(out), "--run-dir", str(run)]
+    for o in [data, "data.split=90,10,0", "model.seq_length=16", "train.micro_batch_size=2",
+              "train.global_batch_size=4", "train.train_iters=2", "train.eval_interval=0", "train.sample_tokens=0",
+              "optimizer.lr=1e-2", "logging.tensorboard=false", "model.lora_rank=4", "model.lora_alpha=8"]:
+        argv += ["--set", o]
+    assert run_ranks(_train, 1, argv, timeout=300) == [0]
+    assert all(is_adapter_name(n) for n in load_tensors_full(run / "checkpoints", "model/"))
+    cfg, chunk = load_single_process_model(str(run / "checkpoints"))
+    ids = torch.randint(0, cfg.model.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours = full_logits(chunk(ids), ParallelContext.single(), cfg.model.vocab_size)
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(out).eval()(ids).logits
+        start = transformers.AutoModelForCausalLM.from_pretrained(path).eval()(ids).logits
+    torch.testing.assert_close(theirs, ours, rtol=TOL, atol=TOL)
+    assert (start - theirs).abs().max().item() > 1e-4, "the export holds the trained adapters"
