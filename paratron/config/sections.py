@@ -176,7 +176,7 @@ class ParallelConfig:
     zero3_prefetch: bool = True
     """ZeRO-3: start the next layer's all-gather while the current layer computes."""
     schedule: str = "1f1b"
-    """Pipeline schedule registry name: gpipe, 1f1b, interleaved, zb-h1, zbv, or a registered one."""
+    """Pipeline schedule registry name: gpipe, 1f1b, interleaved, zb-h1, zbv, dualpipev, or a registered one."""
     pipeline_layout: Optional[list[int]] = None
     """Transformer layers per pipeline stage (virtual stages in order); None splits evenly."""
     pipeline_link_latency_ms: Optional[list[float]] = None

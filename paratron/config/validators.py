@@ -143,12 +143,8 @@ def _mtp_last_stage(cfg: Config, world: int | None) -> None:
     """The MTP modules (one transformer layer each) run on the last pipeline stage, after its
     own layers: an explicit ``parallel.pipeline_layout`` must leave it room for them, i.e. the
     last stage's layers plus ``model.mtp_num_layers`` may not exceed the largest other stage
-    (Megatron-LM's advice for DeepSeek-V3 layouts: fewer layers on the stage with the MTP).
-    ZeRO-3 is refused with MTP (its gather units cover the chunk's layers and head only)."""
+    (Megatron-LM's advice for DeepSeek-V3 layouts: fewer layers on the stage with the MTP)."""
     p, d = cfg.parallel, cfg.model.mtp_num_layers
-    if d and p.zero == 3:
-        raise ConfigError(f"parallel.zero=3 with model.mtp_num_layers={d}: ZeRO-3's gather units do not cover the "
-                          "MTP modules yet; use parallel.zero <= 2")
     layout = p.pipeline_layout
     if not d or not layout or len(layout) < 2:
         return
@@ -253,6 +249,16 @@ def _moe_fb_overlap(cfg: Config, world: int | None) -> None:
                           f"model.moe_token_dispatcher={name!r} does not (use 'alltoall')")
 
 
+def _dualpipev_zero3(cfg: Config, world: int | None) -> None:
+    """DualPipeV's lists are made of FB pairs (one microbatch's backward run inside another's
+    forward); ZeRO-3's per-unit free has only been proved for one microbatch in a unit at a
+    time (the same rule as parallel.overlap_moe_expert_parallel_comm)."""
+    if cfg.parallel.schedule == "dualpipev" and cfg.parallel.zero == 3:
+        raise ConfigError("parallel.schedule='dualpipev' runs one microbatch's backward in the middle of "
+                          "another's forward (FB pairs), but parallel.zero=3 frees each layer's params after "
+                          "its forward and backward: use parallel.zero <= 2 or parallel.schedule='zbv'")
+
+
 def _zero(cfg: Config, world: int | None) -> None:
     if cfg.parallel.zero not in (0, 1, 2, 3):
         raise ConfigError(f"parallel.zero={cfg.parallel.zero} must be 0 (DDP), 1 (optimizer state "
@@ -286,7 +292,7 @@ def _lr_schedule(cfg: Config, world: int | None) -> None:
 
 
 VALIDATORS = [_finite, _positive, _nonfinite_policy, _lr_schedule, _grid, _model, _batch, _sequence, _link_latency, _schedule, _pipeline_layers, _mtp_last_stage,
-              _experts, _moe_fb_overlap, _zero, _split, check_context, check_microbatch_tokens,
+              _dualpipev_zero3, _experts, _moe_fb_overlap, _zero, _split, check_context, check_microbatch_tokens,
               check_observability, check_records]
 """Every config rule, in order. Each takes ``(cfg, world_size_or_None)`` and raises ConfigError."""
 
