@@ -136,6 +136,17 @@ class ModelConfig:
     first_k_dense_replace: int = 0
     """The first this many layers have a dense MLP (of ``ffn_hidden_size``) instead of an MoE one
     (DeepSeek-V3: 3); the later layers follow ``moe_layer_freq``."""
+    lora_rank: int = 0
+    """LoRA (Hu et al. 2021): the rank r of the adapters on the ``lora_targets`` linears; 0 means no
+    LoRA. With r > 0 every other parameter is frozen (no grad, no optimizer state)."""
+    lora_alpha: float = 16.0
+    """LoRA scaling numerator: the adapter output is multiplied by ``lora_alpha / lora_rank``."""
+    lora_dropout: float = 0.0
+    """Dropout probability on the adapters' input (the base linear sees the input undropped)."""
+    lora_targets: list[str] = field(default_factory=lambda: ["qkv", "proj", "fc1", "fc2"])
+    """The linears that get adapters, by paratron's module names: ``qkv`` (fused attention input;
+    HF q_proj, k_proj, v_proj), ``proj`` (attention output; o_proj), ``fc1`` (MLP input, SwiGLU's
+    fused gate and up; gate_proj, up_proj), ``fc2`` (MLP output; down_proj). MoE experts get none."""
 
 
 @dataclass
@@ -420,6 +431,10 @@ class CheckpointConfig:
     weights (``paratron train --from-hf DIR``). A checkpoint in ``checkpoint.load`` wins (resume)."""
     save_hf: Optional[str] = None
     """Where ``train.export_hf_at_end`` writes the Hugging Face folder (default ``RUN_DIR/hf``)."""
+    pretrained_checkpoint: Optional[str] = None
+    """LoRA (``model.lora_rank > 0``): a paratron checkpoint whose model weights fill the frozen
+    base before ``checkpoint.load`` (an adapter-only checkpoint of the run) is loaded; its own
+    optimizer state, step and adapters are ignored (Megatron-Bridge's name)."""
 
 
 @dataclass

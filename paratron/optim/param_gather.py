@@ -99,12 +99,13 @@ def units_of(chunk: nn.Module) -> list[Unit]:
     norm = getattr(chunk, "final_norm", None)
     if norm is not None:
         head = unique_params(norm, trainable_only=True) + [chunk.output_weight()] + _mtp_params(chunk)
-        units.append(Unit(norm, chunk, list({id(p): p for p in head}.values())))
+        units.append(Unit(norm, chunk, list({id(p): p for p in head if p.requires_grad}.values())))
     covered = {id(p) for u in units for p in u.params}
     rest = [p for p in unique_params(chunk, trainable_only=True) if id(p) not in covered]
     if rest:
         raise ValueError(f"ZeRO-3: params {[p.logical_name for p in rest]} belong to no unit of the chunk")
-    return units
+    # Frozen params (a LoRA base) are never sharded: a unit of only frozen params gathers nothing.
+    return [u for u in units if u.params]
 
 
 def _mtp_params(chunk: nn.Module) -> list[nn.Parameter]:

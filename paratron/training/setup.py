@@ -4,6 +4,7 @@ chunks with DDP, optimizer and LR schedule, the checkpoint manager, and the run'
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -50,16 +51,18 @@ def export_hf_at_end(cfg: Config, ctx, run_dir: Path, prompt: str | None) -> Non
     ctx.world.barrier()  # every rank's shards are on disk
     if ctx.rank != 0:
         return
+    from paratron.checkpoint.adapters import merged
     from paratron.checkpoint.hf_export import export_hf
     from paratron.checkpoint.io import load_model_full
     from paratron.data.prepare import build_tokenizer
     from paratron.training.generate import hf_export_check
 
     _, tensors = load_model_full(cfg.checkpoint.save)
-    out = export_hf(cfg, tensors, cfg.checkpoint.save_hf or Path(run_dir) / "hf")
+    model_cfg, tensors = merged(cfg, tensors)  # LoRA: the adapters folded into the base
+    out = export_hf(dataclasses.replace(cfg, model=model_cfg), tensors, cfg.checkpoint.save_hf or Path(run_dir) / "hf")
     log(ctx, f"Hugging Face export: {out} (config.json, model.safetensors, tokenizer)")
     ids = build_tokenizer(cfg.data).encode(prompt or "")[:32] if prompt else []
-    log(ctx, hf_export_check(cfg.model, tensors, out, [i for i in ids if i < cfg.model.vocab_size] or [0]))
+    log(ctx, hf_export_check(model_cfg, tensors, out, [i for i in ids if i < model_cfg.vocab_size] or [0]))
 
 
 def warn_if_saving_over(cfg: Config, ctx) -> None:
@@ -119,7 +122,7 @@ def load_hf_start(cfg: Config, ctx, chunks, optimizer) -> None:
 
 
 def build_checkpoint_manager(cfg: Config, ctx):
-    if not (cfg.checkpoint.save or cfg.checkpoint.load):
+    if not (cfg.checkpoint.save or cfg.checkpoint.load or cfg.checkpoint.pretrained_checkpoint):
         return None
     from paratron.checkpoint.manager import CheckpointManager
 
