@@ -10,8 +10,10 @@ What a meta tensor cannot serve, and what stands in for it (the only seams in th
 
 * the optimizer's one host read (grad norm, non-finite flag, loss): ``Optimizer.host_values``
   returns zeros, so the step is taken as finite with no clipping;
-* MoE routing is data dependent: the routed token counts per expert are taken as balanced
-  (``tokens x top_k / experts`` each), see :func:`balanced_routing`;
+* the attention core on meta takes torch's flash op (``models/attention.py``): SDPA's backend
+  choice has no meta entry and would take the math path, which a real run does not;
+* MoE routing is data dependent (token counts per expert decide tensor sizes): MoE layouts are
+  refused with a message saying so (no stand-in yet);
 * the tokens are zeros of the right shape (``[micro_batch_size, seq_length]``, the CP share).
 
 So a dry run proves shapes, divisibility, groups, schedules, buffer sizes, activation bytes and
@@ -26,9 +28,11 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from paratron.dryrun.measure import measure_step
+from paratron.dryrun.measure import measure_step, model_state
 
 META = torch.device("meta")
+GB = 1e9
+TERMS = ("params", "grads", "main_params", "optimizer_state", "peak_activations")
 
 
 class DryRunError(RuntimeError):
@@ -88,33 +92,57 @@ def build_context(cfg, device):
                                  device=device)
 
 
-def rehearse_rank(cfg, world_size: int, rank: int) -> dict:
+def check_memory(row: dict, memory_gb: float) -> None:
+    """Refuse a rank whose model states plus peak activations exceed ``memory_gb``, naming the
+    rank and the largest term (a single term over the limit is named as such).
+
+    Raises:
+        DryRunError: the rank does not fit.
+    """
+    limit = memory_gb * GB
+    terms = {t: row[t] for t in TERMS if t in row}
+    total = sum(terms.values())
+    if total <= limit:
+        return
+    big = max(terms, key=terms.get)
+    where = f"rank {row['rank']} (pipeline stage {row['coords']['pp']})"
+    parts = ", ".join(f"{t} {v / GB:.2f}" for t, v in terms.items())
+    alone = " alone" if terms[big] > limit else ""
+    raise DryRunError(f"{where} needs {total / GB:.2f} GB > --memory-gb {memory_gb:g}: {big} "
+                      f"({terms[big] / GB:.2f} GB){alone} overflows [{parts} GB]")
+
+
+def rehearse_rank(cfg, world_size: int, rank: int, memory_gb: float | None = None) -> dict:
     """One step of ``cfg`` as ``rank`` of ``world_size``, on meta; returns the rank's
     :class:`~.measure.StepMeasure` as a dict (plus ``rank`` and its grid coordinates).
 
     Raises:
         DryRunError: anything the real run would hit on this rank (a shape or divisibility
-            error, a group never created, a schedule the validator rejects), naming the rank.
+            error, a group never created, a schedule the validator rejects), naming the rank;
+            with ``memory_gb``, a rank that does not fit (:func:`check_memory`; model states are
+            checked before the step, with the activations after it).
     """
     from paratron.training.step import rank_actions
 
+    if cfg.model.num_experts > 0:
+        raise DryRunError(f"rank {rank}: model.num_experts={cfg.model.num_experts}: MoE routing is data "
+                          "dependent (bincount, nonzero, uneven all-to-all splits) and the dry run has no "
+                          "meta stand-in for it yet; dense layouts only")
     with fake_world(rank, world_size):
         try:
             ctx = build_context(cfg, META)
             chunks, ddp, optimizer = build_rank(cfg, ctx)
+            if memory_gb is not None:  # model states alone over the limit: refused before the step
+                check_memory({"rank": rank, "coords": ctx.grid.coords(rank), **model_state(ddp, optimizer)},
+                             memory_gb)
             microbatches = synthetic_microbatches(cfg, ctx)
             actions = rank_actions(cfg, ctx, len(microbatches))
-            with balanced_routing(chunks):
-                measure = measure_step(cfg, ctx, chunks, ddp, optimizer, microbatches, actions)
+            measure = measure_step(cfg, ctx, chunks, ddp, optimizer, microbatches, actions)
         except DryRunError:
             raise
         except Exception as exc:  # noqa: BLE001 - reported as one line naming the rank
             raise DryRunError(f"rank {rank}: {type(exc).__name__}: {exc}") from exc
         out = {"rank": rank, "coords": ctx.grid.coords(rank), **measure.as_dict()}
+    if memory_gb is not None:
+        check_memory(out, memory_gb)
     return out
-
-
-@contextmanager
-def balanced_routing(chunks):
-    """Stand-in for data-dependent MoE routing on meta: nothing to do for dense models."""
-    yield

@@ -17,8 +17,7 @@ from paratron.parallel.grid import build_grid
 from paratron.planner.pipeline import ScheduleCache
 from paratron.progress import progress_bar
 
-GB = 1e9
-TERMS = ("params", "grads", "main_params", "optimizer_state", "peak_activations")
+from paratron.dryrun.rehearse import GB
 
 
 def grid_of(cfg, world_size: int):
@@ -70,26 +69,6 @@ class DryRunReport:
         return {"world_size": self.world_size, "ranks": self.ranks}
 
 
-def check_memory(row: dict, memory_gb: float) -> None:
-    """Refuse a rank whose model states plus peak activations exceed ``memory_gb``, naming the
-    rank and the largest term (a single term over the limit is named as such).
-
-    Raises:
-        DryRunError: the rank does not fit.
-    """
-    limit = memory_gb * GB
-    terms = {t: row[t] for t in TERMS}
-    total = sum(terms.values())
-    if total <= limit:
-        return
-    big = max(terms, key=terms.get)
-    where = f"rank {row['rank']} (pipeline stage {row['coords']['pp']})"
-    parts = ", ".join(f"{t} {v / GB:.2f}" for t, v in terms.items())
-    alone = " alone" if terms[big] > limit else ""
-    raise DryRunError(f"{where} needs {total / GB:.2f} GB > --memory-gb {memory_gb:g}: {big} "
-                      f"({terms[big] / GB:.2f} GB){alone} overflows [{parts} GB]")
-
-
 def dry_run(cfg, world_size: int, ranks: list[int], memory_gb: float | None = None,
             quiet: bool = False) -> DryRunReport:
     """Rehearse ``ranks`` of ``cfg`` at ``world_size`` ranks, one after the other in this process,
@@ -102,13 +81,11 @@ def dry_run(cfg, world_size: int, ranks: list[int], memory_gb: float | None = No
     grid, cache = grid_of(cfg, world_size), ScheduleCache()
     with progress_bar(len(ranks), "dry run", quiet=quiet, unit="rank") as bar:
         for r in ranks:
-            row = rehearse_rank(cfg, world_size, r)
+            row = rehearse_rank(cfg, world_size, r, memory_gb)
             pred = predict(cfg, world_size, grid.coords(r)["pp"], cache)
             row["predicted"] = pred
             row["vs_planner"] = [list(c) for c in compare(row, pred)]
             report.ranks.append(row)
-            if memory_gb is not None:
-                check_memory(row, memory_gb)
             bar.update(1)
     return report
 
