@@ -7,8 +7,8 @@ pipeline runtime, then ``Optimizer.step``) and returns this rank's :class:`StepM
   (``ddp.model_state_tensors()``, ``optimizer.allocated_state()``), each distinct storage once;
 * the peak bytes of saved activations over the step (:class:`SavedBytes`, a
   ``torch.autograd.graph.saved_tensors_hooks`` pair): each tensor autograd saves for backward is
-  counted while the graph holds it, a storage saved twice counts once, parameters are not
-  activations; with the (microbatch, stage) whose action was running when the peak was set;
+  counted while the graph holds it, a storage saved twice counts once, parameters (and views
+  of their storage, e.g. a transposed or tied weight) are not activations; with the (microbatch, stage) whose action was running when the peak was set;
 * the comm ledger (bytes and calls per op and group) and the shape of every p2p message.
 
 Both a dry run (:mod:`paratron.dryrun.rehearse`) and a real CPU run call this function, so their
@@ -58,8 +58,9 @@ class SavedBytes:
     the scope that set it and the microbatches whose activations were alive then.
     """
 
-    def __init__(self, scope) -> None:
+    def __init__(self, scope, param_storages=()) -> None:
         self.scope = scope
+        self.params = {storage_key(t) for t in param_storages}  # views of params are not activations
         self.live = 0
         self.peak = 0
         self.peak_scope = None
@@ -70,6 +71,8 @@ class SavedBytes:
         if isinstance(t, nn.Parameter) or t.numel() == 0:
             return t
         key = storage_key(t)
+        if key in self.params:
+            return t
         ref = self._refs.get(key)
         if ref is None:
             ref = self._refs[key] = [0, t.untyped_storage().nbytes(), self.scope()]
@@ -144,7 +147,8 @@ def measure_step(cfg, ctx, chunks, ddp, optimizer, microbatches: list[dict], act
 
     state = model_state(ddp, optimizer)
     timeline: list[TraceEvent] = []  # makes the runtime stamp each action's scope on the ledger
-    meter = SavedBytes(lambda: getattr(ctx.ledger.intervals, "scope", None))
+    params = [p for c in chunks for p in c.parameters()] + ddp.model_state_tensors()["params"]
+    meter = SavedBytes(lambda: getattr(ctx.ledger.intervals, "scope", None), params)
     messages: list = []
     inner = _recording_p2p(ctx.pp, messages)
     try:

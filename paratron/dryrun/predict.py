@@ -11,7 +11,7 @@ import dataclasses
 
 from paratron.planner.estimate import rank_params, stage_ranks
 from paratron.planner.layout import Layout
-from paratron.planner.memory import rank_memory, state_bytes
+from paratron.planner.memory import held_activation_bytes, rank_memory, state_bytes
 from paratron.planner.pipeline import ScheduleCache
 from paratron.planner.shape import Shape
 
@@ -31,7 +31,9 @@ def act_bytes(precision: str) -> int:
 
 def predict(cfg, world_size: int, pp_rank: int, cache: ScheduleCache | None = None) -> dict[str, float]:
     """Planner bytes of pipeline rank ``pp_rank``: ``params``, ``grads``, ``optimizer`` (main
-    params + state), ``activations`` (held in flight at the peak, plus the transient), ``total``."""
+    params + state), ``activations`` (saved for backward at the schedule's peak), ``transient``
+    (the loss's or a recomputed layer's working memory) and ``total`` (the planner's peak,
+    which may instead be the optimizer step's)."""
     lay = layout_of(cfg, world_size)
     model = dataclasses.replace(cfg.model)
     shape = Shape.of(model, model.seq_length)
@@ -41,11 +43,12 @@ def predict(cfg, world_size: int, pp_rank: int, cache: ScheduleCache | None = No
     in_flight = cache.in_flight(lay.schedule, lay.pp, m, lay.vpp)[pp_rank]
     last = stage_ranks(lay)[-1] == pp_rank
     prec = cfg.train.precision
-    mem = rank_memory(shape, lay, params_local, shape.L // (lay.pp * lay.vpp), in_flight, last, prec,
-                      act_bytes(prec), fused=True)
+    per_chunk, a = shape.L // (lay.pp * lay.vpp), act_bytes(prec)
+    mem = rank_memory(shape, lay, params_local, per_chunk, in_flight, last, prec, a, fused=True)
+    held, transient = held_activation_bytes(shape, lay, per_chunk, in_flight, last, a, fused=True)
     param, grad, opt = state_bytes(params_local, lay, prec)
-    return {"params": param, "grads": grad, "optimizer": opt, "activations": mem.activations,
-            "transient": mem.transient, "total": mem.total}
+    return {"params": param, "grads": grad, "optimizer": opt, "activations": held, "transient": transient,
+            "total": mem.total}
 
 
 def compare(measured: dict, predicted: dict) -> list[tuple[str, float, float, float | None]]:

@@ -112,6 +112,21 @@ def head_bytes(shape: Shape, lay: Layout, b: int, a: int) -> tuple[float, float]
     return T * (hs * norm_saved_bytes(shape) + shape.h * a) + logits, 2 * logits
 
 
+def held_activation_bytes(shape: Shape, lay: Layout, layers_per_chunk: int, in_flight: int, has_head: bool,
+                          a: int, fused: bool = True) -> tuple[float, float]:
+    """(activation bytes saved for backward at the peak of the schedule, transient bytes of the
+    loss or of one recomputed layer) on one rank (see :func:`rank_memory`); the first is what
+    ``paratron dryrun`` measures with its saved-tensor hooks."""
+    held, whole = layer_activation_bytes(shape, lay, lay.mbs, a, fused)
+    acts = held * layers_per_chunk * in_flight
+    transient = whole if lay.recompute == "full" else 0.0
+    if has_head:
+        h_held, h_trans = head_bytes(shape, lay, lay.mbs, a)
+        acts += h_held * max(1, -(-in_flight // lay.vpp))
+        transient = max(transient, h_trans)
+    return acts, transient
+
+
 def rank_memory(shape: Shape, lay: Layout, params_local: float, layers_per_chunk: int, in_flight: int,
                 has_head: bool, precision: str, a: int, fused: bool = True) -> Memory:
     """Bytes of one rank holding ``params_local`` parameters and ``in_flight`` (microbatch, chunk)
@@ -123,13 +138,7 @@ def rank_memory(shape: Shape, lay: Layout, params_local: float, layers_per_chunk
     buffer of the rank's optimizer shard, ``optim/update_rules.py``), whichever is larger.
     """
     param, grad, opt = state_bytes(params_local, lay, precision)
-    held, whole = layer_activation_bytes(shape, lay, lay.mbs, a, fused)
-    acts = held * layers_per_chunk * in_flight
-    transient = whole if lay.recompute == "full" else 0.0
-    if has_head:
-        h_held, h_trans = head_bytes(shape, lay, lay.mbs, a)
-        acts += h_held * max(1, -(-in_flight // lay.vpp))
-        transient = max(transient, h_trans)
+    acts, transient = held_activation_bytes(shape, lay, layers_per_chunk, in_flight, has_head, a, fused)
     shard = lay.dp * lay.cp if lay.zero >= 1 else 1
     step_peak = 4.0 * params_local / shard
     if step_peak > acts + transient:
