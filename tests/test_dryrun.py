@@ -9,9 +9,11 @@
 from __future__ import annotations
 
 import json
+import os
 import resource
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -91,8 +93,7 @@ def _cli(tmp_path, overrides: list[str], world: int, *flags: str) -> tuple[subpr
             "--quiet", *flags]
     for o in overrides:
         args += ["--set", o]
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=600, env={**__import__("os").environ,
-                                                                                  "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     return proc, (json.loads(out.read_text()) if out.exists() else {})
 
 
@@ -165,3 +166,33 @@ def test_uneven_vocab_pad_only_at_tp8_is_named(monkeypatch):
     with pytest.raises(DryRunError, match=r"^rank 5: .*") as err:
         rehearse_rank(cfg, 8, 5)
     assert "252" in str(err.value) or "vocab" in str(err.value).lower(), err.value
+
+
+@pytest.mark.slow
+def test_1t_sc21_row_at_3072_ranks(tmp_path):
+    """SC21 table 1's 1,008 B row (h 25,600, 128 layers, 160 heads) at TP8 x PP64 x DP6, the ranks
+    that differ, against the planner: model states within 2%, peak within 10%."""
+    proc, rep = _cli(tmp_path, ["model.normalization=layernorm", "model.position_embedding_type=learned",
+                                "model.activation=gelu", "model.vocab_size=51200", "model.seq_length=2048",
+                                "model.num_layers=128", "model.hidden_size=25600", "model.num_attention_heads=160",
+                                "parallel.tensor=8", "parallel.pipeline=64", "parallel.sequence_parallel=true",
+                                "train.precision=bf16", "train.micro_batch_size=1", "train.global_batch_size=384"],
+                     3072, "--ranks", "auto")
+    assert proc.returncode == 0, proc.stderr
+    assert len(rep["ranks"]) >= 3
+    _assert_states_match_planner(rep)
+    for row in rep["ranks"]:
+        v = {t: (d, w) for t, d, w, _ in row["vs_planner"]}
+        dry, want = (sum(x[i] for x in v.values()) for i in (0, 1))
+        assert abs(dry / want - 1) <= 0.10, (row["rank"], dry, want)
+    assert _children_peak_gb() < 4.0
+
+
+def test_plan_verify_dry_runs_the_top_plan(capsys):
+    from paratron.cli import main
+
+    default = str(Path(__file__).resolve().parents[1] / "configs" / "default.toml")
+    assert main(["plan", "--config", default, "--gpu", "h100", "--nodes", "1", "--top-k", "1",
+                 "--verify", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "plan 1:" in out and "dry run GB" in out and "peak activations set by microbatch" in out

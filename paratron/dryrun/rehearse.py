@@ -35,7 +35,7 @@ GB = 1e9
 TERMS = ("params", "grads", "main_params", "optimizer_state", "peak_activations")
 
 
-class DryRunError(RuntimeError):
+class DryRunError(ValueError):
     """A layout that would fail at launch, found by the dry run; the message names the rank."""
 
 
