@@ -10,7 +10,9 @@ waits for one new checkpoint, then kills one random rank with SIGKILL, either 0-
 or while the next checkpoint is being written (a new ``tmp.step_*`` directory exists). After every kill it checks that ``latest`` names a
 complete checkpoint that loads with finite values, and that no more than ``--interval`` logged
 steps were lost. After the kills the run is resumed to the end, and its final parameters must be
-bitwise equal to those of an uninterrupted run of the same config.
+bitwise equal to those of an uninterrupted run of the same config; its ``metrics.jsonl`` must hold
+exactly one training record per step, with the uninterrupted run's losses (each resume moves the
+records of the steps it redoes to ``metrics.superseded.jsonl``), and ``loss.png`` must be their plot.
 
 Prints one JSON line of figures (kills, kills during a save, steps lost, wall time) and exits
 non-zero if any check failed.
@@ -69,21 +71,33 @@ def launch(run_dir: Path, save: Path, overrides: list[str]) -> subprocess.Popen:
                             text=True)
 
 
-def last_iteration(run_dir: Path, skip: int = 0) -> int:
-    """The last training step logged in ``metrics.jsonl`` after its first ``skip`` lines (0: none)."""
-    try:
-        lines = (run_dir / "metrics.jsonl").read_text().splitlines()[skip:]
-    except OSError:
-        return 0
-    its = [json.loads(l).get("iteration", 0) for l in lines if '"loss"' in l and l.endswith("}")]
+def last_iteration(run_dir: Path) -> int:
+    """The last training step logged in ``metrics.jsonl`` (0: none). A resumed run cuts the
+    records of the steps it redoes from the file before its first step, so this is the last
+    step of the current round once the round has saved."""
+    from paratron.training.metrics import read_metrics
+
+    its = [r["iteration"] for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]
     return its[-1] if its else 0
 
 
-def metrics_lines(run_dir: Path) -> int:
-    try:
-        return len((run_dir / "metrics.jsonl").read_text().splitlines())
-    except OSError:
-        return 0
+def check_records(run_dir: Path, reference: Path, train_iters: int) -> int:
+    """``metrics.jsonl`` after the kills holds one training record per step, each with the loss of
+    the uninterrupted run's, and ``loss.png`` is their plot; returns how many records the
+    resumes replaced (kept in ``metrics.superseded.jsonl``)."""
+    from matplotlib.image import imread
+
+    from paratron.training.metrics import SUPERSEDED, plot_losses, read_metrics
+
+    records = read_metrics(run_dir / "metrics.jsonl")
+    losses = [(r["iteration"], r["loss"]) for r in records if "loss" in r]
+    assert [it for it, _ in losses] == list(range(1, train_iters + 1)), f"steps logged: {[it for it, _ in losses]}"
+    want = [(r["iteration"], r["loss"]) for r in read_metrics(reference / "metrics.jsonl") if "loss" in r]
+    assert losses == want, "the logged losses differ from the uninterrupted run's"
+    plot_losses(records, run_dir / "expected_loss.png")
+    assert (imread(run_dir / "loss.png") == imread(run_dir / "expected_loss.png")).all(), \
+        "loss.png is not the plot of metrics.jsonl"
+    return len(read_metrics(run_dir / SUPERSEDED))
 
 
 def rank_pids(run_dir: Path) -> dict[int, int]:
@@ -128,12 +142,11 @@ def kill_round(proc, run_dir: Path, save: Path, mode: str, rng: random.Random, t
     0-0.2 s; ``mode="save"``: while the next checkpoint is being written (a new ``tmp.step_*``).
     """
     deadline = time.time() + timeout
-    skip = metrics_lines(run_dir)  # lines of earlier rounds (the writer appends)
     stale = set(save.glob("tmp.step_*"))  # leftovers of saves killed in earlier rounds
     first_latest, kill_at = latest_name(save), None
     while proc.poll() is None and time.time() < deadline:
         pids = rank_pids(run_dir)
-        it = last_iteration(run_dir, skip)
+        it = last_iteration(run_dir)
         saving = bool(set(save.glob("tmp.step_*")) - stale)
         if len(pids) == 2 and latest_name(save) != first_latest:
             if kill_at is None:
@@ -145,9 +158,9 @@ def kill_round(proc, run_dir: Path, save: Path, mode: str, rng: random.Random, t
                     os.kill(pids[rng.randrange(2)], signal.SIGKILL)
                 except ProcessLookupError:
                     continue
-                return True, last_iteration(run_dir, skip)
+                return True, last_iteration(run_dir)
         time.sleep(0.005)
-    return False, last_iteration(run_dir, skip)
+    return False, last_iteration(run_dir)
 
 
 def soak(workdir: Path, kills: int = 10, save_kills: int = 3, seed: int = 0, train_iters: int = 60,
@@ -191,8 +204,10 @@ def soak(workdir: Path, kills: int = 10, save_kills: int = 3, seed: int = 0, tra
     assert got.keys() == want.keys()
     unequal = [k for k in want if not torch.equal(got[k], want[k])]
     assert not unequal, f"final params differ from the uninterrupted run: {unequal[:5]}"
+    superseded = check_records(run_dir, workdir / "reference", train_iters)
     return {"kills": done, "kills_during_save": at_save, "steps_lost": lost, "max_steps_lost": max(lost),
             "save_interval": interval, "train_iters": train_iters, "bitwise_equal": True,
+            "one_record_per_step": True, "records_superseded": superseded,
             "final_step": check_latest(save), "wall_s": round(time.time() - t0, 1)}
 
 

@@ -39,13 +39,15 @@ def perturb_1d_params_(chunks, seed: int = 11) -> None:
                     p.add_(full[p.shard.slices()].to(p.dtype))
 
 
-def train_for_parity(cfg: Config, ctx, steps: int, seed: int = 50) -> dict:
+def train_for_parity(cfg: Config, ctx, steps: int, seed: int = 50, prepare=None) -> dict:
     """Train ``cfg`` through the real stack (DDP / ZeRO, the pipeline runtime, the training step)
     for ``steps`` steps, each on a fresh random global batch of ``train.global_batch_size`` samples
     of which this rank takes its DP share in microbatches of ``train.micro_batch_size``; the same
     samples on every layout. Norm weights and biases are perturbed first
     (:func:`perturb_1d_params_`). Returns ``{"params": {logical name: (this rank's slice, its
-    index in the full tensor)}, "losses": [one per step]}`` for a comparison against one process."""
+    index in the full tensor)}, "losses": [one per step]}`` for a comparison against one process.
+    ``prepare(chunks, ddp, optimizer)``, when given, replaces the perturbation (it must set the
+    optimizer's main weights itself)."""
     from paratron.checkpoint.manager import copy_params_into_main
     from paratron.training.data_iter import microbatch_preparer
     from paratron.training.runner import build_model_and_optimizer
@@ -53,9 +55,12 @@ def train_for_parity(cfg: Config, ctx, steps: int, seed: int = 50) -> dict:
 
     torch.manual_seed(0)
     chunks, ddp, optimizer, _ = build_model_and_optimizer(cfg, ctx)
-    with ddp.full_params():
-        perturb_1d_params_(chunks)
-    copy_params_into_main(chunks, optimizer)
+    if prepare is not None:
+        prepare(chunks, ddp, optimizer)
+    else:
+        with ddp.full_params():
+            perturb_1d_params_(chunks)
+        copy_params_into_main(chunks, optimizer)
     gbs, mbs, m = cfg.train.global_batch_size, cfg.train.micro_batch_size, cfg.model
     rows, r = gbs // ctx.dp.size, ctx.dp.rank
     losses = []

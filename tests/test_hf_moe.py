@@ -146,7 +146,7 @@ def test_converted_mixtral_trains_at_ep2(tmp_path):
 def test_deepseek_and_unsupported_moe_features_are_refused(tmp_path):
     from paratron.checkpoint.hf import hf_config_to_model
 
-    ds = {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], "kv_lora_rank": 512}
+    ds = {"model_type": "deepseek_v2", "architectures": ["DeepseekV2ForCausalLM"], "kv_lora_rank": 512}
     with pytest.raises(ConfigError, match="multi-head latent attention"):
         hf_config_to_model(ds)
     mix = transformers.MixtralConfig(intermediate_size=48, num_local_experts=4, sliding_window=16, **COMMON).to_dict()

@@ -36,20 +36,22 @@ def tiny_data(tiny_corpus):
     return tiny_corpus + ["data.split=90,10,0"]
 
 
-def _train_poisoned(overrides: list[str], run_dir: str, bad_iteration: int, value: float):
-    """One rank of a run whose grads on rank 1 get ``value`` at step ``bad_iteration``, after
-    they are final (so only that rank holds it); returns (exit code, rank 0's output)."""
+def _train_poisoned(overrides: list[str], run_dir: str, bad_iteration, value: float):
+    """One rank of a run whose grads on the last rank (rank 1 of 2) get ``value`` at step
+    ``bad_iteration`` of this process (an int, or a collection of them), after they are final
+    (so only that rank holds it); returns (exit code, rank 0's output)."""
     import paratron.training.runner as runner
     import paratron.training.trainer as trainer
     from paratron.config import load_config
 
     real, calls = trainer.run_global_batch, [0]
+    bad = {bad_iteration} if isinstance(bad_iteration, int) else set(bad_iteration)
 
     def poisoned(cfg, ctx, chunks, microbatches, *, forward_only, ddp=None, **kw):
         out = real(cfg, ctx, chunks, microbatches, forward_only=forward_only, ddp=ddp, **kw)
         if not forward_only:
             calls[0] += 1
-            if calls[0] == bad_iteration and ctx.rank == 1:
+            if calls[0] in bad and ctx.rank == ctx.world_size - 1:
                 ddp.owned_ranges(0)[0][2][0] = value
         return out
 
@@ -102,6 +104,27 @@ def test_skip_goes_on_and_a_nan_never_reaches_a_checkpoint(tiny_data, tmp_path):
             assert torch.equal(two[k], three[k]), f"{prefix}{k} changed in the skipped step"
 
 
+def test_skip_counts_carry_over_a_resume(tiny_data, tmp_path):
+    """One rank, a save after every step, ``max_consecutive_skips = 4``. Run 1: NaN grads at
+    steps 3 and 4 (both skipped; 2 in a row when step_4 is saved). Run 2 resumes from step_4 with
+    NaN grads at steps 5 and 6: step 5 reports ``skipped_iterations = 3`` and step 6, the fourth
+    non-finite step in a row, stops the run, as in an unbroken run."""
+    ck, run = tmp_path / "ck", str(tmp_path / "run")
+    over = TINY + tiny_data + ["train.nonfinite=skip", "train.max_consecutive_skips=4", f"checkpoint.save={ck}",
+                               "checkpoint.keep_last=0"]
+    [(code, _)] = run_ranks(_train_poisoned, 1, over, run, (3, 4), float("nan"), timeout=300)
+    assert code == 0 and (ck / "latest").read_text().strip() == "step_4"
+    resume = [f"checkpoint.load={ck}", "train.train_iters=8"]
+    [(code, text)] = run_ranks(_train_poisoned, 1, over + resume, run, (1, 2), float("nan"), timeout=300)
+    assert code == 1, text
+    assert "iteration 5: non-finite loss or grads" in text and "step skipped (3 in a row, limit 4)" in text, text
+    assert "iteration 6: non-finite" in text and "4 non-finite steps in a row reached" in text, text
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert {r["iteration"]: r["skipped_iterations"] for r in records if "loss" in r} == \
+        {1: 0, 2: 0, 3: 1, 4: 2, 5: 3}
+    assert "skipped 3" in text, text  # the console line of step 5
+
+
 def test_consecutive_skips_stop_at_the_limit():
     """skip: warnings until the limit of non-finite steps in a row; a finite step resets the
     count; stop: the first non-finite step raises, naming it."""
@@ -116,6 +139,18 @@ def test_consecutive_skips_stop_at_the_limit():
         guard.check(7, True, where)
     with pytest.raises(NonFiniteStop, match="iteration 2: .*w on rank 0.*'stop'"):
         NonFiniteGuard("stop", 5).check(2, True, where)
+
+
+def test_the_run_of_skips_round_trips_and_old_checkpoints_start_at_zero():
+    where = lambda: "w"  # noqa: E731
+    guard = NonFiniteGuard("skip", 3)
+    guard.check(1, True, where), guard.check(2, True, where)
+    fresh = NonFiniteGuard("skip", 3)
+    fresh.load_state_dict(guard.state_dict())
+    with pytest.raises(NonFiniteStop, match="3 non-finite steps in a row"):
+        fresh.check(3, True, where)
+    fresh.load_state_dict({"iteration": 7})  # a checkpoint from before the count was saved
+    assert fresh.in_a_row == 0
 
 
 @pytest.mark.parametrize("override", ["optimizer.lr=nan", "optimizer.lr=inf", "optimizer.weight_decay=-inf",

@@ -92,8 +92,8 @@ def _paratron_to_hf(args, bar) -> str:
     from paratron.checkpoint.hf_moe import FAMILIES
     from paratron.checkpoint.hf_qwen3 import FAMILIES as QWEN3_FAMILIES
 
-    arch = {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel", **FAMILIES,
-            **QWEN3_FAMILIES}[hf_architecture_for(cfg.model)]
+    arch = {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel", "deepseek_v3": "DeepseekV3ForCausalLM",
+            **FAMILIES, **QWEN3_FAMILIES}[hf_architecture_for(cfg.model)]
     return f"{len(tensors)} tensors as a {cfg.model.num_layers}-layer {arch}"
 
 

@@ -1,13 +1,16 @@
 """Hugging Face import and export for ``LlamaForCausalLM`` and ``GPT2LMHeadModel`` folders
 (``config.json`` plus ``model.safetensors`` or a sharded ``model.safetensors.index.json``), and
 through :mod:`.hf_moe` the MoE families ``MixtralForCausalLM`` and ``Qwen2MoeForCausalLM``
-(Llama blocks with MoE MLPs), and through :mod:`.hf_qwen3` ``Qwen3ForCausalLM`` and
-``Qwen3MoeForCausalLM`` (Llama blocks with QK-norm; MoE MLPs).
+(Llama blocks with MoE MLPs), through :mod:`.hf_qwen3` ``Qwen3ForCausalLM`` and
+``Qwen3MoeForCausalLM`` (Llama blocks with QK-norm; MoE MLPs), and through :mod:`.hf_deepseek`
+``DeepseekV3ForCausalLM`` (multi-head latent attention).
 
 Both directions work on *full* logical tensors keyed by paratron's layout-independent names
 (``layers.3.attention.qkv.weight``, ...), so an imported model loads into any TP/PP layout with
 :func:`paratron.models.gpt.load_full_state` (which calls ``params.load_full_`` per parameter),
-and any layout exports after gathering full tensors.
+and any layout exports after gathering full tensors. The import is a table of
+:class:`~.hf_recipe.Recipe` (:func:`hf_recipes`), which :mod:`.hf_load` also follows to read only
+a rank's slices.
 
 Layout differences handled here:
 
@@ -25,6 +28,7 @@ transformers itself is not needed: config.json is read and written as JSON.
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -32,8 +36,10 @@ import torch
 from paratron.config import ConfigError, ModelConfig, model_shape
 
 from . import hf_qwen3
+from .hf_recipe import Recipe, cat_rows
 
 Tensors = dict[str, torch.Tensor]
+Recipes = dict[str, Recipe]
 
 _GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh",
                      "gelu": "gelu"}
@@ -85,10 +91,13 @@ def _read_safetensors(hf_dir: Path) -> Tensors:
 
 
 def _architecture(hf: dict, where: str) -> str:
+    from .hf_deepseek import is_deepseek_v3
     from .hf_moe import moe_family
 
     kind = hf.get("model_type")
     archs = hf.get("architectures") or []
+    if is_deepseek_v3(hf):
+        return "deepseek_v3"
     family = hf_qwen3.qwen3_family(hf) or moe_family(hf, where)
     if family is not None:
         return family
@@ -152,71 +161,98 @@ def _gpt2_config(hf: dict, where: str) -> ModelConfig:
         init_method_std=float(hf.get("initializer_range", 0.02)))
 
 
-def _take(src: Tensors, name: str, where: str) -> torch.Tensor:
-    if name not in src:
-        raise KeyError(f"{where}: tensor {name!r} is missing from the checkpoint")
-    return src.pop(name)
-
-
 def _kinds(bias: bool) -> tuple[str, ...]:
     return ("weight", "bias") if bias else ("weight",)
 
 
-def _llama_tensors(cfg: ModelConfig, src: Tensors, where: str, family: str = "llama") -> Tensors:
+def _fused_qkv(parts: list[torch.Tensor], heads: int, groups: int) -> torch.Tensor:
+    return fuse_qkv(*parts, heads, groups)
+
+
+def _gpt2_qkv(parts: list[torch.Tensor], heads: int) -> torch.Tensor:
+    return fuse_qkv(*parts[0].chunk(3, dim=0), heads, heads)  # c_attn is [Q; K; V]
+
+
+def _llama_recipes(cfg: ModelConfig, family: str = "llama") -> Recipes:
     heads, groups = cfg.num_attention_heads, model_shape.query_groups(cfg)
-    out: Tensors = {"embedding.word_embeddings.weight": _take(src, "model.embed_tokens.weight", where),
-                    "final_norm.weight": _take(src, "model.norm.weight", where)}
+    out: Recipes = {"embedding.word_embeddings.weight": Recipe(("model.embed_tokens.weight",)),
+                    "final_norm.weight": Recipe(("model.norm.weight",))}
     if not cfg.tie_embeddings:
-        out["output_layer.weight"] = _take(src, "lm_head.weight", where)
-    else:
-        src.pop("lm_head.weight", None)
+        out["output_layer.weight"] = Recipe(("lm_head.weight",))
     for i in range(cfg.num_layers):
         h, p = f"model.layers.{i}", f"layers.{i}"
-        out[f"{p}.input_norm.weight"] = _take(src, f"{h}.input_layernorm.weight", where)
-        out[f"{p}.post_attention_norm.weight"] = _take(src, f"{h}.post_attention_layernorm.weight", where)
+        out[f"{p}.input_norm.weight"] = Recipe((f"{h}.input_layernorm.weight",))
+        out[f"{p}.post_attention_norm.weight"] = Recipe((f"{h}.post_attention_layernorm.weight",))
         for kind in _kinds(model_shape.qkv_bias(cfg)):
-            q, k, v = (_take(src, f"{h}.self_attn.{x}_proj.{kind}", where) for x in "qkv")
-            out[f"{p}.attention.qkv.{kind}"] = fuse_qkv(q, k, v, heads, groups)
+            out[f"{p}.attention.qkv.{kind}"] = Recipe(tuple(f"{h}.self_attn.{x}_proj.{kind}" for x in "qkv"),
+                                                      partial(_fused_qkv, heads=heads, groups=groups))
         for kind in _kinds(cfg.add_bias_linear):
-            out[f"{p}.attention.proj.{kind}"] = _take(src, f"{h}.self_attn.o_proj.{kind}", where)
+            out[f"{p}.attention.proj.{kind}"] = Recipe((f"{h}.self_attn.o_proj.{kind}",))
         if cfg.qk_layernorm:
-            out.update(hf_qwen3.import_qk_norm(cfg, lambda name: _take(src, name, where), h, p))
+            out.update(hf_qwen3.qk_norm_recipes(cfg, h, p))
         if model_shape.is_moe_layer(cfg, i):
-            from .hf_moe import import_moe_mlp
+            from .hf_moe import moe_recipes
 
-            out.update(import_moe_mlp(cfg, family, lambda name: _take(src, name, where), h, p))
+            out.update(moe_recipes(cfg, family, h, p))
             continue
-        for kind in _kinds(cfg.add_bias_linear):
-            gate, up = (_take(src, f"{h}.mlp.{x}_proj.{kind}", where) for x in ("gate", "up"))
-            out[f"{p}.mlp.fc1.{kind}"] = torch.cat([gate, up])  # the fused [gate; up] of models.mlp
-            out[f"{p}.mlp.fc2.{kind}"] = _take(src, f"{h}.mlp.down_proj.{kind}", where)
+        for kind in _kinds(cfg.add_bias_linear):  # fc1 is the fused [gate; up] of models.mlp
+            out[f"{p}.mlp.fc1.{kind}"] = Recipe((f"{h}.mlp.gate_proj.{kind}", f"{h}.mlp.up_proj.{kind}"), cat_rows)
+            out[f"{p}.mlp.fc2.{kind}"] = Recipe((f"{h}.mlp.down_proj.{kind}",))
     return out
 
 
-def _gpt2_tensors(cfg: ModelConfig, src: Tensors, where: str) -> Tensors:
+def _gpt2_recipes(cfg: ModelConfig) -> Recipes:
+    """GPT-2's names without the ``transformer.`` prefix that GPT2LMHeadModel saves with."""
     heads = cfg.num_attention_heads
-    out: Tensors = {"embedding.word_embeddings.weight": _take(src, "wte.weight", where),
-                    "embedding.position_embeddings.weight": _take(src, "wpe.weight", where),
-                    "final_norm.weight": _take(src, "ln_f.weight", where),
-                    "final_norm.bias": _take(src, "ln_f.bias", where)}
+    out: Recipes = {"embedding.word_embeddings.weight": Recipe(("wte.weight",)),
+                    "embedding.position_embeddings.weight": Recipe(("wpe.weight",)),
+                    "final_norm.weight": Recipe(("ln_f.weight",)), "final_norm.bias": Recipe(("ln_f.bias",))}
     if not cfg.tie_embeddings:
-        out["output_layer.weight"] = _take(src, "lm_head.weight", where)
-    else:
-        src.pop("lm_head.weight", None)
+        out["output_layer.weight"] = Recipe(("lm_head.weight",))
     for i in range(cfg.num_layers):
         h, p = f"h.{i}", f"layers.{i}"
         for ours, theirs in (("input_norm", "ln_1"), ("post_attention_norm", "ln_2")):
-            out[f"{p}.{ours}.weight"] = _take(src, f"{h}.{theirs}.weight", where)
-            out[f"{p}.{ours}.bias"] = _take(src, f"{h}.{theirs}.bias", where)
-        # Conv1D weights are [in, out]: transpose to [out, in].
-        w = _take(src, f"{h}.attn.c_attn.weight", where).t()
-        b = _take(src, f"{h}.attn.c_attn.bias", where)
-        out[f"{p}.attention.qkv.weight"] = fuse_qkv(*w.chunk(3, dim=0), heads, heads)
-        out[f"{p}.attention.qkv.bias"] = fuse_qkv(*b.chunk(3, dim=0), heads, heads)
+            for kind in ("weight", "bias"):
+                out[f"{p}.{ours}.{kind}"] = Recipe((f"{h}.{theirs}.{kind}",))
+        # Conv1D weights are [in, out]: transposed to [out, in].
+        out[f"{p}.attention.qkv.weight"] = Recipe((f"{h}.attn.c_attn.weight",), partial(_gpt2_qkv, heads=heads),
+                                                  transposed=True)
+        out[f"{p}.attention.qkv.bias"] = Recipe((f"{h}.attn.c_attn.bias",), partial(_gpt2_qkv, heads=heads))
         for ours, theirs in (("attention.proj", "attn.c_proj"), ("mlp.fc1", "mlp.c_fc"), ("mlp.fc2", "mlp.c_proj")):
-            out[f"{p}.{ours}.weight"] = _take(src, f"{h}.{theirs}.weight", where).t().contiguous()
-            out[f"{p}.{ours}.bias"] = _take(src, f"{h}.{theirs}.bias", where)
+            out[f"{p}.{ours}.weight"] = Recipe((f"{h}.{theirs}.weight",), transposed=True)
+            out[f"{p}.{ours}.bias"] = Recipe((f"{h}.{theirs}.bias",))
     return out
+
+
+def hf_recipes(cfg: ModelConfig, hf: dict, where: str = "config.json") -> Recipes:
+    """``{paratron logical name: Recipe}`` for the model of a ``config.json`` dict (``cfg`` is
+    :func:`hf_config_to_model`'s result, possibly with overrides that do not change weights). The
+    one name/layout mapping of the import: :func:`hf_to_paratron` builds full tensors from it and
+    :mod:`.hf_load` reads each rank's slices with it. GPT-2's source names carry no
+    ``transformer.`` prefix (:func:`source_names` resolves either spelling)."""
+    arch = _architecture(hf, where)
+    if arch == "deepseek_v3":
+        from .hf_deepseek import deepseek_recipes
+
+        return deepseek_recipes(cfg, hf)
+    return _gpt2_recipes(cfg) if arch == "gpt2" else _llama_recipes(cfg, arch)
+
+
+def source_names(hf: dict, names, where: str = "config.json") -> dict[str, str]:
+    """``{name a recipe uses: name in the checkpoint}`` for the checkpoint's tensor ``names``
+    (GPT2LMHeadModel saves with a ``transformer.`` prefix, the original GPT-2 files without one)."""
+    if _architecture(hf, where) != "gpt2":
+        return {n: n for n in names}
+    return {n.removeprefix("transformer."): n for n in names}
+
+
+def unmapped_sources(cfg: ModelConfig, recipes: Recipes, names) -> list[str]:
+    """Checkpoint tensor names (as :func:`source_names` keys) no recipe reads, buffers and a tied
+    model's ``lm_head.weight`` excepted, sorted."""
+    used = {s for r in recipes.values() for s in r.sources}
+    if cfg.tie_embeddings:
+        used.add("lm_head.weight")
+    return sorted(n for n in names if n not in used and not n.endswith(_IGNORED_SUFFIXES))
 
 
 def hf_config_to_model(hf: dict, where: str = "config.json") -> ModelConfig:
@@ -229,6 +265,10 @@ def hf_config_to_model(hf: dict, where: str = "config.json") -> ModelConfig:
     arch = _architecture(hf, where)
     if arch == "gpt2":
         return _gpt2_config(hf, where)
+    if arch == "deepseek_v3":
+        from .hf_deepseek import deepseek_config
+
+        return deepseek_config(hf, where)
     cfg = _llama_config(hf, where)
     if arch == "llama":
         return cfg
@@ -247,7 +287,7 @@ def hf_to_paratron(hf_dir: str | Path) -> tuple[ModelConfig, Tensors]:
         ``(model config, {logical name: full tensor})``, tensors in the checkpoint's dtype.
     Raises:
         FileNotFoundError: no config.json or safetensors file.
-        ConfigError: an unsupported architecture or feature (DeepSeek's MLA included).
+        ConfigError: an unsupported architecture or feature (named).
         KeyError: a tensor the config calls for is missing.
         ValueError: the checkpoint holds tensors this mapping does not know (named), or a QK-norm
             weight is not ``head_dim`` wide.
@@ -258,20 +298,21 @@ def hf_to_paratron(hf_dir: str | Path) -> tuple[ModelConfig, Tensors]:
         raise FileNotFoundError(f"{hf_dir}: no config.json")
     hf = json.loads(cfg_path.read_text())
     cfg = hf_config_to_model(hf, str(cfg_path))
-    src = _read_safetensors(hf_dir)
     where = str(hf_dir)
-    arch = _architecture(hf, where)
-    if arch != "gpt2":
-        tensors = _llama_tensors(cfg, src, where, arch)
-    else:
-        # Checkpoints saved by GPT2LMHeadModel prefix "transformer."; the original ones do not.
-        src = {k.removeprefix("transformer."): v for k, v in src.items()}
-        tensors = _gpt2_tensors(cfg, src, where)
-    left = sorted(k for k in src if not k.endswith(_IGNORED_SUFFIXES))
+    src = _read_safetensors(hf_dir)
+    src = {ours: src[theirs] for ours, theirs in source_names(hf, list(src), where).items()}
+    recipes = hf_recipes(cfg, hf, where)
+    left = unmapped_sources(cfg, recipes, src)
     if left:
         raise ValueError(f"{where}: tensors not mapped to paratron names: {left[:8]}"
                          f"{' ...' if len(left) > 8 else ''}")
-    return cfg, tensors
+
+    def read(name: str) -> torch.Tensor:
+        if name not in src:
+            raise KeyError(f"{where}: tensor {name!r} is missing from the checkpoint")
+        return src[name]
+
+    return cfg, {name: r.build(read) for name, r in recipes.items()}
 
 
 # ------------------------------------------------------------------------------------------
@@ -284,6 +325,8 @@ def hf_architecture_for(cfg: ModelConfig) -> str:
     Raises:
         ConfigError: no supported architecture matches; the message names the fields.
     """
+    if cfg.multi_latent_attention:
+        return "deepseek_v3"  # hf_deepseek.deepseek_export checks the rest
     if cfg.qk_layernorm:
         return hf_qwen3.export_family(cfg)
     if cfg.num_experts > 0:
@@ -399,7 +442,12 @@ def paratron_to_hf(cfg: ModelConfig, tensors: Tensors, out_dir: str | Path) -> P
 
     arch = hf_architecture_for(cfg)
     try:
-        hf, out = _gpt2_export(cfg, tensors) if arch == "gpt2" else _llama_export(cfg, tensors, arch)
+        if arch == "deepseek_v3":
+            from .hf_deepseek import deepseek_export
+
+            hf, out = deepseek_export(cfg, tensors)
+        else:
+            hf, out = _gpt2_export(cfg, tensors) if arch == "gpt2" else _llama_export(cfg, tensors, arch)
     except KeyError as e:
         raise KeyError(f"paratron_to_hf: tensor {e.args[0]!r} is missing") from None
     hf["dtype"] = hf["torch_dtype"] = _dtype_name(tensors)

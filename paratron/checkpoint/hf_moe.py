@@ -14,18 +14,18 @@ paratron's expert tensors keep one logical name per expert (``layers.{i}.mlp.exp
 fc2.weight``), so the mapping is a rename; the shared expert's gate and up are fused into the dense
 MLP's ``fc1 = [gate; up]``.
 
-DeepSeek-V2/V3 models use multi-head latent attention (MLA), which paratron does not implement:
-they are refused with a clear error rather than imported wrongly.
+DeepSeek-V3 models go to :mod:`.hf_deepseek` (checked first); other DeepSeek models (V2) are
+refused with a clear error rather than imported wrongly.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Callable
-
 import torch
 
 from paratron.config import ConfigError, ModelConfig, model_shape
+
+from .hf_recipe import Recipe, cat_rows
 
 Tensors = dict[str, torch.Tensor]
 FAMILIES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
@@ -37,14 +37,14 @@ def moe_family(hf: dict, where: str) -> str | None:
     """``"mixtral"``, ``"qwen2_moe"`` or None (not an MoE family) for a ``config.json`` dict.
 
     Raises:
-        ConfigError: a DeepSeek model (MLA attention is out of scope).
+        ConfigError: a DeepSeek model other than DeepSeek-V3.
     """
     kind = hf.get("model_type") or ""
     archs = hf.get("architectures") or []
     if kind.startswith("deepseek") or any(a.lower().startswith("deepseek") for a in archs):
-        raise ConfigError(f"{where}: model_type={kind!r}: DeepSeek models use multi-head latent attention "
-                          "(MLA, kv_lora_rank / q_lora_rank), which paratron does not implement; MoE import "
-                          "supports MixtralForCausalLM and Qwen2MoeForCausalLM")
+        raise ConfigError(f"{where}: model_type={kind!r}: of the DeepSeek models (multi-head latent attention) "
+                          "only DeepseekV3ForCausalLM converts; MoE import supports MixtralForCausalLM and "
+                          "Qwen2MoeForCausalLM")
     for family, arch in FAMILIES.items():
         if kind == family or arch in archs:
             return family
@@ -78,18 +78,18 @@ def moe_config(base: ModelConfig, hf: dict, family: str, where: str) -> ModelCon
                    add_qkv_bias=bool(hf.get("qkv_bias", True)), **common)
 
 
-def import_moe_mlp(cfg: ModelConfig, family: str, take: Callable[[str], torch.Tensor], h: str, p: str) -> Tensors:
+def moe_recipes(cfg: ModelConfig, family: str, h: str, p: str) -> dict[str, Recipe]:
     """Layer ``p`` (``layers.{i}``)'s MoE tensors from Hugging Face layer ``h`` (``model.layers.{i}``)."""
     block = f"{h}.block_sparse_moe" if family == "mixtral" else f"{h}.mlp"
-    out = {f"{p}.mlp.router.weight": take(f"{block}.gate.weight")}
+    out = {f"{p}.mlp.router.weight": Recipe((f"{block}.gate.weight",))}
     for e in range(cfg.num_experts):
         for ours, theirs in zip(("gate", "up", "fc2"), _EXPERT_NAMES[family]):
-            out[f"{p}.mlp.experts.{e}.{ours}.weight"] = take(f"{block}.experts.{e}.{theirs}.weight")
+            out[f"{p}.mlp.experts.{e}.{ours}.weight"] = Recipe((f"{block}.experts.{e}.{theirs}.weight",))
     if cfg.moe_shared_expert_ffn_hidden_size:
-        gate, up, down = (take(f"{block}.shared_expert.{n}.weight") for n in _EXPERT_NAMES["qwen2_moe"])
-        out[f"{p}.mlp.shared_expert.fc1.weight"] = torch.cat([gate, up])  # the fused [gate; up] of models.mlp
-        out[f"{p}.mlp.shared_expert.fc2.weight"] = down
-        out[f"{p}.mlp.shared_expert_gate.weight"] = take(f"{block}.shared_expert_gate.weight")
+        gate, up, down = (f"{block}.shared_expert.{n}.weight" for n in _EXPERT_NAMES["qwen2_moe"])
+        out[f"{p}.mlp.shared_expert.fc1.weight"] = Recipe((gate, up), cat_rows)  # the fused [gate; up] of models.mlp
+        out[f"{p}.mlp.shared_expert.fc2.weight"] = Recipe((down,))
+        out[f"{p}.mlp.shared_expert_gate.weight"] = Recipe((f"{block}.shared_expert_gate.weight",))
     return out
 
 
@@ -130,7 +130,7 @@ def export_family(cfg: ModelConfig) -> str:
 
 
 def export_moe(cfg: ModelConfig, family: str, hf: dict, t: Tensors, h: str, p: str) -> Tensors:
-    """Layer ``p``'s MoE tensors under Hugging Face names (inverse of :func:`import_moe_mlp`), and
+    """Layer ``p``'s MoE tensors under Hugging Face names (inverse of :func:`moe_recipes`), and
     the family's config fields written into ``hf`` (the Llama-style dict)."""
     block = f"{h}.block_sparse_moe" if family == "mixtral" else f"{h}.mlp"
     if family in ("mixtral", "qwen2_moe"):  # Qwen3-MoE writes its fields in .hf_qwen3.export_config

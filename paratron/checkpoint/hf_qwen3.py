@@ -15,11 +15,11 @@ whose top-k probabilities are renormalised when ``norm_topk_prob``, and per-expe
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Callable
-
 import torch
 
 from paratron.config import ConfigError, ModelConfig, model_shape
+
+from .hf_recipe import Recipe
 
 Tensors = dict[str, torch.Tensor]
 FAMILIES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
@@ -67,24 +67,17 @@ def qwen3_config(base: ModelConfig, hf: dict, family: str, where: str) -> ModelC
     return replace(cfg, **_moe_fields(hf, cfg.num_layers, where))
 
 
-def import_qk_norm(cfg: ModelConfig, take: Callable[[str], torch.Tensor], h: str, p: str) -> Tensors:
-    """Layer ``p``'s QK-norm weights from Hugging Face layer ``h``.
-
-    Raises:
-        ValueError: a weight whose width is not the head dim (named, with both sizes).
-    """
-    out, d = {}, model_shape.head_dim(cfg)
-    for x in ("q", "k"):
-        w = take(f"{h}.self_attn.{x}_norm.weight")
-        if tuple(w.shape) != (d,):
-            raise ValueError(f"{h}.self_attn.{x}_norm.weight has shape {tuple(w.shape)}; QK-norm needs one "
-                             f"weight per head channel, ({d},) (head_dim)")
-        out[f"{p}.attention.{x}_norm.weight"] = w
-    return out
+def qk_norm_recipes(cfg: ModelConfig, h: str, p: str) -> dict[str, Recipe]:
+    """Layer ``p``'s QK-norm weights from Hugging Face layer ``h``; each must be ``(head_dim,)``
+    (one weight per head channel), else the build raises ValueError naming both sizes."""
+    d = model_shape.head_dim(cfg)
+    rule = f"QK-norm needs one weight per head channel, ({d},) (head_dim)"
+    return {f"{p}.attention.{x}_norm.weight": Recipe((f"{h}.self_attn.{x}_norm.weight",), expect=(d,), rule=rule)
+            for x in ("q", "k")}
 
 
 def export_qk_norm(t: Tensors, h: str, p: str) -> Tensors:
-    """Inverse of :func:`import_qk_norm`."""
+    """Inverse of :func:`qk_norm_recipes`."""
     return {f"{h}.self_attn.{x}_norm.weight": t[f"{p}.attention.{x}_norm.weight"] for x in ("q", "k")}
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,7 @@ FORMAT = "paratron-checkpoint"
 VERSION = 1
 MANIFEST = "paratron.json"
 LATEST = "latest"
+STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
 # ---- plain files ---------------------------------------------------------------------------
@@ -198,12 +200,14 @@ def write_manifest(directory: str | os.PathLike, cfg, checksums: dict | None = N
     return manifest
 
 
-def verify_directory(directory: str | os.PathLike) -> dict:
-    """Check a checkpoint directory before DCP touches it; return its manifest.
+def read_manifest(directory: str | os.PathLike) -> dict:
+    """The manifest of a checkpoint directory, checked as plain JSON (no tensor file is read):
+    its own checksum, format, version and model config. What the check before launch verifies
+    (:func:`paratron.training.preflight.check_checkpoint_load`).
 
     Raises:
-        CheckpointError: no manifest (not written by paratron, or an unfinished save), another
-            format or version, a pickle file inside, or ``.metadata`` not the one the manifest names.
+        CheckpointError: the directory missing, a pickle file inside, no manifest (not written by
+            paratron, or a save that never finished), a corrupt manifest, another format or version.
     """
     directory = Path(directory)
     if not directory.is_dir():
@@ -220,6 +224,22 @@ def verify_directory(directory: str | os.PathLike) -> dict:
     if manifest.get("version") != VERSION:
         raise CheckpointError(f"{directory / MANIFEST}: version {manifest.get('version')!r}; this paratron "
                               f"reads version {VERSION}")
+    if not isinstance(manifest.get("config"), dict) or not isinstance(manifest["config"].get("model"), dict):
+        raise CheckpointError(f"{directory / MANIFEST}: holds no model config")
+    return manifest
+
+
+def verify_directory(directory: str | os.PathLike) -> dict:
+    """Check a checkpoint directory before DCP touches it; return its manifest.
+
+    Raises:
+        CheckpointError: as :func:`read_manifest`; or a small shared file (``.metadata``,
+            ``config.toml``, this rank's ``rank_<r>.json``) changed since the save, or ``.metadata``
+            not the one the manifest names.
+    """
+    directory = Path(directory)
+    manifest = read_manifest(directory)
+    rank = integrity.reading_rank()
     sums = manifest.get(integrity.CHECKSUMS)
     if sums is not None:  # the small files every load reads; payloads are checked as they are read
         mine = f"rank_{rank:05d}.json"
@@ -247,28 +267,93 @@ def _read_manifest(path: Path, rank: int) -> tuple[Any, bytes]:
                               "manifest is corrupt") from None
 
 
+def checkpoint_steps(root: str | os.PathLike) -> list[int]:
+    """The steps of the ``step_<N>`` directories of ``root`` that hold a manifest, ascending."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = (STEP_DIR.match(p.name) for p in root.iterdir())
+    return sorted(int(m.group(1)) for m in found if m and (root / m.group(0) / MANIFEST).is_file())
+
+
+def steps_note(root: str | os.PathLike, but: str | os.PathLike | None = None) -> str:
+    """``checkpoints in ROOT: step_4, step_8`` (leaving out the directory ``but``), for messages."""
+    steps = [f"step_{n}" for n in checkpoint_steps(root) if but is None or Path(root) / f"step_{n}" != Path(but)]
+    if not steps:
+        return f"no {'other ' if but is not None else ''}checkpoint in {root}"
+    return f"checkpoints in {root}: {', '.join(steps)} (checkpoint.load_step=N loads one)"
+
+
+def holds_no_checkpoint(root: str | os.PathLike) -> bool:
+    """Nothing to resume from in ``root``: it is missing, or holds no manifest, ``latest`` or
+    ``step_<N>`` directory (a resume from it is a fresh start)."""
+    root = Path(root)
+    if not root.is_dir():
+        return not root.exists()  # a file is no fresh start: resolve() refuses it
+    return not ((root / MANIFEST).exists() or (root / LATEST).exists()
+                or any(STEP_DIR.match(p.name) for p in root.iterdir()))
+
+
 def resolve(path: str | os.PathLike, step: int | None = None) -> Path:
     """The checkpoint directory meant by ``path``: itself if it holds a manifest, else its
     ``step_<step>`` (when ``step`` is given) or the one its ``latest`` file names.
 
     Raises:
-        CheckpointError: nothing loadable there.
+        CheckpointError: nothing loadable there; a missing step names the steps there are.
     """
     path = Path(path)
     if step is not None:
         d = path / f"step_{step}"
         if not d.is_dir():
-            have = sorted(p.name for p in path.glob("step_*")) if path.is_dir() else []
-            raise CheckpointError(f"no checkpoint for step {step} in {path} (found: {', '.join(have) or 'none'})")
+            raise CheckpointError(f"no checkpoint for step {step} in {path}; {steps_note(path)}")
         return d
     if (path / MANIFEST).is_file():
         return path
     if (path / LATEST).is_file():
         name = (path / LATEST).read_text().strip()
         if not name or "/" in name or name.startswith("."):
-            raise CheckpointError(f"{path / LATEST} names {name!r}, which is not a checkpoint directory name")
+            raise CheckpointError(f"{path / LATEST} names {name!r}, which is not a checkpoint directory name; "
+                                  f"{steps_note(path)}")
+        if not (path / name).is_dir():
+            raise CheckpointError(f"{path / LATEST} names {name}, which does not exist; {steps_note(path)}")
         return path / name
     raise CheckpointError(f"{path} holds no checkpoint (no {MANIFEST} and no {LATEST} file)")
+
+
+def resume_manifest(root: str | os.PathLike, step: int | None, model: dict, want_optimizer: bool,
+                    verify=read_manifest) -> tuple[Path, dict] | None:
+    """The directory and manifest that a resume from ``root`` loads, checked against this run:
+    the rules of :meth:`paratron.checkpoint.manager.CheckpointManager.load` that plain files
+    answer, so the check before launch and the load agree.
+
+    Args:
+        root, step: ``checkpoint.load`` and ``checkpoint.load_step``.
+        model: this run's ``model`` config section as a dict.
+        want_optimizer: the optimizer state will be loaded (``checkpoint.load_optimizer``).
+        verify: reads the manifest: :func:`read_manifest` (plain JSON) or :func:`verify_directory`.
+
+    Returns:
+        None for a fresh start (``root`` holds no checkpoint and no step is asked for).
+
+    Raises:
+        CheckpointError: nothing to load where ``latest`` or ``step`` point, a missing or corrupt
+            manifest (the steps there are named), a checkpoint of another model (the fields named),
+            or no optimizer state when it is wanted.
+    """
+    if step is None and holds_no_checkpoint(root):
+        return None
+    directory = resolve(root, step)
+    try:
+        manifest = verify(directory)
+        check_same_model(manifest["config"]["model"], model, str(directory))
+        if want_optimizer and not manifest.get("has_optimizer"):
+            raise CheckpointError(
+                f"{directory} holds no optimizer state (it was saved without one), but "
+                "checkpoint.load_optimizer=true; set checkpoint.load_optimizer=false to start a fresh "
+                "optimizer from these weights")
+    except CheckpointError as e:
+        raise CheckpointError(f"{e}; {steps_note(root, but=directory)}") from None
+    return directory, manifest
 
 
 # ---- one process, full tensors -------------------------------------------------------------

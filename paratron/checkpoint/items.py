@@ -10,8 +10,9 @@ from whatever saved chunks overlap it, so any layout loads any other (docs/DESIG
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import torch
 
@@ -21,6 +22,24 @@ OPTIMIZER_PREFIX = "optimizer/"
 
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be saved or loaded; the message says which tensor, file or field."""
+
+
+class PeerCheckpointError(CheckpointError):
+    """Another rank could not load the checkpoint; this rank stops with it (the message names
+    that rank and its error)."""
+
+
+@contextmanager
+def naming_the_save(step: int) -> Iterator[None]:
+    """Mark an exception raised in the block with the iteration whose save it interrupted, as
+    ``exc.paratron_save`` (the first mark stays), for the launcher's failure summary: "while
+    saving the checkpoint of iteration N" (:mod:`paratron.training.failures`)."""
+    try:
+        yield
+    except BaseException as e:
+        if getattr(e, "paratron_save", None) is None:
+            e.paratron_save = int(step)
+        raise
 
 
 @dataclass(frozen=True)

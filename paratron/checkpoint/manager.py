@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 import shutil
 import time
 from contextlib import nullcontext
@@ -42,15 +41,12 @@ import torch.distributed as dist
 
 from . import integrity, rng, storage
 from .async_save import BackgroundWriter, Staging
-from .io import (LATEST, MANIFEST, read_items, read_json, resolve, saved_tensors, verify_directory, write_items,
-                 write_json_atomic, write_manifest, write_text_atomic)
-from .items import (MODEL_PREFIX, CheckpointError, StateItems, iter_params, merge, model_items, optimizer_items,
-                    shared_embedding_names)
+from .io import (LATEST, STEP_DIR, holds_no_checkpoint, read_items, read_json, resolve, resume_manifest,
+                 saved_tensors, verify_directory, write_items, write_json_atomic, write_manifest, write_text_atomic)
+from .items import (MODEL_PREFIX, CheckpointError, PeerCheckpointError, StateItems, iter_params, merge, model_items,
+                    naming_the_save, optimizer_items, shared_embedding_names)
 from .plainjson import decode, encode
 from .finite import first_nonfinite, refuse_nonfinite
-from .safety import check_same_model
-
-STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
 def _fsync_dir(path: Path) -> None:
@@ -161,7 +157,7 @@ class CheckpointManager:
             return
         root = Path(self.cfg.save)
         asynchronous = self.cfg.async_save if async_ is None else bool(async_)
-        with full_params(optimizer):
+        with naming_the_save(step), full_params(optimizer):
             self._save_items(root, int(step), chunks, optimizer, scheduler, extra, asynchronous, t0)
 
     def _save_items(self, root: Path, step: int, chunks, optimizer, scheduler, extra, asynchronous: bool,
@@ -193,7 +189,8 @@ class CheckpointManager:
             items = self._staging.stage(items)
 
         def job() -> None:
-            self._write_and_commit(root, tmp, int(step), items, rank_state, fields, needed)
+            with naming_the_save(step):  # an async save's error surfaces later, in wait()
+                self._write_and_commit(root, tmp, int(step), items, rank_state, fields, needed)
             self.last_write_s = time.perf_counter() - t0
 
         if asynchronous:
@@ -312,18 +309,12 @@ class CheckpointManager:
         self.wait()
         if not self.cfg.load:
             return None
-        root = Path(self.cfg.load)
-        if self.cfg.load_step is None and self._empty(root):
-            return None
-        directory = resolve(root, self.cfg.load_step)
-        manifest = verify_directory(directory)
-        check_same_model(manifest["config"]["model"], self.config.to_dict()["model"], str(directory))
         want_optimizer = bool(self.cfg.load_optimizer) and optimizer is not None
-        if want_optimizer and not manifest.get("has_optimizer"):
-            raise CheckpointError(
-                f"{directory} holds no optimizer state (it was saved without one), but "
-                "checkpoint.load_optimizer=true; set checkpoint.load_optimizer=false to start a fresh "
-                "optimizer from these weights")
+        found = resume_manifest(self.cfg.load, self.cfg.load_step, self.config.to_dict()["model"], want_optimizer,
+                                verify=verify_directory)
+        if found is None:
+            return None
+        directory, manifest = found
         with torch.no_grad():
             with full_params(optimizer, writeback=True):
                 items = model_items(chunks, for_save=False)
@@ -340,12 +331,26 @@ class CheckpointManager:
         self._restore_rng(chunks, directory, manifest)
         return decode(manifest.get("extra") or {})
 
-    @staticmethod
-    def _empty(root: Path) -> bool:
-        if not root.exists():
-            return True
-        return not ((root / MANIFEST).exists() or (root / LATEST).exists()
-                    or any(STEP_DIR.match(p.name) for p in root.iterdir()))
+    def load_everywhere(self, chunks, optimizer, scheduler) -> dict | None:
+        """:meth:`load` on every rank, then one collective over the ranks' outcomes: it returns
+        only once every rank has loaded and verified its part, so no rank reports a resume that
+        another refused. Call on every rank.
+
+        Raises:
+            CheckpointError: this rank's own error; on the others :class:`PeerCheckpointError`
+                naming the lowest failing rank and its error.
+        """
+        try:
+            extra, error = self.load(chunks, optimizer, scheduler), None
+        except Exception as e:  # noqa: BLE001 - re-raised below, after every rank has told the others
+            extra, error = None, e
+        outcomes = self._group.all_gather_object(None if error is None else f"{type(error).__name__}: {error}")
+        if error is not None:
+            raise error
+        for rank, failed in enumerate(outcomes):
+            if failed is not None:
+                raise PeerCheckpointError(f"rank {rank} could not load the checkpoint: {failed}")
+        return extra
 
     def _restore_rng(self, chunks, directory: Path, manifest: dict) -> None:
         same = manifest.get("layout") == rng.layout_signature(self.ctx, self.config)
@@ -367,7 +372,7 @@ def params_to_load(cfg) -> frozenset[str]:
         return frozenset()
     root = Path(cfg.load)
     try:
-        if cfg.load_step is None and CheckpointManager._empty(root):
+        if cfg.load_step is None and holds_no_checkpoint(root):
             return frozenset()
         keys = saved_tensors(resolve(root, cfg.load_step), verified=True)
     except Exception:  # noqa: BLE001 - any fault here is the load's to report, after its checks
@@ -400,7 +405,31 @@ def copy_params_into_main(chunks, optimizer) -> None:
             # A rectangle lies inside one block (one, unless the shard is strided).
             local2d, roff, coff = next(b for b in blocks if b[1] <= r < b[1] + b[0].shape[0]
                                        and b[2] <= c < b[2] + b[0].shape[1])
-            view.copy_(local2d[r - roff:r - roff + nr, c - coff:c - coff + nc])
+            copy_aliased_(view, local2d[r - roff:r - roff + nr, c - coff:c - coff + nc])
+
+
+def copy_aliased_(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)``, also where the two share memory.
+
+    In fp32 the optimizer's main weights are the params' own storage, so a main-weight chunk and
+    the param rectangle it is filled from are the same elements; where a ZeRO shard boundary cuts
+    a row, the chunk is a ``[1, k]`` view with another (irrelevant) row stride, which
+    ``Tensor.copy_`` refuses as a partial overlap. The same elements: nothing to copy. Any other
+    overlap: through a copy of ``src``.
+    """
+    if dst.numel() and src.numel() and dst.untyped_storage().data_ptr() == src.untyped_storage().data_ptr():
+        if dst.dtype == src.dtype and _same_elements(dst, src):
+            return
+        src = src.clone()
+    dst.copy_(src)
+
+
+def _same_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two views of one storage address the same elements in the same order (the
+    strides of size-1 dims never matter)."""
+    if a.shape != b.shape or a.storage_offset() != b.storage_offset():
+        return False
+    return all(sa == sb for n, sa, sb in zip(a.shape, a.stride(), b.stride()) if n > 1)
 
 
 def _param_blocks_2d(p) -> list[tuple[torch.Tensor, int, int]]:

@@ -40,6 +40,13 @@ MEGATRON_ALIASES: dict[str, str] = {
     "--clip-grad": "optimizer.clip_grad",
     "--lr-warmup-iters": "optimizer.lr_warmup_iters",
     "--lr-decay-style": "optimizer.lr_decay_style",
+    "--optimizer": "optimizer.name",
+    "--muon-momentum": "optimizer.muon_momentum",
+    "--muon-num-ns-steps": "optimizer.muon_num_ns_steps",
+    "--muon-scale-mode": "optimizer.muon_scale_mode",
+    "--muon-extra-scale-factor": "optimizer.muon_extra_scale_factor",
+    "--exp-avg-dtype": "optimizer.exp_avg_dtype",
+    "--exp-avg-sq-dtype": "optimizer.exp_avg_sq_dtype",
     "--data-path": "data.data_path",
     "--split": "data.split",
     "--vocab-file": "data.vocab_file",
@@ -63,6 +70,13 @@ MEGATRON_ALIASES: dict[str, str] = {
     "--moe-shared-expert-intermediate-size": "model.moe_shared_expert_ffn_hidden_size",
     "--moe-aux-loss-coeff": "model.moe_aux_loss_coeff",
     "--moe-z-loss-coeff": "model.moe_z_loss_coeff",
+    "--q-lora-rank": "model.q_lora_rank",
+    "--kv-lora-rank": "model.kv_lora_rank",
+    "--qk-head-dim": "model.qk_head_dim",
+    "--qk-pos-emb-head-dim": "model.qk_pos_emb_head_dim",
+    "--v-head-dim": "model.v_head_dim",
+    "--mtp-num-layers": "model.mtp_num_layers",
+    "--mtp-loss-scaling-factor": "model.mtp_loss_scaling_factor",
 }
 """Megatron-LM flag -> paratron key, for flags that take a value."""
 
@@ -84,6 +98,8 @@ MEGATRON_SWITCHES: dict[str, tuple[str, str]] = {
     "--use-pytorch-profiler": ("_profile", "true"),
     "--qk-layernorm": ("model.qk_layernorm", "true"),
     "--moe-router-enable-expert-bias": ("model.moe_router_enable_expert_bias", "true"),
+    "--multi-latent-attention": ("model.multi_latent_attention", "true"),
+    "--muon-no-split-qkv": ("optimizer.muon_split_qkv", "false"),
 }
 """Megatron-LM flags without a value -> (paratron key, value)."""
 

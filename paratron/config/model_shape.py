@@ -19,6 +19,12 @@ def head_dim(cfg: ModelConfig) -> int:
     return cfg.kv_channels if cfg.kv_channels is not None else cfg.hidden_size // cfg.num_attention_heads
 
 
+def rope_dim(cfg: ModelConfig) -> int:
+    """Width RoPE rotates per head: the decoupled RoPE part ``qk_pos_emb_head_dim`` under
+    multi-head latent attention, else the whole head (:func:`head_dim`)."""
+    return cfg.qk_pos_emb_head_dim if cfg.multi_latent_attention else head_dim(cfg)
+
+
 def query_groups(cfg: ModelConfig) -> int:
     """KV groups: ``num_query_groups``, or ``num_attention_heads`` (multi-head) when unset."""
     return cfg.num_query_groups if cfg.num_query_groups is not None else cfg.num_attention_heads
@@ -92,7 +98,8 @@ def check_shape(cfg: ModelConfig, tp: int) -> None:
         ConfigError: naming the field, value and rule: sizes not positive; hidden size not
             divisible by heads; heads or KV groups not divisible by ``tp``; heads not divisible by
             KV groups; odd RoPE head dim; MLP width not divisible by ``tp``; a sequence longer
-            than the learned position table.
+            than the learned position table; a rule of :func:`check_mla` (under
+            ``multi_latent_attention``) or :func:`check_mtp`.
     """
     for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
         v = getattr(cfg, name)
@@ -102,7 +109,9 @@ def check_shape(cfg: ModelConfig, tp: int) -> None:
     if cfg.kv_channels is not None and cfg.kv_channels < 1:
         raise ConfigError(f"model.kv_channels={cfg.kv_channels} must be a positive integer (or unset: "
                           "hidden_size / num_attention_heads)")
-    if cfg.kv_channels is None and cfg.hidden_size % heads:
+    if cfg.multi_latent_attention:
+        check_mla(cfg)
+    elif cfg.kv_channels is None and cfg.hidden_size % heads:
         raise ConfigError(f"model.hidden_size={cfg.hidden_size} is not divisible by "
                           f"model.num_attention_heads={heads} (or set model.kv_channels, the head width)")
     if groups < 1 or heads % groups:
@@ -113,7 +122,7 @@ def check_shape(cfg: ModelConfig, tp: int) -> None:
     if groups % tp:
         raise ConfigError(f"model.num_query_groups={groups} is not divisible by parallel.tensor={tp} "
                           "(each tensor-parallel rank holds whole KV groups)")
-    if cfg.position_embedding_type == "rope" and head_dim(cfg) % 2:
+    if cfg.position_embedding_type == "rope" and not cfg.multi_latent_attention and head_dim(cfg) % 2:
         where = "model.kv_channels" if cfg.kv_channels is not None else \
             "model.hidden_size/model.num_attention_heads"
         raise ConfigError(f"RoPE needs an even head dim; {where} = {head_dim(cfg)}")
@@ -122,6 +131,60 @@ def check_shape(cfg: ModelConfig, tp: int) -> None:
     if cfg.position_embedding_type == "learned" and cfg.seq_length > max_positions(cfg):
         raise ConfigError(f"model.seq_length={cfg.seq_length} exceeds "
                           f"model.max_position_embeddings={max_positions(cfg)}")
+    check_mtp(cfg)
+
+
+def check_mtp(cfg: ModelConfig) -> None:
+    """Rules of multi-token prediction (DeepSeek-V3 section 2.2).
+
+    Raises:
+        ConfigError: ``mtp_num_layers`` negative, or so large that the last module has no target
+            (module ``k`` predicts the token ``k + 1`` places after the next one, so a sequence
+            of ``s`` tokens allows at most ``s - 1`` modules); a negative
+            ``mtp_loss_scaling_factor``.
+    """
+    d, s = cfg.mtp_num_layers, cfg.seq_length
+    if d < 0 or d > s - 1:
+        raise ConfigError(f"model.mtp_num_layers={d} must be in [0, model.seq_length-1 = {s - 1}]: module k "
+                          f"predicts the token k+1 places after the next, which a {s}-token sequence must hold")
+    if cfg.mtp_loss_scaling_factor < 0:
+        raise ConfigError(f"model.mtp_loss_scaling_factor={cfg.mtp_loss_scaling_factor} must be >= 0")
+
+
+def check_mla(cfg: ModelConfig) -> None:
+    """Rules of multi-head latent attention (DeepSeek-V2 section 2.1).
+
+    Raises:
+        ConfigError: naming the field, value and rule: a low rank (``q_lora_rank``,
+            ``kv_lora_rank``) outside ``[1, hidden_size]`` (a rank above h is no compression);
+            a head width below 1; an odd or missing RoPE part (``qk_pos_emb_head_dim``, MLA
+            needs ``position_embedding_type = "rope"``); ``v_head_dim`` above the query/key head
+            (the values are zero-padded to it for the shared attention kernels);
+            ``num_query_groups`` set to other than the head count (MLA keys are per head);
+            ``kv_channels`` set (MLA has its own head widths).
+    """
+    h = cfg.hidden_size
+    for name in ("q_lora_rank", "kv_lora_rank"):
+        v = getattr(cfg, name)
+        if v is not None and not 1 <= v <= h:
+            raise ConfigError(f"model.{name}={v} must be in [1, model.hidden_size={h}] "
+                              "(multi-head latent attention compresses below the hidden size)")
+    for name in ("qk_head_dim", "v_head_dim"):
+        if getattr(cfg, name) < 1:
+            raise ConfigError(f"model.{name}={getattr(cfg, name)} must be a positive integer")
+    rope = cfg.qk_pos_emb_head_dim
+    if cfg.position_embedding_type != "rope" or rope < 2 or rope % 2:
+        raise ConfigError(f"model.multi_latent_attention=true needs model.position_embedding_type=\"rope\" and an "
+                          f"even model.qk_pos_emb_head_dim >= 2 (got {cfg.position_embedding_type!r}, {rope})")
+    if cfg.v_head_dim > cfg.qk_head_dim + rope:
+        raise ConfigError(f"model.v_head_dim={cfg.v_head_dim} exceeds the query/key head "
+                          f"model.qk_head_dim+model.qk_pos_emb_head_dim = {cfg.qk_head_dim + rope}")
+    if cfg.num_query_groups not in (None, cfg.num_attention_heads):
+        raise ConfigError(f"model.num_query_groups={cfg.num_query_groups} with model.multi_latent_attention=true: "
+                          "MLA has one key/value head per query head; leave it unset")
+    if cfg.kv_channels is not None:
+        raise ConfigError(f"model.kv_channels={cfg.kv_channels} with model.multi_latent_attention=true: MLA's head "
+                          "widths are model.qk_head_dim, model.qk_pos_emb_head_dim and model.v_head_dim")
 
 
 def check_moe(cfg: ModelConfig, *, tp: int, ep: int, expert_tp: int) -> None:

@@ -61,6 +61,24 @@ class ModelConfig:
     """``torch.compile`` each transformer layer (opt-in; the first steps pay for compilation)."""
     block: str = "transformer"
     """Name of the transformer block in the block registry."""
+    # Multi-head latent attention (DeepSeek-V2 section 2.1; Megatron-Core's MLATransformerConfig names).
+    multi_latent_attention: bool = False
+    """MLA instead of multi-head/grouped-query attention (paratron/models/mla.py)."""
+    q_lora_rank: Optional[int] = None
+    """MLA: rank of the query down-projection; None projects the queries at full rank (V2-Lite)."""
+    kv_lora_rank: int = 512
+    """MLA: rank of the joint key/value latent (the KV cache per token, with the RoPE key)."""
+    qk_head_dim: int = 128
+    """MLA: per-head width of the query/key part without position (DeepSeek's qk_nope_head_dim)."""
+    qk_pos_emb_head_dim: int = 64
+    """MLA: per-head width of the decoupled RoPE part of q; its key part is one head shared by all."""
+    v_head_dim: int = 128
+    """MLA: per-head width of the values."""
+    # Multi-token prediction (DeepSeek-V3 section 2.2; paratron/models/mtp.py).
+    mtp_num_layers: int = 0
+    """D sequential MTP modules on the last stage; module k (1-based) predicts token i + k + 1 at position i."""
+    mtp_loss_scaling_factor: float = 0.1
+    """lambda: the MTP loss (mean over the D modules) is added to the LM loss times this."""
     # Mixture of experts (num_experts = 0 means dense).
     num_experts: int = 0
     """Routed experts per MoE layer; 0 means a dense model."""
@@ -208,6 +226,10 @@ class TrainConfig:
     """When set, rank 0 prints a text sample from the final checkpoint, continuing this prompt."""
     sample_tokens: int = 64
     """Tokens of the text sample printed after training (``sample_prompt``)."""
+    export_hf_at_end: bool = False
+    """After the last step, write the model as a Hugging Face folder (``checkpoint.save_hf``, else
+    ``RUN_DIR/hf``) from the final checkpoint, and print whether paratron and ``transformers``
+    agree on a few greedy tokens (needs ``checkpoint.save``; ``--save-hf DIR`` sets both keys)."""
     nonfinite: Literal["skip", "stop"] = "skip"
     """A step whose loss or grads hold an inf or NaN (decided globally) changes nothing; "skip"
     goes on with the next batch, "stop" ends the run with an error naming the step."""
@@ -242,8 +264,9 @@ class TrainConfig:
 
 @dataclass
 class OptimizerConfig:
-    name: Literal["adamw", "sgd"] = "adamw"
-    """AdamW or SGD (with ``sgd_momentum``)."""
+    name: Literal["adamw", "sgd", "muon"] = "adamw"
+    """AdamW, SGD (with ``sgd_momentum``), or ``muon``: Muon for the 2-D hidden weights, AdamW (the
+    ``adam_*`` fields) for embeddings, the output head, norms and biases (:mod:`paratron.optim.muon`)."""
     lr: float = 3e-4
     """Peak learning rate, reached after the warmup."""
     min_lr: float = 0.0
@@ -279,6 +302,29 @@ class OptimizerConfig:
     adam_impl: Literal["auto", "fused", "foreach"] = "auto"
     """AdamW kernels on the flat fp32 buffers: ``fused`` (``torch._fused_adamw_``, one kernel per
     group of views), ``foreach`` (``torch._foreach_*``); ``auto`` is fused on CUDA, foreach on CPU."""
+    muon_momentum: float = 0.95
+    """Muon's momentum EMA coefficient."""
+    muon_use_nesterov: bool = True
+    """Nesterov momentum: the update orthogonalises ``lerp(grad, momentum, muon_momentum)``."""
+    muon_num_ns_steps: int = 5
+    """Newton-Schulz iterations."""
+    muon_scale_mode: Literal["spectral", "unit_rms_norm", "shape_scaling"] = "spectral"
+    """The shape-based scale of the orthogonalised update (Megatron-Core's names)."""
+    muon_extra_scale_factor: float = 0.2
+    """Times the scale: 0.2 with ``spectral`` matches AdamW's update RMS (Moonshot's Muon), so
+    ``lr`` and ``weight_decay`` tuned for AdamW carry over."""
+    muon_split_qkv: bool = True
+    """Orthogonalise Q, K and V of the fused QKV weight separately."""
+    exp_avg_dtype: Literal["fp32", "bf16"] = "fp32"
+    """Storage of AdamW's first moment (and Muon's or SGD's momentum); bf16 halves it, the step's
+    arithmetic stays fp32 (Megatron's precision-aware optimizer)."""
+    exp_avg_sq_dtype: Literal["fp32", "bf16"] = "fp32"
+    """Storage of AdamW's second moment."""
+    cpu_offload: bool = False
+    """Keep the fp32 main weights and optimizer state in host memory and step them there
+    (:mod:`paratron.optim.offload`; AdamW and SGD)."""
+    offload_fraction: float = 1.0
+    """The share of this rank's optimizer state that ``cpu_offload`` moves to the host."""
 
 
 @dataclass
@@ -336,6 +382,12 @@ class CheckpointConfig:
     """Write checkpoints in a background thread while training goes on."""
     load_optimizer: bool = True
     """Also restore the optimizer state on load; false starts a fresh optimizer."""
+    load_hf: Optional[str] = None
+    """A Hugging Face folder (``config.json``, safetensors, ``tokenizer.json``) to start from: the
+    model config and the tokenizer come from it, and each rank reads only its own slices of the
+    weights (``paratron train --from-hf DIR``). A checkpoint in ``checkpoint.load`` wins (resume)."""
+    save_hf: Optional[str] = None
+    """Where ``train.export_hf_at_end`` writes the Hugging Face folder (default ``RUN_DIR/hf``)."""
 
 
 @dataclass

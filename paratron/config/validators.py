@@ -55,8 +55,16 @@ def _positive(cfg: Config, world: int | None) -> None:
                           "which parallel.hang_timeout_s=0 turns off: set hang_timeout_s > 0")
     if cfg.optimizer.lr < 0:
         raise ConfigError(f"optimizer.lr={cfg.optimizer.lr} must be >= 0")
+    if not 0.0 <= cfg.optimizer.offload_fraction <= 1.0:
+        raise ConfigError(f"optimizer.offload_fraction={cfg.optimizer.offload_fraction} must be in [0, 1]")
+    if cfg.optimizer.cpu_offload and cfg.optimizer.name == "muon":
+        raise ConfigError("optimizer.cpu_offload is not supported with optimizer.name='muon' (its "
+                          "orthogonalisation runs on the device); use adamw or sgd, or turn the offload off")
+    if cfg.optimizer.muon_num_ns_steps < 1:
+        raise ConfigError(f"optimizer.muon_num_ns_steps={cfg.optimizer.muon_num_ns_steps} must be >= 1")
     for name, v in (("model.hidden_dropout", cfg.model.hidden_dropout),
-                    ("model.attention_dropout", cfg.model.attention_dropout)):
+                    ("model.attention_dropout", cfg.model.attention_dropout),
+                    ("optimizer.muon_momentum", cfg.optimizer.muon_momentum)):
         if not 0.0 <= v < 1.0:
             raise ConfigError(f"{name}={v} must be in [0, 1)")
 
@@ -128,6 +136,25 @@ def _pipeline_layers(cfg: Config, world: int | None) -> None:
         stage_sizes(cfg.model.num_layers, p.pipeline, p.virtual_pipeline, p.pipeline_layout)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def _mtp_last_stage(cfg: Config, world: int | None) -> None:
+    """The MTP modules (one transformer layer each) run on the last pipeline stage, after its
+    own layers: an explicit ``parallel.pipeline_layout`` must leave it room for them, i.e. the
+    last stage's layers plus ``model.mtp_num_layers`` may not exceed the largest other stage
+    (Megatron-LM's advice for DeepSeek-V3 layouts: fewer layers on the stage with the MTP).
+    ZeRO-3 is refused with MTP (its gather units cover the chunk's layers and head only)."""
+    p, d = cfg.parallel, cfg.model.mtp_num_layers
+    if d and p.zero == 3:
+        raise ConfigError(f"parallel.zero=3 with model.mtp_num_layers={d}: ZeRO-3's gather units do not cover the "
+                          "MTP modules yet; use parallel.zero <= 2")
+    layout = p.pipeline_layout
+    if not d or not layout or len(layout) < 2:
+        return
+    if layout[-1] + d > max(layout[:-1]):
+        raise ConfigError(f"parallel.pipeline_layout={layout} leaves the last stage no room for the "
+                          f"model.mtp_num_layers={d} MTP modules it runs: its {layout[-1]} layers + {d} exceed the "
+                          f"largest other stage ({max(layout[:-1])}); move layers off the last stage")
 
 
 def _unused_schedule_options(p, spec) -> None:
@@ -256,7 +283,7 @@ def _lr_schedule(cfg: Config, world: int | None) -> None:
         raise ConfigError(f"optimizer.min_lr={o.min_lr} must be <= optimizer.lr={o.lr}")
 
 
-VALIDATORS = [_finite, _positive, _nonfinite_policy, _lr_schedule, _grid, _model, _batch, _sequence, _link_latency, _schedule, _pipeline_layers,
+VALIDATORS = [_finite, _positive, _nonfinite_policy, _lr_schedule, _grid, _model, _batch, _sequence, _link_latency, _schedule, _pipeline_layers, _mtp_last_stage,
               _experts, _moe_fb_overlap, _zero, _split, check_context, check_microbatch_tokens,
               check_observability]
 """Every config rule, in order. Each takes ``(cfg, world_size_or_None)`` and raises ConfigError."""

@@ -34,49 +34,16 @@ import torch
 from paratron.data import index_cache
 from paratron.data.blending import BlendedDataset
 from paratron.data.indexed import IndexedDataset
+from paratron.data.split_plan import SPLIT_NAMES, SplitWarning, parse_split, plan_splits, split_ranges
+
+__all__ = ["GPTDataset", "SPLIT_NAMES", "build_datasets", "parse_split", "split_ranges"]
 
 INDEX_VERSION = 1
 """Bumped when the way indices are built changes, so old cache entries stop matching."""
 
-SPLIT_NAMES = ("train", "valid", "test")
-
-
 def index_dtype(max_value: int) -> type:
     """int32 when every value is below 2^31, else int64."""
     return np.int32 if max_value < 2**31 else np.int64
-
-
-def parse_split(split: str) -> list[float]:
-    """``"969,30,1"`` (or ``/``-separated) -> three weights summing to 1 (missing ones are 0).
-
-    Raises:
-        ValueError: not up to three non-negative numbers with a positive sum (names ``split``).
-    """
-    try:
-        vals = [float(x) for x in split.replace("/", ",").split(",")]
-    except ValueError:
-        raise ValueError(f"split={split!r} must be comma-separated numbers like '969,30,1'") from None
-    if len(vals) > 3 or any(v < 0 for v in vals) or sum(vals) <= 0:
-        raise ValueError(f"split={split!r} must be up to 3 non-negative numbers with a positive sum")
-    vals += [0.0] * (3 - len(vals))
-    total = sum(vals)
-    return [v / total for v in vals]
-
-
-def split_ranges(num_documents: int, split: str) -> list[tuple[int, int]]:
-    """Contiguous document ranges ``[start, end)`` of train, valid and test.
-
-    The bounds are the rounded cumulative shares of ``num_documents``; the last ends at
-    ``num_documents``. E.g. 597 documents split ``969,30,1`` -> (0, 578), (578, 596), (596, 597).
-    """
-    weights = parse_split(split)
-    bounds = [0]
-    acc = 0.0
-    for w in weights[:-1]:
-        acc += w
-        bounds.append(max(bounds[-1], min(num_documents, int(round(acc * num_documents)))))
-    bounds.append(num_documents)
-    return [(bounds[i], bounds[i + 1]) for i in range(3)]
 
 
 def build_document_index(documents: np.ndarray, num_epochs: int, rng: np.random.Generator) -> np.ndarray:
@@ -232,11 +199,13 @@ def build_datasets(prefixes_with_weights: Sequence[tuple[float, str]], seq_lengt
         cache_dir: index cache directory (None: next to each prefix).
 
     Returns:
-        (train, valid, test); a split is None when it has no documents in any prefix, 0 samples
-        wanted, or (valid and test of one prefix) too few tokens for one sample (with a warning).
+        (train, valid, test); a split is None when 0 samples are wanted, or when no prefix has a
+        part of it large enough for one sample (:mod:`paratron.data.split_plan`, with a
+        :class:`~paratron.data.split_plan.SplitWarning`).
 
     Raises:
-        ValueError: empty ``prefixes_with_weights``, a non-positive weight, or bad ``split``.
+        ValueError: empty ``prefixes_with_weights``, a non-positive weight, bad ``split``, or a
+            train split too small (:func:`~paratron.data.split_plan.plan_splits`).
     """
     if not prefixes_with_weights:
         raise ValueError("build_datasets: prefixes_with_weights is empty")
@@ -245,37 +214,25 @@ def build_datasets(prefixes_with_weights: Sequence[tuple[float, str]], seq_lengt
             raise ValueError(f"data path weight {w} of {p!r} must be > 0")
     parse_split(split)
     indexed = [(float(w), IndexedDataset(p)) for w, p in prefixes_with_weights]
-    out = []
-    for s, name in enumerate(SPLIT_NAMES):
-        n = num_samples[s]
-        if n == 0:
-            out.append(None)
-            continue
-        parts = []
-        for w, ds in indexed:
-            lo, hi = split_ranges(ds.num_documents, split)[s]
-            if hi > lo:
-                parts.append((w, ds, np.arange(lo, hi)))
-            elif len(indexed) > 1:
-                warnings.warn(f"{ds.prefix}: no {name} documents under split={split!r}; "
-                              "it is left out of the blend")
-        if not parts:
-            out.append(None)
-        elif len(parts) == 1 and len(indexed) == 1:
-            _, ds, docs = parts[0]
-            if s > 0 and int(ds.document_lengths[docs].sum()) <= seq_length:
-                # A held-out split too small for one sample should not stop training.
-                warnings.warn(f"{ds.prefix}: the {name} split ({len(docs)} documents) has too few tokens "
-                              f"for one sample of {seq_length} + 1; no {name} dataset")
-                out.append(None)
-                continue
-            out.append(GPTDataset(ds, docs, seq_length, n, seed, name, cache_dir))
-        else:
-            total = sum(w for w, _, _ in parts)
-            weights = [w / total for w, _, _ in parts]
-            comps = [GPTDataset(ds, docs, seq_length, None if n is None else math.ceil(w * n * 1.005) + 1,
-                                seed, name, cache_dir) for w, (_, ds, docs) in zip(weights, parts)]
-            if n is None:
-                n = min(int(len(c) / w) for c, w in zip(comps, weights))
-            out.append(BlendedDataset(comps, weights, n))
-    return tuple(out)
+    plan, notes = plan_splits(indexed, split, seq_length, wanted=[n != 0 for n in num_samples])
+    for note in notes:
+        warnings.warn(note, SplitWarning, stacklevel=2)
+    return tuple(_split_dataset(parts, num_samples[s], seq_length, seed, name, cache_dir, len(indexed) > 1)
+                 for s, (name, parts) in enumerate(zip(SPLIT_NAMES, plan)))
+
+
+def _split_dataset(parts, n: Optional[int], seq_length: int, seed: int, name: str, cache_dir, blend: bool):
+    """One split's dataset from its parts: None without parts, a :class:`GPTDataset` for one
+    prefix, else a :class:`BlendedDataset` of the parts (each built with ``ceil(w * n * 1.005) + 1``
+    samples so that rounding never runs one dry)."""
+    if not parts:
+        return None
+    if not blend:
+        return GPTDataset(parts[0].dataset, parts[0].documents, seq_length, n, seed, name, cache_dir)
+    total = sum(p.weight for p in parts)
+    weights = [p.weight / total for p in parts]
+    comps = [GPTDataset(p.dataset, p.documents, seq_length, None if n is None else math.ceil(w * n * 1.005) + 1,
+                        seed, name, cache_dir) for w, p in zip(weights, parts)]
+    if n is None:
+        n = min(int(len(c) / w) for c, w in zip(comps, weights))
+    return BlendedDataset(comps, weights, n)

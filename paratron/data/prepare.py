@@ -258,7 +258,7 @@ def validation_prompt(pairs: list[tuple[float, str]], split: str, tok: tokenizer
     """The first ``num_tokens`` tokens of the first validation document of the first prefix (of the
     first training document when there is no validation split), decoded: a sample prompt that
     belongs to the corpus. None for an empty dataset."""
-    from paratron.data.gpt_dataset import split_ranges
+    from paratron.data.split_plan import split_ranges
 
     ds = indexed.IndexedDataset(pairs[0][1])
     if ds.num_documents == 0:

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import warnings
 from typing import NamedTuple, Sequence
 
 import numpy as np
@@ -199,11 +200,18 @@ class DocumentSource:
 
 
 def document_splits(prefix: str, split: str) -> tuple[DocumentSource | None, DocumentSource | None]:
-    """The train and valid documents of ``prefix`` under ``data.split``
-    (:func:`paratron.data.gpt_dataset.split_ranges`); None for an empty split."""
-    from paratron.data.gpt_dataset import split_ranges
+    """The train and valid documents of ``prefix`` under ``data.split``, by the rule of
+    :func:`paratron.data.split_plan.plan_splits` for whole documents: None for a valid split with
+    no document of 2 tokens or more (with a :class:`~paratron.data.split_plan.SplitWarning`).
+
+    Raises:
+        ValueError: a train split with no such document.
+    """
     from paratron.data.indexed import IndexedDataset
+    from paratron.data.split_plan import RUN_SPLITS, SplitWarning, plan_splits
 
     ds = IndexedDataset(prefix)
-    ranges = split_ranges(ds.num_documents, split)[:2]
-    return tuple(DocumentSource(ds, np.arange(lo, hi)) if hi > lo else None for lo, hi in ranges)
+    plan, notes = plan_splits([(1.0, ds)], split, 0, whole_documents=True, wanted=RUN_SPLITS)
+    for note in notes:
+        warnings.warn(note, SplitWarning, stacklevel=2)
+    return tuple(DocumentSource(ds, parts[0].documents) if parts else None for parts in plan[:2])

@@ -40,23 +40,24 @@ def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p:
 
     Args:
         q: ``[s, b, n_q, d]`` query heads of this TP rank.
-        k, v: ``[s, b, n_kv, d]`` key/value heads (``n_q`` a multiple of ``n_kv``).
+        k, v: ``[s, b, n_kv, d]`` key/value heads (``n_q`` a multiple of ``n_kv``); ``v`` may
+            have another head width ``d_v`` (multi-head latent attention).
         dropout_p: attention dropout probability (0 in eval).
         rng_tracker: dropout draws from its ``model-parallel`` stream, since each TP rank holds
             different heads and must draw different masks (Shoeybi et al. 2019, section 3).
     Returns:
-        ``[s, b, n_q * d]``.
+        ``[s, b, n_q * d_v]``.
 
     Softmax precision: for bf16/fp16 inputs every SDPA backend computes the softmax in fp32: the
     flash kernels (GPU, and the CPU one) accumulate in fp32, and the math fallback (taken with
     dropout on CPU) upcasts to fp32 unless ``torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp``
     is switched on (off by default since torch 2.5). So no upcast is needed here.
     """
-    s, b, n_q, d = q.shape
+    s, b, n_q = q.shape[:3]
     n_kv = k.shape[2]
     # SDPA wants [b, heads, s, d].
     q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
-    if q.device.type == "meta" and dropout_p == 0.0:
+    if q.device.type == "meta" and dropout_p == 0.0 and v.shape[-1] == d:
         # Dry run (paratron.dryrun): SDPA's backend choice has no meta entry and would take the
         # math path, which saves the [s, s] probabilities; real runs take a flash kernel. torch's
         # CPU flash op has a meta kernel and saves what a flash kernel saves (output, log-sum-exp).
@@ -65,7 +66,7 @@ def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p:
         with rng_fork(rng_tracker, dropout_p > 0.0):
             out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
                                                  enable_gqa=n_kv != n_q)
-    return out.permute(2, 0, 1, 3).reshape(s, b, n_q * d)
+    return out.permute(2, 0, 1, 3).reshape(s, b, n_q * v.shape[-1])
 
 
 class SelfAttention(nn.Module):
@@ -98,6 +99,8 @@ class SelfAttention(nn.Module):
             cfg.hidden_size, (heads + 2 * groups) * self.head_dim, ctx, logical_name=f"{prefix}.qkv",
             seed=seed, bias=model_shape.qkv_bias(cfg), sequence_parallel=sequence_parallel,
             init_method=normal_(cfg.init_method_std), params_dtype=params_dtype)
+        # Which rows are Q, K and V (per KV group), for optimizers that treat them as matrices.
+        self.qkv.weight.qkv_split = (groups, (self.q_per_group * self.head_dim, self.head_dim, self.head_dim))
         self.proj = RowParallelLinear(
             heads * self.head_dim, cfg.hidden_size, ctx, logical_name=f"{prefix}.proj", seed=seed,
             bias=cfg.add_bias_linear, input_is_parallel=True, sequence_parallel=sequence_parallel,

@@ -22,6 +22,12 @@ term by term so that each one generalises:
   expert if any, plus the router ``2 h E``;
 * output layer: ``2 h V``; the same for tied and untied embeddings (the input lookup is no
   matmul). ``V`` is ``model.vocab_size`` (unpadded: padding columns are not model FLOPs).
+* multi-head latent attention (DeepSeek-V2 section 2.1): each projection ``2 x in x out``
+  (query down ``h -> r_q`` and up ``r_q -> n (d_n + d_r)``, or one ``h -> n (d_n + d_r)``; KV down
+  ``h -> r_kv + d_r`` and up ``r_kv -> n (d_n + d_v)``; output ``n d_v -> h``), scores
+  ``2 s n (d_n + d_r)`` and weighted sum ``2 s n d_v``;
+* each multi-token-prediction module (DeepSeek-V3 section 2.2): its projection ``2 (2h) h``, one
+  more layer (dense or MoE as its layer number says) and one more output layer ``2 h V``.
 
 Training = 3 x forward. These are *model* FLOPs (Chowdhery et al. 2022, appendix B): recompute
 is excluded unless ``include_recompute`` asks for the hardware count.
@@ -37,6 +43,25 @@ def _mlp_flops(h: int, f: int, activation: str) -> float:
     return 2.0 * h * f * matrices
 
 
+def _attention_projection_flops(cfg: ModelConfig) -> float:
+    h, n = cfg.hidden_size, cfg.num_attention_heads
+    if not cfg.multi_latent_attention:
+        g, d = model_shape.query_groups(cfg), model_shape.head_dim(cfg)
+        return 2.0 * h * (n * d + 2 * g * d) + 2.0 * n * d * h
+    qk, rq, rkv = cfg.qk_head_dim + cfg.qk_pos_emb_head_dim, cfg.q_lora_rank, cfg.kv_lora_rank
+    q = 2.0 * h * n * qk if rq is None else 2.0 * h * rq + 2.0 * rq * n * qk
+    kv = 2.0 * h * (rkv + cfg.qk_pos_emb_head_dim) + 2.0 * rkv * n * (cfg.qk_head_dim + cfg.v_head_dim)
+    return q + kv + 2.0 * n * cfg.v_head_dim * h
+
+
+def _attention_core_flops(cfg: ModelConfig, s: int) -> float:
+    """Scores and weighted sum of one layer per token (the part selective recompute redoes)."""
+    n = cfg.num_attention_heads
+    if not cfg.multi_latent_attention:
+        return 4.0 * s * n * model_shape.head_dim(cfg)
+    return 2.0 * s * n * (cfg.qk_head_dim + cfg.qk_pos_emb_head_dim + cfg.v_head_dim)
+
+
 def forward_flops_per_token(cfg: ModelConfig, seq_length: int | None = None) -> float:
     """Forward FLOPs per token (see the module docstring for each term).
 
@@ -46,11 +71,11 @@ def forward_flops_per_token(cfg: ModelConfig, seq_length: int | None = None) -> 
     if cfg.vocab_size is None:
         raise ValueError("model.vocab_size must be set to count FLOPs (the output layer is 2 h V)")
     h, s = cfg.hidden_size, seq_length or cfg.seq_length
-    n, g, d = cfg.num_attention_heads, model_shape.query_groups(cfg), model_shape.head_dim(cfg)
-    attention = 2.0 * h * (n * d + 2 * g * d) + 2.0 * n * d * h + 4.0 * s * n * d
+    attention = _attention_projection_flops(cfg) + _attention_core_flops(cfg, s)
     dense_mlp = _mlp_flops(h, model_shape.ffn_size(cfg), cfg.activation)
-    total = 0.0
-    for layer in range(cfg.num_layers):
+    mtp = cfg.mtp_num_layers
+    total = mtp * (4.0 * h * h + 2.0 * h * cfg.vocab_size)
+    for layer in range(cfg.num_layers + mtp):
         total += attention
         if model_shape.is_moe_layer(cfg, layer):
             expert = _mlp_flops(h, cfg.moe_ffn_hidden_size or model_shape.ffn_size(cfg), cfg.activation)
@@ -80,8 +105,8 @@ def flops_per_token(cfg: ModelConfig, seq_length: int | None = None, include_rec
     fwd = forward_flops_per_token(cfg, seq_length)
     total = 3.0 * fwd
     if include_recompute and cfg.recompute == "full":
-        total += fwd - 2.0 * cfg.hidden_size * cfg.vocab_size
+        h, mtp = cfg.hidden_size, cfg.mtp_num_layers
+        total += fwd - 2.0 * h * cfg.vocab_size * (1 + mtp) - 4.0 * h * h * mtp  # heads and MTP projections not redone
     elif include_recompute and cfg.recompute == "selective":
-        s = seq_length or cfg.seq_length
-        total += cfg.num_layers * 4.0 * s * cfg.num_attention_heads * model_shape.head_dim(cfg)
+        total += (cfg.num_layers + cfg.mtp_num_layers) * _attention_core_flops(cfg, seq_length or cfg.seq_length)
     return total

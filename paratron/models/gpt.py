@@ -50,6 +50,8 @@ class GPTChunk(nn.Module):
             regions (may be None when dropout is 0 and TP is 1).
         embedding_weight: for a tied post-process chunk on the rank that also holds the
             embedding: that embedding's weight, shared instead of copied.
+        embedding_module: for a post-process chunk with MTP modules on the rank that also holds
+            the embedding: that ``VocabParallelEmbedding``, shared instead of copied.
         context_algorithm: ``parallel.context_algorithm`` (``"ring"`` or ``"all2all"``), used when
             ``ctx.cp`` has more than one rank.
 
@@ -62,7 +64,8 @@ class GPTChunk(nn.Module):
 
     def __init__(self, cfg: ModelConfig, ctx, *, seed: int, layer_ids: range, pre_process: bool,
                  post_process: bool, sequence_parallel: bool = False, params_dtype: torch.dtype = torch.float32,
-                 rng_tracker=None, embedding_weight: nn.Parameter | None = None, context_algorithm: str = "ring"):
+                 rng_tracker=None, embedding_weight: nn.Parameter | None = None, context_algorithm: str = "ring",
+                 embedding_module: nn.Module | None = None):
         super().__init__()
         model_shape.check_model(cfg, ctx.tp.size)
         self.cfg, self.ctx = cfg, ctx
@@ -95,7 +98,9 @@ class GPTChunk(nn.Module):
         if post_process:
             self.final_norm = make_norm(cfg, ctx, "final_norm", sequence_parallel, params_dtype)
             self._build_output(cfg, ctx, seed, params_dtype, embedding_weight)
-        if cfg.tie_embeddings and pre_process and not post_process:
+        self.mtp = (self._build_mtp(cfg, ctx, seed, params_dtype, embedding_module)
+                    if post_process and cfg.mtp_num_layers else None)
+        if (cfg.tie_embeddings or cfg.mtp_num_layers) and pre_process and not post_process:
             self.embedding.word_embeddings.weight.shared_embedding = True
 
     def _build_output(self, cfg, ctx, seed, params_dtype, embedding_weight):
@@ -119,6 +124,31 @@ class GPTChunk(nn.Module):
         else:
             self._tied_weight = [embedding_weight]  # a list: not registered twice as a parameter
 
+    def _build_mtp(self, cfg, ctx, seed, params_dtype, embedding_module):
+        """The MTP modules (:mod:`paratron.models.mtp`), with the word embedding they share: this
+        chunk's, the given one (same rank), or a copy drawn from the same full tensor (its own
+        ``shared_embedding`` parameter, or the tied output layer's)."""
+        from paratron.layers import VocabParallelEmbedding
+        from paratron.layers.init import normal_
+
+        from .mtp import MultiTokenPrediction
+
+        shared = self.embedding.word_embeddings if self.pre_process else embedding_module
+        if shared is None:
+            shared = VocabParallelEmbedding(
+                cfg.vocab_size, cfg.hidden_size, ctx, logical_name=WORD_EMBEDDINGS, seed=seed,
+                make_vocab_size_divisible_by=cfg.make_vocab_size_divisible_by,
+                sequence_parallel=self.sequence_parallel, init_method=normal_(cfg.init_method_std),
+                params_dtype=params_dtype)
+            if self.output_layer is not None and cfg.tie_embeddings:
+                shared.weight = self.output_layer.weight  # one copy on this stage, already shared
+            shared.weight.shared_embedding = True
+        head = self.output_weight()  # applied once more per MTP module in each forward (DDP's grad_uses)
+        head.grad_uses = getattr(head, "grad_uses", 1) + cfg.mtp_num_layers
+        return MultiTokenPrediction(cfg, ctx, seed=seed, sequence_parallel=self.sequence_parallel,
+                                    params_dtype=params_dtype, rng_tracker=self.rng_tracker, embedding=shared,
+                                    owned=shared is not embedding_module and not self.pre_process)
+
     def output_weight(self) -> torch.Tensor:
         """The ``[V_pad/tp, h]`` weight the logits are computed with (post-process chunks)."""
         if self.output_layer is not None:
@@ -128,7 +158,8 @@ class GPTChunk(nn.Module):
         return self._tied_weight[0]
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None, *,
-                position_ids: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+                position_ids: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
+                mtp_tokens: torch.Tensor | None = None, mtp_labels: torch.Tensor | None = None):
         """Run this chunk.
 
         Under context parallelism (``parallel.context = C``) ``s`` below is this rank's ``s / C``
@@ -142,10 +173,14 @@ class GPTChunk(nn.Module):
                 (``data.reset_position_ids``); None: global positions.
             cu_seqlens: ``[b, D + 1]`` start of each packed document in the full sequence, then the
                 full length (``data.reset_attention_mask``); None: one document per sample.
+            mtp_tokens, mtp_labels: ``[b, s, D]`` multi-token-prediction inputs and targets
+                (:func:`paratron.models.mtp.add_mtp_targets`), post-process chunks with MTP
+                modules only; None: the modules are not run (generation, evaluation of logits).
         Returns:
             hidden ``[s, b, h]`` (``[s/tp, b, h]`` with SP) when not ``post_process``; else per-token
             losses ``[s, b]`` fp32 (0 at ignored labels) when ``labels`` is given; else the
-            vocab-parallel logits ``[s, b, V_pad/tp]``.
+            vocab-parallel logits ``[s, b, V_pad/tp]``; with ``labels`` and MTP targets, the pair
+            ``(losses [s, b], MTP losses [D, s, b])``.
         """
         if self.pre_process:
             b, seq = x.shape
@@ -156,26 +191,32 @@ class GPTChunk(nn.Module):
         h = self.embedding(x, positions) if self.pre_process else x
         rope = None
         if self.cfg.position_embedding_type == "rope" and len(self.layers):
-            dim = model_shape.head_dim(self.cfg)
+            dim = model_shape.rope_dim(self.cfg)
             rope = (rope_tables(seq, dim, self.cfg.rope_theta, device=h.device) if positions is None
                     else rope_tables_at(positions, dim, self.cfg.rope_theta))
         # The layout reaches the blocks only when it matters, so plain blocks keep forward(x, rope).
         args = (rope, layout) if layout.needs_custom_attention else (rope,)
         cut = self.layer_boundary or (lambda t: t)
         for layer in self.layers.values():
-            h = cut(h)
-            if self.recompute == "full" and self.training and torch.is_grad_enabled():
-                h = checkpointed(layer, h, *args, rng_tracker=self.rng_tracker)
-            else:
-                h = layer(h, *args)
+            h = self._run_layer(layer, cut(h), args)
         if not self.post_process:
             return h
-        return self._head(cut(h), labels)
+        h = cut(h)
+        losses = self._head(self.final_norm(h), labels)
+        if self.mtp is None or labels is None or mtp_tokens is None:
+            return losses
+        return losses, self.mtp(h, mtp_tokens, mtp_labels, lambda layer, t: self._run_layer(layer, t, args),
+                                self._head)
+
+    def _run_layer(self, layer: nn.Module, h: torch.Tensor, args: tuple) -> torch.Tensor:
+        if self.recompute == "full" and self.training and torch.is_grad_enabled():
+            return checkpointed(layer, h, *args, rng_tracker=self.rng_tracker)
+        return layer(h, *args)
 
     def _head(self, h: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
+        """Logits (or per-token losses against ``labels``) of the normed hidden ``h``."""
         from paratron.layers import vocab_parallel_cross_entropy, vocab_parallel_logits
 
-        h = self.final_norm(h)
         if self.output_layer is not None:
             logits = self.output_layer(h)
         else:
@@ -258,16 +299,18 @@ def build_model_chunks(cfg: ModelConfig, ctx, *, seed: int, sequence_parallel: b
         rng_tracker = RNGStatesTracker(seed, ctx)
     mine = sorted(k for k in stage_layers if k[0] == ctx.pp.rank)
     chunks: list[GPTChunk] = []
-    first_embedding = None
+    first_embedding = first_module = None
     for key in mine:
         first, count = stage_layers[key]
         pre, post = key == order[0], key == order[-1]
         shared = first_embedding if (post and not pre and cfg.tie_embeddings) else None
         chunk = GPTChunk(cfg, ctx, seed=seed, layer_ids=range(first, first + count), pre_process=pre,
                          post_process=post, sequence_parallel=sequence_parallel, params_dtype=params_dtype,
-                         rng_tracker=rng_tracker, embedding_weight=shared, context_algorithm=context_algorithm)
+                         rng_tracker=rng_tracker, embedding_weight=shared, context_algorithm=context_algorithm,
+                         embedding_module=first_module if post and not pre else None)
         if pre:
-            first_embedding = chunk.embedding.word_embeddings.weight
+            first_module = chunk.embedding.word_embeddings
+            first_embedding = first_module.weight
         chunks.append(chunk)
     if first_embedding is not None and any(c.post_process for c in chunks):
         # Both ends on one rank share one tensor: nothing to keep in sync across stages.

@@ -64,9 +64,15 @@ def norm(inputs: LayerInputs, name: str) -> nn.Module:
 
 
 def self_attention(inputs: LayerInputs, name: str) -> nn.Module:
-    """:class:`~paratron.models.attention.SelfAttention` (its parameters are named
-    ``{prefix}.attention.*`` whatever ``name`` is)."""
+    """:class:`~paratron.models.attention.SelfAttention`, or under ``model.multi_latent_attention``
+    :class:`~paratron.models.mla.LatentAttention` (its parameters are named ``{prefix}.attention.*``
+    whatever ``name`` is)."""
     from .attention import SelfAttention
+
+    if inputs.cfg.multi_latent_attention:
+        from .mla import latent_attention
+
+        return latent_attention(inputs, name)
 
     return SelfAttention(inputs.cfg, inputs.ctx, layer_number=inputs.layer_number, seed=inputs.seed,
                          sequence_parallel=inputs.sequence_parallel, params_dtype=inputs.params_dtype,

@@ -5,9 +5,11 @@ The optimizer never sees a model: it works on the flat ranges of
 buffer, or with ZeRO-1 its shard of every bucket, Rajbhandari et al. 2020 section 5.1) and on
 the param attributes of :func:`paratron.parallel.params.mark`.
 
-State per owned range, all fp32: main weights (a view of the params themselves when they are
+State per owned range: fp32 main weights (a view of the params themselves when they are
 fp32, else an fp32 copy: Micikevicius et al. 2018, section 3.1), and the AdamW moments or the SGD
-momentum. The grads must be final before :meth:`Optimizer.step` (the training step calls
+momentum (fp32, or bf16 with ``optimizer.exp_avg_dtype`` / ``exp_avg_sq_dtype``: stored in bf16,
+stepped in fp32). Under Muon (:mod:`paratron.optim.muon`) its matrices hold a momentum and the
+other params the AdamW moments, each allocated over its own params' runs only. The grads must be final before :meth:`Optimizer.step` (the training step calls
 :func:`~paratron.optim.finalize.finalize_grads` once: model-parallel all-reduces, then the DP
 reduction); ``step()`` only updates, in order:
 
@@ -32,6 +34,8 @@ from .clip import clip_coefficient, owns_for_norm, sum_of_squares
 from .ddp import DistributedDataParallel
 from .distributed_optimizer import gather_params
 from .precision import precision_dtype
+from .muon import MuonStep, uses_muon
+from .offload import copy_grads_to_host, offload_plan
 from .update_rules import adamw_step, fused_adamw_step, sgd_step
 from .scaler import ConstantLossScaler, DynamicLossScaler
 from .state_chunks import chunk_views, rectangles
@@ -73,6 +77,8 @@ class _Segment:
     main: torch.Tensor
     state: dict[str, torch.Tensor]
     param: torch.Tensor  # the model's storage of the range (a view, or a ZeRO-3 shard)
+    aliased: bool = False  # main is the param itself (fp32 params, not offloaded)
+    host_grad: torch.Tensor | None = None  # offloaded: the host copy of grad the step reads
 
 
 @dataclass
@@ -89,7 +95,7 @@ class _Piece:
 
 
 class Optimizer:
-    """AdamW or SGD with fp32 main weights and grads, loss scaling, global clipping, ZeRO-1.
+    """AdamW, SGD or Muon with fp32 main weights and grads, loss scaling, global clipping, ZeRO-1.
 
     Build with :func:`build_optimizer`. Per step: :meth:`zero_grad`, forward/backward of every
     microbatch (backward of :meth:`scale_loss` ``(loss)`` for fp16), then :meth:`step`.
@@ -108,8 +114,11 @@ class Optimizer:
 
     def __init__(self, ddp: DistributedDataParallel, ctx, cfg, *, precision: str = "fp32") -> None:
         precision_dtype(precision)  # validates the name
-        if cfg.name not in ("adamw", "sgd"):
-            raise ValueError(f"optimizer.name={cfg.name!r} must be 'adamw' or 'sgd'")
+        if cfg.name not in ("adamw", "sgd", "muon"):
+            raise ValueError(f"optimizer.name={cfg.name!r} must be 'adamw', 'sgd' or 'muon'")
+        self._state_dtypes = {"exp_avg": state_dtype(cfg, "exp_avg_dtype"),
+                              "exp_avg_sq": state_dtype(cfg, "exp_avg_sq_dtype")}
+        self._state_dtypes["momentum"] = self._state_dtypes["exp_avg"]
         self.ddp, self.ctx, self.cfg, self.precision = ddp, ctx, cfg, precision
         self.lr = float(cfg.lr)
         self.step_count = 0
@@ -121,38 +130,41 @@ class Optimizer:
                                             cfg.loss_scale_window, cfg.hysteresis)
         else:
             self.scaler = ConstantLossScaler(1.0)
-        self.state_names = (("exp_avg", "exp_avg_sq") if cfg.name == "adamw"
-                            else (("momentum",) if cfg.sgd_momentum else ()))
-        self._allocated: dict[str, list[torch.Tensor]] = {n: [] for n in ("main_param",) + self.state_names}
+        kinds = _state_kinds(cfg)
+        self.state_names = tuple(k for k, want in kinds.items() if want is None)  # segment-wide
+        self._allocated: dict[str, list[torch.Tensor]] = {n: [] for n in ("main_param",) + tuple(kinds)}
         self.segments: list[_Segment] = []
         self.pieces: list[_Piece] = []
+        self._offload = offload_plan(ddp, cfg)
         self._build_state()
+        self._run_state = {k: self._allocate_runs(k, want) for k, want in kinds.items() if want is not None}
+        self._runs_by_segment = {}
+        for kind, runs in self._run_state.items():
+            for s, a, b, view in runs:
+                self._runs_by_segment.setdefault(s, []).append((kind, a, b, view))
+        self._piece_state = [self._state_of_piece(pc) for pc in self.pieces]
         self._build_views()
+        self._muon = (MuonStep(self, {id(pc): st["momentum"] for pc, st in zip(self.pieces, self._piece_state)
+                                      if "momentum" in st}) if cfg.name == "muon" else None)
 
     # ---- construction ------------------------------------------------------------------------
     def _build_state(self) -> None:
         for i, buf in enumerate(self.ddp.buffers):
             ranges = self.ddp.owned_ranges(i)
             views = self.ddp.owned_params(i)
-            total = sum(e - s for s, e, _ in ranges)
-            dev = buf.device
-            alias = buf.dtype == torch.float32
-            main_flat = None if alias else torch.empty(total, dtype=torch.float32, device=dev)
-            if main_flat is not None:
-                self._allocated["main_param"].append(main_flat)
-            flats = {n: torch.zeros(total, dtype=torch.float32, device=dev) for n in self.state_names}
-            for n, t in flats.items():
-                self._allocated[n].append(t)
-            off = 0
-            for (s, e, grad), pview in zip(ranges, views):
-                n = e - s
-                if alias:
-                    main = pview
-                else:
-                    main = main_flat[off:off + n]
+            host = [self._offload.pop(0) for _ in ranges]
+            pools = {h: self._pool(buf, sum(e - s for (s, e, _), hh in zip(ranges, host) if hh == h), h)
+                     for h in set(host)}
+            offs = dict.fromkeys(pools, 0)
+            for (s, e, grad), pview, h in zip(ranges, views, host):
+                n, off = e - s, offs[h]
+                main_flat, flats, grad_flat = pools[h]
+                main = pview if main_flat is None else main_flat[off:off + n]
+                if main_flat is not None:
                     main.copy_(pview)
-                seg = _Segment(i, s, e, grad, main, {k: v[off:off + n] for k, v in flats.items()},
-                               pview)
+                seg = _Segment(i, s, e, grad, main, {k: v[off:off + n] for k, v in flats.items()}, pview,
+                               aliased=main_flat is None,
+                               host_grad=grad_flat[off:off + n] if grad_flat is not None else None)
                 seg_id = len(self.segments)
                 self.segments.append(seg)
                 for p in buf.params:
@@ -160,7 +172,48 @@ class Optimizer:
                     a, b = max(ps, s), min(pe, e)
                     if a < b:
                         self.pieces.append(_Piece(p, seg_id, a - ps, b - ps, a - s, tuple(buf.shapes[id(p)])))
-                off += n
+                offs[h] += n
+
+    def _pool(self, buf, total: int, host: bool):
+        """``(main weights or None when they alias fp32 params, {kind: state}, host grads or
+        None)``: flat storage for ``total`` owned elements of ``buf``, on its device or, offloaded,
+        in (pinned, on CUDA) host memory."""
+        dev = torch.device("cpu") if host else buf.device
+        pin = host and buf.device.type == "cuda"
+
+        def new(dtype, zero=True):
+            t = torch.empty(total, dtype=dtype, device=dev, pin_memory=pin)
+            return t.zero_() if zero else t
+
+        main = None if buf.dtype == torch.float32 and not host else new(torch.float32, zero=False)
+        if main is not None:
+            self._allocated["main_param"].append(main)
+        flats = {n: new(self._state_dtypes[n]) for n in self.state_names}
+        for n, t in flats.items():
+            self._allocated[n].append(t)
+        return main, flats, (new(torch.float32, zero=False) if host else None)
+
+    def _allocate_runs(self, kind: str, want) -> list[tuple[int, int, int, torch.Tensor]]:
+        """State ``kind`` for the params with ``want(param)`` only (Muon's momentum, its AdamW
+        params' moments): one flat tensor over their runs; ``(segment, start, end, view)`` per run."""
+        runs = self._runs(want)
+        flat = torch.zeros(sum(b - a for _, a, b in runs), dtype=self._state_dtypes[kind], device=self.ctx.device)
+        self._allocated[kind].append(flat)
+        out, off = [], 0
+        for seg, a, b in runs:
+            out.append((seg, a, b, flat[off:off + b - a]))
+            off += b - a
+        return out
+
+    def _state_of_piece(self, pc: _Piece) -> dict[str, torch.Tensor]:
+        """The 1-D state views of one piece (``hi - lo`` long) by kind, main weights included."""
+        seg, n = self.segments[pc.segment], pc.hi - pc.lo
+        out = {"main_param": seg.main[pc.at:pc.at + n]}
+        out.update({k: v[pc.at:pc.at + n] for k, v in seg.state.items()})
+        for kind, a, b, view in self._runs_by_segment.get(pc.segment, ()):
+            if a <= pc.at < b:
+                out[kind] = view[pc.at - a:pc.at - a + n]
+        return out
 
     def _runs(self, want) -> list[tuple[int, int, int]]:
         """Merge pieces with ``want(param)`` into ``(segment, start, end)`` runs of segment
@@ -193,15 +246,42 @@ class Optimizer:
         self._norm_views = [seg_of[s].grad[a:b] for s, a, b in self._runs(owner)]
         decay_runs = self._runs(lambda p: not getattr(p, "no_weight_decay", False))
         self._decay_main = [seg_of[s].main[a:b] for s, a, b in decay_runs]
-        self._decay_grad = [seg_of[s].grad[a:b] for s, a, b in decay_runs]
         self._grads = [s.grad for s in self.segments]
-        self._mains = [s.main for s in self.segments]
-        self._aliased = [buf.dtype == torch.float32 for buf in self.ddp.buffers]
+        self._places = self._place_views(decay_runs)
         self._fused = self._fused_groups(decay_runs) if self._use_fused() else None
+        if self.cfg.name == "muon":
+            self._build_muon_adamw_views()
+
+    def _place_views(self, decay_runs) -> list[dict]:
+        """The update's views per place (device segments, then offloaded ones): ``mains``,
+        ``grads`` (the host copies when offloaded), ``state`` (per state name), ``decay`` and
+        ``decay_grads``. One foreach call never mixes host and device tensors."""
+        out = []
+        for host in (False, True):
+            segs = [(k, sg) for k, sg in enumerate(self.segments) if (sg.host_grad is not None) == host]
+            if not segs:
+                continue
+            grad = {k: (sg.host_grad if host else sg.grad) for k, sg in segs}
+            decay = [(k, a, b) for k, a, b in decay_runs if k in grad]
+            out.append({"mains": [sg.main for _, sg in segs], "grads": [grad[k] for k, _ in segs],
+                        "state": [[sg.state[n] for _, sg in segs] for n in self.state_names],
+                        "decay": [self.segments[k].main[a:b] for k, a, b in decay],
+                        "decay_grads": [grad[k][a:b] for k, a, b in decay]})
+        return out
+
+    def _build_muon_adamw_views(self) -> None:
+        """Under Muon, AdamW steps the runs of the other params (:func:`muon.uses_muon`)."""
+        seg_of, runs = self.segments, self._run_state
+        self._adam_lists = ([seg_of[s].main[a:b] for s, a, b, _ in runs["exp_avg"]],
+                            [seg_of[s].grad[a:b] for s, a, b, _ in runs["exp_avg"]],
+                            [v for *_, v in runs["exp_avg"]], [v for *_, v in runs["exp_avg_sq"]])
+        decay = self._runs(lambda p: not uses_muon(p) and not getattr(p, "no_weight_decay", False))
+        self._decay_main = [seg_of[s].main[a:b] for s, a, b in decay]
 
     def _use_fused(self) -> bool:
         impl = self.cfg.adam_impl
-        if self.cfg.name != "adamw" or impl == "foreach":
+        if self.cfg.name != "adamw" or impl == "foreach" or self._low_precision_state() \
+                or any(sg.host_grad is not None for sg in self.segments):
             return False
         return impl == "fused" or self.ctx.device.type == "cuda"
 
@@ -310,28 +390,54 @@ class Optimizer:
                 return pc.param.logical_name
         return None
 
+    def _low_precision_state(self) -> bool:
+        return any(d != torch.float32 for d in self._state_dtypes.values())
+
     def _update(self) -> None:
         c = self.cfg
-        st = [[s.state[n] for s in self.segments] for n in self.state_names]
         if self._fused is not None:
             self._step_t.fill_(self.step_count)  # a host-to-device write, no sync
             fused_adamw_step(self._fused, self._step_t, lr=self.lr, beta1=c.adam_beta1,
                              beta2=c.adam_beta2, eps=c.adam_eps)
-        elif c.name == "adamw":
-            adamw_step(self._mains, self._grads, st[0], st[1], self._decay_main, step=self.step_count,
-                       lr=self.lr, beta1=c.adam_beta1, beta2=c.adam_beta2, eps=c.adam_eps,
-                       weight_decay=c.weight_decay)
-        else:
-            sgd_step(self._mains, self._grads, st[0] if st else [], self._decay_main,
-                     self._decay_grad, step=self.step_count, lr=self.lr, momentum=c.sgd_momentum,
-                     weight_decay=c.weight_decay)
+            return
+        if c.name == "muon":
+            self._adamw(*self._adam_lists, self._decay_main)
+            self._muon.step(self.lr)
+            return
+        copy_grads_to_host(self.segments)
+        for pl in self._places:
+            if c.name == "adamw":
+                self._adamw(pl["mains"], pl["grads"], *pl["state"], pl["decay"])
+            else:
+                sgd_step(pl["mains"], pl["grads"], pl["state"][0] if pl["state"] else [], pl["decay"],
+                         pl["decay_grads"], step=self.step_count, lr=self.lr, momentum=c.sgd_momentum,
+                         weight_decay=c.weight_decay)
+
+    def _adamw(self, mains, grads, exp_avgs, exp_avg_sqs, decay) -> None:
+        """AdamW on matching views, decaying ``decay`` (sub-views of ``mains``). Moments stored in bf16
+        (``optimizer.exp_avg_dtype`` / ``exp_avg_sq_dtype``, Megatron's precision-aware optimizer)
+        are stepped in fp32, one view at a time (so the fp32 copies are one bucket shard at most),
+        and rounded back to their dtype."""
+        c = self.cfg
+        if c.weight_decay and decay:
+            torch._foreach_mul_(decay, 1.0 - self.lr * c.weight_decay)
+        kw = dict(step=self.step_count, lr=self.lr, beta1=c.adam_beta1, beta2=c.adam_beta2, eps=c.adam_eps,
+                  weight_decay=0.0)
+        if not self._low_precision_state():
+            adamw_step(mains, grads, exp_avgs, exp_avg_sqs, [], **kw)
+            return
+        for main, grad, m, v in zip(mains, grads, exp_avgs, exp_avg_sqs):
+            m32, v32 = m.float(), v.float()
+            adamw_step([main], [grad], [m32], [v32], [], **kw)
+            m.copy_(m32)
+            v.copy_(v32)
 
     def _publish(self) -> None:
         """Copy main weights into the params (cast) and, with ZeRO-1/2, all-gather them (ZeRO-3
         gathers each unit at its next use)."""
         for seg in self.segments:
-            if not self._aliased[seg.buffer]:
-                seg.param.copy_(seg.main)
+            if not seg.aliased:  # host to device when offloaded, overlapping the next copies
+                seg.param.copy_(seg.main, non_blocking=seg.host_grad is not None)
         if self.ddp.zero in (1, 2):
             gather_params(self.ddp)
 
@@ -353,16 +459,13 @@ class Optimizer:
         embedding copies) appear on every rank that holds them, with identical ShardSpecs.
         """
         out: dict[str, list] = {}
-        for pc in self.pieces:
+        for pc, kinds in zip(self.pieces, self._piece_state):
             p = pc.param
             rects = rectangles(pc.shape, p.shard, pc.lo, pc.hi, p.logical_name)
             if not rects:
                 continue
-            seg = self.segments[pc.segment]
-            start = pc.at - pc.lo  # segment offset of the param's flat element 0
-            kinds = {"main_param": seg.main, **seg.state}
             for kind, flat in kinds.items():
-                views = chunk_views(flat[start + pc.lo:start + pc.hi], pc.lo, rects)
+                views = chunk_views(flat, pc.lo, rects)
                 out.setdefault(f"optimizer/{kind}/{p.logical_name}", []).extend(views)
         return out
 
@@ -389,6 +492,35 @@ class Optimizer:
 
 def _tolist(t: torch.Tensor) -> list[float]:
     return t.tolist()
+
+
+STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def state_dtype(cfg, field: str) -> torch.dtype:
+    """The storage dtype of a moment (``optimizer.exp_avg_dtype`` or ``exp_avg_sq_dtype``).
+
+    Raises:
+        ValueError: not ``fp32`` or ``bf16``, naming the field.
+    """
+    name = getattr(cfg, field, "fp32")
+    if name not in STATE_DTYPES:
+        raise ValueError(f"optimizer.{field}={name!r} must be one of {sorted(STATE_DTYPES)}")
+    return STATE_DTYPES[name]
+
+
+def _state_kinds(cfg) -> dict:
+    """State kind -> which params hold it: None for every param (segment-wide flats), else a
+    predicate (Muon: momentum for its matrices, AdamW moments for the rest)."""
+    if cfg.name == "adamw":
+        return {"exp_avg": None, "exp_avg_sq": None}
+    if cfg.name == "sgd":
+        return {"momentum": None} if cfg.sgd_momentum else {}
+
+    def adam(p) -> bool:
+        return not uses_muon(p)
+
+    return {"exp_avg": adam, "exp_avg_sq": adam, "momentum": uses_muon}
 
 
 def build_optimizer(chunks, ctx, opt_cfg, ddp: DistributedDataParallel | None = None, *,

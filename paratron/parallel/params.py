@@ -17,6 +17,9 @@ Layers call :func:`mark` on each parameter they create. The attributes:
 ``grad_uses``            optional (default 1): how many grads one backward pass gives the param
                          (an expert run once per dispatch chunk); DDP starts the param's bucket
                          reduction during the last backward only after that many.
+``qkv_split``            optional, on a fused QKV weight: ``(groups, (q_rows, k_rows, v_rows))``:
+                         dim 0 of the full tensor is ``groups`` row blocks ``[q; k; v]`` (Muon
+                         orthogonalises Q, K and V separately, :mod:`paratron.optim.muon`).
 ``logical_name``         the layout-independent name, e.g. ``layers.3.mlp.fc1.weight``; used to
                          seed initialisation and to key checkpoints.
 =======================  ==================================================================

@@ -29,6 +29,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="train on this text: a .jsonl/.json/.txt file or a directory of them (tokenised on "
                         "first use into the data cache), or an existing .bin/.idx prefix; replaces the "
                         "config's data.corpus and data.data_path")
+    p.add_argument("--from-hf", default=None, metavar="DIR",
+                   help="start from a Hugging Face folder: model config, tokenizer and weights (each rank "
+                        "reads only its slices); checkpoint.load_hf=DIR")
+    p.add_argument("--save-hf", default=None, metavar="DIR",
+                   help="after training, export a Hugging Face folder to DIR and check it against "
+                        "transformers (checkpoint.save_hf=DIR, train.export_hf_at_end=true)")
     p.add_argument("--run-dir", default=None,
                    help="where metrics.jsonl, tensorboard/ and loss.png go (default: runs/<config file stem>, "
                         "or runs/latest without --config)")
@@ -46,9 +52,17 @@ def parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespac
     except ConfigError as e:
         parser.error(str(e))
     args = parser.parse_args(rest)
-    args.overrides = aliases + args.overrides
+    args.overrides = aliases + args.overrides + hf_overrides(args)
     args.argv = argv
     return args
+
+
+def hf_overrides(args: argparse.Namespace) -> list[str]:
+    """The config keys that ``--from-hf`` and ``--save-hf`` stand for."""
+    out = [f"checkpoint.load_hf={args.from_hf}"] if args.from_hf else []
+    if args.save_hf:
+        out += [f"checkpoint.save_hf={args.save_hf}", "train.export_hf_at_end=true"]
+    return out
 
 
 def world_size_for(args: argparse.Namespace) -> int:
@@ -62,10 +76,12 @@ def world_size_for(args: argparse.Namespace) -> int:
 
 def load_and_validate(args: argparse.Namespace) -> Config:
     """Config from file + overrides, validated for this world size (no process group yet)."""
+    from paratron.checkpoint.hf_load import apply_load_hf
     from paratron.training.preflight import apply_data_argument, check_paths, import_plugins
 
     cfg = build_config(args.config, args.overrides)
     apply_data_argument(cfg, getattr(args, "data", None), args.overrides)
+    apply_load_hf(cfg, args.overrides)
     try:  # first: the config may name schedules, dispatchers or blocks that plugins register
         import_plugins(cfg)
     except ValueError as e:

@@ -10,6 +10,9 @@ count documents.
 
 from __future__ import annotations
 
+import os
+import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -82,8 +85,9 @@ class TrainingData:
 
         def make():
             prefixes, tok = prepare_run_data(cfg.data, progress=ctx.rank == 0 and cfg.logging.progress)
-            train, valid, _ = build_datasets(prefixes, cfg.model.seq_length, t.seed, split=cfg.data.split,
-                                             num_samples=num_samples, cache_dir=cfg.data.cache_dir)
+            with split_warnings_once():
+                train, valid, _ = build_datasets(prefixes, cfg.model.seq_length, t.seed, split=cfg.data.split,
+                                                 num_samples=num_samples, cache_dir=cfg.data.cache_dir)
             return prefixes, tok, train, valid
 
         if ctx.rank == 0:
@@ -121,7 +125,8 @@ class TrainingData:
             prefixes, tok = prepare_run_data(d, progress=False)
         if d.corpus and not d.data_path:
             d.data_path = [prefixes[0][1]]
-        train, valid = document_splits(prefixes[0][1], d.split)
+        with split_warnings_once():
+            train, valid = document_splits(prefixes[0][1], d.split)
 
         def sampler(src):
             return None if src is None else TokenBudgetSampler(
@@ -133,15 +138,30 @@ class TrainingData:
                    validation_prompt(prefixes, d.split, tok), row_multiple(cfg.parallel))
 
 
+@contextmanager
+def split_warnings_once():
+    """Silence the warnings of splits left out (:class:`~paratron.data.split_plan.SplitWarning`)
+    when the check before launch printed them already (:func:`paratron.training.preflight.prepare_data`)."""
+    from paratron.data.split_plan import SplitWarning
+    from paratron.training.preflight import SPLITS_CHECKED_ENV
+
+    with warnings.catch_warnings():
+        if os.environ.get(SPLITS_CHECKED_ENV):
+            warnings.simplefilter("ignore", SplitWarning)
+        yield
+
+
 def microbatch_preparer(cfg, ctx, eod: int) -> Callable[[dict], dict]:
     """The function applied to every collated microbatch ``{"tokens", "labels"}`` ``[b, s]``: the
     packed-document fields of ``data.reset_position_ids`` / ``reset_attention_mask`` /
-    ``eod_mask_loss`` (:func:`paratron.data.packing.pack_microbatch`), then this CP rank's chunks
+    ``eod_mask_loss`` (:func:`paratron.data.packing.pack_microbatch`), the multi-token-prediction
+    targets (:func:`paratron.models.mtp.add_mtp_targets`), then this CP rank's chunks
     (:func:`paratron.models.context_parallel.shard_microbatch`; the data loader hands each CP rank
     only its tokens). Token-balanced rows (``data.microbatch_tokens``) already hold their
     positions and segments: only the loss mask and the CP split apply to them."""
     from paratron.data.packing import pack_microbatch
     from paratron.models.context_parallel import shard_microbatch
+    from paratron.models.mtp import add_mtp_targets
 
     d, p = cfg.data, cfg.parallel
     fixed = d.microbatch_tokens is None
@@ -149,6 +169,7 @@ def microbatch_preparer(cfg, ctx, eod: int) -> Callable[[dict], dict]:
     def prepare(mb: dict) -> dict:
         mb = pack_microbatch(mb, eod, reset_position_ids=d.reset_position_ids and fixed,
                              reset_attention_mask=d.reset_attention_mask and fixed, eod_mask_loss=d.eod_mask_loss)
+        mb = add_mtp_targets(mb, cfg.model.mtp_num_layers)  # on whole rows, before the CP split
         return shard_microbatch(mb, ctx.cp.rank, ctx.cp.size, p.context_algorithm)
 
     return prepare

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from paratron.training.hang import load_dumps
 
-CONSEQUENCE_TYPES = {"DistBackendError", "DistNetworkError", "DistStoreError"}
+CONSEQUENCE_TYPES = {"DistBackendError", "DistNetworkError", "DistStoreError", "PeerCheckpointError"}
 CONSEQUENCE_TEXT = ("closed by peer", "reset by peer", "broken pipe", "timed out", "timeout",
                     "connection refused", "read error", "write error")
 
@@ -33,6 +33,14 @@ class Failure:
     where: str | None = None
     step: int | None = None
     consequence: bool = False
+    save: int | None = None
+    """The iteration whose checkpoint save the failure interrupted (None: not in a save)."""
+
+    def when(self) -> str:
+        """`` while saving the checkpoint of iteration N``, `` at step N``, or nothing."""
+        if self.save is not None:
+            return f" while saving the checkpoint of iteration {self.save}"
+        return f" at step {self.step}" if self.step else ""
 
 
 def read_records(log_dir: Path, suffix: str) -> dict[int, dict]:
@@ -68,7 +76,7 @@ def collect(log_dir: Path, deaths: dict[int, float], exit_codes: dict[int, int])
     out = []
     for r, rec in read_records(log_dir, "error").items():
         out.append(Failure(r, rec["time"], f"{rec['type']}: {rec['message']}".rstrip(": "),
-                           rec.get("where"), rec.get("step"), _is_consequence(rec)))
+                           rec.get("where"), rec.get("step"), _is_consequence(rec), rec.get("save")))
     errored = {f.rank for f in out}
     for r, t in deaths.items():
         code = exit_codes.get(r)
@@ -85,8 +93,7 @@ def summarize(failures: list[Failure], log_dir: Path, world_size: int | None = N
         return [f"no rank reported an error; see {log_dir}/rank_N.log and {log_dir}/torchrun.log"]
     primaries = [f for f in failures if not f.consequence] or failures
     first = primaries[0]
-    step = f" at step {first.step}" if first.step else ""
-    lines = [f"rank {first.rank} failed first{step}: {first.text}"]
+    lines = [f"rank {first.rank} failed first{first.when()}: {first.text}"]
     if first.where:
         lines.append(f"  at {first.where}")
     same = sorted({f.rank for f in primaries[1:] if f.text == first.text})

@@ -59,21 +59,37 @@ def sample(chunk, ids: list[int], *, max_new_tokens: int, temperature: float, to
 
 def load_single_process_model(checkpoint_dir: str):
     """(config, model chunk on one process) from any saved layout."""
+    from paratron.checkpoint.hf_export import single_process_model
     from paratron.checkpoint.io import load_model_full
-    from paratron.models.gpt import build_model_chunks
-    from paratron.parallel.context import ParallelContext
-    from paratron.parallel.params import load_full_
 
     cfg, tensors = load_model_full(checkpoint_dir)
-    ctx = ParallelContext.single()
-    (chunk,) = build_model_chunks(cfg.model, ctx, seed=cfg.train.seed, sequence_parallel=False)
-    missing = [p.logical_name for p in chunk.parameters() if p.logical_name not in tensors]
-    if missing:
-        raise ValueError(f"checkpoint {checkpoint_dir} lacks model tensors: {missing[:5]}")
-    for p in chunk.parameters():
-        load_full_(p, tensors[p.logical_name].to(p.dtype))
-    chunk.eval()
-    return cfg, chunk
+    try:
+        return cfg, single_process_model(cfg.model, tensors, seed=cfg.train.seed)
+    except ValueError as e:
+        raise ValueError(f"checkpoint {checkpoint_dir}: {e}") from None
+
+
+HF_CHECK_TOKENS = 8
+
+
+def hf_export_check(model_cfg, tensors: dict, hf_dir, ids: list[int], n: int = HF_CHECK_TOKENS) -> str:
+    """One line saying whether paratron (``tensors`` on one process) and ``transformers`` (the
+    exported folder ``hf_dir``) continue ``ids`` with the same ``n`` greedy tokens; when they do
+    not, the first differing position and both continuations."""
+    from paratron.checkpoint.hf_export import single_process_model, transformers_greedy
+
+    chunk = single_process_model(model_cfg, tensors)
+    ours = sample(chunk, ids, max_new_tokens=n, temperature=0, top_k=0, vocab_size=model_cfg.vocab_size,
+                  seq_length=model_cfg.seq_length)[len(ids):]
+    try:
+        theirs = transformers_greedy(hf_dir, ids, n)[len(ids):]
+    except ImportError as e:
+        return f"HF export check skipped: {e}"
+    if ours == theirs:
+        return f"HF export check: paratron and transformers agree on {n} greedy tokens"
+    k = next(i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b)
+    return (f"HF export check: paratron and transformers DISAGREE from greedy token {k + 1} of {n} "
+            f"(paratron {ours}, transformers {theirs}): the export or its config mapping is wrong")
 
 
 def generate_text(checkpoint_dir: str, prompt: str, max_new_tokens: int = 64, temperature: float = 0.8,

@@ -46,7 +46,7 @@ def groups_used(cfg: Config) -> tuple[str, ...]:
     :data:`~paratron.parallel.grid.GROUP_KINDS` order."""
     m = cfg.model
     kinds = set(ALWAYS)
-    if m.tie_embeddings:
+    if m.tie_embeddings or m.mtp_num_layers:  # MTP shares the word embedding with the last stage
         kinds.add("embedding")
     if m.num_experts > 0:
         kinds.update(MOE)

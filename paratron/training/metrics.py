@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from pathlib import Path
 
@@ -72,37 +73,111 @@ def scalars(record: dict) -> tuple[int, dict[str, float]]:
     return record.get("iteration", 0), values
 
 
+METRICS = "metrics.jsonl"
+SUPERSEDED = "metrics.superseded.jsonl"
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """The records of a ``metrics.jsonl``, in order; [] when there is none. A line that is not a
+    whole JSON object (the last one, when a writer was killed mid-line) is left out. After a
+    resume into its own run directory the file holds exactly the current record of every
+    iteration (see :meth:`MetricsWriter.start`), so every reader and the loss plot read it whole.
+    """
+    return [r for r in (_parse(line) for line in _lines(path)) if r is not None]
+
+
+def _lines(path: Path) -> list[str]:
+    try:
+        return Path(path).read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        return []
+
+
+def _parse(line: str) -> dict | None:
+    try:
+        r = json.loads(line)
+    except ValueError:
+        return None
+    return r if isinstance(r, dict) else None
+
+
+def split_at_resume(lines: list[str], iteration: int) -> int:
+    """Where the records of a run that resumes after ``iteration`` begin to be replaced: the
+    index of the first line that is not a whole record or that records a later iteration (a
+    run's records are in iteration order, so everything from there on is redone by the resumed
+    run, ``startup`` records of the replaced launches included); ``len(lines)`` when none."""
+    for i, line in enumerate(lines):
+        r = _parse(line)
+        if r is None or int(r.get("iteration", 0)) > iteration:
+            return i
+    return len(lines)
+
+
 class MetricsWriter:
     """Writes records to ``RUN_DIR/metrics.jsonl`` and TensorBoard (rank 0 only).
 
     Training records carry ``iteration, loss, grad_norm, lr, tokens_per_second`` (and more);
     validation records carry ``iteration, val_loss, val_ppl``. These names are a public interface.
     ``sinks``: more writers (``write(record)``, ``close()``) given every record, e.g.
-    :class:`~paratron.training.wandb_log.WandbWriter`.
+    :class:`~paratron.training.wandb_log.WandbWriter`. Nothing is opened before :meth:`start`,
+    which the trainer calls once it knows the iteration the run continues from.
     """
 
     def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool, sinks: list | None = None):
-        self.enabled = enabled
+        self.enabled, self.run_dir, self.tensorboard = enabled, Path(run_dir), tensorboard
         self.sinks = list(sinks or []) if enabled else []
-        self.records: list[dict] = []
         self._jsonl = None
         self._tb = None
-        if not enabled:
-            return
-        run_dir.mkdir(parents=True, exist_ok=True)
-        self._jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)
-        if tensorboard:
+
+    def start(self, iteration: int) -> int:
+        """Open the files for a run that continues after ``iteration`` (0: a fresh start).
+
+        Records of later iterations that an earlier run left in ``metrics.jsonl`` (a run killed
+        after its last checkpoint, resumed into its own run directory) are moved, marked with
+        ``superseded_by_resume_at``, to ``metrics.superseded.jsonl``, so that ``metrics.jsonl``
+        keeps one record per iteration: the current one. They are appended there before
+        ``metrics.jsonl`` is replaced (atomically), so a crash in between loses none. TensorBoard
+        discards its events from step ``iteration + 1`` on (``SummaryWriter(purge_step=)``).
+
+        Returns:
+            The number of lines superseded (0 on every rank but 0).
+        """
+        if not self.enabled:
+            return 0
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        moved = self._supersede(self.run_dir / METRICS, int(iteration))
+        self._jsonl = open(self.run_dir / METRICS, "a", buffering=1, encoding="utf-8")
+        if self.tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self._tb = SummaryWriter(str(run_dir / "tensorboard"))
+                self._tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=int(iteration) + 1)
             except ImportError:  # tensorboard is a dependency, but a run must not die for a log
                 self._tb = None
+        return moved
+
+    def _supersede(self, path: Path, iteration: int) -> int:
+        lines = _lines(path)
+        cut = split_at_resume(lines, iteration)
+        if cut == len(lines):
+            return 0
+        with open(self.run_dir / SUPERSEDED, "a", encoding="utf-8") as side:
+            for line in lines[cut:]:
+                r = _parse(line)
+                r = {"unparsed": line} if r is None else r
+                side.write(json.dumps({**r, "superseded_by_resume_at": iteration}) + "\n")
+            side.flush()
+            os.fsync(side.fileno())
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in lines[:cut]), encoding="utf-8")
+        os.replace(tmp, path)
+        return len(lines) - cut
 
     def write(self, record: dict) -> None:
         if not self.enabled:
             return
-        self.records.append(record)
+        if self._jsonl is None:
+            raise RuntimeError("MetricsWriter.write before start(iteration)")
         self._jsonl.write(json.dumps(record) + "\n")
         if self._tb is not None:
             step, values = scalars(record)
@@ -122,7 +197,9 @@ class MetricsWriter:
 
 def plot_losses(records: list[dict], path: Path) -> None:
     """Draw train and validation loss against iteration into a PNG (skipped, with a note, where
-    matplotlib is not installed: a finished run must not fail for its plot)."""
+    matplotlib is not installed: a finished run must not fail for its plot). The trainer passes
+    the run's current records (:func:`read_metrics` of its ``metrics.jsonl``): the whole run,
+    the iterations before a resume included, each once."""
     try:
         import matplotlib
     except ImportError:
@@ -157,6 +234,8 @@ def format_log_line(r: dict, total_iters: int) -> str:
              f"grad norm {r['grad_norm']:.3f}"]
     if "aux_loss" in r:
         parts.append(f"aux loss {r['aux_loss']:.4f}")
+    if "mtp_loss" in r:
+        parts.append(f"mtp loss {r['mtp_loss']:.4f}")
     if "loss_scale" in r:
         parts.append(f"loss scale {r['loss_scale']:.0f}")
     parts += [f"skipped {r['skipped_iterations']}",

@@ -34,6 +34,16 @@ class NonFiniteGuard:
         self.policy, self.max_consecutive = policy, int(max_consecutive)
         self.in_a_row = 0
 
+    def state_dict(self) -> dict:
+        """The non-finite steps in a row so far (``consecutive_nonfinite_steps``): a checkpoint
+        may follow a skipped step, and the skips of a resumed run continue that count against
+        ``train.max_consecutive_skips``."""
+        return {"consecutive_nonfinite_steps": self.in_a_row}
+
+    def load_state_dict(self, d: dict) -> None:
+        """Restore :meth:`state_dict` (a checkpoint written before it was saved: 0)."""
+        self.in_a_row = int(d.get("consecutive_nonfinite_steps", 0))
+
     def check(self, iteration: int, nonfinite: bool, where) -> str | None:
         """After step ``iteration`` (1-based): None when it was finite; else a warning line for
         a skipped step.

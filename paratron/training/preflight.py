@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from pathlib import Path
 
 from paratron.config import Config, ConfigError
@@ -99,9 +100,33 @@ def prepare_data(cfg: Config, progress: bool = True):
         pairs, tok = prepare.prepare_run_data(cfg.data, progress=progress)
         for _, prefix in pairs:
             check_dataset_files(prefix)
+        notes = split_warnings(cfg, pairs)
     except (corpus.BadInputError, ValueError, FileNotFoundError) as e:
         raise ConfigError(str(e)) from None
+    for line in notes:
+        print(f"paratron: warning: {line}", file=sys.stderr)
+    os.environ[SPLITS_CHECKED_ENV] = "1"  # the ranks (inherited) do not repeat these warnings
     return tok
+
+
+SPLITS_CHECKED_ENV = "PARATRON_SPLITS_CHECKED"
+"""Set once :func:`prepare_data` has checked the splits and printed their warnings."""
+
+
+def split_warnings(cfg: Config, pairs: list[tuple[float, str]]) -> list[str]:
+    """The train and valid splits of every prefix (one, a blend, or the whole documents of
+    ``data.microbatch_tokens``) under the rule every dataset path applies
+    (:func:`paratron.data.split_plan.plan_splits`): the warnings of the parts left out.
+
+    Raises:
+        ValueError: a train split too small for one sample (the prefix and its tokens named).
+    """
+    from paratron.data.indexed import IndexedDataset
+    from paratron.data.split_plan import RUN_SPLITS, plan_splits
+
+    indexed = [(w, IndexedDataset(prefix)) for w, prefix in pairs]
+    return plan_splits(indexed, cfg.data.split, cfg.model.seq_length,
+                       whole_documents=cfg.data.microbatch_tokens is not None, wanted=RUN_SPLITS)[1]
 
 
 def check_dataset_files(prefix: str) -> None:
@@ -184,6 +209,34 @@ def check_checkpoint_dir(cfg: Config, vocab_size: int | None = None, room: bool 
         raise ConfigError(f"checkpoint.save: {e}") from None
 
 
+def check_checkpoint_load(cfg: Config, vocab_size: int | None = None) -> None:
+    """What a resume from ``checkpoint.load`` would refuse that its plain files show: ``latest``
+    or ``checkpoint.load_step`` naming a step that does not exist, a missing or corrupt manifest,
+    a checkpoint of another model, no optimizer state under ``checkpoint.load_optimizer``; the
+    rules of the load itself (:func:`paratron.checkpoint.io.resume_manifest`). Tensor files are
+    not read here (the ranks verify each block they read).
+
+    Args:
+        vocab_size: the tokenizer's, when ``model.vocab_size`` is unset (the ranks fill it so).
+
+    Raises:
+        ConfigError: naming the file and the rule, and listing the steps there are.
+    """
+    from paratron.checkpoint.io import resume_manifest
+    from paratron.checkpoint.items import CheckpointError
+
+    c = cfg.checkpoint
+    if not c.load:
+        return
+    model = cfg.to_dict()["model"]
+    if model.get("vocab_size") is None:
+        model["vocab_size"] = vocab_size
+    try:
+        resume_manifest(c.load, c.load_step, model, bool(c.load_optimizer))
+    except CheckpointError as e:
+        raise ConfigError(f"checkpoint.load={c.load}: {e}") from None
+
+
 def import_plugins(cfg: Config) -> None:
     """Import the modules named in ``train.callbacks``, so that the schedules, dispatchers and
     blocks they register exist before the config is checked against the registries."""
@@ -195,15 +248,18 @@ def import_plugins(cfg: Config) -> None:
 
 def prepare_training(cfg: Config, run_dir: str | os.PathLike) -> None:
     """What ``paratron train`` does after validating and before any rank starts: default the
-    outputs into the run directory, tokenise and check the data, and check the checkpoint
-    directory. Inside a rank (a plain ``torchrun``, or the ranks the launcher started) only the
-    checks every rank answers alike run: global rank 0 prepares the data after launch, and each
-    save checks its exact size (:func:`paratron.checkpoint.storage.refuse_unless_room`).
+    outputs into the run directory, tokenise and check the data (and its splits), check the
+    checkpoint to resume from, and the checkpoint directory. Inside a rank (a plain
+    ``torchrun``, or the ranks the launcher started) only the checks every rank answers alike
+    run: global rank 0 prepares the data after launch, and each save checks its exact size (:func:`paratron.checkpoint.storage.refuse_unless_room`).
 
     Raises:
-        ConfigError: as :func:`prepare_data` and :func:`check_checkpoint_dir`.
+        ConfigError: as :func:`prepare_data`, :func:`check_checkpoint_load` and
+            :func:`check_checkpoint_dir`.
     """
     apply_run_dir_defaults(cfg, run_dir)
     launching = "WORLD_SIZE" not in os.environ
     tok = prepare_data(cfg, progress=cfg.logging.progress) if launching else None
-    check_checkpoint_dir(cfg, tok.vocab_size if tok is not None else None, room=launching)
+    vocab = tok.vocab_size if tok is not None else None
+    check_checkpoint_load(cfg, vocab)
+    check_checkpoint_dir(cfg, vocab, room=launching)

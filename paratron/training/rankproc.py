@@ -119,11 +119,13 @@ def error_location(tb) -> str:
 
 def write_error_record(log_dir: Path, rank: int, exc: BaseException) -> None:
     """``log_dir/rank_N.error.json``: what the launcher's summary prints for this rank (the step
-    comes from ``exc.paratron_step``, set by the training loop's watchdog callback)."""
+    comes from ``exc.paratron_step``, set by the training loop's watchdog callback; the iteration
+    of an interrupted checkpoint save from ``exc.paratron_save``, set by the save)."""
     message = str(exc).strip().splitlines()
     record = {"rank": rank, "pid": os.getpid(), "host": socket.gethostname(), "time": time.time(),
               "type": type(exc).__name__, "message": message[0] if message else "",
-              "where": error_location(exc.__traceback__), "step": getattr(exc, "paratron_step", None)}
+              "where": error_location(exc.__traceback__), "step": getattr(exc, "paratron_step", None),
+              "save": getattr(exc, "paratron_save", None)}
     from paratron.checkpoint.io import write_json_atomic
 
     log_dir.mkdir(parents=True, exist_ok=True)

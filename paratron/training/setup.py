@@ -44,6 +44,24 @@ def print_sample(cfg: Config, ctx, prompt: str) -> None:
     log(ctx, "sample from the saved checkpoint (temperature 0.8, top-k 40):\n" + text)
 
 
+def export_hf_at_end(cfg: Config, ctx, run_dir: Path, prompt: str | None) -> None:
+    """Rank 0 writes the final checkpoint as a Hugging Face folder (``checkpoint.save_hf``, else
+    ``RUN_DIR/hf``) and prints the HF export check (paratron vs transformers, greedy tokens)."""
+    ctx.world.barrier()  # every rank's shards are on disk
+    if ctx.rank != 0:
+        return
+    from paratron.checkpoint.hf_export import export_hf
+    from paratron.checkpoint.io import load_model_full
+    from paratron.data.prepare import build_tokenizer
+    from paratron.training.generate import hf_export_check
+
+    _, tensors = load_model_full(cfg.checkpoint.save)
+    out = export_hf(cfg, tensors, cfg.checkpoint.save_hf or Path(run_dir) / "hf")
+    log(ctx, f"Hugging Face export: {out} (config.json, model.safetensors, tokenizer)")
+    ids = build_tokenizer(cfg.data).encode(prompt or "")[:32] if prompt else []
+    log(ctx, hf_export_check(cfg.model, tensors, out, [i for i in ids if i < cfg.model.vocab_size] or [0]))
+
+
 def warn_if_saving_over(cfg: Config, ctx) -> None:
     """Say so when ``checkpoint.save`` already holds another run's checkpoints: a save of the
     same step number replaces theirs."""
@@ -59,6 +77,7 @@ def warn_if_saving_over(cfg: Config, ctx) -> None:
 
 def build_model_and_optimizer(cfg: Config, ctx):
     """Model chunks of this rank, wrapped for data parallelism, with optimizer and LR schedule."""
+    from paratron.checkpoint.hf_load import hf_param_names
     from paratron.checkpoint.manager import params_to_load
     from paratron.layers.init import skip_draws
     from paratron.models.gpt import build_model_chunks
@@ -68,7 +87,7 @@ def build_model_and_optimizer(cfg: Config, ctx):
     p = cfg.parallel
     layout = stage_layers(cfg.model.num_layers, p.pipeline, p.virtual_pipeline, p.pipeline_layout, p.schedule)
     # A param the checkpoint will fill is left uninitialised: no draw to overwrite (issue 20).
-    with skip_draws(params_to_load(cfg.checkpoint)):
+    with skip_draws(params_to_load(cfg.checkpoint) | hf_param_names(cfg)):
         chunks = build_model_chunks(cfg.model, ctx, seed=cfg.train.seed, sequence_parallel=p.sequence_parallel,
                                     params_dtype=precision_dtype(cfg.train.precision), stage_layers=layout,
                                     context_algorithm=p.context_algorithm)
@@ -84,6 +103,15 @@ def build_model_and_optimizer(cfg: Config, ctx):
     optimizer = build_optimizer(chunks, ctx, cfg.optimizer, ddp, precision=cfg.train.precision)
     scheduler = build_lr_scheduler(cfg.optimizer, cfg.train.train_iters, optimizer)
     return chunks, ddp, optimizer, scheduler
+
+
+def load_hf_start(cfg: Config, ctx, chunks, optimizer) -> None:
+    """Fill the model from ``checkpoint.load_hf`` (each rank its own slices) and say so."""
+    from paratron.checkpoint.hf_load import load_hf_weights
+
+    stats = load_hf_weights(cfg, chunks, optimizer)
+    log(ctx, f"loaded {cfg.checkpoint.load_hf} (Hugging Face): rank 0 read {stats.read / 2**20:.1f} MiB "
+             f"for {stats.tensors} params, the largest read {stats.largest / 2**20:.1f} MiB")
 
 
 def build_checkpoint_manager(cfg: Config, ctx):

@@ -26,20 +26,24 @@ class StepOutput:
     """One global batch's results, the same on every rank.
 
     Attributes:
-        stats: fp64 ``[3]`` on the device: global token-mean LM loss, the MoE aux loss (summed
+        stats: fp64 ``[4]`` on the device: global token-mean LM loss, the MoE aux loss (summed
             over MoE layers and stages for the last microbatch, averaged over DP; 0 without
-            MoE), valid tokens of the global batch.
+            MoE), valid tokens of the global batch, the multi-token-prediction loss (mean over
+            the MTP modules of each one's token mean, without ``mtp_loss_scaling_factor``; 0
+            without MTP).
         has_aux: the model has MoE layers (``aux_loss`` is None otherwise).
         timings: host seconds (``forward_backward``; launch time on a GPU).
+        has_mtp: the model has MTP modules (``mtp_loss`` is None otherwise).
     """
 
     stats: torch.Tensor
     has_aux: bool
     timings: dict[str, float]
     _read: list[float] | None = None
+    has_mtp: bool = False
 
     def read(self) -> dict:
-        """``{"loss", "num_tokens", "aux_loss"}`` as Python numbers (one device-to-host copy,
+        """``{"loss", "num_tokens", "aux_loss", "mtp_loss"}`` as Python numbers (one device-to-host copy,
         cached)."""
         if self._read is None:
             self._read = self.stats.tolist()
@@ -49,7 +53,8 @@ class StepOutput:
         """The values of :meth:`read` from ``stats.tolist()`` read elsewhere (e.g. many steps'
         stats stacked into one transfer)."""
         self._read = list(row)
-        return {"loss": row[0], "num_tokens": int(row[2]), "aux_loss": row[1] if self.has_aux else None}
+        return {"loss": row[0], "num_tokens": int(row[2]), "aux_loss": row[1] if self.has_aux else None,
+                "mtp_loss": row[3] if self.has_mtp else None}
 
     @property
     def loss(self) -> float:
@@ -64,6 +69,11 @@ class StepOutput:
     @property
     def aux_loss(self) -> float | None:
         return self.read()["aux_loss"]
+
+    @property
+    def mtp_loss(self) -> float | None:
+        """Multi-token-prediction loss (see ``stats``), or None without MTP modules."""
+        return self.read()["mtp_loss"]
 
 
 def count_global_tokens(microbatches: list[dict], ctx) -> torch.Tensor:
@@ -117,8 +127,7 @@ def run_global_batch(cfg, ctx, chunks, microbatches: list[dict], *, forward_only
         ddp: the chunks' :class:`~paratron.optim.ddp.DistributedDataParallel` (None: plain ``.grad``).
         timeline: a list: the pipeline runtime appends one event per action to it (``run_pipeline``).
 
-    Returns:
-        :class:`StepOutput` with the global-batch loss, known on every rank.
+    Returns: :class:`StepOutput` with the global-batch loss, known on every rank.
     """
     from paratron.models.moe.layer import update_expert_bias
     from paratron.optim import finalize_grads, precision_dtype
@@ -129,6 +138,7 @@ def run_global_batch(cfg, ctx, chunks, microbatches: list[dict], *, forward_only
     # fp32 0-dim (exact up to 2^24 tokens); an all-ignored batch gives loss 0, not NaN.
     denom = global_tokens[0].clamp(min=1.0).float()
     lm_losses: list[torch.Tensor] = []
+    mtp = _MTPLoss(cfg, ctx, microbatches)
 
     def forward_step(chunk_id, chunk, input_tensor, mb):
         x = mb["tokens"].to(ctx.device) if chunk.pre_process else input_tensor
@@ -136,16 +146,17 @@ def run_global_batch(cfg, ctx, chunks, microbatches: list[dict], *, forward_only
         packed = {k: mb[k].to(ctx.device) for k in ("position_ids", "cu_seqlens") if k in mb}
         if not chunk.post_process:
             return chunk(x, **packed)
-        losses = chunk(x, labels=mb["labels"].to(ctx.device), **packed)  # [s, b] fp32, 0 where ignored
+        out = chunk(x, labels=mb["labels"].to(ctx.device), **packed, **mtp.inputs(mb))
+        losses, mtp_losses = out if isinstance(out, tuple) else (out, None)  # [s, b] fp32, 0 where ignored
         loss = losses.sum() / denom
         lm_losses.append(loss.detach())
+        loss = mtp.add(loss, mtp_losses)
         return loss * loss_scale if loss_scale != 1.0 else loss
 
-    m = len(microbatches)
     if cfg.model.num_experts > 0:
         _scale_aux_losses(cfg, ctx, chunks, microbatches, loss_scale)
     if actions is None:
-        actions = rank_actions(cfg, ctx, m)
+        actions = rank_actions(cfg, ctx, len(microbatches))
     shapes = [_activation_shape(cfg, ctx, mb) for mb in microbatches]
     varied = any(shape != shapes[0] for shape in shapes)  # token-balanced rows (data.microbatch_tokens)
     run_pipeline(actions, chunks, ctx, microbatches, forward_step, tensor_shape=shapes[0],
@@ -157,10 +168,39 @@ def run_global_batch(cfg, ctx, chunks, microbatches: list[dict], *, forward_only
         update_expert_bias(chunks, ctx)  # DeepSeek-V3 router bias; no-op without one
     t1 = time.perf_counter()
 
-    stats = _global_stats(ctx, chunks, lm_losses, global_tokens)
-    has_aux = cfg.model.num_experts > 0 or any(getattr(mod, "last_aux_loss", None) is not None
-                                               for c in chunks for mod in c.modules())
-    return StepOutput(stats, has_aux, {"forward_backward": t1 - t0})
+    stats = _global_stats(ctx, chunks, lm_losses, global_tokens, mtp.values)
+    return StepOutput(stats, _has_aux(cfg, chunks), {"forward_backward": t1 - t0}, has_mtp=mtp.depth > 0)
+
+
+def _has_aux(cfg, chunks) -> bool:
+    return cfg.model.num_experts > 0 or any(getattr(mod, "last_aux_loss", None) is not None
+                                            for c in chunks for mod in c.modules())
+
+
+class _MTPLoss:
+    """The multi-token-prediction term of the loss (:mod:`paratron.models.mtp`): its inputs per
+    microbatch, ``lambda *`` its value added to the LM loss, and the values for the log."""
+
+    def __init__(self, cfg, ctx, microbatches: list[dict]):
+        from paratron.models.mtp import count_mtp_tokens
+
+        self.depth, self.scale, self.device = cfg.model.mtp_num_layers, cfg.model.mtp_loss_scaling_factor, ctx.device
+        self.counts = count_mtp_tokens(microbatches, ctx) if self.depth else None
+        self.values: list[torch.Tensor] = []
+
+    def inputs(self, mb: dict) -> dict:
+        from paratron.models.mtp import MTP_KEYS
+
+        return {k: mb[k].to(self.device) for k in MTP_KEYS if k in mb} if self.depth else {}
+
+    def add(self, loss: torch.Tensor, per_token: torch.Tensor | None) -> torch.Tensor:
+        if per_token is None:
+            return loss
+        from paratron.models.mtp import mtp_loss
+
+        value = mtp_loss(per_token, self.counts)
+        self.values.append(value.detach())
+        return loss + self.scale * value
 
 
 def _activation_shape(cfg, ctx, mb: dict) -> tuple[int, int, int]:
@@ -185,17 +225,20 @@ def _scale_aux_losses(cfg, ctx, chunks, microbatches: list[dict], loss_scale: fl
         set_aux_loss_scale(chunks, loss_scale / (cfg.train.global_batch_size // cfg.train.micro_batch_size))
 
 
-def _global_stats(ctx, chunks, lm_losses: list[torch.Tensor], global_tokens: torch.Tensor) -> torch.Tensor:
-    """``[LM loss, MoE aux loss, valid tokens]`` of the global batch, fp64 on ``ctx.device`` (no
+def _global_stats(ctx, chunks, lm_losses: list[torch.Tensor], global_tokens: torch.Tensor,
+                  mtp_losses: list[torch.Tensor]) -> torch.Tensor:
+    """``[LM loss, MoE aux loss, valid tokens, MTP loss]`` of the global batch, fp64 on ``ctx.device`` (no
     host read), the same on every rank.
 
     The loss lives on the last stage of each pipeline; it is summed over pp (others add 0), dp
     and cp (each CP rank holds its tokens' share; the aux values, summed over MoE layers and
     stages for the last microbatch, are the same on every CP rank and averaged over DP x CP).
     """
-    stats = torch.zeros(3, dtype=torch.float64, device=ctx.device)
+    stats = torch.zeros(4, dtype=torch.float64, device=ctx.device)
     if lm_losses:
         stats[0] = torch.stack(lm_losses).double().sum()
+    if mtp_losses:
+        stats[3] = torch.stack(mtp_losses).double().sum()
     aux = _aux_loss(chunks)
     if aux is not None:
         stats[1] = aux

@@ -2,8 +2,8 @@
 
 A record (one line of ``metrics.jsonl``, the same on every rank) holds ``iteration,
 consumed_tokens, loss, lr, grad_norm, skipped_iterations, tokens_per_second, step_time_s,
-tflops_per_device, mfu, peak_memory_mb`` (plus ``loss_scale`` under fp16 and ``aux_loss`` for
-MoE). The console shows rank 0's record every ``logging.log_interval`` steps (and at step 1),
+tflops_per_device, mfu, peak_memory_mb`` (plus ``loss_scale`` under fp16, ``aux_loss`` for
+MoE and ``mtp_loss`` with multi-token prediction). The console shows rank 0's record every ``logging.log_interval`` steps (and at step 1),
 with the token rate and the device time per phase averaged over the interval;
 ``metrics.jsonl`` keeps every step. Every value is on the host when the step ends: the loss stats
 came with the optimizer's one device-to-host read.
@@ -48,6 +48,16 @@ class StepLog:
         self.skipped = 0
         self._window_tokens, self._window_time = 0, 0.0
 
+    def state_dict(self) -> dict:
+        """The counts that run across steps and must survive a resume (carried in every
+        checkpoint's ``extra``): ``skipped_iterations`` so far. The console's token-rate window
+        is not one of them: it measures the time since the last line of this process."""
+        return {"skipped_iterations": self.skipped}
+
+    def load_state_dict(self, d: dict) -> None:
+        """Restore :meth:`state_dict` (a checkpoint written before it was saved: 0)."""
+        self.skipped = int(d.get("skipped_iterations", 0))
+
     def header(self, unigram_entropy: float | None) -> None:
         log(self.ctx, f"peak FLOP/s per device for MFU: {self.peak / 1e12:.3f} TFLOP/s ({self.peak_source})")
         if unigram_entropy is not None:
@@ -71,6 +81,8 @@ class StepLog:
             r["loss_scale"] = float(result.loss_scale)
         if out.aux_loss is not None:
             r["aux_loss"] = out.aux_loss
+        if out.mtp_loss is not None:
+            r["mtp_loss"] = out.mtp_loss
         r.update(self._throughput(r["tokens_per_second"]))
         r["peak_memory_mb"] = peak_memory_mb(self.ctx.device)
         return r

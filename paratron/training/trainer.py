@@ -31,16 +31,22 @@ from paratron.parallel.collcheck import agree_to_stop
 from paratron.pipeline.delay import measured_microbatch_time
 from paratron.training.callbacks import CallbackList, TrainState, load_callback
 from paratron.training.evaluator import Evaluator
-from paratron.training.metrics import MetricsWriter, peak_flops_per_device, plot_losses
+from paratron.training.metrics import (METRICS, SUPERSEDED, MetricsWriter, peak_flops_per_device, plot_losses,
+                                       read_metrics)
 from paratron.training.nonfinite import NonFiniteGuard, NonFiniteStop
 from paratron.training.profiling import StepObserver
 from paratron.training.setup import (build_checkpoint_manager, build_model_and_optimizer, builtin_callbacks,
-                                     count_params, print_sample, seed_everything, warn_if_saving_over)
+                                     count_params, export_hf_at_end, load_hf_start, print_sample,
+                                     seed_everything, warn_if_saving_over)
 from paratron.training.step import needs_microbatch_time, rank_actions, run_global_batch
 from paratron.training.startup import StartupClock
 from paratron.training.step_log import StepLog, log
 from paratron.training.timers import PhaseTimer
 from paratron.training.wandb_log import wandb_sinks
+
+
+RUN_COUNTERS = ("iteration", "consumed_train_samples", "consumed_valid_samples", "consumed_train_tokens")
+"""The :class:`TrainState` counts that every checkpoint carries (:meth:`Trainer.progress`)."""
 
 
 class StopFlag:
@@ -221,11 +227,7 @@ class Trainer:
         s = self.state
         path = str(self.ckpt.directory_for(s.iteration))
         self.callbacks.on_save_start(s, path)
-        self.ckpt.save(s.iteration, self.chunks, self.optimizer, self.scheduler,
-                       {"iteration": s.iteration, "consumed_train_samples": s.consumed_train_samples,
-                        "consumed_valid_samples": s.consumed_valid_samples,
-                        "consumed_train_tokens": s.consumed_train_tokens,
-                        "data_position_unit": data_position_unit(self.cfg)})
+        self.ckpt.save(s.iteration, self.chunks, self.optimizer, self.scheduler, self.progress())
         self.callbacks.on_save_end(s, path)
 
     # ---- around the loop -----------------------------------------------------------------
@@ -233,21 +235,43 @@ class Trainer:
         """Load ``checkpoint.load`` if set, and print the run's header lines."""
         s, cfg = self.state, self.cfg
         warn_if_saving_over(cfg, self.ctx)
-        extra = self.ckpt.load(self.chunks, self.optimizer, self.scheduler) if (
+        extra = self.ckpt.load_everywhere(self.chunks, self.optimizer, self.scheduler) if (
             self.ckpt is not None and cfg.checkpoint.load) else None
         if extra:
-            s.iteration = int(extra.get("iteration", 0))
-            s.consumed_train_samples = int(extra.get("consumed_train_samples", 0))
-            s.consumed_valid_samples = int(extra.get("consumed_valid_samples", 0))
-            s.consumed_train_tokens = int(extra.get("consumed_train_tokens", 0))
+            self.restore_progress(extra)
             log(self.ctx, f"resumed from {cfg.checkpoint.load} at iteration {s.iteration}")
             note = data_position_mismatch(extra, cfg)
             if note:
                 log(self.ctx, "warning: " + note)
+        elif cfg.checkpoint.load_hf:
+            load_hf_start(cfg, self.ctx, self.chunks, self.optimizer)
+        moved = self.writer.start(s.iteration)
+        if moved:
+            log(self.ctx, f"{moved} lines of {self.run_dir / METRICS} after iteration {s.iteration} (left by an "
+                          f"earlier run; this run redoes them) moved to {SUPERSEDED}")
         per_step = self.data.num_microbatches or f"token-balanced (data.microbatch_tokens={cfg.data.microbatch_tokens})"
         log(self.ctx, f"layout: {self.ctx.describe()} | schedule {cfg.parallel.schedule} | microbatches/step "
                       f"{per_step} | params {count_params(self.chunks, self.ctx):,}")
         self.step_log.header(self.data.unigram_entropy)
+
+    def progress(self) -> dict:
+        """Every count that accumulates across steps, for each checkpoint's ``extra``: the
+        iteration and data position (:data:`RUN_COUNTERS` of the :class:`TrainState`), the
+        skipped iterations (:class:`StepLog`), the non-finite steps in a row
+        (:class:`NonFiniteGuard`), and the unit of the data position. The optimizer's scalar
+        state carries its own counts (step count, loss scale with its growth and hysteresis
+        trackers), the scheduler its position."""
+        s = self.state
+        return {**{k: getattr(s, k) for k in RUN_COUNTERS}, **self.step_log.state_dict(),
+                **self.guard.state_dict(), "data_position_unit": data_position_unit(self.cfg)}
+
+    def restore_progress(self, extra: dict) -> None:
+        """Set the counts of :meth:`progress` from a loaded checkpoint's ``extra`` (a count that
+        an older checkpoint lacks starts at 0)."""
+        for k in RUN_COUNTERS:
+            setattr(self.state, k, int(extra.get(k, 0)))
+        self.step_log.load_state_dict(extra)
+        self.guard.load_state_dict(extra)
 
     def first_nonfinite(self) -> str:
         """The lowest rank with a non-finite grad and its first such param (a collective: only
@@ -266,16 +290,18 @@ class Trainer:
     def report(self) -> None:
         """Rank 0: the loss plot and the final lines; then the text sample, unless stopped."""
         if self.ctx.rank == 0:
-            plot_losses(self.writer.records, self.run_dir / "loss.png")
+            plot_losses(read_metrics(self.run_dir / METRICS), self.run_dir / "loss.png")
             val, entropy = self.evaluator.last_loss, self.data.unigram_entropy
             if val is not None and entropy is not None:
                 verdict = "below" if val < entropy else "NOT below"
                 log(self.ctx, f"final validation loss {val:.4f} vs unigram entropy {entropy:.4f} "
                               f"nats/token: {verdict}")
-            log(self.ctx, f"metrics: {self.run_dir / 'metrics.jsonl'} | plot: {self.run_dir / 'loss.png'}")
+            log(self.ctx, f"metrics: {self.run_dir / METRICS} | plot: {self.run_dir / 'loss.png'}")
         prompt = self.cfg.train.sample_prompt or self.data.default_prompt
         if prompt and self.cfg.train.sample_tokens > 0 and self.cfg.checkpoint.save and not self.stopping:
             print_sample(self.cfg, self.ctx, prompt)
+        if self.cfg.train.export_hf_at_end and self.cfg.checkpoint.save and not self.stopping:
+            export_hf_at_end(self.cfg, self.ctx, self.run_dir, prompt)
 
 
 def data_position_unit(cfg: Config) -> str:

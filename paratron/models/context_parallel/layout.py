@@ -211,7 +211,7 @@ def sequence_layout(ctx, algorithm: str, batch: int, local_len: int, position_id
     return layout, layout.positions(device)[:, None]
 
 
-SHARDED_KEYS = ("tokens", "labels", "position_ids")
+SHARDED_KEYS = ("tokens", "labels", "position_ids", "mtp_tokens", "mtp_labels")
 """Microbatch fields split along the sequence over CP; ``cu_seqlens`` stays whole (global offsets)."""
 
 
