@@ -57,7 +57,7 @@ def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p:
     n_kv = k.shape[2]
     # SDPA wants [b, heads, s, d].
     q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
-    if q.device.type == "meta" and dropout_p == 0.0 and v.shape[-1] == d:
+    if q.device.type == "meta" and dropout_p == 0.0 and v.shape[-1] == q.shape[-1]:
         # Dry run (paratron.dryrun): SDPA's backend choice has no meta entry and would take the
         # math path, which saves the [s, s] probabilities; real runs take a flash kernel. torch's
         # CPU flash op has a meta kernel and saves what a flash kernel saves (output, log-sum-exp).
