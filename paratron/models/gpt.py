@@ -22,6 +22,7 @@ from paratron.config import ConfigError, ModelConfig, model_shape
 from .embedding import WORD_EMBEDDINGS, Embedding
 from .blocks import BLOCKS
 from .norms import make_norm
+from .offload import start_session
 from .recompute import checkpointed
 from .context_parallel import sequence_layout
 from .rope import rope_tables, rope_tables_at
@@ -197,8 +198,9 @@ class GPTChunk(nn.Module):
         # The layout reaches the blocks only when it matters, so plain blocks keep forward(x, rope).
         args = (rope, layout) if layout.needs_custom_attention else (rope,)
         cut = self.layer_boundary or (lambda t: t)
+        offload = start_session(self.cfg.activation_offload, h.device, self.training)  # per microbatch
         for layer in self.layers.values():
-            h = self._run_layer(layer, cut(h), args)
+            h = self._run_layer(layer, cut(h), args, offload)
         if not self.post_process:
             return h
         h = cut(h)
@@ -208,10 +210,14 @@ class GPTChunk(nn.Module):
         return losses, self.mtp(h, mtp_tokens, mtp_labels, lambda layer, t: self._run_layer(layer, t, args),
                                 self._head)
 
-    def _run_layer(self, layer: nn.Module, h: torch.Tensor, args: tuple) -> torch.Tensor:
+    def _run_layer(self, layer: nn.Module, h: torch.Tensor, args: tuple, offload=None) -> torch.Tensor:
         if self.recompute == "full" and self.training and torch.is_grad_enabled():
             return checkpointed(layer, h, *args, rng_tracker=self.rng_tracker)
-        return layer(h, *args)
+        if offload is None:
+            return layer(h, *args)
+        with offload.layer(layer, args):  # model.activation_offload (paratron/models/offload.py)
+            out = layer(h, *args)
+        return offload.boundary(out)
 
     def _head(self, h: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
         """Logits (or per-token losses against ``labels``) of the normed hidden ``h``."""
