@@ -43,7 +43,8 @@ def _storage_bytes(tensors) -> int:
 
 
 def _inventory(layers, names: list[str]) -> dict:
-    """Test-owned saved-tensor inventory of the ``names`` submodules of ``layers``: the device
+    """Test-owned saved-tensor inventory of the ``names`` submodules of ``layers`` (``"layer"``:
+    the whole layer): the device
     tensors they save that are not parameters nor the tables passed to every layer (RoPE)."""
     found = {}
     keep = {p.untyped_storage().data_ptr() for layer in layers for p in layer.parameters()}
@@ -64,8 +65,9 @@ def _inventory(layers, names: list[str]) -> dict:
 
     for layer in layers:
         for name in names:
-            getattr(layer, name).register_forward_pre_hook(enter)
-            getattr(layer, name).register_forward_hook(lambda *a: hooks.__exit__(None, None, None))
+            module = layer if name == "layer" else getattr(layer, name)
+            module.register_forward_pre_hook(enter)
+            module.register_forward_hook(lambda *a: hooks.__exit__(None, None, None))
     return found
 
 
@@ -79,7 +81,7 @@ def _grads(chunks) -> dict:
     return out
 
 
-def _rank_offload():
+def _rank_offload(offloaded: list[str], recompute: str = "none"):
     import paratron.models.gpt as gpt
     from paratron.parallel.context import ParallelContext
     from paratron.training.setup import build_model_and_optimizer
@@ -93,15 +95,15 @@ def _rank_offload():
     audit = DeviceAudit()
     _sanction_host_traffic(audit)
     out = {}
-    for name, modules in (("off", []), ("on", OFFLOADED)):
+    for name, modules in (("off", []), ("on", offloaded)):
         cfg = _config("bf16", False, tp=1, pp=1)
-        cfg.model.activation_offload = modules
+        cfg.model.activation_offload, cfg.model.recompute = modules, recompute
         sessions.clear()
         with audit:
             ctx = ParallelContext.build(device=audit_device())
             torch.manual_seed(0)
             chunks, ddp, opt, sched = build_model_and_optimizer(cfg, ctx)
-            inventory = _inventory(list(chunks[0].layers.values()), OFFLOADED) if name == "off" else {}
+            inventory = _inventory(list(chunks[0].layers.values()), offloaded) if name == "off" else {}
             mb = _microbatches(cfg, ctx, 0)[0]
             del live[:]
             losses = chunks[0](mb["tokens"].to(ctx.device), mb["labels"].to(ctx.device))
@@ -125,14 +127,16 @@ def _rank_offload():
     return out
 
 
-@pytest.mark.slow
-def test_activation_offload_moves_saved_tensors_to_the_host_and_changes_nothing():
+@pytest.mark.parametrize("offloaded,recompute", [
+    (OFFLOADED, "none"),
+    pytest.param(["layer"], "selective", marks=pytest.mark.slow, id="layer-selective")])
+def test_activation_offload_moves_saved_tensors_to_the_host_and_changes_nothing(offloaded, recompute):
     """Between the forward and the backward the offloaded activations are host copies (made from
     stand-in device tensors, none fetched back yet); the backward fetches every layer; the loss,
     the grads and the params after a whole step equal the run without offload bitwise; and
     device-resident bytes at that point drop by at least the saved activations of the offloaded
     submodules (the test's own inventory of the run without offload)."""
-    off, on = run_ranks(_rank_offload, 1, timeout=300, pg_backend=AUDIT_BACKEND, start_method=FRESH)[0].values()
+    off, on = run_ranks(_rank_offload, 1, offloaded, recompute, timeout=300, pg_backend=AUDIT_BACKEND, start_method=FRESH)[0].values()
     b = on["between"]
     assert b["n"] > 0 and b["hosts"] == {"cpu"} and b["origin"] == {audit_device().type}, b
     assert b["fetched"] == 0, b
