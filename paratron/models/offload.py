@@ -6,7 +6,7 @@ The mechanism is PyTorch's saved-tensor hooks (``torch.autograd.graph.saved_tens
 while an offloaded submodule runs its forward, every tensor autograd saves is *packed* (copied
 to the host; pinned memory and a side stream on CUDA, so the copy overlaps compute) and, in the
 backward, *unpacked* (the device copy fetched earlier). The fetch of layer ``i - 1``'s tensors
-starts when layer ``i``'s backward begins (an identity autograd node on layer ``i``'s output),
+starts when layer ``i``'s backward begins (a grad hook on layer ``i``'s output),
 so one layer's host-to-device copy overlaps the backward of the layer above (the layer-wise
 prefetch of Megatron-Core's fine-grained activation offloading, docs/DESIGN.md).
 
@@ -112,11 +112,17 @@ class OffloadSession:
             yield
 
     def boundary(self, out: torch.Tensor) -> torch.Tensor:
-        """``out`` (the layer's output) through an identity node whose backward fetches this
-        layer's tensors (if no prefetch did) and starts the fetch of the layer below."""
-        if not out.requires_grad:
-            return out
-        return _Prefetch.apply(out, self, len(self.groups) - 1)
+        """``out`` (the layer's output), hooked so that when its grad arrives (the start of the
+        layer's backward) this layer's tensors are fetched (if no prefetch did) and the fetch of
+        the layer below starts."""
+        if out.requires_grad:
+            index = len(self.groups) - 1
+            out.register_hook(lambda grad: self._prefetch(index))
+        return out
+
+    def _prefetch(self, index: int) -> None:
+        self.fetch(index)
+        self.fetch(index - 1)
 
     # -- hooks ------------------------------------------------------------------------------
     def _pack(self, t: torch.Tensor):
@@ -165,22 +171,6 @@ class OffloadSession:
             saved.on_device = saved.host.to(saved.device, non_blocking=True)
             saved.ready = torch.cuda.Event()
             saved.ready.record(self._stream)
-
-
-class _Prefetch(torch.autograd.Function):
-    """Identity; its backward (the start of the layer's backward) fetches layer ``index`` and
-    prefetches layer ``index - 1``."""
-
-    @staticmethod
-    def forward(fctx, x, session: OffloadSession, index: int):
-        fctx.session, fctx.index = session, index
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(fctx, grad):
-        fctx.session.fetch(fctx.index)
-        fctx.session.fetch(fctx.index - 1)
-        return grad, None, None
 
 
 @contextmanager
