@@ -159,10 +159,20 @@ def test_activation_offload_config_rules():
     assert ok.model.activation_offload == ["attention", "mlp"]
     for over, words in ((['model.activation_offload=["attn"]'], "unknown module"),
                         (['model.activation_offload=["mlp"]', "model.recompute=full"], "recompute='full'"),
-                        (['model.activation_offload=["mlp","mlp"]'], "twice")):
+                        (['model.activation_offload=["mlp","mlp"]'], "twice"),
+                        (['model.activation_offload=["layer"]', "model.compile=true"], "compile")):
         with pytest.raises(ConfigError, match="model.activation_offload") as e:
             validate(load_config(ROOT / "configs/llama-tiny.toml", over))
         assert words in str(e.value)
+
+
+def test_activation_offload_needs_the_named_submodules():
+    """A block without a named submodule is refused when the model is built, naming the field."""
+    from paratron.models.offload import check_layers
+
+    check_layers(["layer", "mlp"], [torch.nn.ModuleDict({"mlp": torch.nn.Linear(2, 2)})])
+    with pytest.raises(ConfigError, match="model.activation_offload names 'attention'"):
+        check_layers(["attention"], [torch.nn.ModuleDict({"mlp": torch.nn.Linear(2, 2)})])
 
 
 def test_activation_offload_is_a_no_op_on_cpu():

@@ -22,7 +22,7 @@ from paratron.config import ConfigError, ModelConfig, model_shape
 from .embedding import WORD_EMBEDDINGS, Embedding
 from .blocks import BLOCKS
 from .norms import make_norm
-from .offload import start_session
+from .offload import check_layers, start_session
 from .recompute import checkpointed
 from .context_parallel import sequence_layout
 from .rope import rope_tables, rope_tables_at
@@ -89,6 +89,7 @@ class GPTChunk(nn.Module):
             str(i): block(cfg, ctx, layer_number=i, seed=seed, sequence_parallel=sequence_parallel,
                           params_dtype=params_dtype, rng_tracker=rng_tracker)
             for i in self.layer_ids})
+        check_layers(cfg.activation_offload, self.layers.values())
         if cfg.compile:
             # Per layer (as torchtitan does): layers share one compiled code object, and the
             # embedding, loss and pipeline plumbing around them stay eager.

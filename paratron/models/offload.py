@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from paratron.config import ConfigError
+
 MODULES = ("input_norm", "attention", "post_attention_norm", "mlp", "layer")
 """Names ``model.activation_offload`` takes: the submodules of a transformer layer
 (:class:`paratron.models.layer.TransformerLayer`), or ``"layer"`` for all of the layer's saved
@@ -53,6 +55,19 @@ def check_activation_offload(names: list[str], recompute: str, compile_: bool) -
     if names and compile_:
         return f"model.activation_offload={names} is not supported with model.compile=true"
     return None
+
+
+def check_layers(names: list[str], layers) -> None:
+    """Every layer of ``layers`` has the submodules ``names`` (``"layer"`` always holds).
+
+    Raises:
+        ConfigError: a named submodule is missing (a block of another shape, ``model.block``).
+    """
+    for layer in layers:
+        for name in names:
+            if name != "layer" and not isinstance(getattr(layer, name, None), nn.Module):
+                raise ConfigError(f"model.activation_offload names {name!r}, which the layers of this "
+                                  f"block ({type(layer).__name__}) do not have; use 'layer' or its submodules")
 
 
 @dataclass
@@ -103,12 +118,8 @@ class OffloadSession:
                 yield
             return
         with ExitStack() as stack:
-            for name in self.modules:
-                sub = getattr(layer, name, None)
-                if not isinstance(sub, nn.Module):
-                    raise ValueError(f"model.activation_offload names {name!r}, which this layer "
-                                     f"({type(layer).__name__}) does not have")
-                stack.enter_context(_scoped(sub, hooks))
+            for name in self.modules:  # check_layers made sure the layer has them
+                stack.enter_context(_scoped(getattr(layer, name), hooks))
             yield
 
     def boundary(self, out: torch.Tensor) -> torch.Tensor:
