@@ -86,6 +86,7 @@ MEGATRON_SWITCHES: dict[str, tuple[str, str]] = {
     "--reset-position-ids": ("data.reset_position_ids", "true"),
     "--reset-attention-mask": ("data.reset_attention_mask", "true"),
     "--eod-mask-loss": ("data.eod_mask_loss", "true"),
+    "--sft": ("data.format", "chat"),
     "--bf16": ("train.precision", "bf16"),
     "--fp16": ("train.precision", "fp16"),
     "--swiglu": ("model.activation", "swiglu"),

@@ -170,7 +170,7 @@ class ParallelConfig:
     zero3_prefetch: bool = True
     """ZeRO-3: start the next layer's all-gather while the current layer computes."""
     schedule: str = "1f1b"
-    """Pipeline schedule registry name: gpipe, 1f1b, interleaved, zb-h1, zbv, or a registered one."""
+    """Pipeline schedule registry name: gpipe, 1f1b, interleaved, zb-h1, zbv, dualpipev, or a registered one."""
     pipeline_layout: Optional[list[int]] = None
     """Transformer layers per pipeline stage (virtual stages in order); None splits evenly."""
     pipeline_link_latency_ms: Optional[list[float]] = None
@@ -369,6 +369,25 @@ class DataConfig:
     documents (``train.micro_batch_size`` is unused). Documents longer than ``model.seq_length``
     positions are split. Rule and layout: :mod:`paratron.data.token_batches`. None: fixed-length
     samples."""
+    format: Literal["text", "chat"] = "text"
+    """``"chat"``: SFT records (``{"messages": [{"role", "content"}, ...]}`` or prompt/completion
+    pairs) rendered with a chat template, the loss on the assistant's tokens only
+    (:mod:`paratron.data.chat`; Megatron's ``--sft``). Read from ``data.corpus`` (a JSONL file) or
+    ``data.hf_dataset``."""
+    chat_template: Optional[str] = None
+    """A built-in template name (``"simple"``, ``"chatml"``) or a ``.jinja`` file; None: the
+    tokenizer's own beside ``data.tokenizer_model``, else ``"simple"``."""
+    messages_key: str = "messages"
+    """The field of a chat record that holds its messages."""
+    hf_dataset: Optional[str] = None
+    """A Hugging Face ``datasets`` input: a local Parquet / Arrow / JSON(L) file or folder, a
+    ``save_to_disk`` folder, or a dataset name (:mod:`paratron.data.hf_datasets`). Text records
+    use ``data.text_key`` (= ``data.json_key``)."""
+    hf_split: str = "train"
+    """The split of ``data.hf_dataset`` to train on (``data.split`` still cuts it into train and
+    validation rows when not streaming)."""
+    streaming: bool = False
+    """Read ``data.hf_dataset`` lazily, in order, as an ``IterableDataset`` (no validation split)."""
 
 
 @dataclass
@@ -432,6 +451,7 @@ KEY_ALIASES: dict[str, str] = {
     "model.moe_router_score_function": "model.moe_router_score",
     "model.moe_router_topk": "model.moe_top_k",
     "model.moe_shared_expert_intermediate_size": "model.moe_shared_expert_ffn_hidden_size",
+    "data.text_key": "data.json_key",
 }
 """Megatron-Core's ``TransformerConfig`` names of fields paratron spells otherwise: a config file
 or ``--set`` may use either."""

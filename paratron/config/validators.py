@@ -20,6 +20,7 @@ import math
 from . import model_shape
 from .context_rules import check_context
 from .observe_rules import check_observability
+from .record_rules import check_records
 from .token_rules import check_microbatch_tokens, token_balanced
 from .errors import ConfigError
 from .sections import Config
@@ -152,12 +153,8 @@ def _mtp_last_stage(cfg: Config, world: int | None) -> None:
     """The MTP modules (one transformer layer each) run on the last pipeline stage, after its
     own layers: an explicit ``parallel.pipeline_layout`` must leave it room for them, i.e. the
     last stage's layers plus ``model.mtp_num_layers`` may not exceed the largest other stage
-    (Megatron-LM's advice for DeepSeek-V3 layouts: fewer layers on the stage with the MTP).
-    ZeRO-3 is refused with MTP (its gather units cover the chunk's layers and head only)."""
+    (Megatron-LM's advice for DeepSeek-V3 layouts: fewer layers on the stage with the MTP)."""
     p, d = cfg.parallel, cfg.model.mtp_num_layers
-    if d and p.zero == 3:
-        raise ConfigError(f"parallel.zero=3 with model.mtp_num_layers={d}: ZeRO-3's gather units do not cover the "
-                          "MTP modules yet; use parallel.zero <= 2")
     layout = p.pipeline_layout
     if not d or not layout or len(layout) < 2:
         return
@@ -262,6 +259,16 @@ def _moe_fb_overlap(cfg: Config, world: int | None) -> None:
                           f"model.moe_token_dispatcher={name!r} does not (use 'alltoall')")
 
 
+def _dualpipev_zero3(cfg: Config, world: int | None) -> None:
+    """DualPipeV's lists are made of FB pairs (one microbatch's backward run inside another's
+    forward); ZeRO-3's per-unit free has only been proved for one microbatch in a unit at a
+    time (the same rule as parallel.overlap_moe_expert_parallel_comm)."""
+    if cfg.parallel.schedule == "dualpipev" and cfg.parallel.zero == 3:
+        raise ConfigError("parallel.schedule='dualpipev' runs one microbatch's backward in the middle of "
+                          "another's forward (FB pairs), but parallel.zero=3 frees each layer's params after "
+                          "its forward and backward: use parallel.zero <= 2 or parallel.schedule='zbv'")
+
+
 def _zero(cfg: Config, world: int | None) -> None:
     if cfg.parallel.zero not in (0, 1, 2, 3):
         raise ConfigError(f"parallel.zero={cfg.parallel.zero} must be 0 (DDP), 1 (optimizer state "
@@ -273,7 +280,8 @@ def _split(cfg: Config, world: int | None) -> None:
     try:
         vals = [float(x) for x in parts]
     except ValueError:
-        raise ConfigError(f"data.split={cfg.data.split!r} must be comma-separated numbers like '969,30,1'") from None
+        hint = " (the split of data.hf_dataset to read is data.hf_split)" if cfg.data.hf_dataset else ""
+        raise ConfigError(f"data.split={cfg.data.split!r} must be comma-separated numbers like '969,30,1'{hint}") from None
     if len(vals) > 3 or any(v < 0 for v in vals) or sum(vals) <= 0:
         raise ConfigError(f"data.split={cfg.data.split!r} must be up to 3 non-negative numbers with a positive sum")
 
@@ -294,8 +302,8 @@ def _lr_schedule(cfg: Config, world: int | None) -> None:
 
 
 VALIDATORS = [_finite, _positive, _nonfinite_policy, _lr_schedule, _grid, _model, _activation_offload, _batch, _sequence, _link_latency, _schedule, _pipeline_layers, _mtp_last_stage,
-              _experts, _moe_fb_overlap, _zero, _split, check_context, check_microbatch_tokens,
-              check_observability]
+              _dualpipev_zero3, _experts, _moe_fb_overlap, _zero, _split, check_context, check_microbatch_tokens,
+              check_observability, check_records]
 """Every config rule, in order. Each takes ``(cfg, world_size_or_None)`` and raises ConfigError."""
 
 

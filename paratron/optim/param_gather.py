@@ -4,7 +4,8 @@ paper's section 7.2.2 and PyTorch FSDP, Zhao et al. 2023, section 3.3).
 
 A *unit* is a module whose forward needs a set of params: for a GPT chunk, the embedding, each
 transformer layer, and the head (final norm plus output weight, gathered from the final norm's
-forward until the end of the chunk's forward). In any other model each module of a direct
+forward until the end of the chunk's forward; with multi-token prediction also the MTP modules
+and the word embedding they share, which run in that window). In any other model each module of a direct
 ``ModuleList``/``ModuleDict`` child is a unit and the remaining params form one unit that spans
 the chunk's whole forward. DDP lays out the
 buckets so that a bucket never spans two units (:mod:`paratron.optim.grad_buffer`), and
@@ -87,13 +88,26 @@ def units_of(chunk: nn.Module) -> list[Unit]:
         units.append(Unit(layer, layer, unique_params(layer, trainable_only=True)))
     norm = getattr(chunk, "final_norm", None)
     if norm is not None:
-        head = unique_params(norm, trainable_only=True) + [chunk.output_weight()]
+        head = unique_params(norm, trainable_only=True) + [chunk.output_weight()] + _mtp_params(chunk)
         units.append(Unit(norm, chunk, list({id(p): p for p in head}.values())))
     covered = {id(p) for u in units for p in u.params}
     rest = [p for p in unique_params(chunk, trainable_only=True) if id(p) not in covered]
     if rest:
         raise ValueError(f"ZeRO-3: params {[p.logical_name for p in rest]} belong to no unit of the chunk")
     return units
+
+
+def _mtp_params(chunk: nn.Module) -> list[nn.Parameter]:
+    """The params the chunk's multi-token-prediction modules use (:mod:`paratron.models.mtp`):
+    their own and the word embedding they look the shifted tokens up in (this chunk's, another
+    chunk's on the same rank, or the last stage's copy). They run inside the chunk's forward after
+    the head and call the embedding's inner lookup directly (no unit hook fires), so they join
+    the head unit, which is gathered from the final norm to the end of the chunk's forward and,
+    in backward, from the chunk's output grad until the last layer's backward starts."""
+    mtp = getattr(chunk, "mtp", None)
+    if mtp is None:
+        return []
+    return unique_params(mtp, trainable_only=True) + [mtp.word_embedding.weight]
 
 
 def unit_ids(chunks, params) -> dict[int, int]:
@@ -109,15 +123,18 @@ def unit_ids(chunks, params) -> dict[int, int]:
     return out
 
 
-def _first_grad_tensor(obj):
+def _grad_tensors(obj):
+    """The tensors in ``obj`` (nested tuples/lists) that require grad, in order."""
     if torch.is_tensor(obj):
-        return obj if obj.requires_grad else None
-    if isinstance(obj, (tuple, list)):
+        if obj.requires_grad:
+            yield obj
+    elif isinstance(obj, (tuple, list)):
         for o in obj:
-            t = _first_grad_tensor(o)
-            if t is not None:
-                return t
-    return None
+            yield from _grad_tensors(o)
+
+
+def _first_grad_tensor(obj):
+    return next(_grad_tensors(obj), None)
 
 
 def _in_backward() -> bool:
@@ -264,9 +281,17 @@ class ParamShards:
 
     def _post_forward_hook(self, u: Unit):
         def hook(module, args, out):
-            y = _first_grad_tensor(out)
-            if y is not None and torch.is_grad_enabled():
-                y.register_hook(lambda g: self._pre_backward(u))
+            # Every output: a chunk with MTP returns (losses, MTP losses), and autograd may run
+            # the MTP branch's backward first; the first grad to arrive gathers the unit.
+            if torch.is_grad_enabled():
+                fired = []
+
+                def first(g):
+                    if not fired:
+                        fired.append(True)
+                        self._pre_backward(u)
+                for y in _grad_tensors(out):
+                    y.register_hook(first)
             if self.reshard and not _in_backward():
                 self.release(u)
         return hook

@@ -258,12 +258,14 @@ class Trainer:
         """Every count that accumulates across steps, for each checkpoint's ``extra``: the
         iteration and data position (:data:`RUN_COUNTERS` of the :class:`TrainState`), the
         skipped iterations (:class:`StepLog`), the non-finite steps in a row
-        (:class:`NonFiniteGuard`), and the unit of the data position. The optimizer's scalar
+        (:class:`NonFiniteGuard`), the unit of the data position and what the data reader keeps
+        (``TrainingData.state_dict``). The optimizer's scalar
         state carries its own counts (step count, loss scale with its growth and hysteresis
         trackers), the scheduler its position."""
         s = self.state
         return {**{k: getattr(s, k) for k in RUN_COUNTERS}, **self.step_log.state_dict(),
-                **self.guard.state_dict(), "data_position_unit": data_position_unit(self.cfg)}
+                **self.guard.state_dict(), "data_position_unit": data_position_unit(self.cfg),
+                "data_state": self.data.state_dict()}
 
     def restore_progress(self, extra: dict) -> None:
         """Set the counts of :meth:`progress` from a loaded checkpoint's ``extra`` (a count that
@@ -272,6 +274,7 @@ class Trainer:
             setattr(self.state, k, int(extra.get(k, 0)))
         self.step_log.load_state_dict(extra)
         self.guard.load_state_dict(extra)
+        self.data.load_state_dict(extra.get("data_state") or {})  # a streamed dataset's pass length
 
     def first_nonfinite(self) -> str:
         """The lowest rank with a non-finite grad and its first such param (a collective: only
