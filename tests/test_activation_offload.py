@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from paratron.config import ConfigError, load_config, validate
-from paratron.device_audit import AuditTensor, DeviceAudit, audit_device
+from paratron.device_audit import AUDIT_DEVICE_TYPE, AuditTensor, DeviceAudit, audit_device
 from paratron.testing import run_ranks
 
 from test_device_audit import AUDIT_BACKEND, FRESH, _config, _microbatches, _sanction_host_traffic
@@ -138,7 +138,7 @@ def test_activation_offload_moves_saved_tensors_to_the_host_and_changes_nothing(
     submodules (the test's own inventory of the run without offload)."""
     off, on = run_ranks(_rank_offload, 1, offloaded, recompute, timeout=300, pg_backend=AUDIT_BACKEND, start_method=FRESH)[0].values()
     b = on["between"]
-    assert b["n"] > 0 and b["hosts"] == {"cpu"} and b["origin"] == {audit_device().type}, b
+    assert b["n"] > 0 and b["hosts"] == {"cpu"} and b["origin"] == {AUDIT_DEVICE_TYPE}, b
     assert b["fetched"] == 0, b
     assert on["after"] == {"groups_fetched": True, "left_on_device": 0}, on["after"]
     assert off["between"]["n"] == 0
@@ -176,10 +176,12 @@ def test_activation_offload_needs_the_named_submodules():
 
 
 def test_activation_offload_is_a_no_op_on_cpu():
-    """On a CPU run (and in evaluation) no session starts."""
+    """On a CPU run (and in evaluation) no session starts. (``meta`` stands for a device here:
+    calling ``audit_device()`` in the pytest process would break later fork-started ranks.)"""
     from paratron.models.offload import start_session
 
+    device = torch.device("meta")
     assert start_session(OFFLOADED, torch.device("cpu"), True) is None
-    assert start_session(OFFLOADED, audit_device(), False) is None
-    assert start_session([], audit_device(), True) is None
-    assert start_session(OFFLOADED, audit_device(), True) is not None
+    assert start_session(OFFLOADED, device, False) is None
+    assert start_session([], device, True) is None
+    assert start_session(OFFLOADED, device, True) is not None
