@@ -8,7 +8,7 @@ to the host; pinned memory and a side stream on CUDA, so the copy overlaps compu
 backward, *unpacked* (the device copy fetched earlier). The fetch of layer ``i - 1``'s tensors
 starts when layer ``i``'s backward begins (a grad hook on layer ``i``'s output),
 so one layer's host-to-device copy overlaps the backward of the layer above (the layer-wise
-prefetch of Megatron-Core's fine-grained activation offloading, docs/DESIGN.md).
+prefetch of Megatron-Core's fine-grained activation offloading).
 
 What stays on the device: parameters and views of them (the weight a linear saves is the
 parameter itself, and its backward accumulates into that parameter's main grad), tensors shared
