@@ -77,6 +77,9 @@ MEGATRON_ALIASES: dict[str, str] = {
     "--v-head-dim": "model.v_head_dim",
     "--mtp-num-layers": "model.mtp_num_layers",
     "--mtp-loss-scaling-factor": "model.mtp_loss_scaling_factor",
+    # FP8 linears (paratron/layers/fp8.py): Megatron's recipe names map onto train.fp8.
+    "--fp8-format": "train.fp8_format",
+    "--fp8-recipe": "train.fp8",
 }
 """Megatron-LM flag -> paratron key, for flags that take a value."""
 

@@ -141,6 +141,17 @@ class ModelConfig:
     first_k_dense_replace: int = 0
     """The first this many layers have a dense MLP (of ``ffn_hidden_size``) instead of an MoE one
     (DeepSeek-V3: 3); the later layers follow ``moe_layer_freq``."""
+    lora_rank: int = 0
+    """LoRA (Hu et al. 2021): the rank r of the adapters on the ``lora_targets`` linears; 0 means no
+    LoRA. With r > 0 every other parameter is frozen (no grad, no optimizer state)."""
+    lora_alpha: float = 16.0
+    """LoRA scaling numerator: the adapter output is multiplied by ``lora_alpha / lora_rank``."""
+    lora_dropout: float = 0.0
+    """Dropout probability on the adapters' input (the base linear sees the input undropped)."""
+    lora_targets: list[str] = field(default_factory=lambda: ["qkv", "proj", "fc1", "fc2"])
+    """The linears that get adapters, by paratron's module names: ``qkv`` (fused attention input;
+    HF q_proj, k_proj, v_proj), ``proj`` (attention output; o_proj), ``fc1`` (MLP input, SwiGLU's
+    fused gate and up; gate_proj, up_proj), ``fc2`` (MLP output; down_proj). MoE experts get none."""
 
 
 @dataclass
@@ -265,6 +276,19 @@ class TrainConfig:
     (Megatron's ``--wandb-project``)."""
     wandb_exp_name: Optional[str] = None
     """The Weights & Biases run name; None: wandb picks one (Megatron's ``--wandb-exp-name``)."""
+    fp8: Optional[Literal["tensorwise", "rowwise"]] = None
+    """FP8 matmuls in the column/row-parallel linears (paratron/layers/fp8.py): dynamic scales, one
+    per tensor ("tensorwise") or one per row along the contraction dim ("rowwise"), from amaxes
+    reduced over every group that splits them, so every layout casts the same values. The
+    embedding, output head, router, norms and MoE experts stay in ``precision``. None: off, unless
+    ``fp8_format`` is set (then "tensorwise"). Not with ``parallel.context > 1``. Megatron's
+    ``--fp8-recipe``."""
+    fp8_format: Optional[Literal["e4m3", "hybrid"]] = None
+    """FP8 formats: "e4m3" everywhere, or "hybrid" (e4m3 activations and weights, e5m2 grads; the
+    default when FP8 is on). Setting it turns FP8 on. Megatron's ``--fp8-format``."""
+    fp8_param_gather: bool = False
+    """Under ``parallel.zero = 3``, all-gather the FP8 linears' weights as FP8 (one byte an
+    element, with a scale reduced over DP and TP) instead of in ``precision``. Tensorwise only."""
 
 
 @dataclass
@@ -412,6 +436,10 @@ class CheckpointConfig:
     weights (``paratron train --from-hf DIR``). A checkpoint in ``checkpoint.load`` wins (resume)."""
     save_hf: Optional[str] = None
     """Where ``train.export_hf_at_end`` writes the Hugging Face folder (default ``RUN_DIR/hf``)."""
+    pretrained_checkpoint: Optional[str] = None
+    """LoRA (``model.lora_rank > 0``): a paratron checkpoint whose model weights fill the frozen
+    base before ``checkpoint.load`` (an adapter-only checkpoint of the run) is loaded; its own
+    optimizer state, step and adapters are ignored (Megatron-Bridge's name)."""
 
 
 @dataclass

@@ -301,8 +301,29 @@ def _lr_schedule(cfg: Config, world: int | None) -> None:
         raise ConfigError(f"optimizer.min_lr={o.min_lr} must be <= optimizer.lr={o.lr}")
 
 
+def _fp8(cfg: Config, world: int | None) -> None:
+    t = cfg.train
+    if t.fp8 not in (None, "tensorwise", "rowwise"):
+        raise ConfigError(f"train.fp8={t.fp8!r} must be 'tensorwise' or 'rowwise' (Megatron's delayed, "
+                          "mxfp8 and blockwise recipes are not implemented)")
+    if t.fp8_format not in (None, "e4m3", "hybrid"):
+        raise ConfigError(f"train.fp8_format={t.fp8_format!r} must be 'e4m3' or 'hybrid'")
+    if t.fp8_param_gather and (cfg.parallel.zero != 3 or (t.fp8 is None and t.fp8_format is None)):
+        raise ConfigError(f"train.fp8_param_gather=true needs parallel.zero=3 (is {cfg.parallel.zero}) "
+                          "and FP8 on (train.fp8 or train.fp8_format)")
+    if (t.fp8 is not None or t.fp8_format is not None) and cfg.parallel.context > 1:
+        # CP splits each sequence: activation amaxes would be per chunk, unlike at CP=1.
+        raise ConfigError(f"train.fp8 needs parallel.context=1 (is {cfg.parallel.context}): the FP8 "
+                          "scales are not reduced over context-parallel ranks")
+    if t.fp8_param_gather and t.fp8 == "rowwise":
+        # The gather casts each weight with one scale; rowwise linears cast it per row (forward)
+        # and per column (input grad), so a weight gathered in FP8 would be rounded twice.
+        raise ConfigError("train.fp8_param_gather=true needs train.fp8='tensorwise' (is 'rowwise'): the "
+                          "gathered weight's one scale is not the rowwise linears' per-row scales")
+
+
 VALIDATORS = [_finite, _positive, _nonfinite_policy, _lr_schedule, _grid, _model, _activation_offload, _batch, _sequence, _link_latency, _schedule, _pipeline_layers, _mtp_last_stage,
-              _dualpipev_zero3, _experts, _moe_fb_overlap, _zero, _split, check_context, check_microbatch_tokens,
+              _dualpipev_zero3, _experts, _moe_fb_overlap, _zero, _fp8, _split, check_context, check_microbatch_tokens,
               check_observability, check_records]
 """Every config rule, in order. Each takes ``(cfg, world_size_or_None)`` and raises ConfigError."""
 

@@ -20,6 +20,7 @@ from torch import nn
 from paratron.config import ConfigError, ModelConfig, model_shape
 
 from .embedding import WORD_EMBEDDINGS, Embedding
+from .lora import apply_lora
 from .blocks import BLOCKS
 from .norms import make_norm
 from .offload import check_layers, start_session
@@ -300,7 +301,8 @@ def build_model_chunks(cfg: ModelConfig, ctx, *, seed: int, sequence_parallel: b
     ranks = {k[0] for k in stage_layers}
     if ranks != set(range(pp)):
         raise ValueError(f"stage_layers names pipeline ranks {sorted(ranks)}; the layout has parallel.pipeline={pp}")
-    if rng_tracker is None and (cfg.hidden_dropout > 0 or cfg.attention_dropout > 0):
+    if rng_tracker is None and (cfg.hidden_dropout > 0 or cfg.attention_dropout > 0
+                                or (cfg.lora_rank > 0 and cfg.lora_dropout > 0)):
         from paratron.parallel.random import RNGStatesTracker
 
         rng_tracker = RNGStatesTracker(seed, ctx)
@@ -322,6 +324,7 @@ def build_model_chunks(cfg: ModelConfig, ctx, *, seed: int, sequence_parallel: b
     if first_embedding is not None and any(c.post_process for c in chunks):
         # Both ends on one rank share one tensor: nothing to keep in sync across stages.
         first_embedding.shared_embedding = False
+    apply_lora(chunks, cfg, ctx, seed=seed, rng_tracker=rng_tracker)  # model.lora_rank > 0 only
     return chunks
 
 

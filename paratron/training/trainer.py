@@ -235,15 +235,19 @@ class Trainer:
         """Load ``checkpoint.load`` if set, and print the run's header lines."""
         s, cfg = self.state, self.cfg
         warn_if_saving_over(cfg, self.ctx)
+        # LoRA: the frozen base from Hugging Face first; an adapter-only checkpoint.load then resumes.
+        hf_base = bool(cfg.checkpoint.load_hf) and cfg.model.lora_rank > 0
+        if hf_base:
+            load_hf_start(cfg, self.ctx, self.chunks, self.optimizer)
         extra = self.ckpt.load_everywhere(self.chunks, self.optimizer, self.scheduler) if (
-            self.ckpt is not None and cfg.checkpoint.load) else None
+            self.ckpt is not None and (cfg.checkpoint.load or cfg.checkpoint.pretrained_checkpoint)) else None
         if extra:
             self.restore_progress(extra)
             log(self.ctx, f"resumed from {cfg.checkpoint.load} at iteration {s.iteration}")
             note = data_position_mismatch(extra, cfg)
             if note:
                 log(self.ctx, "warning: " + note)
-        elif cfg.checkpoint.load_hf:
+        elif cfg.checkpoint.load_hf and not hf_base:
             load_hf_start(cfg, self.ctx, self.chunks, self.optimizer)
         moved = self.writer.start(s.iteration)
         if moved:
