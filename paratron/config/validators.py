@@ -104,6 +104,16 @@ def _model(cfg: Config, world: int | None) -> None:
     model_shape.check_shape(cfg.model, cfg.parallel.tensor)
 
 
+def _activation_offload(cfg: Config, world: int | None) -> None:
+    if not cfg.model.activation_offload:
+        return
+    from paratron.models.offload import check_activation_offload
+
+    err = check_activation_offload(cfg.model.activation_offload, cfg.model.recompute, cfg.model.compile)
+    if err:
+        raise ConfigError(err)
+
+
 def _data_parallel_size(cfg: Config, world: int | None) -> int | None:
     """``world / (tp * cp * pp)``, or None without a world size (or when it does not divide)."""
     p = cfg.parallel
@@ -312,7 +322,7 @@ def _fp8(cfg: Config, world: int | None) -> None:
                           "gathered weight's one scale is not the rowwise linears' per-row scales")
 
 
-VALIDATORS = [_finite, _positive, _nonfinite_policy, _lr_schedule, _grid, _model, _batch, _sequence, _link_latency, _schedule, _pipeline_layers, _mtp_last_stage,
+VALIDATORS = [_finite, _positive, _nonfinite_policy, _lr_schedule, _grid, _model, _activation_offload, _batch, _sequence, _link_latency, _schedule, _pipeline_layers, _mtp_last_stage,
               _dualpipev_zero3, _experts, _moe_fb_overlap, _zero, _fp8, _split, check_context, check_microbatch_tokens,
               check_observability, check_records]
 """Every config rule, in order. Each takes ``(cfg, world_size_or_None)`` and raises ConfigError."""
