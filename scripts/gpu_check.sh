@@ -13,6 +13,8 @@
 #      SwiGLU, seq 4096, bf16) for 30 steps at layout (1) through `paratron train`, then the same
 #      model and batch in a plain PyTorch loop (SDPA, fused AdamW); prints tokens/s, TFLOP/s, MFU
 #      and peak memory of both and their ratio, and writes OUT_DIR/gpu_check.json.
+#   4. benchmarks/bench_fp8.py on the GPU: one 4096->16384 column-parallel linear, 8192 tokens,
+#      forward+backward in FP8 (tensorwise, then rowwise) against bf16: the FP8 / bf16 time ratio.
 # Multi-rank NCCL is not exercised here (one GPU; NCCL refuses two ranks on one device): the
 # device audit test (tests/test_device_audit.py) covers it on the CPU.
 set -euo pipefail
@@ -24,7 +26,7 @@ export TOKENIZERS_PARALLELISM=false
 mkdir -p "$OUT"
 status=0
 
-echo "== 1/3 environment"
+echo "== 1/4 environment"
 "$PY" - <<'EOF'
 import importlib.util, sys
 import torch
@@ -36,7 +38,7 @@ for mod in ("numpy", "tokenizers", "safetensors", "tomllib", "tomli", "matplotli
     print(f"  {mod}: {'yes' if importlib.util.find_spec(mod) else 'no'}")
 EOF
 
-echo "== 2/3 CUDA-marked tests"
+echo "== 2/4 CUDA-marked tests"
 if "$PY" -c "import pytest" 2>/dev/null; then
     timeout 100 "$PY" -m pytest -m cuda -o addopts="" -p no:cacheprovider -q tests/test_kernels.py || status=1
 else
@@ -67,8 +69,14 @@ print("CUDA checks passed: fused AdamW (fp32, bf16), flash SDPA, CUDA-event time
 EOF
 fi
 
-echo "== 3/3 training: paratron vs plain PyTorch (~1.2B Llama, bf16, seq 4096, 30 steps)"
+echo "== 3/4 training: paratron vs plain PyTorch (~1.2B Llama, bf16, seq 4096, 30 steps)"
 timeout 360 "$PY" benchmarks/bench_gpu.py --steps 30 --warmup 5 --out "$OUT" || status=1
+
+echo "== 4/4 FP8 linear (torch._scaled_mm, e4m3 x e4m3 forward, e5m2 grads) against bf16, forward+backward"
+timeout 120 "$PY" benchmarks/bench_fp8.py --device cuda --tokens 8192 --hidden 4096 --out-features 16384 \
+    --iters 20 || status=1
+timeout 120 "$PY" benchmarks/bench_fp8.py --device cuda --tokens 8192 --hidden 4096 --out-features 16384 \
+    --iters 20 --scaling rowwise || status=1
 
 echo "== done (exit $status); figures in $OUT/gpu_check.json, paratron's log in $OUT/paratron/"
 exit $status

@@ -58,9 +58,11 @@ def train_for_parity(cfg: Config, ctx, steps: int, seed: int = 50, prepare=None)
     if prepare is not None:
         prepare(chunks, ddp, optimizer)
     else:
-        with ddp.full_params():
+        # Under ZeRO-3 the params are whole only inside full_params, and the shards keep the
+        # change only with writeback.
+        with ddp.full_params(writeback=True):
             perturb_1d_params_(chunks)
-        copy_params_into_main(chunks, optimizer)
+            copy_params_into_main(chunks, optimizer)
     gbs, mbs, m = cfg.train.global_batch_size, cfg.train.micro_batch_size, cfg.model
     rows, r = gbs // ctx.dp.size, ctx.dp.rank
     losses = []

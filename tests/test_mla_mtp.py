@@ -4,8 +4,9 @@ decoupled RoPE, v_head_dim != q/k head) and 2 MTP modules, trained 3 AdamW steps
 real stack (model chunks, DDP, the pipeline runtime, the training step, the data loader's CP
 split and MTP targets) on 2 ranks at TP=2+SP, CP=2 ring, CP=2 all2all, PP=2 (1F1B; tied and
 untied embeddings, the MTP embedding copy kept in sync with stage 0's), CP=2 ring with packed
-documents, recompute (full, selective), ZeRO-3 at DP=2 (MLA without MTP: ZeRO-3 with MTP is
-refused), and the DeepSeek-V3-style model at EP=2 (MLA + MTP + one dense layer first, then
+documents, recompute (full, selective), ZeRO-3 at DP=2 (MLA without MTP, and the
+DeepSeek-V3-style model with MTP: the MTP modules gather with the head), PP=2 under DualPipeV
+(4 layers on 4 V-placed stages, dense and DeepSeek-V3-style), and the DeepSeek-V3-style model at EP=2 (MLA + MTP + one dense layer first, then
 sigmoid-routed MoE layers with the aux-free bias, group-limited top-k, the routed scaling factor
 and a shared expert; the MTP layers are MoE too). Losses (LM and MTP), grad norms and params match one
 process to 1e-5 (fp32). Also: MTP under PP=2 gives the MTP loss and every grad of PP=1, a
@@ -27,10 +28,10 @@ GBS, SEQ, VOCAB, STEPS = 4, 16, 32, 3
 
 
 def _config(*, cp=1, algorithm="ring", tp=1, sp=False, pp=1, recompute="none", mtp=2, lam=0.3, tie=False,
-            packed=False, moe=False, ep=1, zero=0, world=1) -> Config:
+            packed=False, moe=False, ep=1, zero=0, world=1, schedule="1f1b", layers=2) -> Config:
     cfg = Config()
     m, p, t, o = cfg.model, cfg.parallel, cfg.train, cfg.optimizer
-    m.num_layers, m.vocab_size, m.seq_length, m.make_vocab_size_divisible_by = 2, VOCAB, SEQ, 8
+    m.num_layers, m.vocab_size, m.seq_length, m.make_vocab_size_divisible_by = layers, VOCAB, SEQ, 8
     m.hidden_size, m.num_attention_heads, m.ffn_hidden_size = 32, 4, 48
     m.normalization, m.position_embedding_type, m.activation = "rmsnorm", "rope", "swiglu"
     m.add_bias_linear, m.tie_embeddings = False, tie
@@ -45,7 +46,8 @@ def _config(*, cp=1, algorithm="ring", tp=1, sp=False, pp=1, recompute="none", m
         m.first_k_dense_replace, m.moe_router_topk_scaling_factor = 1, 2.5
         m.moe_router_num_groups, m.moe_router_group_topk = 2, 1
     p.context, p.context_algorithm, p.tensor, p.sequence_parallel, p.pipeline = cp, algorithm, tp, sp, pp
-    p.expert, p.zero = ep, zero
+    p.expert, p.zero, p.schedule = ep, zero, schedule
+    p.virtual_pipeline = 2 if schedule == "dualpipev" else 1
     p.bucket_size_mb = 0.001
     cfg.data.reset_attention_mask = cfg.data.reset_position_ids = packed
     t.micro_batch_size, t.global_batch_size, t.seed = 1, GBS, 1234
@@ -115,10 +117,11 @@ def _check(layouts, world=2):
     results = run_ranks(_rank, world, layouts, world, timeout=900)
     refs = {}
     for i, kw in enumerate(layouts):
-        key = (kw.get("tie", False), kw.get("packed", False), kw.get("moe", False), kw.get("mtp", 2))
+        key = (kw.get("tie", False), kw.get("packed", False), kw.get("moe", False), kw.get("mtp", 2),
+               kw.get("layers", 2))
         if key not in refs:
-            refs[key] = _train(_config(tie=key[0], packed=key[1], moe=key[2], mtp=key[3]), ParallelContext.single(),
-                               grads=True)
+            refs[key] = _train(_config(tie=key[0], packed=key[1], moe=key[2], mtp=key[3], layers=key[4]),
+                               ParallelContext.single(), grads=True)
         ref, seen = refs[key], set()
         for rank_out in results:
             res = rank_out[i]
@@ -141,7 +144,7 @@ def test_mla_mtp_parity_world2():
     MLA + 2 MTP modules match one process to 1e-5 (LM loss, MTP loss, grad norm, every param);
     under PP the first step's grads (main and MTP modules, and the shared embedding) match PP=1."""
     refs = _check(LAYOUTS)
-    assert any(n.startswith(f"layers.{2 + 1}.eh_proj") for n in refs[(False, False, False, 2)]["params"])
+    assert any(n.startswith(f"layers.{2 + 1}.eh_proj") for n in refs[(False, False, False, 2, 2)]["params"])
 
 
 @pytest.mark.slow
@@ -158,6 +161,15 @@ def test_deepseek_style_ep2_tp2_pp2_world8():
     """The DeepSeek-V3-style model (MLA + MTP + one dense layer, then sigmoid-routed MoE) at
     EP=2 x TP=2+SP x PP=2 on 8 ranks: parity to 1e-5."""
     _check([dict(moe=True, ep=2, tp=2, sp=True, pp=2)], world=8)
+
+
+def test_dualpipev_and_zero3_mtp_world2():
+    """PP=2 under DualPipeV (two V-placed stages per rank, FB pairs, deferred weight grads; the
+    last stage's MTP modules share rank 0's embedding) for the dense MLA + MTP model and the
+    DeepSeek-V3-style MoE model, and that MoE model under ZeRO-3 at DP=2 (MTP modules and their
+    embedding gathered with the head unit): 3 AdamW steps match one process to 1e-5."""
+    _check([dict(pp=2, schedule="dualpipev", layers=4), dict(pp=2, schedule="dualpipev", layers=4, moe=True),
+            dict(moe=True, zero=3)])
 
 
 def test_mtp_lambda_zero_is_bitwise_no_mtp():
@@ -192,7 +204,6 @@ def test_mtp_targets_shift_and_documents():
     ("parallel.tensor", 8, 8, "model.num_attention_heads=4 is not divisible by parallel.tensor=8"),
     ("model.mtp_num_layers", SEQ, 1, f"model.mtp_num_layers={SEQ} must be in [0, model.seq_length-1"),
     ("parallel.pipeline_layout", [1, 1], 2, "leaves the last stage no room"),
-    ("parallel.zero", 3, 2, "parallel.zero=3 with model.mtp_num_layers=2"),
     ("model.kv_channels", 16, 1, "model.kv_channels=16 with model.multi_latent_attention=true"),
 ])
 def test_bad_configs_named(field, value, world, message):

@@ -1,7 +1,8 @@
 """``paratron convert``: Hugging Face folders to paratron checkpoints and back.
 
     paratron convert hf-to-paratron SRC_DIR DST_DIR [--config run.toml] [--set section.key=value ...]
-    paratron convert paratron-to-hf SRC_DIR DST_DIR [--step N]
+    paratron convert paratron-to-hf SRC_DIR DST_DIR [--step N] [--base DIR] [--save-peft DIR]
+    paratron convert lora-merge SRC_DIR DST_DIR [--step N] [--base DIR] [--save-peft DIR]
 
 ``hf-to-paratron`` reads a ``LlamaForCausalLM``, ``GPT2LMHeadModel``, ``MixtralForCausalLM``,
 ``Qwen2MoeForCausalLM``, ``Qwen3ForCausalLM`` or ``Qwen3MoeForCausalLM`` folder (config.json and
@@ -10,6 +11,12 @@ layout); the run sections other than ``[model]`` come from ``--config`` (default
 with ``--set`` overrides on top. A ``tokenizer.json`` next to the weights is copied and selected
 as the run's tokenizer. ``paratron-to-hf`` writes config.json and model.safetensors that
 ``transformers`` loads (and copies the run's tokenizer.json, if it has one).
+
+LoRA checkpoints (``model.lora_rank > 0``): ``lora-merge`` writes a paratron checkpoint whose
+target weights hold ``W + (alpha/r) B A`` and no adapters (``model.lora_rank = 0``);
+``paratron-to-hf`` of a LoRA checkpoint exports the merged weights, or, with ``--save-peft DIR``,
+the base weights plus a PEFT adapter folder in ``DIR`` (:mod:`paratron.checkpoint.peft_export`).
+``--base DIR`` supplies the base weights of an adapter-only checkpoint.
 
 On a terminal a progress bar names the stage running (read, write, tokenizer) and its size
 (``--quiet``: none; never in a log).
@@ -24,7 +31,7 @@ from pathlib import Path
 
 from paratron.progress import progress_bar
 
-DIRECTIONS = ("hf-to-paratron", "paratron-to-hf")
+DIRECTIONS = ("hf-to-paratron", "paratron-to-hf", "lora-merge")
 STAGES = 3
 """Read, write, tokenizer: the steps of the progress bar, either way."""
 
@@ -39,6 +46,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="hf-to-paratron: override a config value (repeatable)")
     p.add_argument("--step", type=int, default=None,
                    help="paratron-to-hf: the step to export when SRC is a checkpoint root (default: latest)")
+    p.add_argument("--base", default=None,
+                   help="paratron-to-hf, lora-merge: a checkpoint with the base weights of an adapter-only SRC "
+                        "(default: the checkpoint.pretrained_checkpoint its config names)")
+    p.add_argument("--save-peft", dest="save_peft", default=None, metavar="DIR",
+                   help="paratron-to-hf, lora-merge: also write SRC's LoRA adapters as a PEFT folder "
+                        "(adapter_model.safetensors, adapter_config.json); paratron-to-hf then exports the "
+                        "base weights unmerged")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -79,12 +93,54 @@ def _hf_to_paratron(args, bar) -> str:
     return f"{len(tensors)} tensors, {n / 1e6:.2f}M parameters"
 
 
-def _paratron_to_hf(args, bar) -> str:
-    from paratron.checkpoint.hf import hf_architecture_for, paratron_to_hf
+def _read_lora_aware(args, bar, merge: bool):
+    """SRC's config and full tensors (``--base`` filling the base weights of adapter-only ones);
+    with LoRA adapters: writes ``--save-peft``, then merges them when ``merge`` (the config then
+    says ``lora_rank = 0``)."""
+    import dataclasses
+
+    from paratron.checkpoint.adapters import with_base
     from paratron.checkpoint.io import load_model_full, resolve
+    from paratron.models.lora import adapter_names, merge_lora_tensors
 
     _stage(bar, "reading and verifying the checkpoint", done=False)
     cfg, tensors = load_model_full(resolve(args.src, args.step))
+    tensors = with_base(cfg, tensors, args.base, where=str(args.src))
+    if not adapter_names(tensors):
+        if args.save_peft or args.direction == "lora-merge":
+            raise ValueError(f"{args.src} holds no LoRA adapters (model.lora_rank = {cfg.model.lora_rank})")
+        return cfg, tensors
+    if args.save_peft:
+        from paratron.checkpoint.peft_export import save_peft
+
+        save_peft(cfg.model, tensors, args.save_peft, base_model=str(Path(args.dst).resolve()))
+    if merge:
+        tensors = merge_lora_tensors(cfg.model, tensors)
+    else:
+        tensors = {k: v for k, v in tensors.items() if k not in set(adapter_names(tensors))}
+    cfg.model = dataclasses.replace(cfg.model, lora_rank=0)
+    return cfg, tensors
+
+
+def _lora_merge(args, bar) -> str:
+    from paratron.checkpoint.io import save_model_full
+
+    cfg, tensors = _read_lora_aware(args, bar, merge=True)
+    _stage(bar, f"writing {len(tensors)} tensors, {_gb(tensors)}")
+    save_model_full(args.dst, cfg, tensors)
+    _stage(bar, "tokenizer")
+    return f"{len(tensors)} tensors with the adapters folded in" + _peft_note(args)
+
+
+def _peft_note(args) -> str:
+    return (f"; PEFT adapter in {args.save_peft} (load it with peft.PeftModel.from_pretrained; "
+            "pip install 'paratron[hf]')") if args.save_peft else ""
+
+
+def _paratron_to_hf(args, bar) -> str:
+    from paratron.checkpoint.hf import hf_architecture_for, paratron_to_hf
+
+    cfg, tensors = _read_lora_aware(args, bar, merge=not args.save_peft)
     _stage(bar, f"writing {len(tensors)} tensors, {_gb(tensors)}")
     out = paratron_to_hf(cfg.model, tensors, args.dst)
     _stage(bar, "tokenizer")
@@ -94,18 +150,27 @@ def _paratron_to_hf(args, bar) -> str:
 
     arch = {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel", "deepseek_v3": "DeepseekV3ForCausalLM",
             **FAMILIES, **QWEN3_FAMILIES}[hf_architecture_for(cfg.model)]
-    return f"{len(tensors)} tensors as a {cfg.model.num_layers}-layer {arch}"
+    return f"{len(tensors)} tensors as a {cfg.model.num_layers}-layer {arch}" + _peft_note(args)
 
 
 def _export_tokenizer(cfg, out: Path) -> None:
     """Write the run's tokenizer (GPT-2 BPE, a tokenizer.json, or the BPE trained on the corpus)
-    as ``tokenizer.json``, so that an export -> import round trip keeps the same token ids."""
+    as ``tokenizer.json``, so that an export -> import round trip keeps the same token ids.
+
+    A tokenizer with ids beyond the model's ``vocab_size`` is not the model's (a checkpoint
+    imported from a folder without tokenizer.json records the default GPT-2 one): it is left out
+    with a warning rather than written beside a model its ids would index past."""
     from paratron.data.prepare import build_tokenizer
 
     try:
         tok = build_tokenizer(cfg.data)
     except (ValueError, FileNotFoundError) as e:
         print(f"paratron convert: warning: tokenizer not exported ({e})", file=sys.stderr)
+        return
+    if cfg.model.vocab_size is not None and tok.vocab_size > cfg.model.vocab_size:
+        print(f"paratron convert: warning: tokenizer not exported (data.tokenizer_type="
+              f"{cfg.data.tokenizer_type} has {tok.vocab_size} tokens, more than the model's "
+              f"model.vocab_size={cfg.model.vocab_size})", file=sys.stderr)
         return
     tok.save(out / "tokenizer.json")
 
@@ -118,7 +183,8 @@ def run(args) -> int:
     try:
         with progress_bar(STAGES, "convert", quiet=args.quiet, unit="stage",
                           bar_format="{desc} [{n_fmt}/{total_fmt} stages, {elapsed}]") as bar:
-            summary = (_hf_to_paratron if args.direction == "hf-to-paratron" else _paratron_to_hf)(args, bar)
+            summary = {"hf-to-paratron": _hf_to_paratron, "paratron-to-hf": _paratron_to_hf,
+                       "lora-merge": _lora_merge}[args.direction](args, bar)
             _stage(bar, "done")
     except (ConfigError, CheckpointError, FileNotFoundError, KeyError, ValueError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e

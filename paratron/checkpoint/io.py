@@ -34,7 +34,7 @@ from .checksummed import ChecksummingWriter
 from .items import MODEL_PREFIX, CheckpointError, StateItems, full_items, model_items
 from .legacy import adapt_items, fuse_full
 from .planner import ChunkLoadPlanner, ChunkSavePlanner
-from .safety import (METADATA_FILE, SafeFileSystemReader, check_same_model, file_sha256,
+from .safety import (METADATA_FILE, SafeFileSystemReader, check_same_base, check_same_model, file_sha256,
                      read_metadata_safely, refuse_pickle_files)
 
 FORMAT = "paratron-checkpoint"
@@ -345,6 +345,9 @@ def resume_manifest(root: str | os.PathLike, step: int | None, model: dict, want
     directory = resolve(root, step)
     try:
         manifest = verify(directory)
+        if int(model.get("lora_rank") or 0) > 0 and not manifest.get("adapter_only"):
+            check_same_base(manifest["config"]["model"], model, str(directory))
+            return directory, manifest  # a LoRA run's base: its weights only (checkpoint.adapters)
         check_same_model(manifest["config"]["model"], model, str(directory))
         if want_optimizer and not manifest.get("has_optimizer"):
             raise CheckpointError(

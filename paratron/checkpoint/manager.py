@@ -40,12 +40,14 @@ import torch
 import torch.distributed as dist
 
 from . import integrity, rng, storage
+from .adapters import base_weights, lora_on, only_adapters
 from .async_save import BackgroundWriter, Staging
 from .io import (LATEST, STEP_DIR, holds_no_checkpoint, read_items, read_json, resolve, resume_manifest,
                  saved_tensors, verify_directory, write_items, write_json_atomic, write_manifest, write_text_atomic)
 from .items import (MODEL_PREFIX, CheckpointError, PeerCheckpointError, StateItems, iter_params, merge, model_items,
                     naming_the_save, optimizer_items, shared_embedding_names)
 from .plainjson import decode, encode
+from .safety import check_same_base
 from .finite import first_nonfinite, refuse_nonfinite
 
 
@@ -164,6 +166,8 @@ class CheckpointManager:
                     t0: float) -> None:
         first = self.ctx.is_first_stage
         items = model_items(chunks, is_first_stage=first, for_save=True)
+        if lora_on(self.config):  # adapter-only: the frozen base is loaded from elsewhere
+            items = only_adapters(items)
         if optimizer is not None:
             # The last stage's tied-embedding copy is saved by the first stage (same values).
             skip = set() if first else shared_embedding_names(chunks)
@@ -179,6 +183,7 @@ class CheckpointManager:
                       "coordinates": rng.rank_coordinates(self.ctx), "rng": encode(rng.capture(chunks))}
         fields = {
             "kind": "training", "step": int(step), "has_optimizer": optimizer is not None,
+            "adapter_only": lora_on(self.config),
             "layout": rng.layout_signature(self.ctx, self.config),
             "zero": int(self.config.parallel.zero),
             "optimizer": encode(optimizer.scalar_state()) if optimizer is not None else None,
@@ -307,6 +312,9 @@ class CheckpointManager:
                 fields named); optimizer state requested but absent from the checkpoint.
         """
         self.wait()
+        lora = lora_on(self.config)
+        if lora and self.cfg.pretrained_checkpoint:
+            self._load_base(resolve(self.cfg.pretrained_checkpoint), None, chunks)
         if not self.cfg.load:
             return None
         want_optimizer = bool(self.cfg.load_optimizer) and optimizer is not None
@@ -315,9 +323,17 @@ class CheckpointManager:
         if found is None:
             return None
         directory, manifest = found
+        if lora and not manifest.get("adapter_only"):
+            self._load_base(directory, manifest, chunks)  # a base to fine-tune: fresh adapters, step 0
+            return None
+        if manifest.get("adapter_only") and not (self.cfg.pretrained_checkpoint or getattr(self.cfg, "load_hf", None)):
+            raise CheckpointError(f"{directory} holds only LoRA adapters: set checkpoint.pretrained_checkpoint "
+                                  "(or load the base from Hugging Face) for the frozen base weights")
         with torch.no_grad():
             with full_params(optimizer, writeback=True):
                 items = model_items(chunks, for_save=False)
+                if lora:
+                    items = only_adapters(items)
                 if want_optimizer:
                     items = merge(items, optimizer_items(optimizer))
                 read_items(directory, items, manifest)
@@ -330,6 +346,17 @@ class CheckpointManager:
                     scheduler.load_state_dict(decode(manifest["scheduler"]))
         self._restore_rng(chunks, directory, manifest)
         return decode(manifest.get("extra") or {})
+
+    def _load_base(self, directory: Path, manifest: dict | None, chunks) -> None:
+        """Fill the frozen base params of a LoRA run from a checkpoint's model weights (frozen
+        params are never sharded by ZeRO-3, so no gather is needed)."""
+        manifest = manifest or verify_directory(directory)
+        if manifest.get("adapter_only"):
+            raise CheckpointError(f"{directory} holds only LoRA adapters; the base weights come from "
+                                  "checkpoint.pretrained_checkpoint (a full checkpoint of the base model)")
+        check_same_base(manifest["config"]["model"], self.config.to_dict()["model"], str(directory))
+        with torch.no_grad():
+            read_items(directory, base_weights(model_items(chunks, for_save=False)), manifest)
 
     def load_everywhere(self, chunks, optimizer, scheduler) -> dict | None:
         """:meth:`load` on every rank, then one collective over the ranks' outcomes: it returns
@@ -363,21 +390,24 @@ class CheckpointManager:
 
 def params_to_load(cfg) -> frozenset[str]:
     """The logical names of the params that :meth:`CheckpointManager.load` will fill under the
-    checkpoint config ``cfg`` (``checkpoint.load``/``load_step``), read from the DCP metadata alone
+    checkpoint config ``cfg`` (``checkpoint.load``/``load_step``, and a LoRA run's
+    ``pretrained_checkpoint``), read from the DCP metadata alone
     (the load verifies the directory); empty when there is nothing to load, or when the metadata
     cannot be read: the params are then drawn as usual and the load itself reports the problem
     with its own checks and message. The model is built without drawing these
     (:func:`paratron.layers.init.skip_draws`)."""
-    if not cfg.load:
-        return frozenset()
-    root = Path(cfg.load)
-    try:
-        if cfg.load_step is None and holds_no_checkpoint(root):
-            return frozenset()
-        keys = saved_tensors(resolve(root, cfg.load_step), verified=True)
-    except Exception:  # noqa: BLE001 - any fault here is the load's to report, after its checks
-        return frozenset()
-    return frozenset(k[len(MODEL_PREFIX):] for k in keys if k.startswith(MODEL_PREFIX))
+    names = frozenset()
+    for root, step in ((cfg.load, cfg.load_step), (getattr(cfg, "pretrained_checkpoint", None), None)):
+        if not root:
+            continue
+        try:
+            if step is None and holds_no_checkpoint(root):
+                continue
+            keys = saved_tensors(resolve(root, step), verified=True)
+        except Exception:  # noqa: BLE001 - any fault here is the load's to report, after its checks
+            continue
+        names |= frozenset(k[len(MODEL_PREFIX):] for k in keys if k.startswith(MODEL_PREFIX))
+    return names
 
 
 def full_params(optimizer, writeback: bool = False):

@@ -257,3 +257,20 @@ def check_same_model(saved: dict[str, Any], current: dict[str, Any], where: str)
     diff = model_config_differences(saved, current)
     if diff:
         raise CheckpointError(f"{where} was saved for another model; differing fields: " + "; ".join(diff))
+
+
+LORA_FIELDS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets")
+
+
+def check_same_base(saved: dict, current: dict, where: str) -> None:
+    """:func:`check_same_model` on everything but the LoRA fields (a
+    base checkpoint was saved without adapters, or with others).
+
+    Raises:
+        CheckpointError: a weight-relevant base field differs.
+    """
+    from paratron.config import ModelConfig
+
+    defaults = {f.name: f.default_factory() if f.default is dataclasses.MISSING else f.default
+                for f in dataclasses.fields(ModelConfig) if f.name in LORA_FIELDS}
+    check_same_model({**saved, **defaults}, {**current, **defaults}, where)

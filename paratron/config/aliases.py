@@ -77,6 +77,9 @@ MEGATRON_ALIASES: dict[str, str] = {
     "--v-head-dim": "model.v_head_dim",
     "--mtp-num-layers": "model.mtp_num_layers",
     "--mtp-loss-scaling-factor": "model.mtp_loss_scaling_factor",
+    # FP8 linears (paratron/layers/fp8.py): Megatron's recipe names map onto train.fp8.
+    "--fp8-format": "train.fp8_format",
+    "--fp8-recipe": "train.fp8",
 }
 """Megatron-LM flag -> paratron key, for flags that take a value."""
 
@@ -86,6 +89,7 @@ MEGATRON_SWITCHES: dict[str, tuple[str, str]] = {
     "--reset-position-ids": ("data.reset_position_ids", "true"),
     "--reset-attention-mask": ("data.reset_attention_mask", "true"),
     "--eod-mask-loss": ("data.eod_mask_loss", "true"),
+    "--sft": ("data.format", "chat"),
     "--bf16": ("train.precision", "bf16"),
     "--fp16": ("train.precision", "fp16"),
     "--swiglu": ("model.activation", "swiglu"),

@@ -90,6 +90,38 @@ def check_model(cfg: ModelConfig, tp: int) -> None:
     check_shape(cfg, tp)
 
 
+LORA_TARGETS = {"qkv": ("q_proj", "k_proj", "v_proj"), "proj": ("o_proj",), "fc1": ("gate_proj", "up_proj"),
+                "fc2": ("down_proj",)}
+"""``model.lora_targets`` names (paratron's linears) -> the Hugging Face / PEFT modules they
+export to (Llama naming); the fused ``qkv`` and SwiGLU ``fc1`` map to several."""
+
+
+def check_lora(cfg: ModelConfig) -> None:
+    """The LoRA fields' rules (:mod:`paratron.models.lora`).
+
+    Raises:
+        ConfigError: a negative rank, a non-positive alpha, a dropout outside [0, 1), an empty or
+            unknown target (a Hugging Face name gets the paratron module it is part of).
+    """
+    if cfg.lora_rank < 0:
+        raise ConfigError(f"model.lora_rank={cfg.lora_rank} must be >= 0 (0: no LoRA)")
+    if cfg.lora_rank == 0:
+        return
+    if not cfg.lora_alpha > 0:
+        raise ConfigError(f"model.lora_alpha={cfg.lora_alpha} must be > 0 (the scale is lora_alpha / lora_rank)")
+    if not 0.0 <= cfg.lora_dropout < 1.0:
+        raise ConfigError(f"model.lora_dropout={cfg.lora_dropout} must be in [0, 1)")
+    if not cfg.lora_targets:
+        raise ConfigError(f"model.lora_targets is empty; choose from {sorted(LORA_TARGETS)}")
+    hf = {h: name for name, hs in LORA_TARGETS.items() for h in hs}
+    for t in cfg.lora_targets:
+        if t in hf:
+            raise ConfigError(f"model.lora_targets: {t!r} is a Hugging Face module name; paratron fuses it into "
+                              f"{hf[t]!r} ({', '.join(LORA_TARGETS[hf[t]])}): list {hf[t]!r}")
+        if t not in LORA_TARGETS:
+            raise ConfigError(f"model.lora_targets: unknown target {t!r}; choose from {sorted(LORA_TARGETS)}")
+
+
 def check_shape(cfg: ModelConfig, tp: int) -> None:
     """Check the model's sizes against tensor-parallel size ``tp``, before any collective (config
     validation runs this before the vocab size is known).
@@ -101,6 +133,7 @@ def check_shape(cfg: ModelConfig, tp: int) -> None:
             than the learned position table; a rule of :func:`check_mla` (under
             ``multi_latent_attention``) or :func:`check_mtp`.
     """
+    check_lora(cfg)
     for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
         v = getattr(cfg, name)
         if v < (0 if name == "num_layers" else 1):

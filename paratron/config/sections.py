@@ -59,6 +59,11 @@ class ModelConfig:
     """Activation recompute (Korthikanti et al. 2022): whole layer, or the attention core only."""
     compile: bool = False
     """``torch.compile`` each transformer layer (opt-in; the first steps pay for compilation)."""
+    activation_offload: list[str] = field(default_factory=list)
+    """Submodules of every transformer layer whose saved activations go to host memory after the
+    layer's forward and come back (one layer ahead) for its backward: any of ``input_norm``,
+    ``attention``, ``post_attention_norm``, ``mlp``, or ``layer`` (all of it). No-op on CPU runs;
+    not with ``recompute = "full"`` (paratron/models/offload.py)."""
     block: str = "transformer"
     """Name of the transformer block in the block registry."""
     # Multi-head latent attention (DeepSeek-V2 section 2.1; Megatron-Core's MLATransformerConfig names).
@@ -136,6 +141,17 @@ class ModelConfig:
     first_k_dense_replace: int = 0
     """The first this many layers have a dense MLP (of ``ffn_hidden_size``) instead of an MoE one
     (DeepSeek-V3: 3); the later layers follow ``moe_layer_freq``."""
+    lora_rank: int = 0
+    """LoRA (Hu et al. 2021): the rank r of the adapters on the ``lora_targets`` linears; 0 means no
+    LoRA. With r > 0 every other parameter is frozen (no grad, no optimizer state)."""
+    lora_alpha: float = 16.0
+    """LoRA scaling numerator: the adapter output is multiplied by ``lora_alpha / lora_rank``."""
+    lora_dropout: float = 0.0
+    """Dropout probability on the adapters' input (the base linear sees the input undropped)."""
+    lora_targets: list[str] = field(default_factory=lambda: ["qkv", "proj", "fc1", "fc2"])
+    """The linears that get adapters, by paratron's module names: ``qkv`` (fused attention input;
+    HF q_proj, k_proj, v_proj), ``proj`` (attention output; o_proj), ``fc1`` (MLP input, SwiGLU's
+    fused gate and up; gate_proj, up_proj), ``fc2`` (MLP output; down_proj). MoE experts get none."""
 
 
 @dataclass
@@ -165,7 +181,7 @@ class ParallelConfig:
     zero3_prefetch: bool = True
     """ZeRO-3: start the next layer's all-gather while the current layer computes."""
     schedule: str = "1f1b"
-    """Pipeline schedule registry name: gpipe, 1f1b, interleaved, zb-h1, zbv, or a registered one."""
+    """Pipeline schedule registry name: gpipe, 1f1b, interleaved, zb-h1, zbv, dualpipev, or a registered one."""
     pipeline_layout: Optional[list[int]] = None
     """Transformer layers per pipeline stage (virtual stages in order); None splits evenly."""
     pipeline_link_latency_ms: Optional[list[float]] = None
@@ -260,6 +276,19 @@ class TrainConfig:
     (Megatron's ``--wandb-project``)."""
     wandb_exp_name: Optional[str] = None
     """The Weights & Biases run name; None: wandb picks one (Megatron's ``--wandb-exp-name``)."""
+    fp8: Optional[Literal["tensorwise", "rowwise"]] = None
+    """FP8 matmuls in the column/row-parallel linears (paratron/layers/fp8.py): dynamic scales, one
+    per tensor ("tensorwise") or one per row along the contraction dim ("rowwise"), from amaxes
+    reduced over every group that splits them, so every layout casts the same values. The
+    embedding, output head, router, norms and MoE experts stay in ``precision``. None: off, unless
+    ``fp8_format`` is set (then "tensorwise"). Not with ``parallel.context > 1``. Megatron's
+    ``--fp8-recipe``."""
+    fp8_format: Optional[Literal["e4m3", "hybrid"]] = None
+    """FP8 formats: "e4m3" everywhere, or "hybrid" (e4m3 activations and weights, e5m2 grads; the
+    default when FP8 is on). Setting it turns FP8 on. Megatron's ``--fp8-format``."""
+    fp8_param_gather: bool = False
+    """Under ``parallel.zero = 3``, all-gather the FP8 linears' weights as FP8 (one byte an
+    element, with a scale reduced over DP and TP) instead of in ``precision``. Tensorwise only."""
 
 
 @dataclass
@@ -364,6 +393,25 @@ class DataConfig:
     documents (``train.micro_batch_size`` is unused). Documents longer than ``model.seq_length``
     positions are split. Rule and layout: :mod:`paratron.data.token_batches`. None: fixed-length
     samples."""
+    format: Literal["text", "chat"] = "text"
+    """``"chat"``: SFT records (``{"messages": [{"role", "content"}, ...]}`` or prompt/completion
+    pairs) rendered with a chat template, the loss on the assistant's tokens only
+    (:mod:`paratron.data.chat`; Megatron's ``--sft``). Read from ``data.corpus`` (a JSONL file) or
+    ``data.hf_dataset``."""
+    chat_template: Optional[str] = None
+    """A built-in template name (``"simple"``, ``"chatml"``) or a ``.jinja`` file; None: the
+    tokenizer's own beside ``data.tokenizer_model``, else ``"simple"``."""
+    messages_key: str = "messages"
+    """The field of a chat record that holds its messages."""
+    hf_dataset: Optional[str] = None
+    """A Hugging Face ``datasets`` input: a local Parquet / Arrow / JSON(L) file or folder, a
+    ``save_to_disk`` folder, or a dataset name (:mod:`paratron.data.hf_datasets`). Text records
+    use ``data.text_key`` (= ``data.json_key``)."""
+    hf_split: str = "train"
+    """The split of ``data.hf_dataset`` to train on (``data.split`` still cuts it into train and
+    validation rows when not streaming)."""
+    streaming: bool = False
+    """Read ``data.hf_dataset`` lazily, in order, as an ``IterableDataset`` (no validation split)."""
 
 
 @dataclass
@@ -388,6 +436,10 @@ class CheckpointConfig:
     weights (``paratron train --from-hf DIR``). A checkpoint in ``checkpoint.load`` wins (resume)."""
     save_hf: Optional[str] = None
     """Where ``train.export_hf_at_end`` writes the Hugging Face folder (default ``RUN_DIR/hf``)."""
+    pretrained_checkpoint: Optional[str] = None
+    """LoRA (``model.lora_rank > 0``): a paratron checkpoint whose model weights fill the frozen
+    base before ``checkpoint.load`` (an adapter-only checkpoint of the run) is loaded; its own
+    optimizer state, step and adapters are ignored (Megatron-Bridge's name)."""
 
 
 @dataclass
@@ -427,6 +479,7 @@ KEY_ALIASES: dict[str, str] = {
     "model.moe_router_score_function": "model.moe_router_score",
     "model.moe_router_topk": "model.moe_top_k",
     "model.moe_shared_expert_intermediate_size": "model.moe_shared_expert_ffn_hidden_size",
+    "data.text_key": "data.json_key",
 }
 """Megatron-Core's ``TransformerConfig`` names of fields paratron spells otherwise: a config file
 or ``--set`` may use either."""

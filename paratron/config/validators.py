@@ -20,6 +20,7 @@ import math
 from . import model_shape
 from .context_rules import check_context
 from .observe_rules import check_observability
+from .record_rules import check_records
 from .token_rules import check_microbatch_tokens, token_balanced
 from .errors import ConfigError
 from .sections import Config
@@ -103,6 +104,16 @@ def _model(cfg: Config, world: int | None) -> None:
     model_shape.check_shape(cfg.model, cfg.parallel.tensor)
 
 
+def _activation_offload(cfg: Config, world: int | None) -> None:
+    if not cfg.model.activation_offload:
+        return
+    from paratron.models.offload import check_activation_offload
+
+    err = check_activation_offload(cfg.model.activation_offload, cfg.model.recompute, cfg.model.compile)
+    if err:
+        raise ConfigError(err)
+
+
 def _data_parallel_size(cfg: Config, world: int | None) -> int | None:
     """``world / (tp * cp * pp)``, or None without a world size (or when it does not divide)."""
     p = cfg.parallel
@@ -142,12 +153,8 @@ def _mtp_last_stage(cfg: Config, world: int | None) -> None:
     """The MTP modules (one transformer layer each) run on the last pipeline stage, after its
     own layers: an explicit ``parallel.pipeline_layout`` must leave it room for them, i.e. the
     last stage's layers plus ``model.mtp_num_layers`` may not exceed the largest other stage
-    (Megatron-LM's advice for DeepSeek-V3 layouts: fewer layers on the stage with the MTP).
-    ZeRO-3 is refused with MTP (its gather units cover the chunk's layers and head only)."""
+    (Megatron-LM's advice for DeepSeek-V3 layouts: fewer layers on the stage with the MTP)."""
     p, d = cfg.parallel, cfg.model.mtp_num_layers
-    if d and p.zero == 3:
-        raise ConfigError(f"parallel.zero=3 with model.mtp_num_layers={d}: ZeRO-3's gather units do not cover the "
-                          "MTP modules yet; use parallel.zero <= 2")
     layout = p.pipeline_layout
     if not d or not layout or len(layout) < 2:
         return
@@ -252,6 +259,16 @@ def _moe_fb_overlap(cfg: Config, world: int | None) -> None:
                           f"model.moe_token_dispatcher={name!r} does not (use 'alltoall')")
 
 
+def _dualpipev_zero3(cfg: Config, world: int | None) -> None:
+    """DualPipeV's lists are made of FB pairs (one microbatch's backward run inside another's
+    forward); ZeRO-3's per-unit free has only been proved for one microbatch in a unit at a
+    time (the same rule as parallel.overlap_moe_expert_parallel_comm)."""
+    if cfg.parallel.schedule == "dualpipev" and cfg.parallel.zero == 3:
+        raise ConfigError("parallel.schedule='dualpipev' runs one microbatch's backward in the middle of "
+                          "another's forward (FB pairs), but parallel.zero=3 frees each layer's params after "
+                          "its forward and backward: use parallel.zero <= 2 or parallel.schedule='zbv'")
+
+
 def _zero(cfg: Config, world: int | None) -> None:
     if cfg.parallel.zero not in (0, 1, 2, 3):
         raise ConfigError(f"parallel.zero={cfg.parallel.zero} must be 0 (DDP), 1 (optimizer state "
@@ -263,7 +280,8 @@ def _split(cfg: Config, world: int | None) -> None:
     try:
         vals = [float(x) for x in parts]
     except ValueError:
-        raise ConfigError(f"data.split={cfg.data.split!r} must be comma-separated numbers like '969,30,1'") from None
+        hint = " (the split of data.hf_dataset to read is data.hf_split)" if cfg.data.hf_dataset else ""
+        raise ConfigError(f"data.split={cfg.data.split!r} must be comma-separated numbers like '969,30,1'{hint}") from None
     if len(vals) > 3 or any(v < 0 for v in vals) or sum(vals) <= 0:
         raise ConfigError(f"data.split={cfg.data.split!r} must be up to 3 non-negative numbers with a positive sum")
 
@@ -283,9 +301,30 @@ def _lr_schedule(cfg: Config, world: int | None) -> None:
         raise ConfigError(f"optimizer.min_lr={o.min_lr} must be <= optimizer.lr={o.lr}")
 
 
-VALIDATORS = [_finite, _positive, _nonfinite_policy, _lr_schedule, _grid, _model, _batch, _sequence, _link_latency, _schedule, _pipeline_layers, _mtp_last_stage,
-              _experts, _moe_fb_overlap, _zero, _split, check_context, check_microbatch_tokens,
-              check_observability]
+def _fp8(cfg: Config, world: int | None) -> None:
+    t = cfg.train
+    if t.fp8 not in (None, "tensorwise", "rowwise"):
+        raise ConfigError(f"train.fp8={t.fp8!r} must be 'tensorwise' or 'rowwise' (Megatron's delayed, "
+                          "mxfp8 and blockwise recipes are not implemented)")
+    if t.fp8_format not in (None, "e4m3", "hybrid"):
+        raise ConfigError(f"train.fp8_format={t.fp8_format!r} must be 'e4m3' or 'hybrid'")
+    if t.fp8_param_gather and (cfg.parallel.zero != 3 or (t.fp8 is None and t.fp8_format is None)):
+        raise ConfigError(f"train.fp8_param_gather=true needs parallel.zero=3 (is {cfg.parallel.zero}) "
+                          "and FP8 on (train.fp8 or train.fp8_format)")
+    if (t.fp8 is not None or t.fp8_format is not None) and cfg.parallel.context > 1:
+        # CP splits each sequence: activation amaxes would be per chunk, unlike at CP=1.
+        raise ConfigError(f"train.fp8 needs parallel.context=1 (is {cfg.parallel.context}): the FP8 "
+                          "scales are not reduced over context-parallel ranks")
+    if t.fp8_param_gather and t.fp8 == "rowwise":
+        # The gather casts each weight with one scale; rowwise linears cast it per row (forward)
+        # and per column (input grad), so a weight gathered in FP8 would be rounded twice.
+        raise ConfigError("train.fp8_param_gather=true needs train.fp8='tensorwise' (is 'rowwise'): the "
+                          "gathered weight's one scale is not the rowwise linears' per-row scales")
+
+
+VALIDATORS = [_finite, _positive, _nonfinite_policy, _lr_schedule, _grid, _model, _activation_offload, _batch, _sequence, _link_latency, _schedule, _pipeline_layers, _mtp_last_stage,
+              _dualpipev_zero3, _experts, _moe_fb_overlap, _zero, _fp8, _split, check_context, check_microbatch_tokens,
+              check_observability, check_records]
 """Every config rule, in order. Each takes ``(cfg, world_size_or_None)`` and raises ConfigError."""
 
 

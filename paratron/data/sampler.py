@@ -21,6 +21,11 @@ import numpy as np
 import torch
 
 
+STREAM_LENGTH = 2**62
+"""The length a stream of unknown size reports: positions grow without end
+(:class:`paratron.data.records.PositionSampler`, :class:`paratron.data.hf_datasets.StreamRecords`)."""
+
+
 class PretrainingSampler:
     """This data-parallel rank's microbatches of sample ids, step by step.
 

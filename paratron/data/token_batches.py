@@ -114,6 +114,9 @@ class TokenBudgetSampler:
         max_positions: positions per piece at most (S, ``model.seq_length``).
         data_parallel_rank, data_parallel_size: this rank's place in the DP group.
         seed, shuffle: the document stream's order (as :class:`PretrainingSampler`).
+        stream: ``(start, count) -> document ids`` to use instead of that order (a streamed
+            dataset's positions, :class:`paratron.data.records.PositionSampler`); ``lengths`` may
+            then be lazy (``len()`` and ``lengths[d]``, :class:`paratron.data.records.LazyLengths`).
 
     Raises:
         ValueError: a non-positive size, or ``microbatch_tokens < max_positions``.
@@ -123,13 +126,14 @@ class TokenBudgetSampler:
     """Varies per step (the training loop builds the schedule for each count)."""
 
     def __init__(self, lengths: np.ndarray, global_batch_size: int, microbatch_tokens: int, max_positions: int,
-                 data_parallel_rank: int = 0, data_parallel_size: int = 1, seed: int = 0, shuffle: bool = True):
+                 data_parallel_rank: int = 0, data_parallel_size: int = 1, seed: int = 0, shuffle: bool = True,
+                 stream=None):
         from paratron.data.sampler import PretrainingSampler
 
         if microbatch_tokens < max_positions or max_positions < 1:
             raise ValueError(f"microbatch_tokens={microbatch_tokens} must be >= max_positions={max_positions} >= 1")
-        self.lengths = np.asarray(lengths, dtype=np.int64)
-        self.stream = PretrainingSampler(len(self.lengths), global_batch_size, 1, 0, 1, seed, shuffle).stream
+        self.lengths = np.asarray(lengths, dtype=np.int64) if isinstance(lengths, (list, tuple, np.ndarray)) else lengths
+        self.stream = stream or PretrainingSampler(len(self.lengths), global_batch_size, 1, 0, 1, seed, shuffle).stream
         self.global_batch_size, self.microbatch_tokens = global_batch_size, microbatch_tokens
         self.max_positions = max_positions
         self.dp_rank, self.dp_size = data_parallel_rank, data_parallel_size
@@ -145,7 +149,8 @@ class TokenBudgetSampler:
         return self.global_plan(consumed)[self.dp_rank::self.dp_size]
 
 
-def collate_pieces(pieces: Sequence[Piece], read, multiple_of: int = 1, pad_id: int = 0) -> dict[str, torch.Tensor]:
+def collate_pieces(pieces: Sequence[Piece], read, multiple_of: int = 1, pad_id: int = 0,
+                   read_mask=None) -> dict[str, torch.Tensor]:
     """One packed row of ``pieces``.
 
     Args:
@@ -154,6 +159,8 @@ def collate_pieces(pieces: Sequence[Piece], read, multiple_of: int = 1, pad_id: 
         multiple_of: pad the row to a multiple of this many positions (sequence parallelism
             splits it over TP); the padding is one more segment with ignored labels.
         pad_id: token id of the padding.
+        read_mask: ``(doc, start, stop) -> bool array``, True where a token is a loss target (chat
+            data: the assistant's tokens); a label is ignored (-100) where its token is not.
 
     Returns:
         ``tokens``, ``labels``, ``position_ids`` ``[1, s]`` int64 (labels -100 on padding) and
@@ -164,7 +171,8 @@ def collate_pieces(pieces: Sequence[Piece], read, multiple_of: int = 1, pad_id: 
     for p in pieces:
         window = np.asarray(read(p.doc, p.start, p.stop + 1), dtype=np.int64)
         toks.append(window[:-1])
-        labs.append(window[1:])
+        labs.append(window[1:] if read_mask is None else
+                    np.where(read_mask(p.doc, p.start + 1, p.stop + 1), window[1:], IGNORE_INDEX))
         pos.append(np.arange(p.size, dtype=np.int64))
         starts.append(starts[-1] + p.size)
     pad = -starts[-1] % multiple_of

@@ -23,6 +23,7 @@ from ..parallel.comm import Group
 from ..parallel.grads import accumulate_grad, run_or_defer
 from ..parallel.mappings import check_sequence_divisible, gather_from_tp_region, scatter_to_tp_region
 from ..parallel.params import ShardSpec, mark
+from .fp8 import fp8_matmul
 from .init import InitMethod, init_shard_
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "divide", "local_linear"]
@@ -35,10 +36,21 @@ def divide(n: int, tp: int, field: str) -> int:
     return n // tp
 
 
+def _mm(owner, a: torch.Tensor, b: torch.Tensor, kinds: str, sharded: tuple[bool, bool], k_split: bool):
+    """``a [..., K] @ b [K, N]`` -> ``[..., N]``; in FP8 when ``owner.fp8`` holds a recipe (see
+    :func:`paratron.layers.fp8.fp8_matmul` for ``kinds``/``sharded``/``k_split``)."""
+    recipe = getattr(owner, "fp8", None)
+    if recipe is None:
+        return a.matmul(b)
+    out = fp8_matmul(recipe, a.reshape(-1, a.shape[-1]), b, kinds, sharded, k_split, owner.group)
+    return out.view(*a.shape[:-1], b.shape[-1])
+
+
 def _weight_grads(owner, weight, bias, dy: torch.Tensor, x: torch.Tensor,
-                  bias_dy: torch.Tensor | None = None) -> None:
+                  bias_dy: torch.Tensor | None = None, sharded: tuple[bool, bool] = (False, False)) -> None:
     """Compute ``dW = dy^T x`` and ``db = sum(bias_dy)`` (``bias_dy`` defaults to ``dy``) now,
-    or queue them as one closure if the owner's weight-grad store is deferring."""
+    or queue them as one closure if the owner's weight-grad store is deferring. ``sharded``:
+    whether ``dy`` and ``x`` are TP shards (for FP8 scales)."""
     want_w = weight.requires_grad
     want_b = bias is not None and bias.requires_grad
     if not (want_w or want_b):
@@ -48,7 +60,7 @@ def _weight_grads(owner, weight, bias, dy: torch.Tensor, x: torch.Tensor,
     def run() -> None:
         if want_w:
             dy2 = dy.reshape(-1, dy.shape[-1])
-            accumulate_grad(weight, dy2.t().matmul(x.reshape(-1, x.shape[-1])))
+            accumulate_grad(weight, _mm(owner, dy2.t(), x.reshape(-1, x.shape[-1]), "gx", sharded, False))
         if want_b:
             accumulate_grad(bias, bdy.reshape(-1, bdy.shape[-1]).sum(dim=0))
 
@@ -63,7 +75,10 @@ class _ColumnFn(torch.autograd.Function):
         # With SP the gathered input is kept for dW rather than re-gathered in backward: one
         # all-gather per layer instead of two, at the cost of s*b*in activation memory.
         total = group.all_gather(x, dim=0) if sequence_parallel else x
-        if bias is not None:
+        if getattr(owner, "fp8", None) is not None:
+            out = _mm(owner, total, weight.t(), "xw", (False, True), False)
+            out = out if bias is None else out + bias
+        elif bias is not None:
             # One addmm instead of a matmul and a separate pass to add the bias.
             flat = total.reshape(-1, total.shape[-1])
             out = torch.addmm(bias, flat, weight.t()).view(*total.shape[:-1], weight.shape[0])
@@ -79,7 +94,7 @@ class _ColumnFn(torch.autograd.Function):
         group, dx, work = fctx.group, None, None
         dy = dy.contiguous()
         if fctx.needs_input_grad[0]:
-            dx_total = dy.matmul(weight)
+            dx_total = _mm(fctx.owner, dy, weight, "gw", (True, True), True)
             if group.size == 1:
                 dx = dx_total
             elif fctx.sp:
@@ -91,7 +106,7 @@ class _ColumnFn(torch.autograd.Function):
                 dx = dx_total
                 work = group.all_reduce(dx, async_op=True)
         # dW overlaps with the input-grad collective (Shoeybi et al. 2019 note the same overlap).
-        _weight_grads(fctx.owner, weight, fctx.bias, dy, total)
+        _weight_grads(fctx.owner, weight, fctx.bias, dy, total, sharded=(True, False))
         if work is not None:
             work.wait()
         return dx, None, None, None, None, None
@@ -102,7 +117,7 @@ class _RowFn(torch.autograd.Function):
 
     @staticmethod
     def forward(fctx, x, weight, bias, owner, group: Group, sequence_parallel: bool):
-        partial = x.matmul(weight.t())
+        partial = _mm(owner, x, weight.t(), "xw", (True, True), True)
         if sequence_parallel:
             out = group.reduce_scatter(partial, dim=0)
         else:
@@ -119,10 +134,10 @@ class _RowFn(torch.autograd.Function):
         x, weight = fctx.saved_tensors
         dy = dy.contiguous()
         dy_total = fctx.group.all_gather(dy, dim=0) if fctx.sp else dy
-        dx = dy_total.matmul(weight) if fctx.needs_input_grad[0] else None
+        dx = _mm(fctx.owner, dy_total, weight, "gw", (False, True), False) if fctx.needs_input_grad[0] else None
         # The bias grad uses the local dy: under SP it is a sequence-shard partial sum, which
         # allreduce_sequence_parallel_grads completes over TP (the bias is marked so).
-        _weight_grads(fctx.owner, weight, fctx.bias, dy_total, x, bias_dy=dy)
+        _weight_grads(fctx.owner, weight, fctx.bias, dy_total, x, bias_dy=dy, sharded=(False, True))
         return dx, None, None, None, None, None
 
 
@@ -213,6 +228,7 @@ class ColumnParallelLinear(nn.Module):
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
         self.skip_bias_add = skip_bias_add
         self.weight_grad_store = None
+        self.fp8 = None  # an Fp8Recipe: FP8 matmuls (paratron/layers/fp8.py, enable_fp8)
         spec = ShardSpec((self.out_features, self.in_features), (r * n, 0), (self.out_per_rank, self.in_features),
                          stride)
         weight = torch.empty(self.out_per_rank, self.in_features, device=ctx.device, dtype=params_dtype)
@@ -279,6 +295,7 @@ class RowParallelLinear(nn.Module):
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
         self.skip_bias_add = skip_bias_add
         self.weight_grad_store = None
+        self.fp8 = None  # an Fp8Recipe: FP8 matmuls (paratron/layers/fp8.py, enable_fp8)
         lo = r * self.in_per_rank
         spec = ShardSpec((self.out_features, self.in_features), (0, lo), (self.out_features, self.in_per_rank))
         weight = torch.empty(self.out_features, self.in_per_rank, device=ctx.device, dtype=params_dtype)

@@ -144,8 +144,13 @@ class MultiTokenPrediction(nn.Module):
         else:
             self._shared = [embedding]  # a list: registered where it belongs
 
+    @property
+    def word_embedding(self) -> nn.Module:
+        """The word embedding the modules look the shifted tokens up in (owned or shared)."""
+        return self.embedding if hasattr(self, "embedding") else self._shared[0]
+
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return (self.embedding if hasattr(self, "embedding") else self._shared[0])(ids)
+        return self.word_embedding(ids)
 
     def forward(self, h, mtp_tokens, mtp_labels, run_layer: Callable, head: Callable) -> torch.Tensor:
         losses = []

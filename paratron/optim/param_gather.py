@@ -4,7 +4,8 @@ paper's section 7.2.2 and PyTorch FSDP, Zhao et al. 2023, section 3.3).
 
 A *unit* is a module whose forward needs a set of params: for a GPT chunk, the embedding, each
 transformer layer, and the head (final norm plus output weight, gathered from the final norm's
-forward until the end of the chunk's forward). In any other model each module of a direct
+forward until the end of the chunk's forward; with multi-token prediction also the MTP modules
+and the word embedding they share, which run in that window). In any other model each module of a direct
 ``ModuleList``/``ModuleDict`` child is a unit and the remaining params form one unit that spans
 the chunk's whole forward. DDP lays out the
 buckets so that a bucket never spans two units (:mod:`paratron.optim.grad_buffer`), and
@@ -29,6 +30,15 @@ actions of zero-bubble schedules run with the unit freed. A forward run again in
 (activation recompute) keeps its params: the backward that follows needs them (freeing them
 would only cost another all-gather at the unit's pre-backward hook).
 All-gathers are issued in the same order on every rank of a DP group (same schedule, same model).
+
+FP8 param gather (``train.fp8_param_gather``, :meth:`ParamShards.enable_fp8_gather`): the weights
+of the FP8 linears travel as e4m3, one byte an element instead of two (bf16), with one scale per
+weight from its amax MAX-reduced over DP and TP (the whole logical weight, so the cast values are
+those of FP8 at one process); the linear casts the dequantised weight again and gets the same FP8
+values. Other params of the bucket (norms, biases, padding) travel in their dtype in a second
+all-gather. :meth:`ParamShards.gathered` (checkpoints, evaluation helpers) always gathers exactly.
+Tensorwise FP8 only (the validator refuses rowwise: its per-row scales are not the one scale of the
+gather, so the weight would be rounded twice).
 """
 
 from __future__ import annotations
@@ -37,6 +47,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from paratron.parallel.params import unique_params
@@ -87,13 +98,27 @@ def units_of(chunk: nn.Module) -> list[Unit]:
         units.append(Unit(layer, layer, unique_params(layer, trainable_only=True)))
     norm = getattr(chunk, "final_norm", None)
     if norm is not None:
-        head = unique_params(norm, trainable_only=True) + [chunk.output_weight()]
-        units.append(Unit(norm, chunk, list({id(p): p for p in head}.values())))
+        head = unique_params(norm, trainable_only=True) + [chunk.output_weight()] + _mtp_params(chunk)
+        units.append(Unit(norm, chunk, list({id(p): p for p in head if p.requires_grad}.values())))
     covered = {id(p) for u in units for p in u.params}
     rest = [p for p in unique_params(chunk, trainable_only=True) if id(p) not in covered]
     if rest:
         raise ValueError(f"ZeRO-3: params {[p.logical_name for p in rest]} belong to no unit of the chunk")
-    return units
+    # Frozen params (a LoRA base) are never sharded: a unit of only frozen params gathers nothing.
+    return [u for u in units if u.params]
+
+
+def _mtp_params(chunk: nn.Module) -> list[nn.Parameter]:
+    """The params the chunk's multi-token-prediction modules use (:mod:`paratron.models.mtp`):
+    their own and the word embedding they look the shifted tokens up in (this chunk's, another
+    chunk's on the same rank, or the last stage's copy). They run inside the chunk's forward after
+    the head and call the embedding's inner lookup directly (no unit hook fires), so they join
+    the head unit, which is gathered from the final norm to the end of the chunk's forward and,
+    in backward, from the chunk's output grad until the last layer's backward starts."""
+    mtp = getattr(chunk, "mtp", None)
+    if mtp is None:
+        return []
+    return unique_params(mtp, trainable_only=True) + [mtp.word_embedding.weight]
 
 
 def unit_ids(chunks, params) -> dict[int, int]:
@@ -109,21 +134,65 @@ def unit_ids(chunks, params) -> dict[int, int]:
     return out
 
 
-def _first_grad_tensor(obj):
+def _grad_tensors(obj):
+    """The tensors in ``obj`` (nested tuples/lists) that require grad, in order."""
     if torch.is_tensor(obj):
-        return obj if obj.requires_grad else None
-    if isinstance(obj, (tuple, list)):
+        if obj.requires_grad:
+            yield obj
+    elif isinstance(obj, (tuple, list)):
         for o in obj:
-            t = _first_grad_tensor(o)
-            if t is not None:
-                return t
-    return None
+            yield from _grad_tensors(o)
+
+
+def _first_grad_tensor(obj):
+    return next(_grad_tensors(obj), None)
 
 
 def _in_backward() -> bool:
     """Whether autograd is executing a backward now (a forward run inside it is a recompute).
     PyTorch has no public query for this; the engine's current graph task id is -1 outside."""
     return torch._C._current_graph_task_id() != -1
+
+
+_E4M3 = torch.float8_e4m3fn
+
+
+class _Fp8Bucket:
+    """How one bucket's FP8 gather splits its elements: ``slot[j]`` is the index (in ``params``)
+    of the FP8 weight that bucket element ``j`` belongs to, -1 for the rest."""
+
+    def __init__(self, buf, bucket, params) -> None:
+        self.params = params
+        self.slot = torch.full((bucket.numel,), -1, dtype=torch.long)
+        for j, p in enumerate(params):
+            s, e = buf.index[id(p)]
+            self.slot[s - bucket.start:e - bucket.start] = j
+        n = buf.group.size
+        self.size = bucket.numel // n
+        self.masks = [self.slot[r * self.size:(r + 1) * self.size] >= 0 for r in range(n)]
+        self.max_fp8 = max(int(m.sum()) for m in self.masks)
+        self.max_rest = max(self.size - int(m.sum()) for m in self.masks)
+
+
+class _Fp8Gather:
+    """The two all-gathers of one bucket in flight; :meth:`wait` decodes them into ``full``."""
+
+    def __init__(self, plan: _Fp8Bucket, full, fp8, rest, inv, handles) -> None:
+        self.plan, self.full, self.fp8, self.rest, self.inv, self.handles = plan, full, fp8, rest, inv, handles
+
+    def wait(self) -> None:
+        for h in self.handles:
+            if h is not None:
+                h.wait()
+        plan = self.plan
+        n = len(plan.masks)
+        fp8, rest = self.fp8.view(n, plan.max_fp8), self.rest.view(n, plan.max_rest)
+        for r, mask in enumerate(plan.masks):
+            seg = self.full[r * plan.size:(r + 1) * plan.size]
+            nf = int(mask.sum())
+            slots = plan.slot[r * plan.size:(r + 1) * plan.size][mask]
+            seg[mask] = (fp8[r, :nf].view(_E4M3).float() * self.inv[slots]).to(seg.dtype)
+            seg[~mask] = rest[r, :plan.size - nf]
 
 
 class ParamShards:
@@ -155,6 +224,9 @@ class ParamShards:
         self._holders: list[list[set[int]]] = [[set() for _ in buf.buckets] for buf in buffers]
         self.chunk_units = [self._attach(c, chunk, where) for c, chunk in enumerate(chunks)]
         self.gathered_bytes = self.peak_gathered_bytes = 0
+        self._fp8: dict[tuple[int, int], _Fp8Bucket] = {}  # FP8 param gather plans (enable_fp8_gather)
+        self._fp8_group = None
+        self._exact = False  # inside gathered(): no FP8
         for buf in buffers:
             for p in buf.params:
                 p.data = torch.empty(0, dtype=buf.dtype, device=buf.device)
@@ -175,6 +247,41 @@ class ParamShards:
             u.end.register_forward_hook(self._post_forward_hook(u))
         return units
 
+    def enable_fp8_gather(self, params, tp_group) -> None:
+        """All-gather ``params`` (the FP8 linears' weights, 2-D) as e4m3 from now on, with
+        scales reduced over each bucket's DP group and ``tp_group`` (see the module docstring)."""
+        ids = {id(p) for p in params}
+        self._fp8_group = tp_group
+        for i, buf in enumerate(self.buffers):
+            for b in buf.buckets:
+                mine = [p for p in b.params if id(p) in ids]
+                if mine:
+                    self._fp8[(i, b.index)] = _Fp8Bucket(buf, b, mine)
+
+    def _launch_fp8(self, i: int, k: int, full: torch.Tensor):
+        """Cast this rank's shard of FP8 weights to e4m3 and start both all-gathers."""
+        buf, plan = self.buffers[i], self._fp8[(i, k)]
+        r = max(buf.group.rank, 0)
+        shard, mask = self.shards[i][k], plan.masks[r]
+        slots = plan.slot[r * plan.size:(r + 1) * plan.size][mask]
+        vals = shard[mask].float()
+        amax = torch.zeros(len(plan.params), device=shard.device).scatter_reduce_(0, slots, vals.abs(), "amax")
+        for g in (buf.group, self._fp8_group):  # the whole logical weight's amax
+            g.all_reduce(amax, op=dist.ReduceOp.MAX)
+        fmax = torch.finfo(_E4M3).max
+        scale = fmax / amax.clamp(min=1e-12)
+        send_f = torch.zeros(plan.max_fp8, dtype=torch.uint8, device=shard.device)
+        send_f[:vals.numel()] = (vals * scale[slots]).clamp(-fmax, fmax).to(_E4M3).view(torch.uint8)
+        send_r = torch.zeros(plan.max_rest, dtype=shard.dtype, device=shard.device)
+        rest = shard[~mask]
+        send_r[:rest.numel()] = rest
+        n = buf.group.size
+        recv_f = torch.empty(n * plan.max_fp8, dtype=torch.uint8, device=shard.device)
+        recv_r = torch.empty(n * plan.max_rest, dtype=shard.dtype, device=shard.device)
+        handles = [buf.group.all_gather_into(recv, send, async_op=True)
+                   for recv, send in ((recv_f, send_f), (recv_r, send_r)) if send.numel()]
+        return _Fp8Gather(plan, full, recv_f, recv_r, scale.reciprocal(), handles)
+
     # ---- buckets ----------------------------------------------------------------------------
     def _launch(self, i: int, k: int) -> None:
         if self._full[i][k] is not None:
@@ -183,7 +290,10 @@ class ParamShards:
         b = buf.buckets[k]
         full = torch.empty(b.numel, dtype=buf.dtype, device=buf.device)
         self._full[i][k] = full
-        self._pending[i][k] = buf.group.all_gather_into(full, self.shards[i][k], async_op=True)
+        if (i, k) in self._fp8 and not self._exact:
+            self._pending[i][k] = self._launch_fp8(i, k, full)
+        else:
+            self._pending[i][k] = buf.group.all_gather_into(full, self.shards[i][k], async_op=True)
         self.gathered_bytes += full.numel() * full.element_size()
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
 
@@ -264,9 +374,17 @@ class ParamShards:
 
     def _post_forward_hook(self, u: Unit):
         def hook(module, args, out):
-            y = _first_grad_tensor(out)
-            if y is not None and torch.is_grad_enabled():
-                y.register_hook(lambda g: self._pre_backward(u))
+            # Every output: a chunk with MTP returns (losses, MTP losses), and autograd may run
+            # the MTP branch's backward first; the first grad to arrive gathers the unit.
+            if torch.is_grad_enabled():
+                fired = []
+
+                def first(g):
+                    if not fired:
+                        fired.append(True)
+                        self._pre_backward(u)
+                for y in _grad_tensors(out):
+                    y.register_hook(first)
             if self.reshard and not _in_backward():
                 self.release(u)
         return hook
@@ -285,7 +403,16 @@ class ParamShards:
     @contextmanager
     def gathered(self, writeback: bool = False):
         """Every param gathered inside the block (checkpoints, evaluation helpers); with
-        ``writeback`` the (possibly changed) full params are copied back into the shards."""
+        ``writeback`` the (possibly changed) full params are copied back into the shards. FP8
+        param gather is off inside the block: every bucket is gathered exactly.
+
+        Raises:
+            RuntimeError: a unit gathered in FP8 is held (inside a step's forward/backward)."""
+        for i, k in self._fp8:
+            if self._holders[i][k]:
+                raise RuntimeError("ParamShards.gathered inside a step: a unit is held gathered in FP8")
+            self._free(i, k)
+        self._exact = True
         for i, buf in enumerate(self.buffers):
             for b in buf.buckets:
                 self._materialize(i, b.index)
@@ -300,6 +427,7 @@ class ParamShards:
                         self.shards[i][b.index].copy_(self._full[i][b.index][s - b.start:e - b.start])
                     if not self._holders[i][b.index]:
                         self._free(i, b.index)
+            self._exact = False
 
     def param_tensors(self) -> list[torch.Tensor]:
         """Param storage alive now: shards and gathered buckets."""

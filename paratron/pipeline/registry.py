@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from paratron.registry import Registry
 
-from . import delay, schedules
+from . import delay, dualpipev, schedules
 from .actions import Action, stages_of
 from .placement import Placement, loop_placement, v_placement
 from .validate import validate
@@ -62,6 +62,8 @@ SCHEDULES.register("1f1b", schedules.one_f_one_b, check=schedules.check_1f1b)
 SCHEDULES.register("interleaved", schedules.interleaved, check=schedules.check_interleaved)
 SCHEDULES.register("zb-h1", schedules.zb_h1, check=schedules.check_zb_h1)
 SCHEDULES.register("zbv", schedules.zbv, placement=v_placement, check=schedules.check_zbv, virtual_stages=2)
+SCHEDULES.register("dualpipev", dualpipev.dualpipev, placement=v_placement, check=dualpipev.check_dualpipev,
+                   virtual_stages=2)
 SCHEDULES.register("1f1b-delay", delay.one_f_one_b_delay, check=schedules.check_1f1b, options=delay.config_options)
 
 

@@ -31,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pipeline", type=int, required=True, help="pipeline-parallel size p")
     parser.add_argument("--microbatches", type=int, default=None, help="microbatches m (default 2p)")
     parser.add_argument("--virtual", type=int, default=None,
-                        help="virtual stages (model chunks) per rank v (default 2 for interleaved/zbv, else 1)")
+                        help="virtual stages (model chunks) per rank v (default 2 for interleaved and the V schedules zbv/dualpipev, else 1)")
     parser.add_argument("--cost-f", type=float, default=1.0, help="forward cost of one chunk")
     parser.add_argument("--cost-b", type=float, default=1.0, help="input-grad backward (B) cost")
     parser.add_argument("--cost-w", type=float, default=1.0, help="weight-grad backward (W) cost; BW = B + W")
@@ -84,8 +84,9 @@ def _checked_costs(args: argparse.Namespace, p: int) -> tuple[float, ...] | None
 def run(args: argparse.Namespace) -> int:
     p = args.pipeline
     m = args.microbatches if args.microbatches is not None else default_microbatches(p)
-    v = args.virtual if args.virtual is not None else (2 if args.schedule in ("interleaved", "zbv") else 1)
     try:
+        fixed = SCHEDULES.get(args.schedule).virtual_stages  # zbv, dualpipev: 2
+        v = args.virtual if args.virtual is not None else fixed or (2 if args.schedule == "interleaved" else 1)
         links = _checked_costs(args, p)
         options = {}
         if args.schedule == "1f1b-delay" and links is not None:

@@ -58,16 +58,40 @@ class TrainingData:
     def valid_microbatches(self, consumed: int) -> list[dict]:
         return self._microbatches(self.valid_ds, self.valid_sampler, consumed)
 
+    last_sample_ids: list | None = None
+    """Record-based runs (:mod:`paratron.data.records`): the ``[epoch, row]`` of every sample in
+    each microbatch this rank built last, a debug record (tests compare resumed runs with it)."""
+
     def _microbatches(self, ds, sampler, consumed: int, counts=None) -> list[dict]:
         from paratron.data.token_batches import TokenBudgetSampler, collate_pieces
 
+        ids_of = getattr(ds, "sample_id", None)
         if not isinstance(sampler, TokenBudgetSampler):
-            return [self.prepare(collate([ds[int(i)] for i in ids])) for ids in sampler.step(consumed, counts)]
+            steps = sampler.step(consumed, counts)
+            out = [self.prepare(collate([ds[int(i)] for i in ids])) for ids in steps]
+            if ids_of:  # after the reads: a stream knows its pass length once it has seen the end
+                self.last_sample_ids = [[ids_of(int(i)) for i in ids] for ids in steps]
+            return out
         if counts is not None:
             raise ValueError(f"an uneven split of the microbatches over DP ranks ({list(counts)}) does not apply "
                              "to data.microbatch_tokens: the data sets the microbatch count")
-        return [self.prepare(collate_pieces(pieces, ds.read, self.pad_multiple))
-                for pieces in sampler.step(consumed)]
+        plan = sampler.step(consumed)
+        out = [self.prepare(collate_pieces(pieces, ds.read, self.pad_multiple, read_mask=getattr(ds, "read_mask", None)))
+               for pieces in plan]
+        if ids_of:
+            self.last_sample_ids = [[ids_of(p.doc) + [p.start] for p in pieces] for pieces in plan]
+        return out
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps of the data beyond the consumed counts (a streamed dataset's
+        pass length: :meth:`paratron.data.hf_datasets.StreamRecords.state_dict`)."""
+        records = getattr(self.train_ds, "records", None)
+        return records.state_dict() if hasattr(records, "state_dict") else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        records = getattr(self.train_ds, "records", None)
+        if hasattr(records, "load_state_dict"):
+            records.load_state_dict(state)
 
     @classmethod
     def build(cls, cfg, ctx) -> "TrainingData":
@@ -75,9 +99,12 @@ class TrainingData:
         first; the others wait at a barrier and then reuse them."""
         from paratron.data.gpt_dataset import build_datasets
         from paratron.data.sampler import PretrainingSampler
+        from paratron.config.record_rules import record_based
         from paratron.data.prepare import prepare_run_data, validation_prompt
 
         t = cfg.train
+        if record_based(cfg):
+            return cls.build_records(cfg, ctx)
         if cfg.data.microbatch_tokens is not None:
             return cls.build_token_balanced(cfg, ctx)
         n_evals = (t.train_iters // t.eval_interval + 1) if t.eval_interval else 1
@@ -136,6 +163,47 @@ class TrainingData:
         entropy = unigram_entropy(prefixes) if ctx.rank == 0 else None
         return cls(tok, train, valid, sampler(train), sampler(valid), entropy, microbatch_preparer(cfg, ctx, tok.eod),
                    validation_prompt(prefixes, d.split, tok), row_multiple(cfg.parallel))
+
+    @classmethod
+    def build_records(cls, cfg, ctx) -> "TrainingData":
+        """Chat records or a Hugging Face dataset, tokenised on demand (:mod:`paratron.data.records`):
+        one document a fixed-length row, or token-balanced packed rows with ``data.microbatch_tokens``.
+        Rank 0 loads first (``datasets`` builds its Arrow cache once); the others then reuse it."""
+        from paratron.config.token_rules import row_multiple
+        from paratron.data.prepare import build_tokenizer
+        from paratron.data.records import PositionSampler, first_prompt, record_splits
+        from paratron.data.sampler import PretrainingSampler
+        from paratron.data.token_batches import TokenBudgetSampler
+        from paratron.training.step_log import log
+
+        t, d = cfg.train, cfg.data
+
+        def make():
+            tok = build_tokenizer(d)
+            return (tok, *record_splits(d, tok, cfg.model.seq_length, cache_size=max(4096, 4 * t.global_batch_size)))
+
+        if ctx.rank == 0:
+            tok, train, valid, desc = make()
+        ctx.world.barrier()
+        if ctx.rank != 0:
+            tok, train, valid, desc = make()
+        log(ctx, f"data: {desc}")
+        streamed = d.hf_dataset is not None and d.streaming
+
+        def sampler(docs):
+            if docs is None or len(docs) == 0:
+                return None
+            if d.microbatch_tokens is not None:
+                stream = PositionSampler(t.global_batch_size, 1).stream if streamed else None
+                return TokenBudgetSampler(docs.lengths, t.global_batch_size, d.microbatch_tokens, cfg.model.seq_length,
+                                          ctx.dp.rank, ctx.dp.size, seed=t.seed, stream=stream)
+            if streamed:
+                return PositionSampler(t.global_batch_size, t.micro_batch_size, ctx.dp.rank, ctx.dp.size)
+            return PretrainingSampler(len(docs), t.global_batch_size, t.micro_batch_size, ctx.dp.rank, ctx.dp.size,
+                                      seed=t.seed)
+
+        return cls(tok, train, valid, sampler(train), sampler(valid), None, microbatch_preparer(cfg, ctx, tok.eod),
+                   first_prompt(d, tok, valid or train), row_multiple(cfg.parallel))
 
 
 @contextmanager

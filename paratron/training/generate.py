@@ -59,10 +59,12 @@ def sample(chunk, ids: list[int], *, max_new_tokens: int, temperature: float, to
 
 def load_single_process_model(checkpoint_dir: str):
     """(config, model chunk on one process) from any saved layout."""
+    from paratron.checkpoint.adapters import with_base
     from paratron.checkpoint.hf_export import single_process_model
     from paratron.checkpoint.io import load_model_full
 
     cfg, tensors = load_model_full(checkpoint_dir)
+    tensors = with_base(cfg, tensors, where=str(checkpoint_dir))  # a LoRA run's adapter-only checkpoint
     try:
         return cfg, single_process_model(cfg.model, tensors, seed=cfg.train.seed)
     except ValueError as e:

@@ -62,7 +62,8 @@ def apply_data_argument(cfg: Config, data: str | None, overrides: list[str]) -> 
 
     ``--data PATH`` names a corpus (tokenised on first use) or an existing ``.bin/.idx`` prefix;
     either replaces ``data.corpus`` and ``data.data_path``. ``--data-path`` (or ``--set
-    data.data_path=...``) without a ``data.corpus`` override drops the config file's corpus.
+    data.data_path=...``) without a ``data.corpus`` override drops the config file's corpus;
+    ``--set data.hf_dataset=...`` drops the config file's corpus and prefixes alike.
     """
     from paratron.data.prepare import split_data_argument
 
@@ -74,6 +75,9 @@ def apply_data_argument(cfg: Config, data: str | None, overrides: list[str]) -> 
     keys = {o.split("=", 1)[0].strip() for o in overrides}
     if "data.data_path" in keys and "data.corpus" not in keys:
         cfg.data.corpus = None
+    if "data.hf_dataset" in keys:
+        cfg.data.corpus = None if "data.corpus" not in keys else cfg.data.corpus
+        cfg.data.data_path = [] if "data.data_path" not in keys else cfg.data.data_path
 
 
 def apply_run_dir_defaults(cfg: Config, run_dir: str | os.PathLike) -> None:
@@ -94,14 +98,19 @@ def prepare_data(cfg: Config, progress: bool = True):
         ConfigError: bad input (``FILE:LINE: reason``), a tokenizer mismatch (both named), a missing
             file, a malformed or truncated dataset (the file named).
     """
-    from paratron.data import corpus, prepare
+    from paratron.config.record_rules import record_based
+    from paratron.data import corpus, prepare, records
 
     try:
+        if record_based(cfg):  # records are tokenised on demand: check them and the tokenizer
+            tok = prepare.build_tokenizer(cfg.data)
+            records.check_records(cfg.data, tok, cfg.model.seq_length)
+            return tok
         pairs, tok = prepare.prepare_run_data(cfg.data, progress=progress)
         for _, prefix in pairs:
             check_dataset_files(prefix)
         notes = split_warnings(cfg, pairs)
-    except (corpus.BadInputError, ValueError, FileNotFoundError) as e:
+    except (corpus.BadInputError, ValueError, FileNotFoundError, ImportError) as e:
         raise ConfigError(str(e)) from None
     for line in notes:
         print(f"paratron: warning: {line}", file=sys.stderr)

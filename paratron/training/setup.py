@@ -4,6 +4,7 @@ chunks with DDP, optimizer and LR schedule, the checkpoint manager, and the run'
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -50,16 +51,18 @@ def export_hf_at_end(cfg: Config, ctx, run_dir: Path, prompt: str | None) -> Non
     ctx.world.barrier()  # every rank's shards are on disk
     if ctx.rank != 0:
         return
+    from paratron.checkpoint.adapters import merged
     from paratron.checkpoint.hf_export import export_hf
     from paratron.checkpoint.io import load_model_full
     from paratron.data.prepare import build_tokenizer
     from paratron.training.generate import hf_export_check
 
     _, tensors = load_model_full(cfg.checkpoint.save)
-    out = export_hf(cfg, tensors, cfg.checkpoint.save_hf or Path(run_dir) / "hf")
+    model_cfg, tensors = merged(cfg, tensors)  # LoRA: the adapters folded into the base
+    out = export_hf(dataclasses.replace(cfg, model=model_cfg), tensors, cfg.checkpoint.save_hf or Path(run_dir) / "hf")
     log(ctx, f"Hugging Face export: {out} (config.json, model.safetensors, tokenizer)")
     ids = build_tokenizer(cfg.data).encode(prompt or "")[:32] if prompt else []
-    log(ctx, hf_export_check(cfg.model, tensors, out, [i for i in ids if i < cfg.model.vocab_size] or [0]))
+    log(ctx, hf_export_check(model_cfg, tensors, out, [i for i in ids if i < model_cfg.vocab_size] or [0]))
 
 
 def warn_if_saving_over(cfg: Config, ctx) -> None:
@@ -79,6 +82,7 @@ def build_model_and_optimizer(cfg: Config, ctx):
     """Model chunks of this rank, wrapped for data parallelism, with optimizer and LR schedule."""
     from paratron.checkpoint.hf_load import hf_param_names
     from paratron.checkpoint.manager import params_to_load
+    from paratron.layers.fp8 import enable_fp8, fp8_weights, recipe_of
     from paratron.layers.init import skip_draws
     from paratron.models.gpt import build_model_chunks
     from paratron.optim import DistributedDataParallel, build_lr_scheduler, build_optimizer, precision_dtype
@@ -93,6 +97,7 @@ def build_model_and_optimizer(cfg: Config, ctx):
                                     context_algorithm=p.context_algorithm)
     for c in chunks:
         c.to(ctx.device)
+    enable_fp8(chunks, recipe_of(cfg.train))  # train.fp8: FP8 column/row-parallel linears
     if chunks and chunks[0].rng_tracker is not None:
         # Hidden dropout on replicated activations must draw the same mask on every TP rank.
         chunks[0].rng_tracker.seed_default_stream()
@@ -100,6 +105,8 @@ def build_model_and_optimizer(cfg: Config, ctx):
                                   overlap_grad_reduce=p.overlap_grad_reduce,
                                   zero=p.zero, zero3_reshard_after_forward=p.zero3_reshard_after_forward,
                                   zero3_prefetch=p.zero3_prefetch)
+    if cfg.train.fp8_param_gather:  # validated: ZeRO-3 and FP8 on
+        ddp.param_shards.enable_fp8_gather(fp8_weights(chunks), ctx.tp)
     optimizer = build_optimizer(chunks, ctx, cfg.optimizer, ddp, precision=cfg.train.precision)
     scheduler = build_lr_scheduler(cfg.optimizer, cfg.train.train_iters, optimizer)
     return chunks, ddp, optimizer, scheduler
@@ -115,7 +122,7 @@ def load_hf_start(cfg: Config, ctx, chunks, optimizer) -> None:
 
 
 def build_checkpoint_manager(cfg: Config, ctx):
-    if not (cfg.checkpoint.save or cfg.checkpoint.load):
+    if not (cfg.checkpoint.save or cfg.checkpoint.load or cfg.checkpoint.pretrained_checkpoint):
         return None
     from paratron.checkpoint.manager import CheckpointManager
 

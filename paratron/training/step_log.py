@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 
+from paratron.config.record_rules import record_based
 from paratron.training.metrics import format_log_line, peak_memory_mb
 
 
@@ -67,7 +68,7 @@ class StepLog:
         """The record of the step just finished (``state.iteration`` already counts it)."""
         seq = self.cfg.model.seq_length
         tokens, consumed = self.cfg.train.global_batch_size * seq, state.consumed_train_samples * seq
-        if self.cfg.data.microbatch_tokens is not None:  # documents of varying length: count labels
+        if self.cfg.data.microbatch_tokens is not None or record_based(self.cfg):  # varying lengths: count labels
             tokens, consumed = out.num_tokens, state.consumed_train_tokens
         self.skipped += int(result.skipped)
         self._window_tokens += tokens

@@ -235,15 +235,19 @@ class Trainer:
         """Load ``checkpoint.load`` if set, and print the run's header lines."""
         s, cfg = self.state, self.cfg
         warn_if_saving_over(cfg, self.ctx)
+        # LoRA: the frozen base from Hugging Face first; an adapter-only checkpoint.load then resumes.
+        hf_base = bool(cfg.checkpoint.load_hf) and cfg.model.lora_rank > 0
+        if hf_base:
+            load_hf_start(cfg, self.ctx, self.chunks, self.optimizer)
         extra = self.ckpt.load_everywhere(self.chunks, self.optimizer, self.scheduler) if (
-            self.ckpt is not None and cfg.checkpoint.load) else None
+            self.ckpt is not None and (cfg.checkpoint.load or cfg.checkpoint.pretrained_checkpoint)) else None
         if extra:
             self.restore_progress(extra)
             log(self.ctx, f"resumed from {cfg.checkpoint.load} at iteration {s.iteration}")
             note = data_position_mismatch(extra, cfg)
             if note:
                 log(self.ctx, "warning: " + note)
-        elif cfg.checkpoint.load_hf:
+        elif cfg.checkpoint.load_hf and not hf_base:
             load_hf_start(cfg, self.ctx, self.chunks, self.optimizer)
         moved = self.writer.start(s.iteration)
         if moved:
@@ -258,12 +262,14 @@ class Trainer:
         """Every count that accumulates across steps, for each checkpoint's ``extra``: the
         iteration and data position (:data:`RUN_COUNTERS` of the :class:`TrainState`), the
         skipped iterations (:class:`StepLog`), the non-finite steps in a row
-        (:class:`NonFiniteGuard`), and the unit of the data position. The optimizer's scalar
+        (:class:`NonFiniteGuard`), the unit of the data position and what the data reader keeps
+        (``TrainingData.state_dict``). The optimizer's scalar
         state carries its own counts (step count, loss scale with its growth and hysteresis
         trackers), the scheduler its position."""
         s = self.state
         return {**{k: getattr(s, k) for k in RUN_COUNTERS}, **self.step_log.state_dict(),
-                **self.guard.state_dict(), "data_position_unit": data_position_unit(self.cfg)}
+                **self.guard.state_dict(), "data_position_unit": data_position_unit(self.cfg),
+                "data_state": self.data.state_dict()}
 
     def restore_progress(self, extra: dict) -> None:
         """Set the counts of :meth:`progress` from a loaded checkpoint's ``extra`` (a count that
@@ -272,6 +278,7 @@ class Trainer:
             setattr(self.state, k, int(extra.get(k, 0)))
         self.step_log.load_state_dict(extra)
         self.guard.load_state_dict(extra)
+        self.data.load_state_dict(extra.get("data_state") or {})  # a streamed dataset's pass length
 
     def first_nonfinite(self) -> str:
         """The lowest rank with a non-finite grad and its first such param (a collective: only
