@@ -47,6 +47,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output", help="write the best plan as a TOML config here")
     p.add_argument("--explain", nargs="?", type=int, const=1, default=None, metavar="RANK",
                    help="show the cost breakdown of plan RANK (default 1)")
+    p.add_argument("--verify", nargs="?", type=int, const=1, default=None, metavar="N",
+                   help="dry-run the top N plans (default 1) on this CPU (paratron dryrun) and print the "
+                        "measured bytes beside the planner's")
     p.add_argument("--calibrate", action="store_true", help="measure this CPU (GEMM rate, gloo) and exit")
     p.add_argument("--calibration", default=DEFAULT_CALIBRATION,
                    help="CPU calibration file (read; measured and written first when missing)")
@@ -162,6 +165,11 @@ def _plan(args: argparse.Namespace) -> int:
         i = min(max(args.explain, 1), len(result.plans)) - 1
         print()
         print(report.explain(result.plans[i], prob))
+    if args.verify:
+        from paratron.dryrun.verify import verify
+
+        print()
+        print(verify(cfg, result.plans, prob, args.verify, quiet=args.quiet))
     if args.output:
         command = "paratron plan " + " ".join(shlex.quote(a) for a in sys.argv[2:])
         Path(args.output).write_text(report.plan_toml(cfg, result.plans[0], prob, command))
