@@ -20,6 +20,7 @@ import math
 from . import model_shape
 from .context_rules import check_context
 from .observe_rules import check_observability
+from .offload_rules import check_activation_offload
 from .record_rules import check_records
 from .token_rules import check_microbatch_tokens, token_balanced
 from .errors import ConfigError
@@ -107,8 +108,6 @@ def _model(cfg: Config, world: int | None) -> None:
 def _activation_offload(cfg: Config, world: int | None) -> None:
     if not cfg.model.activation_offload:
         return
-    from paratron.models.offload import check_activation_offload
-
     err = check_activation_offload(cfg.model.activation_offload, cfg.model.recompute, cfg.model.compile)
     if err:
         raise ConfigError(err)
