@@ -55,7 +55,12 @@ def test_convert_roundtrip_through_a_paratron_checkpoint(llama_dir, tmp_path, ca
     assert (ours - ref).abs().max().item() < 1e-5
 
     assert main(["convert", "paratron-to-hf", str(ckpt), str(out)]) == 0
-    assert "LlamaForCausalLM" in capsys.readouterr().out
+    printed = capsys.readouterr()
+    assert "LlamaForCausalLM" in printed.out
+    # The source folder had no tokenizer.json: the default GPT-2 one (50257 ids) is not the
+    # model's (89), so none is written beside it.
+    assert not (out / "tokenizer.json").exists()
+    assert f"more than the model's model.vocab_size={VOCAB}" in printed.err
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     with torch.no_grad():
         assert (reloaded(ids).logits - ref).abs().max().item() < 1e-5

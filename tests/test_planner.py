@@ -92,7 +92,8 @@ def test_memory_model_against_zero_levels():
     lay = Layout(1, 1, 1, 4, 1, 1, 0, "1f1b", 1, "none", False)
     assert planner_memory.state_bytes(1000, lay, "bf16") == (2000, 4000, 12000)
     z1 = dataclasses.replace(lay, zero=1)
-    assert planner_memory.state_bytes(1000, z1, "bf16") == (2000, 4000, 3000)
+    # ZeRO-1: the full grad buffer plus its reduced fp32 shard (measured by paratron dryrun)
+    assert planner_memory.state_bytes(1000, z1, "bf16") == (2000, 5000, 3000)
     z3 = dataclasses.replace(lay, zero=3)
     assert planner_memory.state_bytes(1000, z3, "fp32") == (1000, 1000, 2000)
 

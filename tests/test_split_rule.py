@@ -47,7 +47,7 @@ def _build(pairs, seq_length, tmp_path):
 def test_one_prefix_skips_a_held_out_split_too_small(prefixes, tmp_path):
     (train, valid, test), said = _build([(1.0, prefixes["small"])], 100, tmp_path)
     assert train is not None and valid is None and test is None
-    assert any("small: the valid split (1 documents, 50 tokens) has too few tokens" in s for s in said), said
+    assert any("small: the valid split (1 document, 50 tokens) has too few tokens" in s for s in said), said
 
 
 def test_a_blend_leaves_out_the_prefix_whose_held_out_split_is_too_small(prefixes, tmp_path):
@@ -83,7 +83,7 @@ def test_whole_documents_follow_the_same_rule(tmp_path):
     """Token-balanced microbatches: a valid split whose documents have nothing to predict (1 token
     each) is skipped with a warning; such a train split is an error."""
     prefix = _write(tmp_path / "ones", [30] * 98 + [1, 1])
-    with pytest.warns(UserWarning, match=r"ones: the valid split \(1 documents, 1 tokens\) has too few tokens"):
+    with pytest.warns(UserWarning, match=r"ones: the valid split \(1 document, 1 tokens\) has too few tokens"):
         train, valid = document_splits(prefix, SPLIT)
     assert valid is None and len(train) == 98
     with pytest.raises(ValueError, match=r"the train split \(98 documents, 98 tokens\) has too few tokens"):

@@ -155,13 +155,22 @@ def _paratron_to_hf(args, bar) -> str:
 
 def _export_tokenizer(cfg, out: Path) -> None:
     """Write the run's tokenizer (GPT-2 BPE, a tokenizer.json, or the BPE trained on the corpus)
-    as ``tokenizer.json``, so that an export -> import round trip keeps the same token ids."""
+    as ``tokenizer.json``, so that an export -> import round trip keeps the same token ids.
+
+    A tokenizer with ids beyond the model's ``vocab_size`` is not the model's (a checkpoint
+    imported from a folder without tokenizer.json records the default GPT-2 one): it is left out
+    with a warning rather than written beside a model its ids would index past."""
     from paratron.data.prepare import build_tokenizer
 
     try:
         tok = build_tokenizer(cfg.data)
     except (ValueError, FileNotFoundError) as e:
         print(f"paratron convert: warning: tokenizer not exported ({e})", file=sys.stderr)
+        return
+    if cfg.model.vocab_size is not None and tok.vocab_size > cfg.model.vocab_size:
+        print(f"paratron convert: warning: tokenizer not exported (data.tokenizer_type="
+              f"{cfg.data.tokenizer_type} has {tok.vocab_size} tokens, more than the model's "
+              f"model.vocab_size={cfg.model.vocab_size})", file=sys.stderr)
         return
     tok.save(out / "tokenizer.json")
 

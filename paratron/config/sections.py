@@ -59,6 +59,11 @@ class ModelConfig:
     """Activation recompute (Korthikanti et al. 2022): whole layer, or the attention core only."""
     compile: bool = False
     """``torch.compile`` each transformer layer (opt-in; the first steps pay for compilation)."""
+    activation_offload: list[str] = field(default_factory=list)
+    """Submodules of every transformer layer whose saved activations go to host memory after the
+    layer's forward and come back (one layer ahead) for its backward: any of ``input_norm``,
+    ``attention``, ``post_attention_norm``, ``mlp``, or ``layer`` (all of it). No-op on CPU runs;
+    not with ``recompute = "full"`` (paratron/models/offload.py)."""
     block: str = "transformer"
     """Name of the transformer block in the block registry."""
     # Multi-head latent attention (DeepSeek-V2 section 2.1; Megatron-Core's MLATransformerConfig names).

@@ -20,6 +20,7 @@ import math
 from . import model_shape
 from .context_rules import check_context
 from .observe_rules import check_observability
+from .offload_rules import check_activation_offload
 from .record_rules import check_records
 from .token_rules import check_microbatch_tokens, token_balanced
 from .errors import ConfigError
@@ -102,6 +103,14 @@ def _grid(cfg: Config, world: int | None) -> None:
 
 def _model(cfg: Config, world: int | None) -> None:
     model_shape.check_shape(cfg.model, cfg.parallel.tensor)
+
+
+def _activation_offload(cfg: Config, world: int | None) -> None:
+    if not cfg.model.activation_offload:
+        return
+    err = check_activation_offload(cfg.model.activation_offload, cfg.model.recompute, cfg.model.compile)
+    if err:
+        raise ConfigError(err)
 
 
 def _data_parallel_size(cfg: Config, world: int | None) -> int | None:
@@ -318,7 +327,7 @@ def _save_peft(cfg: Config, world: int | None) -> None:
                           f"model.lora_rank > 0 (is {cfg.model.lora_rank})")
 
 
-VALIDATORS = [_finite, _positive, _nonfinite_policy, _lr_schedule, _grid, _model, _batch, _sequence, _link_latency, _schedule, _pipeline_layers, _mtp_last_stage,
+VALIDATORS = [_finite, _positive, _nonfinite_policy, _lr_schedule, _grid, _model, _activation_offload, _batch, _sequence, _link_latency, _schedule, _pipeline_layers, _mtp_last_stage,
               _dualpipev_zero3, _experts, _moe_fb_overlap, _zero, _fp8, _save_peft, _split, check_context, check_microbatch_tokens,
               check_observability, check_records]
 """Every config rule, in order. Each takes ``(cfg, world_size_or_None)`` and raises ConfigError."""

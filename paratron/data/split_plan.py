@@ -97,7 +97,8 @@ def holds_a_sample(lengths: np.ndarray, seq_length: int, whole_documents: bool =
 def _too_small(name: str, ds, docs: np.ndarray, seq_length: int, whole_documents: bool) -> str:
     need = "a document of at least 2 tokens" if whole_documents else f"more than {seq_length} tokens"
     held = int(ds.document_lengths[docs].sum()) if len(docs) else 0
-    return (f"{ds.prefix}: the {name} split ({len(docs)} documents, {held} tokens) has too few tokens for one "
+    noun = "document" if len(docs) == 1 else "documents"
+    return (f"{ds.prefix}: the {name} split ({len(docs)} {noun}, {held} tokens) has too few tokens for one "
             f"sample, which needs {need}")
 
 

@@ -57,9 +57,15 @@ def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p:
     n_kv = k.shape[2]
     # SDPA wants [b, heads, s, d].
     q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
-    with rng_fork(rng_tracker, dropout_p > 0.0):
-        out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
-                                             enable_gqa=n_kv != n_q)
+    if q.device.type == "meta" and dropout_p == 0.0 and v.shape[-1] == q.shape[-1]:
+        # Dry run (paratron.dryrun): SDPA's backend choice has no meta entry and would take the
+        # math path, which saves the [s, s] probabilities; real runs take a flash kernel. torch's
+        # CPU flash op has a meta kernel and saves what a flash kernel saves (output, log-sum-exp).
+        out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)[0]
+    else:
+        with rng_fork(rng_tracker, dropout_p > 0.0):
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
+                                                 enable_gqa=n_kv != n_q)
     return out.permute(2, 0, 1, 3).reshape(s, b, n_q * v.shape[-1])
 
 

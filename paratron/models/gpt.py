@@ -23,6 +23,7 @@ from .embedding import WORD_EMBEDDINGS, Embedding
 from .lora import apply_lora
 from .blocks import BLOCKS
 from .norms import make_norm
+from .offload import check_layers, start_session
 from .recompute import checkpointed
 from .context_parallel import sequence_layout
 from .rope import rope_tables, rope_tables_at
@@ -89,6 +90,7 @@ class GPTChunk(nn.Module):
             str(i): block(cfg, ctx, layer_number=i, seed=seed, sequence_parallel=sequence_parallel,
                           params_dtype=params_dtype, rng_tracker=rng_tracker)
             for i in self.layer_ids})
+        check_layers(cfg.activation_offload, self.layers.values())
         if cfg.compile:
             # Per layer (as torchtitan does): layers share one compiled code object, and the
             # embedding, loss and pipeline plumbing around them stay eager.
@@ -198,8 +200,9 @@ class GPTChunk(nn.Module):
         # The layout reaches the blocks only when it matters, so plain blocks keep forward(x, rope).
         args = (rope, layout) if layout.needs_custom_attention else (rope,)
         cut = self.layer_boundary or (lambda t: t)
+        offload = start_session(self.cfg.activation_offload, h.device, self.training)  # per microbatch
         for layer in self.layers.values():
-            h = self._run_layer(layer, cut(h), args)
+            h = self._run_layer(layer, cut(h), args, offload)
         if not self.post_process:
             return h
         h = cut(h)
@@ -209,10 +212,14 @@ class GPTChunk(nn.Module):
         return losses, self.mtp(h, mtp_tokens, mtp_labels, lambda layer, t: self._run_layer(layer, t, args),
                                 self._head)
 
-    def _run_layer(self, layer: nn.Module, h: torch.Tensor, args: tuple) -> torch.Tensor:
+    def _run_layer(self, layer: nn.Module, h: torch.Tensor, args: tuple, offload=None) -> torch.Tensor:
         if self.recompute == "full" and self.training and torch.is_grad_enabled():
             return checkpointed(layer, h, *args, rng_tracker=self.rng_tracker)
-        return layer(h, *args)
+        if offload is None:
+            return layer(h, *args)
+        with offload.layer(layer, args):  # model.activation_offload (paratron/models/offload.py)
+            out = layer(h, *args)
+        return offload.boundary(out)
 
     def _head(self, h: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
         """Logits (or per-token losses against ``labels``) of the normed hidden ``h``."""

@@ -122,6 +122,9 @@ class Optimizer:
         self.ddp, self.ctx, self.cfg, self.precision = ddp, ctx, cfg, precision
         self.lr = float(cfg.lr)
         self.step_count = 0
+        # The one device-to-host read of step(); a dry run on meta tensors, which hold no values,
+        # replaces it (paratron.dryrun.rehearse: "what a dry run cannot see").
+        self.host_values = _tolist
         if precision == "fp16":
             self.scaler = DynamicLossScaler(cfg.initial_loss_scale, cfg.min_loss_scale,
                                             cfg.loss_scale_window, cfg.hysteresis)
@@ -349,7 +352,7 @@ class Optimizer:
             along_t = read_along.detach().to(local.dtype).reshape(-1)
             local[1] = torch.maximum(local[1], (~torch.isfinite(along_t)).any().to(local.dtype))
             local = torch.cat([local, along_t])
-        sumsq, flag, *along = local.tolist()  # the step's one device-to-host sync
+        sumsq, flag, *along = self.host_values(local)  # the step's one device-to-host sync
         along = along if read_along is not None else None
         found_inf = flag > 0 or not math.isfinite(sumsq)
         grad_norm = math.sqrt(sumsq) if sumsq >= 0 else float("nan")
@@ -485,6 +488,10 @@ class Optimizer:
     def state_bytes(self) -> int:
         """Bytes of the storages behind :meth:`allocated_state`."""
         return storage_bytes(t for ts in self._allocated.values() for t in ts)
+
+
+def _tolist(t: torch.Tensor) -> list[float]:
+    return t.tolist()
 
 
 STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

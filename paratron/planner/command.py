@@ -34,19 +34,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--hf-config", help="a Hugging Face config.json (Llama, GPT-2, Mixtral, Qwen2-MoE, Qwen3, Qwen3-MoE)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key of the base config (repeatable)")
-    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--nodes", type=int, default=1, help="number of nodes (default 1)")
     p.add_argument("--gpus-per-node", type=int, default=None, help="devices per node (default 8; cpu: 4)")
-    p.add_argument("--gpu", default="h100", help="device type: h100, h200, a100 or cpu")
+    p.add_argument("--gpu", default="h100", help="device type: h100 (default), h200, a100 or cpu")
     p.add_argument("--intra-bw-gbs", type=float, default=None, help="GB/s per device inside a node")
     p.add_argument("--inter-bw-gbs", type=float, default=None, help="GB/s per device across nodes")
     p.add_argument("--memory-gb", type=float, default=None, help="device memory, GB (1e9 bytes)")
     p.add_argument("--global-batch-size", type=int, default=None, help="default: the config's")
     p.add_argument("--seq-length", type=int, default=None, help="default: the config's")
     p.add_argument("--vocab-size", type=int, default=None, help="when neither the config nor its tokenizer says")
-    p.add_argument("--top-k", type=int, default=5)
+    p.add_argument("--top-k", type=int, default=5, help="layouts printed, best first (default 5)")
     p.add_argument("--output", help="write the best plan as a TOML config here")
     p.add_argument("--explain", nargs="?", type=int, const=1, default=None, metavar="RANK",
                    help="show the cost breakdown of plan RANK (default 1)")
+    p.add_argument("--verify", nargs="?", type=int, const=1, default=None, metavar="N",
+                   help="dry-run the top N plans (default 1) on this CPU (paratron dryrun) and print the "
+                        "measured bytes beside the planner's")
     p.add_argument("--calibrate", action="store_true", help="measure this CPU (GEMM rate, gloo) and exit")
     p.add_argument("--calibration", default=DEFAULT_CALIBRATION,
                    help="CPU calibration file (read; measured and written first when missing)")
@@ -162,6 +165,11 @@ def _plan(args: argparse.Namespace) -> int:
         i = min(max(args.explain, 1), len(result.plans)) - 1
         print()
         print(report.explain(result.plans[i], prob))
+    if args.verify:
+        from paratron.dryrun.verify import verify
+
+        print()
+        print(verify(cfg, result.plans, prob, args.verify, quiet=args.quiet))
     if args.output:
         command = "paratron plan " + " ".join(shlex.quote(a) for a in sys.argv[2:])
         Path(args.output).write_text(report.plan_toml(cfg, result.plans[0], prob, command))

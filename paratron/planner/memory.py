@@ -3,14 +3,16 @@
 Model states (Rajbhandari et al. 2020, "ZeRO", section 3.1 and 5): with mixed precision each
 parameter costs its bf16 copy (2 bytes), an fp32 main grad (4; paratron's grad buffers are fp32),
 an fp32 main weight (4) and two fp32 Adam moments (8); in fp32 the main weight is the parameter
-itself (4 + 4 + 8). ZeRO-1 shards the main weights and moments over the ``dp * cp`` ranks, ZeRO-2
-also the grads, ZeRO-3 also the parameters.
+itself (4 + 4 + 8). ZeRO-1 shards the main weights and moments over the ``dp * cp`` ranks (and
+keeps, beside the full grad buffer, the reduced fp32 shard of it: ``4 / (dp * cp)`` more, as
+``paratron dryrun`` measured), ZeRO-2 also the grads, ZeRO-3 also the parameters.
 
 Activations held per layer per microbatch (Korthikanti et al. 2022, "Reducing Activation
 Recomputation in Large Transformer Models", section 4: the tensors each op saves for backward,
 ``T = b s / cp`` tokens, ``a`` bytes per element), as paratron's layer saves them:
 
-* norm inputs ``2 T h a`` (``/tp`` under sequence parallelism), the gathered inputs of the QKV and
+* norm inputs ``2 T h`` x 8 bytes for RMSNorm (its fp32 input and output), x 4 for LayerNorm (its fp32
+  input) (``/tp`` under sequence parallelism; :func:`norm_saved_bytes`), the gathered inputs of the QKV and
   first MLP linears ``2 T h a`` (kept whole, see ``layers/linear.py``), the QKV output
   ``T (n + 2g) d a / tp`` (V is a view of it), RoPE's rotated Q and K ``2 T (n + g) d a / tp`` (without
   RoPE, under GQA, the copy of Q reshaped out of the QKV output, ``T n d a / tp``), the
@@ -61,6 +63,8 @@ def state_bytes(params_local: float, lay: Layout, precision: str) -> tuple[float
     opt = (12 if mixed else 8) * params_local
     if lay.zero >= 1:
         opt /= n
+    if lay.zero == 1:
+        grad += grad / n  # ZeRO-1 keeps the full buffer and its reduced fp32 shard (optim/zero.py)
     if lay.zero >= 2:
         grad /= n
     if lay.zero >= 3:
@@ -68,11 +72,20 @@ def state_bytes(params_local: float, lay: Layout, precision: str) -> tuple[float
     return param, grad, opt
 
 
+def norm_saved_bytes(shape: Shape) -> int:
+    """Bytes one norm saves per element of its input, whatever the precision (``layers/norm.py``
+    computes in fp32): RMSNorm keeps its fp32 input and normalised output (8), LayerNorm its fp32
+    input (4). Measured by ``paratron dryrun``; the planner had counted one copy at the
+    activation dtype."""
+    return 4 if shape.layernorm else 8
+
+
 def layer_activation_bytes(shape: Shape, lay: Layout, b: int, a: int, fused: bool) -> tuple[float, float]:
     """(bytes held per microbatch in flight, bytes of the whole layer's saved tensors) of one layer."""
     T, t, h = b * shape.s // lay.cp, lay.tp, shape.h
     hs = h / t if lay.sp else h
-    whole = 2 * hs + 2 * h + (shape.n + 2 * shape.g) * shape.d / t + shape.n * shape.d / t
+    whole = 2 * hs * norm_saved_bytes(shape) / a + 2 * h
+    whole += (shape.n + 2 * shape.g) * shape.d / t + shape.n * shape.d / t
     if not shape.learned_pos:
         whole += 2 * (shape.n + shape.g) * shape.d / t
     elif shape.g != shape.n:
@@ -96,7 +109,22 @@ def head_bytes(shape: Shape, lay: Layout, b: int, a: int) -> tuple[float, float]
     T = b * shape.s // lay.cp
     logits = 4.0 * T * shape.padded_vocab(lay.tp) / lay.tp
     hs = shape.h / lay.tp if lay.sp else shape.h
-    return T * (hs + shape.h) * a + logits, 2 * logits
+    return T * (hs * norm_saved_bytes(shape) + shape.h * a) + logits, 2 * logits
+
+
+def held_activation_bytes(shape: Shape, lay: Layout, layers_per_chunk: int, in_flight: int, has_head: bool,
+                          a: int, fused: bool = True) -> tuple[float, float]:
+    """(activation bytes saved for backward at the peak of the schedule, transient bytes of the
+    loss or of one recomputed layer) on one rank (see :func:`rank_memory`); the first is what
+    ``paratron dryrun`` measures with its saved-tensor hooks."""
+    held, whole = layer_activation_bytes(shape, lay, lay.mbs, a, fused)
+    acts = held * layers_per_chunk * in_flight
+    transient = whole if lay.recompute == "full" else 0.0
+    if has_head:
+        h_held, h_trans = head_bytes(shape, lay, lay.mbs, a)
+        acts += h_held * max(1, -(-in_flight // lay.vpp))
+        transient = max(transient, h_trans)
+    return acts, transient
 
 
 def rank_memory(shape: Shape, lay: Layout, params_local: float, layers_per_chunk: int, in_flight: int,
@@ -110,13 +138,7 @@ def rank_memory(shape: Shape, lay: Layout, params_local: float, layers_per_chunk
     buffer of the rank's optimizer shard, ``optim/update_rules.py``), whichever is larger.
     """
     param, grad, opt = state_bytes(params_local, lay, precision)
-    held, whole = layer_activation_bytes(shape, lay, lay.mbs, a, fused)
-    acts = held * layers_per_chunk * in_flight
-    transient = whole if lay.recompute == "full" else 0.0
-    if has_head:
-        h_held, h_trans = head_bytes(shape, lay, lay.mbs, a)
-        acts += h_held * max(1, -(-in_flight // lay.vpp))
-        transient = max(transient, h_trans)
+    acts, transient = held_activation_bytes(shape, lay, layers_per_chunk, in_flight, has_head, a, fused)
     shard = lay.dp * lay.cp if lay.zero >= 1 else 1
     step_peak = 4.0 * params_local / shard
     if step_peak > acts + transient:

@@ -1,0 +1,223 @@
+"""``paratron dryrun``: one step of a layout's ranks on the fake backend with meta tensors.
+
+* exact against a real gloo run of the same layout (params / grads / optimizer bytes and ledger
+  equal, peak saved-activation bytes within 10%), counted by the same :func:`measure_step`;
+* real model shapes (Llama-3-8B, 70B with interleaving and ZeRO-1) through the CLI, under 4 GB;
+* errors found before launch: a planted wrong-size buffer at TP=8, a layout that cannot fit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from paratron.config import build_config, validate
+from paratron.dryrun.rehearse import DryRunError, build_context, rehearse_rank
+from paratron.dryrun.run import auto_ranks, dry_run
+from paratron.testing import run_ranks
+
+SMALL = ["model.num_layers=4", "model.hidden_size=64", "model.num_attention_heads=4", "model.num_query_groups=2",
+         "model.seq_length=32", "model.vocab_size=250", "model.normalization=rmsnorm",
+         "model.position_embedding_type=rope", "model.activation=swiglu", "model.add_bias_linear=false",
+         "model.tie_embeddings=true", "parallel.tensor=2", "parallel.pipeline=2", "parallel.sequence_parallel=true",
+         "train.micro_batch_size=2", "train.global_batch_size=8", "parallel.hang_timeout_s=0"]
+
+
+def small_config(*extra: str):
+    cfg = build_config(None, SMALL + list(extra))
+    validate(cfg, 8)
+    return cfg
+
+
+def _real_rank(cfg):
+    """One real step on this gloo rank, measured like the dry run (random tokens)."""
+    from paratron.dryrun.measure import measure_step
+    from paratron.dryrun.rehearse import synthetic_microbatches
+    from paratron.training.setup import build_model_and_optimizer, seed_everything
+    from paratron.training.step import rank_actions
+
+    ctx = build_context(cfg, torch.device("cpu"))
+    seed_everything(cfg.train.seed, ctx)
+    chunks, ddp, optimizer, _ = build_model_and_optimizer(cfg, ctx)
+    shapes = [mb["tokens"].shape for mb in synthetic_microbatches(cfg, ctx)]
+    g = torch.Generator().manual_seed(ctx.dp.rank)
+    mbs = [{"tokens": torch.randint(0, cfg.model.vocab_size, s, generator=g),
+            "labels": torch.randint(0, cfg.model.vocab_size, s, generator=g)} for s in shapes]
+    m = measure_step(cfg, ctx, chunks, ddp, optimizer, mbs, rank_actions(cfg, ctx, len(mbs)))
+    return {"rank": ctx.rank, **m.as_dict()}
+
+
+@pytest.mark.parametrize("extra, act_tol", [(["parallel.zero=1"], 0.10), (["parallel.zero=3"], 0.20)],
+                         ids=["zero1", "zero3"])
+def test_dry_run_equals_real_run(extra, act_tol):
+    """Model-state bytes, ledger and p2p shapes equal; peak saved-activation bytes within 10%
+    (ZeRO-1). Under ZeRO-3 the peak moves between runs of the same process, real or dry (seen:
+    rank 3 at 0.77-0.95 MB over five runs), so 20% there: the order in which gathered weights are
+    released is not fixed from run to run (not resolved; see docs/ARCHITECTURE.md, dryrun/)."""
+    cfg = small_config(*extra)
+    real = sorted(run_ranks(_real_rank, 8, cfg, timeout=240), key=lambda r: r["rank"])
+    for want in real:
+        got = rehearse_rank(cfg, 8, want["rank"])
+        for term in ("params", "grads", "main_params", "optimizer_state"):
+            assert got[term] == want[term], (want["rank"], term, got[term], want[term])
+        assert got["ledger"] == want["ledger"], want["rank"]
+        assert got["p2p"] == want["p2p"], want["rank"]
+        assert want["peak_activations"] > 0
+        assert abs(got["peak_activations"] / want["peak_activations"] - 1) <= act_tol, \
+            (want["rank"], got["peak_activations"], want["peak_activations"])
+
+
+def test_auto_ranks_cover_every_stage_kind():
+    cfg = build_config(None, ["parallel.tensor=8", "parallel.pipeline=4"])
+    ranks = auto_ranks(cfg, 128)
+    stages = {r // 32 for r in ranks}  # default order: pp is the slowest axis
+    assert stages == {0, 2, 3} and 0 in ranks and 127 in ranks
+
+
+LLAMA = ["model.normalization=rmsnorm", "model.position_embedding_type=rope", "model.activation=swiglu",
+         "model.add_bias_linear=false", "model.tie_embeddings=false", "model.vocab_size=128256",
+         "model.seq_length=8192", "train.precision=bf16", "parallel.sequence_parallel=true",
+         "train.micro_batch_size=1"]
+LLAMA_8B = LLAMA + ["model.num_layers=32", "model.hidden_size=4096", "model.num_attention_heads=32",
+                    "model.num_query_groups=8", "model.ffn_hidden_size=14336"]
+LLAMA_70B = LLAMA + ["model.num_layers=80", "model.hidden_size=8192", "model.num_attention_heads=64",
+                     "model.num_query_groups=8", "model.ffn_hidden_size=28672"]
+
+
+def _cli(tmp_path, overrides: list[str], world: int, *flags: str) -> tuple[subprocess.CompletedProcess, dict]:
+    """``paratron dryrun`` in a fresh process; (the process, its --json report or {})."""
+    out = tmp_path / "dry.json"
+    args = [sys.executable, "-m", "paratron", "dryrun", "--world-size", str(world), "--json", str(out),
+            "--quiet", *flags]
+    for o in overrides:
+        args += ["--set", o]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return proc, (json.loads(out.read_text()) if out.exists() else {})
+
+
+def _children_peak_gb() -> float:
+    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20  # KiB -> GiB
+
+
+def _assert_states_match_planner(report: dict, tol: float = 0.02) -> None:
+    for row in report["ranks"]:
+        for term, dry, want, ratio in row["vs_planner"]:
+            if term != "activations":
+                assert abs(ratio - 1) <= tol, (row["rank"], term, dry, want)
+
+
+def test_llama3_8b_at_128_ranks(tmp_path):
+    """TP8 x PP4 x DP4: the first and the last stage, 4 microbatches of 8,192 tokens."""
+    proc, rep = _cli(tmp_path, LLAMA_8B + ["parallel.tensor=8", "parallel.pipeline=4",
+                                           "train.global_batch_size=16"], 128, "--ranks", "0,127")
+    assert proc.returncode == 0, proc.stderr
+    assert [r["rank"] for r in rep["ranks"]] == [0, 127]
+    _assert_states_match_planner(rep)
+    first, last = rep["ranks"]
+    # SP: each p2p message is [s/tp, b, h] in bf16; the last stage holds the fp32 logits.
+    assert {tuple(m[2]) for m in first["p2p"]} == {(1024, 1, 4096)}
+    assert first["peak_at"][1] == 0 and last["peak_at"][1] == 3  # (microbatch, stage) that set the peak
+    for row in rep["ranks"]:
+        acts = next(r for r in row["vs_planner"] if r[0] == "activations")
+        assert abs(acts[3] - 1) <= 0.20, acts
+    assert _children_peak_gb() < 4.0
+
+
+def test_70b_interleaved_zero1_at_1024_ranks(tmp_path):
+    """TP8 x PP8 x DP16, 2 virtual stages per rank, ZeRO-1: the last rank (last stage, head)."""
+    proc, rep = _cli(tmp_path, LLAMA_70B + ["parallel.tensor=8", "parallel.pipeline=8", "parallel.virtual_pipeline=2",
+                                            "parallel.schedule=interleaved", "parallel.zero=1",
+                                            "train.global_batch_size=128"], 1024, "--ranks", "1023")
+    assert proc.returncode == 0, proc.stderr
+    (row,) = rep["ranks"]
+    _assert_states_match_planner(rep)
+    assert row["main_params"] > 0 and row["optimizer_state"] == 2 * row["main_params"]  # ZeRO-1 shards
+    assert any(k.startswith("all_gather@dp_cp") for k in row["ledger"])  # ZeRO-1 param gather
+    assert _children_peak_gb() < 4.0
+
+
+def test_70b_that_cannot_fit_in_80gb_is_refused(tmp_path):
+    """TP2 x PP4 x DP128 without ZeRO: ~8.8 B params per rank, whose Adam state alone is over 80 GB;
+    refused at build, before the step, naming the rank and the term."""
+    proc, _ = _cli(tmp_path, LLAMA_70B + ["parallel.tensor=2", "parallel.pipeline=4", "train.global_batch_size=128"],
+                   1024, "--ranks", "0", "--memory-gb", "80")
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert "rank 0 (pipeline stage 0)" in proc.stderr and "optimizer_state" in proc.stderr, proc.stderr
+    assert "--memory-gb 80" in proc.stderr
+
+
+def test_uneven_vocab_pad_only_at_tp8_is_named(monkeypatch):
+    """A planted bug: the vocabulary padded to a multiple of 4 instead of tp x 128. TP=2 and TP=4
+    divide it; at TP=8 the dry run names the rank and the embedding's shape error."""
+    from paratron.layers import embedding
+
+    monkeypatch.setattr(embedding, "pad_vocab_size", lambda v, tp, m=128: -(-v // 4) * 4)
+    base = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=8", "model.seq_length=32",
+            "model.vocab_size=250", "parallel.pipeline=1", "train.micro_batch_size=1", "parallel.hang_timeout_s=0"]
+    for tp in (2, 4):
+        cfg = build_config(None, base + [f"parallel.tensor={tp}", f"train.global_batch_size={8 // tp}"])
+        validate(cfg, 8)
+        rehearse_rank(cfg, 8, 0)
+    cfg = build_config(None, base + ["parallel.tensor=8", "train.global_batch_size=1"])
+    validate(cfg, 8)
+    with pytest.raises(DryRunError, match=r"^rank 5: .*") as err:
+        rehearse_rank(cfg, 8, 5)
+    assert "252" in str(err.value) or "vocab" in str(err.value).lower(), err.value
+
+
+@pytest.mark.slow
+def test_1t_sc21_row_at_3072_ranks(tmp_path):
+    """SC21 table 1's 1,008 B row (h 25,600, 128 layers, 160 heads) at TP8 x PP64 x DP6, the ranks
+    that differ, against the planner: model states within 2%, peak within 10%."""
+    proc, rep = _cli(tmp_path, ["model.normalization=layernorm", "model.position_embedding_type=learned",
+                                "model.activation=gelu", "model.vocab_size=51200", "model.seq_length=2048",
+                                "model.num_layers=128", "model.hidden_size=25600", "model.num_attention_heads=160",
+                                "parallel.tensor=8", "parallel.pipeline=64", "parallel.sequence_parallel=true",
+                                "train.precision=bf16", "train.micro_batch_size=1", "train.global_batch_size=384"],
+                     3072, "--ranks", "auto")
+    assert proc.returncode == 0, proc.stderr
+    assert len(rep["ranks"]) >= 3
+    _assert_states_match_planner(rep)
+    for row in rep["ranks"]:
+        v = {t: (d, w) for t, d, w, _ in row["vs_planner"]}
+        dry, want = (sum(x[i] for x in v.values()) for i in (0, 1))
+        assert abs(dry / want - 1) <= 0.10, (row["rank"], dry, want)
+    assert _children_peak_gb() < 4.0
+
+
+def test_plan_verify_dry_runs_the_top_plan(capsys):
+    from paratron.cli import main
+
+    default = str(Path(__file__).resolve().parents[1] / "configs" / "default.toml")
+    assert main(["plan", "--config", default, "--gpu", "h100", "--nodes", "1", "--top-k", "1",
+                 "--verify", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "plan 1:" in out and "dry run GB" in out and "peak activations set by microbatch" in out
+
+
+@pytest.mark.parametrize("style", [LLAMA[:5], ["model.normalization=layernorm", "model.position_embedding_type=learned",
+                                               "model.activation=gelu", "model.tie_embeddings=true"]],
+                         ids=["rmsnorm-swiglu-rope", "layernorm-gelu-learned"])
+def test_planner_activation_terms_match_the_dry_run(style):
+    """The planner's saved-activation bytes per rank (``held_activation_bytes``) against the dry
+    run's count, one TP8 rank of 2 layers: within 3% (the norms' fp32 tensors and the param
+    views were the terms found wrong)."""
+    cfg = build_config(None, style + ["model.num_layers=2", "model.hidden_size=4096", "model.num_attention_heads=32",
+                                      "model.vocab_size=32000", "model.seq_length=2048", "train.precision=bf16",
+                                      "parallel.tensor=8", "parallel.sequence_parallel=true",
+                                      "train.micro_batch_size=1", "train.global_batch_size=1",
+                                      "parallel.hang_timeout_s=0"])
+    validate(cfg, 8)
+    from paratron.dryrun.predict import predict
+
+    got = rehearse_rank(cfg, 8, 0)["peak_activations"]
+    want = predict(cfg, 8, 0)["activations"]
+    assert abs(got / want - 1) <= 0.03, (got, want)
