@@ -100,6 +100,18 @@ def test_from_hf_train_save_hf_end_to_end(hf_llama, tmp_path):
         transformers.AutoTokenizer.from_pretrained(path).encode("ROMEO: hello", add_special_tokens=False)
 
 
+def test_export_check_prompt_leaves_room_in_seq_length(hf_llama):
+    """A prompt near ``seq_length``: paratron's generation would drop its first tokens while
+    transformers keeps them, so the check keeps only the prompt's last seq_length - 8 tokens."""
+    import dataclasses
+
+    path, _ = hf_llama
+    cfg, tensors = hf_to_paratron(path)
+    ids = torch.randint(0, cfg.vocab_size, (14,), generator=torch.Generator().manual_seed(3)).tolist()
+    line = hf_export_check(dataclasses.replace(cfg, seq_length=10), tensors, path, ids)
+    assert line.endswith("agree on 8 greedy tokens"), line
+
+
 def test_export_check_reports_a_broken_export(hf_llama, tmp_path):
     """Rows of lm_head swapped in the export (a mapping bug): the check line says they disagree."""
     path, _ = hf_llama

@@ -128,6 +128,13 @@ def test_bad_lora_config_is_refused(field, value, message):
         validate(cfg, 1)
 
 
+def test_save_peft_without_lora_is_refused():
+    cfg = _config()
+    cfg.model.lora_rank, cfg.checkpoint.save_peft = 0, "peft_out"
+    with pytest.raises(ConfigError, match=r"checkpoint.save_peft=peft_out \(--save-peft\) needs a LoRA run"):
+        validate(cfg, 1)
+
+
 def _adapted_state(cfg: ModelConfig, seed: int = 5) -> dict[str, torch.Tensor]:
     """Full tensors of a LoRA model whose adapters (B included) are random, so the update is not
     zero and every row of the fused B shows."""
@@ -340,28 +347,45 @@ def test_paratron_train_lora_end_to_end(tmp_path, tiny_corpus):
 
 
 @pytest.mark.slow
-def test_from_hf_lora_exports_merged_at_end(tmp_path, tiny_corpus, tmp_path_factory):
-    """``paratron train --from-hf DIR --save-hf OUT`` with LoRA: the adapter-only checkpoint, read
-    onto the HF base, gives transformers' logits of the merged export to 1e-5."""
+def test_from_hf_lora_sft_exports_hf_and_peft_at_end(tmp_path, capfd):
+    """The README's fine-tune at tiny size: ``scripts/make_tiny_hf_llama.py``'s random Llama,
+    ``paratron train --from-hf DIR --sft`` on data/shakespeare_chat.jsonl with LoRA at TP2 (2
+    ranks), ``--save-hf OUT --save-peft PEFT``. The checkpoint holds only adapters; the merged
+    export (transformers) and the PEFT adapter on its exported base (peft) both give the logits of
+    paratron's final checkpoint to 1e-5, and differ from the untrained model's."""
+    import importlib.util
+    from pathlib import Path
+
     transformers = pytest.importorskip("transformers")
-    from test_hf_export import hf_llama as make_hf_llama
+    peft = pytest.importorskip("peft")
     from paratron.checkpoint.io import load_tensors_full
     from paratron.training.generate import load_single_process_model
 
-    path, data = make_hf_llama.__wrapped__(tiny_corpus, tmp_path_factory)
-    out, run = tmp_path / "hf_out", tmp_path / "run"
-    argv = ["train", "--from-hf", str(path), "--save-hf", str(out), "--run-dir", str(run)]
-    for o in [data, "data.split=90,10,0", "model.seq_length=16", "train.micro_batch_size=2",
-              "train.global_batch_size=4", "train.train_iters=2", "train.eval_interval=0", "train.sample_tokens=0",
-              "optimizer.lr=1e-2", "logging.tensorboard=false", "model.lora_rank=4", "model.lora_alpha=8"]:
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("make_tiny_hf_llama", root / "scripts" / "make_tiny_hf_llama.py")
+    maker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(maker)
+    path = maker.build(tmp_path / "tiny-llama", hidden=32)
+    out, adapter, run = tmp_path / "hf_out", tmp_path / "peft", tmp_path / "run"
+    argv = ["train", "--from-hf", str(path), "--data", str(root / "data" / "shakespeare_chat.jsonl"), "--sft",
+            "--save-hf", str(out), "--save-peft", str(adapter), "--run-dir", str(run)]
+    for o in ["parallel.tensor=2", "parallel.pipeline=1", "data.split=90,10,0", "model.seq_length=64",
+              "train.micro_batch_size=2", "train.global_batch_size=4", "train.train_iters=2",
+              "train.eval_interval=0", "train.eval_iters=1", "train.sample_tokens=0", "optimizer.lr=1e-2",
+              "logging.tensorboard=false", "model.lora_rank=4", "model.lora_alpha=8"]:
         argv += ["--set", o]
-    assert run_ranks(_train, 1, argv, timeout=300) == [0]
+    assert run_ranks(_train, 2, argv, timeout=400) == [0, 0]
+    printed = capfd.readouterr().out
     assert all(is_adapter_name(n) for n in load_tensors_full(run / "checkpoints", "model/"))
     cfg, chunk = load_single_process_model(str(run / "checkpoints"))
     ids = torch.randint(0, cfg.model.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ours = full_logits(chunk(ids), ParallelContext.single(), cfg.model.vocab_size)
-        theirs = transformers.AutoModelForCausalLM.from_pretrained(out).eval()(ids).logits
+        merged = transformers.AutoModelForCausalLM.from_pretrained(out).eval()(ids).logits
+        tuned = peft.AutoPeftModelForCausalLM.from_pretrained(adapter).eval()(ids).logits
         start = transformers.AutoModelForCausalLM.from_pretrained(path).eval()(ids).logits
-    torch.testing.assert_close(theirs, ours, rtol=TOL, atol=TOL)
-    assert (start - theirs).abs().max().item() > 1e-4, "the export holds the trained adapters"
+    torch.testing.assert_close(merged, ours, rtol=TOL, atol=TOL)
+    torch.testing.assert_close(tuned, ours, rtol=TOL, atol=TOL)
+    assert (start - merged).abs().max().item() > 1e-4, "the export holds the trained adapters"
+    assert "HF export check: paratron and transformers agree on 8 greedy tokens" in printed, printed[-2000:]
+    assert f"PEFT export: {adapter}" in printed, printed[-2000:]

@@ -436,6 +436,10 @@ class CheckpointConfig:
     weights (``paratron train --from-hf DIR``). A checkpoint in ``checkpoint.load`` wins (resume)."""
     save_hf: Optional[str] = None
     """Where ``train.export_hf_at_end`` writes the Hugging Face folder (default ``RUN_DIR/hf``)."""
+    save_peft: Optional[str] = None
+    """LoRA runs: with ``train.export_hf_at_end``, also write the adapters as a ``peft`` folder here
+    (``adapter_model.safetensors``, ``adapter_config.json``) and the frozen base as a Hugging Face
+    folder in its ``base/``, which ``adapter_config.json`` names (``paratron train --save-peft DIR``)."""
     pretrained_checkpoint: Optional[str] = None
     """LoRA (``model.lora_rank > 0``): a paratron checkpoint whose model weights fill the frozen
     base before ``checkpoint.load`` (an adapter-only checkpoint of the run) is loaded; its own

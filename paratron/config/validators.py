@@ -321,8 +321,14 @@ def _fp8(cfg: Config, world: int | None) -> None:
                           "gathered weight's one scale is not the rowwise linears' per-row scales")
 
 
+def _save_peft(cfg: Config, world: int | None) -> None:
+    if cfg.checkpoint.save_peft and cfg.model.lora_rank <= 0:
+        raise ConfigError(f"checkpoint.save_peft={cfg.checkpoint.save_peft} (--save-peft) needs a LoRA run: "
+                          f"model.lora_rank > 0 (is {cfg.model.lora_rank})")
+
+
 VALIDATORS = [_finite, _positive, _nonfinite_policy, _lr_schedule, _grid, _model, _activation_offload, _batch, _sequence, _link_latency, _schedule, _pipeline_layers, _mtp_last_stage,
-              _dualpipev_zero3, _experts, _moe_fb_overlap, _zero, _fp8, _split, check_context, check_microbatch_tokens,
+              _dualpipev_zero3, _experts, _moe_fb_overlap, _zero, _fp8, _save_peft, _split, check_context, check_microbatch_tokens,
               check_observability, check_records]
 """Every config rule, in order. Each takes ``(cfg, world_size_or_None)`` and raises ConfigError."""
 

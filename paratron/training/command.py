@@ -35,6 +35,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--save-hf", default=None, metavar="DIR",
                    help="after training, export a Hugging Face folder to DIR and check it against "
                         "transformers (checkpoint.save_hf=DIR, train.export_hf_at_end=true)")
+    p.add_argument("--save-peft", default=None, metavar="DIR",
+                   help="LoRA runs: after training, write the adapters for peft to DIR and the base model "
+                        "to DIR/base (checkpoint.save_peft=DIR, train.export_hf_at_end=true)")
     p.add_argument("--run-dir", default=None,
                    help="where metrics.jsonl, tensorboard/ and loss.png go (default: runs/<config file stem>, "
                         "or runs/latest without --config)")
@@ -58,10 +61,12 @@ def parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespac
 
 
 def hf_overrides(args: argparse.Namespace) -> list[str]:
-    """The config keys that ``--from-hf`` and ``--save-hf`` stand for."""
+    """The config keys that ``--from-hf``, ``--save-hf`` and ``--save-peft`` stand for."""
     out = [f"checkpoint.load_hf={args.from_hf}"] if args.from_hf else []
     if args.save_hf:
         out += [f"checkpoint.save_hf={args.save_hf}", "train.export_hf_at_end=true"]
+    if getattr(args, "save_peft", None):
+        out += [f"checkpoint.save_peft={args.save_peft}", "train.export_hf_at_end=true"]
     return out
 
 

@@ -77,9 +77,13 @@ HF_CHECK_TOKENS = 8
 def hf_export_check(model_cfg, tensors: dict, hf_dir, ids: list[int], n: int = HF_CHECK_TOKENS) -> str:
     """One line saying whether paratron (``tensors`` on one process) and ``transformers`` (the
     exported folder ``hf_dir``) continue ``ids`` with the same ``n`` greedy tokens; when they do
-    not, the first differing position and both continuations."""
+    not, the first differing position and both continuations. Only the last
+    ``seq_length - n`` tokens of ``ids`` are used."""
     from paratron.checkpoint.hf_export import single_process_model, transformers_greedy
 
+    # Both sides must see the whole context: :func:`sample` drops tokens past seq_length,
+    # transformers does not, so the prompt leaves room for the n new tokens.
+    ids = ids[-max(1, model_cfg.seq_length - n):]
     chunk = single_process_model(model_cfg, tensors)
     ours = sample(chunk, ids, max_new_tokens=n, temperature=0, top_k=0, vocab_size=model_cfg.vocab_size,
                   seq_length=model_cfg.seq_length)[len(ids):]

@@ -51,18 +51,37 @@ def export_hf_at_end(cfg: Config, ctx, run_dir: Path, prompt: str | None) -> Non
     ctx.world.barrier()  # every rank's shards are on disk
     if ctx.rank != 0:
         return
-    from paratron.checkpoint.adapters import merged
+    from paratron.checkpoint.adapters import merged, with_base
     from paratron.checkpoint.hf_export import export_hf
     from paratron.checkpoint.io import load_model_full
     from paratron.data.prepare import build_tokenizer
     from paratron.training.generate import hf_export_check
 
     _, tensors = load_model_full(cfg.checkpoint.save)
+    tensors = with_base(cfg, tensors)  # an adapter-only checkpoint onto its base
+    if cfg.checkpoint.save_peft:
+        log(ctx, export_peft(cfg, tensors, Path(cfg.checkpoint.save_peft)))
     model_cfg, tensors = merged(cfg, tensors)  # LoRA: the adapters folded into the base
     out = export_hf(dataclasses.replace(cfg, model=model_cfg), tensors, cfg.checkpoint.save_hf or Path(run_dir) / "hf")
     log(ctx, f"Hugging Face export: {out} (config.json, model.safetensors, tokenizer)")
     ids = build_tokenizer(cfg.data).encode(prompt or "")[:32] if prompt else []
     log(ctx, hf_export_check(model_cfg, tensors, out, [i for i in ids if i < model_cfg.vocab_size] or [0]))
+
+
+def export_peft(cfg: Config, tensors: dict[str, torch.Tensor], out: Path) -> str:
+    """Write a LoRA run's adapters as a ``peft`` folder ``out`` and its frozen base (the full
+    ``tensors`` less the adapters) as a Hugging Face folder ``out/base``, which the adapter config
+    names; returns the line to print."""
+    from paratron.checkpoint.hf_export import export_hf
+    from paratron.checkpoint.peft_export import save_peft
+    from paratron.models.lora import adapter_names
+
+    adapters = set(adapter_names(tensors))
+    base_cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, lora_rank=0))
+    base = export_hf(base_cfg, {k: v for k, v in tensors.items() if k not in adapters}, out / "base")
+    save_peft(cfg.model, tensors, out, base_model=str(base.resolve()))
+    return (f"PEFT export: {out} (adapter_model.safetensors, adapter_config.json: {len(adapters)} adapter "
+            f"tensors), the base model in {base}")
 
 
 def warn_if_saving_over(cfg: Config, ctx) -> None:
