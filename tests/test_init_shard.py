@@ -1,4 +1,4 @@
-"""Per-shard initialisation (issue 20, point 1): each rank draws only the tiles of its own shard,
+"""Per-shard initialisation: each rank draws only the tiles of its own shard,
 and every layout starts from bitwise the same full tensors, within one tile of extra memory."""
 
 from __future__ import annotations

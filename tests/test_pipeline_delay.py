@@ -1,4 +1,4 @@
-"""Delay-aware 1F1B (CrossPipe, issue 22): per-link costs in the simulator, the ``1f1b-delay``
+"""Delay-aware 1F1B (CrossPipe): per-link costs in the simulator, the ``1f1b-delay``
 schedule's warm-ups from link costs, and the runtime's p2p delay injector: with 40 ms injected on
 the link between stages 1 and 2 at PP=4, ``1f1b-delay`` gives 1F1B's losses and grads to 1e-6
 (fp32). Its makespan against 1F1B under delay is measured in benchmarks/, not asserted here.

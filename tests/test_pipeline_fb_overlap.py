@@ -1,4 +1,4 @@
-"""Cross-microbatch F/B overlap (issue 21, item 1b): ``FB`` pairs in action lists.
+"""Cross-microbatch F/B overlap: ``FB`` pairs in action lists.
 
 Lists: :func:`overlap_fb` keeps every schedule valid and the same work; the validator rejects
 malformed pairs; the simulator's makespan drops when the all-to-all cost is nonzero.

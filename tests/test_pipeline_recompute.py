@@ -1,4 +1,4 @@
-"""Recompute placed in bubbles (Obscura, issue 22): the ``R`` action, :func:`place_recompute`, the
+"""Recompute placed in bubbles (Obscura): the ``R`` action, :func:`place_recompute`, the
 validator's recompute and memory rules, the simulator's cost of ``R``, and runtime parity: the
 placed schedule gives the same losses and grads as plain full recompute (and as no recompute),
 to 1e-6 in fp32, at PP=2 and PP=4 under 1F1B and interleaved.

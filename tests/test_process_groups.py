@@ -1,4 +1,4 @@
-"""A training run creates exactly the process groups it uses (issue 20, item 3).
+"""A training run creates exactly the process groups it uses.
 
 Each rank counts the real ``torch.distributed.new_group`` calls (patched in the forked rank) and,
 through the communication ledger, the groups whose collectives reached ``torch.distributed`` over

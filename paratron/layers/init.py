@@ -45,7 +45,7 @@ _SKIPPED: ContextVar[frozenset] = ContextVar("paratron_init_skipped", default=fr
 @contextmanager
 def skip_draws(logical_names):
     """Inside the block, :func:`init_shard_` leaves the params named in ``logical_names``
-    uninitialised (``torch.empty``): a checkpoint load is about to fill them (issue 20, "no init
+    uninitialised (``torch.empty``): a checkpoint load is about to fill them ("no init
     before a load"). Draws of every other param are unchanged."""
     token = _SKIPPED.set(frozenset(logical_names))
     try:

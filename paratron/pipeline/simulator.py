@@ -25,7 +25,7 @@ class Costs:
     """Durations of compute actions (any unit: seconds, or abstract units) and p2p latency.
 
     ``BW`` defaults to ``B + W`` and ``R`` (a recomputed forward) to ``F``. Per-link costs
-    (CrossPipe, issue 22): ``link_latency[k]`` and ``link_bandwidth[k]`` (message size per time
+    (CrossPipe): ``link_latency[k]`` and ``link_bandwidth[k]`` (message size per time
     unit) for the link between pipeline ranks ``k`` and ``k+1``, with ``message_size`` the size of
     one activation; see :meth:`link_time`. ``stage_scale`` optionally multiplies the cost of every action
     of a stage (e.g. a stage holding the embedding or the loss), indexed by stage.

@@ -1,4 +1,4 @@
-"""The process-group kinds a training run communicates on, from its config (issue 20, item 3).
+"""The process-group kinds a training run communicates on, from its config.
 
 :meth:`~paratron.parallel.context.ParallelContext.build` creates process groups only for these
 kinds, so a group the run never uses is never created. Every rank computes the same tuple from the

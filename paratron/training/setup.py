@@ -109,7 +109,7 @@ def build_model_and_optimizer(cfg: Config, ctx):
 
     p = cfg.parallel
     layout = stage_layers(cfg.model.num_layers, p.pipeline, p.virtual_pipeline, p.pipeline_layout, p.schedule)
-    # A param the checkpoint will fill is left uninitialised: no draw to overwrite (issue 20).
+    # A param the checkpoint will fill is left uninitialised: no draw to overwrite.
     with skip_draws(params_to_load(cfg.checkpoint) | hf_param_names(cfg)):
         chunks = build_model_chunks(cfg.model, ctx, seed=cfg.train.seed, sequence_parallel=p.sequence_parallel,
                                     params_dtype=precision_dtype(cfg.train.precision), stage_layers=layout,

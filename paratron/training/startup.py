@@ -1,4 +1,4 @@
-"""The start-up breakdown of a training run, logged once as a ``startup`` record (issue 20).
+"""The start-up breakdown of a training run, logged once as a ``startup`` record.
 
 Parts, in the order a run goes through them (seconds each):
 
