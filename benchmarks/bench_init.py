@@ -1,4 +1,4 @@
-"""Initialisation time of one rank's shard at TP=8 (issue 20, point 1): paratron's per-shard tile
+"""Initialisation time of one rank's shard at TP=8: paratron's per-shard tile
 draw (``layers/init.init_shard_``, what ``build_model_chunks`` runs) against the previous scheme,
 which drew every parameter's full tensor from one ``(seed, name)`` generator and kept a slice.
 

@@ -1,4 +1,4 @@
-"""Start-up wall time at 8 ranks (TP=2 x PP=2 x DP=2), before and after issue 20, side by side.
+"""Start-up wall time at 8 ranks (TP=2 x PP=2 x DP=2), before and after process groups only for the layout, side by side.
 
 Runs ``paratron train --nproc-per-node 8`` of a small model (the default run's Llama-style
 h=256, 4 layers, seq 128, on a BPE of part of the bundled corpus) from two checkouts: this one and
@@ -115,7 +115,7 @@ def _build_context(kinds: tuple[str, ...] | None) -> dict:
 
 
 def group_creation(repeats: int) -> dict:
-    """``ParallelContext.build`` with every kind (what every run did before issue 20) against the
+    """``ParallelContext.build`` with every kind (what every run did before groups were chosen per layout) against the
     kinds this benchmark's runs use, on 8 forked gloo ranks, interleaved; the slowest rank's
     seconds, median over ``repeats``."""
     import torch
@@ -157,7 +157,7 @@ def summarize(results: dict) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--baseline", default="5603077^", help="the commit before issue 20's work")
+    ap.add_argument("--baseline", default="5603077^", help="the commit before the start-up work")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--docs", type=int, default=200)
     ap.add_argument("--vocab", type=int, default=4096)
