@@ -56,7 +56,7 @@ def test_fused_adamw_matches_foreach(device, dtype):
     for n in plain:
         tol = 1e-6 if dtype == torch.float32 else 8e-3
         torch.testing.assert_close(fused[n], plain[n], rtol=tol, atol=tol, msg=n)
-    for a, b in zip(opt_f._mains, opt_p._mains):
+    for a, b in zip((s.main for s in opt_f.segments), (s.main for s in opt_p.segments)):
         torch.testing.assert_close(a.cpu(), b.cpu(), rtol=1e-6, atol=1e-6)
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from paratron.pipeline.actions import Action, activation_peak
+from paratron.pipeline.actions import Action, activation_peak, halves
 from paratron.pipeline.registry import build_schedule
 from paratron.pipeline.simulator import simulate
 from paratron.pipeline.validate import validate
@@ -103,9 +103,14 @@ def makespan(lists: list[list[Action]], works: list[Work], p2p_seconds: float, s
     Raises:
         ScheduleError: the lists deadlock (from the simulator).
     """
-    def cost(a: Action) -> float:
+    def plain(a: Action) -> float:
         w = works[a.stage]
         return {"F": w.F, "B": w.B, "W": w.W, "BW": w.B + w.W}[a.kind] / sharing
+
+    def cost(a: Action) -> float:
+        # An FB pair (DualPipeV, F/B overlap) costs its two halves: the planner models no MoE
+        # communication for the pair to hide, so nothing of it overlaps.
+        return sum(plain(h) for h in halves(a))
 
     r = simulate(lists, cost, latency=p2p_seconds)
     busy = [b * sharing for b in r.busy]
