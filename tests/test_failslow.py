@@ -114,3 +114,11 @@ def test_a_slowed_pipeline_stage_is_flagged_and_gets_a_layout(tmp_path, tiny_cor
     assert proposal["current"] == [2, 2] and proposal["pipeline_layout"][1] < 2, proposal
     assert proposal["predicted_ratio"] <= 0.85, proposal
     assert "proposed parallel.pipeline_layout=" in out[0][1]
+
+
+def test_simulated_step_costs_every_registered_schedule():
+    """Every schedule the registry builds, FB pairs (dualpipev) included, gets a finite simulated
+    step (a cost table without ``FB`` raised KeyError for dualpipev)."""
+    for name in ("1f1b", "zbv", "dualpipev"):
+        v = 2 if name in ("zbv", "dualpipev") else 1
+        assert simulated_step([1] * (2 * v), [1.0, 2.0], 2, v, name, 4) > 0

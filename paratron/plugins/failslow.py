@@ -135,6 +135,7 @@ def balance_microbatches(seconds_per_microbatch: list[float], total: int,
 def simulated_step(sizes: list[int], per_layer: list[float], p: int, v: int, schedule: str, m: int) -> float:
     """The simulator's makespan of one step with ``sizes`` layers per virtual stage, when a layer
     on pipeline rank ``r`` costs ``per_layer[r]`` per microbatch (F = B = W, BW = B + W)."""
+    from paratron.pipeline.actions import halves
     from paratron.pipeline.registry import build_schedule, get_schedule
     from paratron.pipeline.simulator import simulate
 
@@ -142,7 +143,8 @@ def simulated_step(sizes: list[int], per_layer: list[float], p: int, v: int, sch
     weight = {"F": 1.0, "B": 1.0, "W": 1.0, "BW": 2.0}
 
     def cost(a) -> float:
-        return weight[a.kind] * (sizes[a.stage] * per_layer[rank_of[a.stage]] + 1e-9)
+        # An FB pair (dualpipev) costs its two halves: a slowed rank's pair hides nothing.
+        return sum(weight[h.kind] * (sizes[h.stage] * per_layer[rank_of[h.stage]] + 1e-9) for h in halves(a))
 
     return simulate(build_schedule(schedule, p, m, v, check=False), cost).makespan
 
