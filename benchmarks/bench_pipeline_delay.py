@@ -107,8 +107,8 @@ def _rank(a):
     def run(lists, delay):
         timeline = []
         dist.barrier()
-        run_pipeline(lists[ctx.pp.rank], chunks, ctx, micro, step, (SEQ, MBS, HIDDEN), torch.float32,
-                     timeline=timeline, link_delay=delay)
+        run_pipeline(lists[ctx.pp.rank], chunks, ctx if delay is None else delay.over(ctx), micro, step,
+                     (SEQ, MBS, HIDDEN), torch.float32, timeline=timeline)
         for c in chunks:
             c.zero_grad(set_to_none=True)
         everyone = [None] * P

@@ -40,8 +40,8 @@ def _run(p, m):
         perturb_1d_params_(chunks)
         lists = build_schedule(name, p, m, 1, **options)
         start = time.perf_counter()
-        losses = run_pipeline(lists[ctx.pp.rank], chunks, ctx, micro, _forward_step(total), (SEQ, mbs, HIDDEN),
-                              torch.float32, link_delay=DELAY)
+        losses = run_pipeline(lists[ctx.pp.rank], chunks, DELAY.over(ctx), micro, _forward_step(total),
+                              (SEQ, mbs, HIDDEN), torch.float32)
         elapsed = time.perf_counter() - start
         finalize_grads(chunks, ctx)
         out[name] = ([x.item() for x in losses], {q.logical_name: q.grad.clone() for c in chunks for q in c.parameters()},
