@@ -45,7 +45,7 @@ from paratron.pipeline.partition import stage_layers  # noqa: E402
 from paratron.pipeline.registry import build_schedule  # noqa: E402
 from paratron.pipeline.runtime import run_pipeline  # noqa: E402
 from paratron.pipeline.simulator import Costs, simulate  # noqa: E402
-from paratron.testing import run_ranks  # noqa: E402
+from paratron.local_ranks import run_ranks  # noqa: E402
 
 VOCAB, P, HIDDEN, SEQ, MBS, DELAYS_MS = 128, 4, 32, 16, 1, (10, 40, 100)
 

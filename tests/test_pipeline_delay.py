@@ -19,7 +19,7 @@ from paratron.pipeline.partition import stage_layers
 from paratron.pipeline.registry import build_schedule
 from paratron.pipeline.runtime import run_pipeline
 from paratron.pipeline.simulator import Costs, simulate
-from paratron.testing import run_ranks
+from paratron.local_ranks import run_ranks
 
 from helpers import perturb_1d_params_
 from test_pipeline_runtime import GLOBAL_BATCH, HIDDEN, LAYERS, SEED, SEQ, _cfg, _forward_step, _global_batch
@@ -189,7 +189,7 @@ def test_microbatch_time_config_and_measurement():
 
 def _train_recording_actions(overrides, run_dir):
     """One rank of ``paratron train``; returns the action list each step ran."""
-    import paratron.training.runner as runner
+    import paratron.launch.runner as runner
     import paratron.training.trainer as trainer
     from paratron.config import load_config
 
