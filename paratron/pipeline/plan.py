@@ -51,10 +51,6 @@ class RunPlan:
     segmented: frozenset[Key]
     forward_only: bool
 
-    @property
-    def num_chunks(self) -> int:
-        return len(self.local)
-
     def is_last_backward(self, a: Action) -> list[int]:
         """The local chunks whose last backward of the step is ``a`` (ascending; usually none)."""
         return sorted({self.local[h.stage] for h in halves(a) if self.last_backward.get(h.stage) == a})
