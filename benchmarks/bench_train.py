@@ -39,7 +39,7 @@ from pairing import MIN_TIMED_STEPS, load, summarize, time_paired  # noqa: E402
 from paratron.config import load_config  # noqa: E402
 from paratron.config.model_shape import ffn_size, head_dim, query_groups  # noqa: E402
 from paratron.parallel.context import ParallelContext  # noqa: E402
-from paratron.training.runner import build_model_and_optimizer  # noqa: E402
+from paratron.training.builders import build_model_and_optimizer  # noqa: E402
 from paratron.training.trainer import train_batch  # noqa: E402
 
 

@@ -63,7 +63,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from bench_zero import TinyGPT, _data, deepspeed_engine, deepspeed_step, parse_args  # noqa: E402
 from pairing import MIN_TIMED_STEPS, add_size_arg, load, summarize, time_paired  # noqa: E402
 from paratron.config import OptimizerConfig  # noqa: E402
-from paratron.testing import run_ranks  # noqa: E402
+from paratron.local_ranks import run_ranks  # noqa: E402
 
 
 def _adamw(params, cfg, foreach: bool | None):
