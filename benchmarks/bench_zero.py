@@ -184,6 +184,11 @@ def _rank(args):
         return deepspeed_step(engines[name], args, step) if name in engines else paratron_step(name, step)
 
     times = time_paired(list(engines) + list(runs), args.steps, run)
+    ds_params = dict(engines["deepspeed"].module.named_parameters())
+    diffs = {}
+    for name, (model, _) in runs.items():
+        diffs[name] = max((p.detach() - ds_params[n].detach()).abs().max().item()
+                          for n, p in model.named_parameters())
     # The timeline: which part of the DP reduction ran while the backward computed.
     hidden = total = 0.0
     with recording(ctx.ledger) as rec:
@@ -191,11 +196,6 @@ def _rank(args):
             paratron_step("paratron", step)
             h, t = hidden_fraction(rec.take(), {"bucket_reduce"})
             hidden, total = hidden + h, total + t
-    ds_params = dict(engines["deepspeed"].module.named_parameters())
-    diffs = {}
-    for name, (model, _) in runs.items():
-        diffs[name] = max((p.detach() - ds_params[n].detach()).abs().max().item()
-                          for n, p in model.named_parameters())
     n_params = sum(p.numel() for p in ds_params.values())
     return {"times": times, "max_param_diff_vs_deepspeed": diffs, "params": n_params,
             "reduce_hidden_s": hidden, "reduce_total_s": total}
