@@ -14,7 +14,10 @@ has seen one step.
 Per dispatcher: the step time (forward + backward of the rank's microbatches + DDP finalize +
 SGD step; median of ``--steps`` steps after 2 warm-up steps, slowest rank's wall and busiest
 rank's CPU), the EP-group bytes of one step from the comm ledger (summed over both ranks,
-forward + backward), and the share of (token, slot) pairs computed on their own rank. The two
+forward + backward), and the share of (token, slot) pairs computed on their own rank. For the
+prefetch dispatcher, ``--steps`` further steps record intervals (:mod:`paratron.parallel.intervals`,
+the attention wrapped as compute): the share of the weight fetch's flight time (issue to
+completion; forward ``prefetch``, backward ``prefetch_grad``) during which compute ran. The two
 dispatchers alternate for ``--rounds`` rounds (each builds the model afresh); the median over
 rounds is reported with the load average before and after.
 
@@ -104,7 +107,23 @@ def _run(dispatcher: str, gbs: int, mbs: int, steps: int, hot: int):
     num_local = cfg.model.num_experts // EP
     pairs = sum(int((ix >= 0).sum()) for ix in routed)
     own = sum(int(((ix >= 0) & (ix // num_local == ctx.ep.rank)).sum()) for ix in routed)
-    return statistics.median(wall), statistics.median(cpu), nbytes, (own + sum(pulled)) / pairs
+    hidden = _fetch_hidden(chunk, ctx, one_step, steps) if dispatcher == "prefetch" else (0.0, 0.0, 0.0, 0.0)
+    return statistics.median(wall), statistics.median(cpu), nbytes, (own + sum(pulled)) / pairs, hidden
+
+
+def _fetch_hidden(chunk, ctx, one_step, steps: int) -> tuple[float, float, float, float]:
+    """In ``steps`` extra steps with the attention recorded as compute: (hidden, total) seconds
+    of the weight fetch's flights, forward (``prefetch``) and backward (``prefetch_grad``)."""
+    from paratron.parallel.intervals import hidden_fraction, recording, timed
+
+    for layer in chunk.layers.values():
+        forward = layer.attention.forward
+        layer.attention.forward = lambda x, *a, _f=forward: timed(ctx.ledger, "attention", _f, x, *a)
+    with recording(ctx.ledger) as rec:
+        for _ in range(steps):
+            one_step()
+    ivs = rec.take()
+    return hidden_fraction(ivs, ("prefetch",)) + hidden_fraction(ivs, ("prefetch_grad",))
 
 
 def main() -> None:
@@ -116,12 +135,14 @@ def main() -> None:
     ap.add_argument("--hot", type=int, default=1)
     args = ap.parse_args()
     print(f"load average before: {os.getloadavg()}", flush=True)
-    res = {d: [] for d in DISPATCHERS}
+    res, hid = {d: [] for d in DISPATCHERS}, []
     for r in range(args.rounds):
         for d in (DISPATCHERS if r % 2 == 0 else DISPATCHERS[::-1]):
             per_rank = run_ranks(_run, EP, d, args.gbs, args.mbs, args.steps, args.hot, timeout=900)
             res[d].append((max(x[0] for x in per_rank), max(x[1] for x in per_rank),
                            sum(x[2] for x in per_rank), sum(x[3] for x in per_rank) / EP))
+            if d == "prefetch":
+                hid.append([sum(x[4][i] for x in per_rank) for i in range(4)])
             print(f"round {r} {d}: wall {res[d][-1][0] * 1e3:.1f} ms, CPU {res[d][-1][1] * 1e3:.1f} ms, "
                   f"EP bytes {res[d][-1][2]}, own-rank pairs {res[d][-1][3]:.3f}", flush=True)
     med = {d: [statistics.median(x[i] for x in res[d]) for i in range(4)] for d in DISPATCHERS}
@@ -131,6 +152,10 @@ def main() -> None:
         w, c, b, s = med[d]
         print(f"| {d} | {w * 1e3:.1f} | {c * 1e3:.1f} | {b / 1e6:.2f} MB | {s:.3f} |")
     print(f"| prefetch / alltoall | **{p[0] / a[0]:.2f}** | **{p[1] / a[1]:.2f}** | **{p[2] / a[2]:.3f}** | |")
+    h = [sum(x[i] for x in hid) for i in range(4)]
+    print(f"\nweight fetch hidden behind compute (attention, summed over ranks and rounds): forward "
+          f"{h[0] / max(h[1], 1e-12):.2f} of {h[1] * 1e3:.1f} ms, backward {h[2] / max(h[3], 1e-12):.2f} "
+          f"of {h[3] * 1e3:.1f} ms")
     print(f"load average after: {os.getloadavg()}")
 
 

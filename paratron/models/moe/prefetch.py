@@ -56,7 +56,6 @@ import torch.nn.functional as F
 from paratron.config.errors import ConfigError
 from paratron.parallel.grads import accumulate_grad, run_or_defer
 
-from ..mlp import gelu, swiglu
 from .collectives import InFlight, finish_all_to_all, start_all_to_all
 
 POLICIES = ("auto", "pull", "push")
@@ -222,19 +221,6 @@ class PrefetchState:
                            "pulled": int(pulled.sum()), "pulled_experts": pulled_experts}
 
 
-def _expert_forward(x: torch.Tensor, w: dict[str, torch.Tensor], activation: str) -> torch.Tensor:
-    """One expert (:class:`~paratron.models.moe.experts.ExpertMLP`) on rows ``x [n, h]`` with the
-    weights ``w`` by parameter name (fetched copies) -> ``[n, h]``."""
-    def linear(name: str, inp: torch.Tensor) -> torch.Tensor:
-        return F.linear(inp, w[f"{name}.weight"], w.get(f"{name}.bias"))
-
-    if activation == "swiglu":
-        hidden = swiglu(linear("gate", x), linear("up", x))
-    else:
-        hidden = gelu(linear("fc1", x), activation)
-    return linear("fc2", hidden)
-
-
 def new_state(cfg, ctx, experts) -> PrefetchState:
     """The state one MoE layer keeps for the prefetch dispatcher across forwards (``experts``:
     its :class:`~paratron.models.moe.experts.LocalExperts`).
@@ -293,7 +279,7 @@ def run_pulled(tokens: torch.Tensor, indices: torch.Tensor, pulled: torch.Tensor
     for i, part in enumerate(rows):
         views = torch.split(weights[i * P:(i + 1) * P], sizes)
         w = {name: v.view(shape) for (name, shape), v in zip(state.layout, views)}
-        outs.append(_expert_forward(part, w, state.experts.activation))
+        outs.append(state.experts.local[0].with_weights(part, w))
     out = torch.cat(outs) if outs else tokens.new_zeros(0, h)
     slots = tokens.new_zeros(T * k, h).index_copy(0, slot_ids, out.to(tokens.dtype))
     # Keeps the fetch in every rank's graph (also where nothing was pulled), so that every rank
