@@ -107,8 +107,9 @@ def _run(dispatcher: str, gbs: int, mbs: int, steps: int, hot: int):
     num_local = cfg.model.num_experts // EP
     pairs = sum(int((ix >= 0).sum()) for ix in routed)
     own = sum(int(((ix >= 0) & (ix // num_local == ctx.ep.rank)).sum()) for ix in routed)
+    share = (own + sum(pulled)) / pairs  # before the extra steps below add to the records
     hidden = _fetch_hidden(chunk, ctx, one_step, steps) if dispatcher == "prefetch" else (0.0, 0.0, 0.0, 0.0)
-    return statistics.median(wall), statistics.median(cpu), nbytes, (own + sum(pulled)) / pairs, hidden
+    return statistics.median(wall), statistics.median(cpu), nbytes, share, hidden
 
 
 def _fetch_hidden(chunk, ctx, one_step, steps: int) -> tuple[float, float, float, float]:
