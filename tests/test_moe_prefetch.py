@@ -31,6 +31,8 @@ from paratron.testing import run_ranks
 from helpers import config_with
 from test_moe_gpt import _config as gpt_config, _reference as gpt_reference, _train as gpt_train
 from test_moe_layer import S, B, _cfg, _data, _train
+from test_moe_wgrad import STEPS as wgrad_steps, _assert_matches as wgrad_matches, _cfg as wgrad_cfg, \
+    _reference as wgrad_reference, _run as wgrad_run
 
 TOL = dict(rtol=1e-6, atol=1e-6)
 POLICIES = ("pull", "push", "auto")
@@ -211,3 +213,26 @@ def test_routing_window_predicts_through_the_layer_affinity():
     w.observe((prev + 1) % 4, prev)
     assert torch.equal(w.predict(torch.tensor([[1], [1], [1], [3]])), torch.tensor([0.0, 0.0, 3.0, 0.0]))
     assert torch.equal(w.predict(None), torch.tensor([0.0, 2.0, 1.0, 1.0]))  # own mean counts
+
+
+def _rank_zero_bubble_pull(world):
+    runs = {}
+    for zero in (0, 3):
+        cfg = wgrad_cfg(world, "zb-h1", ep=2, pp=2, dispatcher="prefetch", zero=zero)
+        cfg.model.moe_prefetch_policy = "pull"
+        runs[zero] = wgrad_run(cfg)
+    return runs
+
+
+def test_prefetch_zero_bubble_defers_returned_grads():
+    """PP=2 x EP=2 zb-h1, pull forced, ZeRO 0 and 3: both grad events of every expert param (its
+    own experts' and the pulled copies' coming home) arrive in W actions, and grads, params and
+    losses match one process (test_moe_wgrad.py's probe and tolerances)."""
+    results = run_ranks(_rank_zero_bubble_pull, 4, 4, timeout=300)
+    ref = wgrad_reference()
+    for rank, runs in enumerate(results):
+        for zero, res in runs.items():
+            grads, _ = res["probe"]
+            want = sum(".experts." in n for n in res["params"]) * 2 * wgrad_steps * 2
+            assert want > 0 and grads == {"W": want}, (rank, zero, grads)
+            wgrad_matches(res, ref, f"zero={zero} rank {rank}")

@@ -109,6 +109,7 @@ class _PackExperts(torch.autograd.Function):
     @staticmethod
     def forward(fctx, order: list[int], owner, per_expert: int, *params):
         fctx.order, fctx.owner, fctx.per_expert, fctx.params = order, owner, per_expert, params
+        fctx.shapes = [p.shape for p in params]  # ZeRO-3 may have freed the params by backward
         experts = [params[i * per_expert:(i + 1) * per_expert] for i in range(len(params) // per_expert)]
         flat = [p.reshape(-1) for local in order for p in experts[local]]
         return torch.cat(flat) if flat else params[0].new_zeros(0)
@@ -116,12 +117,12 @@ class _PackExperts(torch.autograd.Function):
     @staticmethod
     def backward(fctx, grad):
         params, n = fctx.params, fctx.per_expert
-        sums = [torch.zeros_like(p) for p in params]
+        sums = [grad.new_zeros(shape) for shape in fctx.shapes]
         at = 0
         for local in fctx.order:
-            for p, s in zip(params[local * n:(local + 1) * n], sums[local * n:(local + 1) * n]):
-                s += grad[at:at + p.numel()].view_as(p)
-                at += p.numel()
+            for s in sums[local * n:(local + 1) * n]:
+                s += grad[at:at + s.numel()].view_as(s)
+                at += s.numel()
         run_or_defer(fctx.owner, lambda: [accumulate_grad(p, s) for p, s in zip(params, sums)])
         return (None, None, None) + (None,) * len(params)
 
