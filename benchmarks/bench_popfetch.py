@@ -42,7 +42,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from bench_moe import SEQ, VOCAB, _config  # noqa: E402
 from paratron.config import validate  # noqa: E402
 from paratron.parallel.context import ParallelContext  # noqa: E402
-from paratron.testing import run_ranks  # noqa: E402
+from paratron.local_ranks import run_ranks  # noqa: E402
 
 EP = 2
 DISPATCHERS = ("alltoall", "prefetch")
@@ -68,7 +68,7 @@ def _run(dispatcher: str, gbs: int, mbs: int, steps: int, hot: int):
     """On every rank: (median wall s, median CPU s, EP bytes of one step, own-rank pair share)."""
     from paratron.models.moe.layer import set_aux_loss_scale
     from paratron.optim import finalize_grads
-    from paratron.training.runner import build_model_and_optimizer
+    from paratron.training.builders import build_model_and_optimizer
 
     cfg = _config(EP, dispatcher, EP)
     cfg.model.moe_router_enable_expert_bias, cfg.model.moe_router_bias_update_rate = True, 0.0

@@ -26,7 +26,7 @@ from paratron.models.moe.layer import MoELayer, moe_layers
 from paratron.parallel.context import ParallelContext
 from paratron.parallel.intervals import overlaps, recording, timed
 from paratron.parallel.params import load_full_
-from paratron.testing import run_ranks
+from paratron.local_ranks import run_ranks
 
 from helpers import config_with
 from test_moe_gpt import _config as gpt_config, _reference as gpt_reference, _train as gpt_train
