@@ -1,7 +1,7 @@
 """The prefetch dispatcher (PopFetcher, USENIX ATC'25; docs/popfetcher.md) against the all-to-all
 dispatcher (fp32).
 
-* Parity: at EP=2 and EP=2 x TP=2 (SP), a standalone MoE layer trained 3 SGD steps with the
+* Parity: at EP=2 and EP=2 x TP=2 (SP on and off), a standalone MoE layer trained 3 SGD steps with the
   prefetch dispatcher under each policy (``pull`` forced, ``push`` forced, ``auto``) matches the
   all-to-all dispatcher's grads, params, input grads and aux losses to 1e-6; the per-forward
   stats show that ``pull`` pulled, ``push`` pushed and ``auto`` did both. Through the training
@@ -74,9 +74,10 @@ def _policies_against_alltoall(tp: int, sp: bool, steps: int):
     return out
 
 
-@pytest.mark.parametrize("world,tp,sp", [(2, 1, False), (4, 2, True)])
+@pytest.mark.parametrize("world,tp,sp", [(2, 1, False), (4, 2, True), (4, 2, False)])
 def test_prefetch_matches_alltoall_with_pull_and_push(world, tp, sp):
-    """EP=2 (world 2) and EP=2 x TP=2 with SP (world 4): 3 steps, every policy, to 1e-6."""
+    """EP=2 (world 2) and EP=2 x TP=2 (world 4) with SP and without (each TP rank dispatches its
+    1/tp of the tokens): 3 steps, every policy, to 1e-6."""
     results = run_ranks(_policies_against_alltoall, world, tp, sp, 3, timeout=240)
     for policy in POLICIES:
         pulled = sum(s["pulled"] for r in results for s in r[policy]["stats"])
