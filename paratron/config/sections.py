@@ -436,6 +436,9 @@ class CheckpointConfig:
     """Write checkpoints in a background thread while training goes on."""
     load_optimizer: bool = True
     """Also restore the optimizer state on load; false starts a fresh optimizer."""
+    finetune: bool = False
+    """Load only the model weights of ``checkpoint.load`` and start a new run from them: step 0,
+    no samples consumed, a fresh optimizer, LR schedule and RNG (Megatron's ``--finetune``)."""
     load_hf: Optional[str] = None
     """A Hugging Face folder (``config.json``, safetensors, ``tokenizer.json``) to start from: the
     model config and the tokenizer come from it, and each rank reads only its own slices of the
