@@ -80,7 +80,7 @@ def run_pipeline(actions: list[Action], chunks: Sequence[nn.Module], ctx, microb
                  forward_step: ForwardStep, tensor_shape: Sequence[int], dtype: torch.dtype, *,
                  forward_only: bool = False, timeline: list[TraceEvent] | None = None,
                  grad_sync=None, link_delay=None,
-                 tensor_shapes: Sequence[Sequence[int]] | None = None) -> list[torch.Tensor]:
+                 tensor_shapes: Sequence[Sequence[int]] | None = None, encoder=None) -> list[torch.Tensor]:
     """Run this rank's part of one pipelined step.
 
     Args:
@@ -115,6 +115,8 @@ def run_pipeline(actions: list[Action], chunks: Sequence[nn.Module], ctx, microb
             reduced when the caller finalizes them).
         link_delay: a :class:`~paratron.pipeline.delay.LinkDelay` (tests and benchmarks, gloo):
             a message over its link is received its ``seconds`` after it was sent; None: none.
+        encoder: an :class:`~paratron.pipeline.encoder_runtime.EncoderRun` that runs the list's
+            encoder steps (:mod:`.encoder_schedule`); None: the list has none.
 
     Returns:
         On the rank holding the last stage, the detached losses in microbatch order; else ``[]``.
@@ -144,6 +146,9 @@ def run_pipeline(actions: list[Action], chunks: Sequence[nn.Module], ctx, microb
         run.again = recomputed(actions)
         run.segmented = {(h.microbatch, h.stage) for a in actions if a.kind == "FB" for h in halves(a)[1:]}
     run.link_delay = link_delay
+    run.encoder = encoder
+    if encoder is not None:
+        encoder.forward_only = forward_only
     run.execute(strip_backward(actions) if forward_only else actions)
     return [run.losses[mb] for mb in sorted(run.losses)]
 
@@ -172,6 +177,7 @@ class _Run:
         self.next_p2p: dict[int, int] = {}
         self.grad_sync, self.last_backward = None, {}
         self.link_delay = None
+        self.encoder = None
         self.again: set[tuple[int, int]] = set()  # (mb, stage) whose F is recomputed by an R
         self.rng_at_forward: dict[tuple[int, int], Any] = {}
         self.segmented: set[tuple[int, int]] = set()  # (mb, stage) whose backward is an FB half
@@ -184,13 +190,15 @@ class _Run:
 
     def execute(self, actions: list[Action]) -> None:
         steps = batches(actions)
-        p2p_at = [i for i, step in enumerate(steps) if step[0].is_p2p]
+        p2p_at = [i for i, step in enumerate(steps) if step[0].is_p2p and not step[0].is_encoder]
         self.next_p2p = dict(zip(p2p_at, p2p_at[1:]))
         with self.recording_intervals():
             self.run_steps(steps, p2p_at)
         for work, _ in self.pending_sends:
             work.wait()
         self.pending_sends.clear()
+        if self.encoder is not None:
+            self.encoder.finish()
         for c, store in enumerate(self.stores):
             if len(store):
                 raise RuntimeError(f"pipeline chunk {c}: {len(store)} deferred weight-grad groups are still "
@@ -202,7 +210,9 @@ class _Run:
                 self.prefetched[p2p_at[0]] = self.post_recvs(steps[p2p_at[0]])
             for i, step in enumerate(steps):
                 start = time.perf_counter()
-                if step[0].is_p2p:
+                if step[0].is_encoder:
+                    self.encoder.run(step)
+                elif step[0].is_p2p:
                     self.p2p(i, step, steps)
                 else:
                     self.compute_recorded(step[0])
