@@ -133,3 +133,15 @@ def test_place_encoder_errors():
         place_encoder(place_encoder(base, "stage0", Costs()), "optimus", Costs())
     with pytest.raises(ValueError, match="part"):
         Action("EF", 0, 0)
+
+
+def test_encoder_placement_config_key():
+    from paratron.config import Config, ConfigError
+    from paratron.config.loading import set_value
+
+    cfg = Config()
+    assert cfg.parallel.encoder_placement == "stage0"
+    set_value(cfg, "parallel.encoder_placement", "optimus")
+    assert cfg.parallel.encoder_placement == "optimus"
+    with pytest.raises(ConfigError, match="encoder_placement"):
+        set_value(cfg, "parallel.encoder_placement", "stage1")
