@@ -21,13 +21,15 @@ backward ``mb`` after stage 0's backward ``mb``) hold by construction and are pr
 :func:`~paratron.pipeline.validate.validate`.
 
 Optimus placement, by the simulator's costs (:class:`~paratron.pipeline.simulator.Costs` with
-``EF``/``EB``): the encoder items are placed one at a time, forwards in microbatch order, then
-backwards; each goes into the *gap* (the place between two compute actions of a rank, after the
-earlier one's sends) whose simulated step is shortest, ties broken by the summed finish times of
-the ranks and then by the item's own end. A part's ``EB`` stays on its ``EF``'s rank (its graph
-is there), and each rank runs its ``EF``'s and its ``EB``'s in microbatch order, so the encoder
-messages between two ranks come in the same order on both sides. Items that fit a bubble do not
-lengthen the step; the rest are spread over the ranks.
+``EF``/``EB``): the parts are placed one at a time, in microbatch order. For each rank, the
+part's ``EF`` goes into the *gap* (the place between two compute actions of a rank, after the
+earlier one's sends) where the simulated step is shortest, then its ``EB`` into the best gap
+after it on the same rank (its graph is there); the part goes to the rank whose pair gives the
+shortest step, ties broken by the summed finish times of the ranks and then by the ``EB``'s end.
+Each rank runs its ``EF``'s and its ``EB``'s in microbatch order, so the encoder messages between
+two ranks come in the same order on both sides. Parts that fit a bubble do not lengthen the
+step; the rest are spread over the ranks. Only the gaps :func:`_candidates` lists are simulated
+(those with idle time at a useful moment, and the ends of the allowed range).
 """
 
 from __future__ import annotations
@@ -77,37 +79,51 @@ def place_encoder(schedule: list[list[Action]], placement: str, costs: Costs, pa
                 plan.add(plan.r0, plan.stage0_gap("F", mb), EF(mb, k))
                 plan.add(plan.r0, plan.stage0_gap("B", mb), EB(mb, k))
         return plan.lists()
-    for kind in ("EF", "EB"):
-        for mb in range(m):
-            for k in range(parts):
-                _place_best(plan, Action(kind, mb, 0, part=k), costs)
+    for mb in range(m):
+        for k in range(parts):
+            _place_part(plan, mb, k, costs)
     return plan.lists()
 
 
-def _place_best(plan: "_Plan", item: Action, costs: Costs) -> None:
-    """Put ``item`` into the gap whose simulated step is shortest (see the module docstring),
-    trying on each rank the gaps :func:`_candidates` lists."""
-    now = simulate(plan.lists(), costs)
-    best = None
-    ranks = [plan.owner[(item.microbatch, item.part)]] if item.kind == "EB" else range(len(plan.base))
-    for r in ranks:
-        for gap in _candidates(plan, now, r, item):
-            plan.add(r, gap, item)
-            try:
-                result = simulate(plan.lists(), costs)
-            except ScheduleError:  # e.g. the part is sent after a wait that needs it
-                result = None
-            plan.remove(r, gap, item)
-            if result is None:
-                continue
-            end = next(s.end for s in result.spans[r] if s.action == item)
-            score = (round(result.makespan, 9), round(sum(max(s.end for s in rs) for rs in result.spans if rs), 9),
-                     end)
-            if best is None or score < best[0]:
-                best = (score, r, gap)
+def _place_part(plan: "_Plan", mb: int, k: int, costs: Costs) -> None:
+    """Place ``EF(mb, k)`` and ``EB(mb, k)`` on the rank where, each in its best gap there, the
+    simulated step is shortest."""
+    best, now = None, simulate(plan.lists(), costs)
+    for r in range(len(plan.base)):
+        f = _best_gap(plan, EF(mb, k), costs, r, now)
+        if f is None:
+            continue
+        plan.add(r, f[1], EF(mb, k))
+        b = _best_gap(plan, EB(mb, k), costs, r, simulate(plan.lists(), costs))
+        plan.remove(r, f[1], EF(mb, k))
+        if b is not None and (best is None or b[0] < best[0]):
+            best = (b[0], r, f[1], b[1])
     if best is None:
-        raise ValueError(f"no place for {item} in the schedule")
-    plan.add(best[1], best[2], item)
+        raise ValueError(f"no place for part {k} of microbatch {mb} in the schedule")
+    _, r, f, b = best
+    plan.add(r, f, EF(mb, k))
+    plan.add(r, b, EB(mb, k))
+
+
+def _best_gap(plan: "_Plan", item: Action, costs: Costs, r: int, now):
+    """(score, gap) of the gap of rank r where ``item`` makes the shortest simulated step (see the
+    module docstring), among those :func:`_candidates` lists for the current timeline ``now``;
+    None if the item can run in none."""
+    best = None
+    for gap in _candidates(plan, now, r, item):
+        plan.add(r, gap, item)
+        try:
+            result = simulate(plan.lists(), costs)
+        except ScheduleError:  # e.g. the part is sent after a wait that needs it
+            result = None
+        plan.remove(r, gap, item)
+        if result is None:
+            continue
+        end = next(s.end for s in result.spans[r] if s.action == item)
+        score = (round(result.makespan, 9), round(sum(max(s.end for s in rs) for rs in result.spans if rs), 9), end)
+        if best is None or score < best[0]:
+            best = (score, gap)
+    return best
 
 
 def _candidates(plan: "_Plan", now, r: int, item: Action) -> list[int]:
