@@ -1,7 +1,8 @@
 """The vision-language model under both encoder placements matches one process (fp32, 1e-5, 3
 SGD steps): ``stage0`` (Megatron: the encoder on stage 0's rank) and ``optimus`` (an encoder
 replica on every pipeline rank, its parts in the 1F1B bubbles, its grads summed over pp x dp),
-at PP=2, PP=4 and PP=2 x DP=2. Losses per step, every grad of every step, and the final weights
+at PP=2, PP=4 and PP=2 x DP=2 under 1F1B, and at PP=2 under ZB-H1 (split backward: stage 0's
+``B`` leaves the encoder output's grad). Losses per step, every grad of every step, and the final weights
 are compared; the encoder replicas stay equal."""
 
 from __future__ import annotations
@@ -80,13 +81,13 @@ def _reference():
     return history, {_name(p): p.detach().clone() for p in params}
 
 
-def _rank(p, dp, placement, parts, m):
+def _rank(p, dp, placement, parts, m, schedule):
     ctx = ParallelContext.build(pp=p)
     chunks = build_vlm_chunks(_cfg(), ctx, seed=SEED, layers_per_stage=[LAYERS // p] * p)
     first = ctx.pp.rank == 0
     encoder = _encoder() if placement == "optimus" or first else None
     costs = Costs(EF=0.2 * p, EB=0.4 * p, encoder_parts=parts)
-    lists = place_encoder(build_schedule("1f1b", p, m), placement, costs)
+    lists = place_encoder(build_schedule(schedule, p, m), placement, costs)
     validate(lists, m)
     params = unique_params(chunks) + (list(encoder.parameters()) if encoder is not None else [])
     local = GLOBAL_BATCH // dp
@@ -141,11 +142,12 @@ def reference():
 
 
 @pytest.mark.parametrize("placement", ["stage0", "optimus"])
-@pytest.mark.parametrize("p,dp,parts,m", [(2, 1, 2, 4), (4, 1, 1, 4), (2, 2, 1, 4)])
-def test_vlm_matches_one_process(reference, placement, p, dp, parts, m):
-    results = run_ranks(_rank, p * dp, p, dp, placement, parts, m, timeout=300)
+@pytest.mark.parametrize("p,dp,parts,m,schedule", [(2, 1, 2, 4, "1f1b"), (4, 1, 1, 4, "1f1b"),
+                                                   (2, 2, 1, 4, "1f1b"), (2, 1, 1, 4, "zb-h1")])
+def test_vlm_matches_one_process(reference, placement, p, dp, parts, m, schedule):
+    results = run_ranks(_rank, p * dp, p, dp, placement, parts, m, schedule, timeout=300)
     _check(results, *reference)
     if placement == "optimus":  # the encoder really is spread: some part runs off stage 0
-        lists = place_encoder(build_schedule("1f1b", p, m), placement, Costs(EF=0.2 * p, EB=0.4 * p,
-                                                                            encoder_parts=parts))
+        lists = place_encoder(build_schedule(schedule, p, m), placement, Costs(EF=0.2 * p, EB=0.4 * p,
+                                                                              encoder_parts=parts))
         assert any(a.kind == "EF" for acts in lists[1:] for a in acts)
