@@ -145,3 +145,23 @@ def test_encoder_placement_config_key():
     assert cfg.parallel.encoder_placement == "optimus"
     with pytest.raises(ConfigError, match="encoder_placement"):
         set_value(cfg, "parallel.encoder_placement", "stage1")
+
+
+def test_simulate_command_with_encoder(capsys, tmp_path):
+    import argparse
+
+    from paratron.pipeline.simulate_command import add_arguments, run
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    out = tmp_path / "optimus.json"
+    args = parser.parse_args(["--pipeline", "4", "--microbatches", "8", "--encoder-placement", "optimus",
+                              "--cost-ef", "0.8", "--cost-eb", "1.6", "--output", str(out)])
+    assert run(args) == 0
+    text = capsys.readouterr().out
+    stage0 = float(text.split("encoder on stage 0: makespan ")[1].split()[0])
+    optimus = float(text.split("\nmakespan ")[1].split()[0])
+    assert optimus <= 0.85 * stage0 and out.exists() and '"EF' in out.read_text()
+    bad = parser.parse_args(["--pipeline", "2", "--encoder-placement", "optimus", "--cost-eb", "nan"])
+    assert run(bad) == 2
+    assert "--cost-eb=nan must be a finite number" in capsys.readouterr().err

@@ -200,7 +200,9 @@ class ParallelConfig:
     """Where a multimodal model's encoder runs (:mod:`paratron.pipeline.encoder_schedule`):
     ``stage0`` on pipeline stage 0's rank (Megatron), ``optimus`` replicated on every pipeline
     rank, its forward and backward parts placed in the schedule's bubbles by the simulator's costs
-    and its grads summed over pp x dp (Optimus, USENIX ATC 2025; docs/optimus.md)."""
+    and its grads summed over pp x dp (Optimus, USENIX ATC 2025; docs/optimus.md). Read by the
+    pipeline API (``place_encoder``, ``run_pipeline(encoder=)``); ``paratron train`` builds no
+    multimodal model yet."""
     order: str = "tp-cp-ep-dp-pp"
     """Rank order, fastest-varying axis first."""
     overlap_grad_reduce: bool = True

@@ -68,12 +68,11 @@ class ViTBlock(nn.Module):
         h, base = cfg.hidden_size, f"{prefix}layers.{layer_number}."
         self.heads = cfg.num_attention_heads
         std = cfg.init_method_std
-        self.norm1_w, self.norm1_b = _param((h,), base + "norm1.weight", seed, None, 1.0), _param((h,), base + "norm1.bias", seed, None)
-        self.qkv_w, self.qkv_b = _param((3 * h, h), base + "qkv.weight", seed, std), _param((3 * h,), base + "qkv.bias", seed, None)
-        self.proj_w, self.proj_b = _param((h, h), base + "proj.weight", seed, std), _param((h,), base + "proj.bias", seed, None)
-        self.norm2_w, self.norm2_b = _param((h,), base + "norm2.weight", seed, None, 1.0), _param((h,), base + "norm2.bias", seed, None)
-        self.fc1_w, self.fc1_b = _param((4 * h, h), base + "fc1.weight", seed, std), _param((4 * h,), base + "fc1.bias", seed, None)
-        self.fc2_w, self.fc2_b = _param((h, 4 * h), base + "fc2.weight", seed, std), _param((h,), base + "fc2.bias", seed, None)
+        shapes = {"norm1": (h,), "qkv": (3 * h, h), "proj": (h, h), "norm2": (h,), "fc1": (4 * h, h), "fc2": (h, 4 * h)}
+        for name, shape in shapes.items():
+            norm = name.startswith("norm")
+            setattr(self, f"{name}_w", _param(shape, f"{base}{name}.weight", seed, None if norm else std, 1.0))
+            setattr(self, f"{name}_b", _param(shape[:1], f"{base}{name}.bias", seed, None))
 
     def forward(self, x: torch.Tensor, rope=None) -> torch.Tensor:
         s, b, h = x.shape

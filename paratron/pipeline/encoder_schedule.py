@@ -1,5 +1,5 @@
 """Place a multimodal encoder's work into a pipeline schedule (Optimus; Feng et al., USENIX ATC
-2025, sections 3-4).
+2025).
 
 A vision-language model feeds stage 0 with the encoder's output for each microbatch. Megatron runs
 the encoder inside stage 0 (placement ``"stage0"``), so stage 0's rank carries the whole encoder

@@ -287,7 +287,7 @@ def _check_rank(r: int, acts: list[Action], owner: dict[int, int], last: int, m:
 
 
 def _check_encoder(schedule: list[list[Action]], r0: int, m: int, forward_only: bool) -> None:
-    """The encoder rules (Optimus, Feng et al. 2025, section 4: encoder forward ``m`` before stage
+    """The encoder rules (Optimus, Feng et al. 2025: encoder forward ``m`` before stage
     0's forward ``m``, encoder backward ``m`` after stage 0's backward ``m``); ``r0`` holds stage 0.
     A list set without encoder actions passes."""
     owner: dict[tuple[int, int], int] = {}
