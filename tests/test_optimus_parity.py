@@ -3,7 +3,7 @@ SGD steps): ``stage0`` (Megatron: the encoder on stage 0's rank) and ``optimus``
 replica on every pipeline rank, its parts in the 1F1B bubbles, its grads summed over pp x dp),
 at PP=2, PP=4 and PP=2 x DP=2 under 1F1B, and at PP=2 under ZB-H1 (split backward: stage 0's
 ``B`` leaves the encoder output's grad). Losses per step, every grad of every step, and the final weights
-are compared; the encoder replicas stay equal."""
+are compared, and a forward-only pass after them; the encoder replicas stay equal."""
 
 from __future__ import annotations
 
@@ -78,60 +78,72 @@ def _reference():
         loss.backward()
         history.append((float(loss.detach()), {_name(p): p.grad.clone() for p in params}))
         _sgd(params)
-    return history, {_name(p): p.detach().clone() for p in params}
+    with torch.no_grad():
+        patches, text, labels = _batch(STEPS)
+        evaluated = float(model(text, encoder(patches), labels).sum() / _total(STEPS))
+    return history, {_name(p): p.detach().clone() for p in params}, evaluated
 
 
 def _rank(p, dp, placement, parts, m, schedule):
     ctx = ParallelContext.build(pp=p)
     chunks = build_vlm_chunks(_cfg(), ctx, seed=SEED, layers_per_stage=[LAYERS // p] * p)
-    first = ctx.pp.rank == 0
-    encoder = _encoder() if placement == "optimus" or first else None
+    encoder = _encoder() if placement == "optimus" or ctx.pp.rank == 0 else None
     costs = Costs(EF=0.2 * p, EB=0.4 * p, encoder_parts=parts)
     lists = place_encoder(build_schedule(schedule, p, m), placement, costs)
     validate(lists, m)
     params = unique_params(chunks) + (list(encoder.parameters()) if encoder is not None else [])
-    local = GLOBAL_BATCH // dp
-    mbs = local // m
+    run = (ctx, lists[ctx.pp.rank], chunks, encoder, m, parts, dp)
     history = []
     for step in range(STEPS):
-        patches, text, labels = _batch(step, ctx.dp.rank * local, (ctx.dp.rank + 1) * local)
-        micro = [(i, text[i * mbs:(i + 1) * mbs], labels[i * mbs:(i + 1) * mbs]) for i in range(m)]
-        inputs = [torch.tensor_split(patches[i * mbs:(i + 1) * mbs], parts) for i in range(m)]
-        enc = EncoderRun(encoder, inputs, lambda mb, k: (NPATCH, inputs[mb][k].shape[0], HIDDEN), ctx)
-        total = _total(step)
-
-        def forward_step(c, chunk, x, mb):
-            i, ids, lab = mb
-            if first:
-                return chunk(ids, enc.features(i), lab if chunk.post_process else None)
-            return chunk(x, lab).sum() / total if chunk.post_process else chunk(x)
-
-        losses = run_pipeline(lists[ctx.pp.rank], chunks, ctx, micro, forward_step, (NPATCH + TEXT, mbs, HIDDEN),
-                              torch.float32, encoder=enc)
+        loss = _step(*run, step)
         finalize_grads(chunks, ctx)
         for q in unique_params(chunks):
             ctx.dp.all_reduce(q.grad)
         if encoder is not None:
             reduce_encoder_grads(encoder, [ctx.pp, ctx.dp] if placement == "optimus" else [ctx.dp])
-        loss = torch.stack(losses).sum() if losses else torch.zeros(())
-        ctx.dp.all_reduce(loss)
-        history.append((float(loss), {_name(q): q.grad.clone() for q in params}))
+        history.append((loss, {_name(q): q.grad.clone() for q in params}))
         _sgd(params)
-    return history, {_name(q): q.detach().clone() for q in params}, ctx.pp.rank == p - 1
+    evaluated = _step(*run, STEPS, forward_only=True)
+    return history, {_name(q): q.detach().clone() for q in params}, ctx.pp.rank == p - 1, evaluated
 
 
-def _check(results, ref_history, ref_final):
+def _step(ctx, actions, chunks, encoder, m, parts, dp, step, forward_only=False) -> float:
+    """One pipelined step (or forward-only pass) over this DP rank's share of global batch
+    ``step``; the loss summed over DP (on the last stage's ranks; 0 elsewhere)."""
+    local = GLOBAL_BATCH // dp
+    mbs = local // m
+    patches, text, labels = _batch(step, ctx.dp.rank * local, (ctx.dp.rank + 1) * local)
+    micro = [(i, text[i * mbs:(i + 1) * mbs], labels[i * mbs:(i + 1) * mbs]) for i in range(m)]
+    inputs = [torch.tensor_split(patches[i * mbs:(i + 1) * mbs], parts) for i in range(m)]
+    enc = EncoderRun(encoder, inputs, lambda mb, k: (NPATCH, inputs[mb][k].shape[0], HIDDEN), ctx)
+    total = _total(step)
+
+    def forward_step(c, chunk, x, mb):
+        i, ids, lab = mb
+        if ctx.pp.rank == 0:
+            return chunk(ids, enc.features(i), lab if chunk.post_process else None)
+        return chunk(x, lab).sum() / total if chunk.post_process else chunk(x)
+
+    losses = run_pipeline(actions, chunks, ctx, micro, forward_step, (NPATCH + TEXT, mbs, HIDDEN), torch.float32,
+                          encoder=enc, forward_only=forward_only)
+    loss = torch.stack(losses).sum() if losses else torch.zeros(())
+    ctx.dp.all_reduce(loss)
+    return float(loss)
+
+
+def _check(results, ref_history, ref_final, ref_evaluated):
     last = next(r for r, res in enumerate(results) if res[2])  # a rank holding the loss
+    assert abs(results[last][3] - ref_evaluated) <= TOL, (results[last][3], ref_evaluated)  # forward only
     seen = set()
     for step, (ref_loss, ref_grads) in enumerate(ref_history):
         got = results[last][0][step][0]
         assert abs(got - ref_loss) <= TOL, (step, got, ref_loss)
-        for hist, _, _ in results:
+        for hist, _, _, _ in results:
             for name, g in hist[step][1].items():
                 torch.testing.assert_close(g, ref_grads[name], atol=TOL, rtol=0, msg=f"step {step} grad {name}")
                 seen.add(name)
     assert seen == set(ref_grads), set(ref_grads) ^ seen
-    for _, final, _ in results:
+    for _, final, _, _ in results:
         for name, w in final.items():
             torch.testing.assert_close(w, ref_final[name], atol=TOL, rtol=0, msg=f"final {name}")
 
