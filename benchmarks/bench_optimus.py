@@ -46,7 +46,7 @@ from paratron.pipeline.registry import build_schedule  # noqa: E402
 from paratron.pipeline.runtime import run_pipeline  # noqa: E402
 from paratron.pipeline.simulator import Costs, simulate  # noqa: E402
 from paratron.pipeline.validate import validate  # noqa: E402
-from paratron.testing import run_ranks  # noqa: E402
+from paratron.local_ranks import run_ranks  # noqa: E402
 
 P, HIDDEN, SEQ, MBS = 4, 16, 8, 2
 SIMULATED = [("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zbv", 2)]

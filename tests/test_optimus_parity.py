@@ -24,7 +24,7 @@ from paratron.pipeline.registry import build_schedule
 from paratron.pipeline.runtime import run_pipeline
 from paratron.pipeline.simulator import Costs
 from paratron.pipeline.validate import validate
-from paratron.testing import run_ranks
+from paratron.local_ranks import run_ranks
 
 TOL = 1e-5
 SEED, STEPS, LR, GLOBAL_BATCH = 5, 3, 0.5, 8
