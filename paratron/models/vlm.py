@@ -27,7 +27,7 @@ from torch import nn
 
 from paratron.config import ModelConfig
 from paratron.layers.init import init_shard_, normal_
-from paratron.parallel.params import ShardSpec
+from paratron.parallel.params import ShardSpec, mark
 
 from .blocks import BLOCKS, register_block
 from .embedding import Embedding
@@ -53,9 +53,7 @@ def _param(shape, name: str, seed: int, std: float | None, fill: float = 0.0) ->
         t.fill_(fill)
     else:
         t = init_shard_(t, normal_(std), ShardSpec.replicated(tuple(shape)), seed, name)
-    p = nn.Parameter(t)
-    p.logical_name = name
-    return p
+    return mark(nn.Parameter(t), name, no_weight_decay=t.dim() == 1)
 
 
 class ViTBlock(nn.Module):
