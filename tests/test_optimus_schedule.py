@@ -42,6 +42,14 @@ def test_validator_proves_transformed_lists(schedule, v, p, m):
             assert owners == {0} if placement == "stage0" else len(owners) > 1, (placement, owners)
 
 
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8)])
+def test_validator_proves_dualpipev_with_encoder(p, m):
+    """FB pairs: stage 0's forward may be a pair's half; its encoder parts come before the pair."""
+    base = build_schedule("dualpipev", p, m, 2)
+    for placement in ("stage0", "optimus"):
+        validate(place_encoder(base, placement, _costs(p, 2, 0.2)), m)
+
+
 @pytest.mark.parametrize("schedule,v,share", [("1f1b", 1, 0.15), ("zb-h1", 1, 0.3), ("interleaved", 2, 0.2)])
 def test_optimus_step_at_most_085_of_stage0(schedule, v, share):
     p, m = 4, 8
