@@ -202,6 +202,13 @@ class ParallelConfig:
     MoE all-to-all of one microbatch's forward runs while a layer of another microbatch's backward
     computes (DeepSeek-V3's DualPipe overlap). Needs MoE layers and a dispatcher that calls the
     in-flight hook (``alltoall``)."""
+    encoder_placement: Literal["stage0", "optimus"] = "stage0"
+    """Where a multimodal model's encoder runs (:mod:`paratron.pipeline.encoder_schedule`):
+    ``stage0`` on pipeline stage 0's rank (Megatron), ``optimus`` replicated on every pipeline
+    rank, its forward and backward parts placed in the schedule's bubbles by the simulator's costs
+    and its grads summed over pp x dp (Optimus, USENIX ATC 2025; docs/optimus.md). Read by the
+    pipeline API (``place_encoder``, ``run_pipeline(encoder=)``); ``paratron train`` builds no
+    multimodal model yet."""
     order: str = "tp-cp-ep-dp-pp"
     """Rank order, fastest-varying axis first."""
     overlap_grad_reduce: bool = True
