@@ -9,6 +9,7 @@ import torch
 
 from paratron.config import Config, ConfigError, ModelConfig, validate
 from paratron.models.gpt import build_model_chunks
+from paratron.models.rope import rope_tables
 from paratron.parallel.context import ParallelContext
 from paratron.planner import communication as comm
 from paratron.planner.layout import Layout
@@ -74,3 +75,108 @@ def test_low_rank_tp2_matches_one_process(name, reference):
 def test_low_rank_tp4_matches_one_process(name, reference):
     kw = LAYOUTS[name]
     assert_parity(run_ranks(_train_rank, kw["tp"], kw, kw["tp"], timeout=600), reference, TOL, name)
+
+
+# ---- the comm ledger against the plans' formulas, and the byte ratios --------------------------
+BIG = dict(num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256, low_rank=16)
+"""r = h/4, as in the byte-ratio rule; 4 layers so the chunk's stream all-gathers are amortised."""
+VARIANTS = {"naive": dict(low_rank_tp="naive"), "naive-sp": dict(low_rank_tp="naive"),
+            "bottleneck": dict(low_rank_tp="bottleneck"), "full": dict(low_rank=0)}
+
+
+def _step_ledger(ctx, cfg: ModelConfig, sp: bool) -> tuple[dict, dict]:
+    """The TP ledger of one microbatch's forward and backward (2 samples) of ``cfg``."""
+    chunk = build_model_chunks(cfg, ctx, seed=1, sequence_parallel=sp)[0]
+    x = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length), generator=torch.Generator().manual_seed(3))
+    with ctx.ledger.recording():
+        loss = chunk(x, x).sum()
+        fwd = ctx.ledger.summary()
+    with ctx.ledger.recording():
+        loss.backward()
+        bwd = ctx.ledger.summary()
+    return fwd, bwd
+
+
+def _saved_layer_bytes(ctx, cfg: ModelConfig) -> int:
+    """Bytes of the tensors the transformer layers save for backward in one microbatch's forward
+    (each storage once; parameters, and the RoPE tables all layers share, left out)."""
+    chunk = build_model_chunks(cfg, ctx, seed=1)[0]
+    t = ctx.tp.size
+    x = torch.randn(cfg.seq_length, 2, cfg.hidden_size // t, requires_grad=True)
+    rope = rope_tables(cfg.seq_length, cfg.hidden_size // cfg.num_attention_heads, cfg.rope_theta)
+    skip = {p.untyped_storage().data_ptr() for p in chunk.parameters()} | {r.untyped_storage().data_ptr()
+                                                                           for r in rope}
+    seen: dict[int, int] = {}
+
+    def pack(tensor):
+        ptr = tensor.untyped_storage().data_ptr()
+        if ptr not in skip:
+            seen[ptr] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    h = x
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        for layer in chunk.layers.values():
+            h = layer(h, rope)
+    h.sum().backward()
+    return sum(seen.values())
+
+
+def _ledger_rank() -> dict:
+    ctx = ParallelContext.build(tp=2)
+    out = {name: _step_ledger(ctx, _model(**{**BIG, **kw}), name.endswith("-sp")) for name, kw in VARIANTS.items()}
+    recompute = _model(**BIG, low_rank_tp="bottleneck", low_rank_recompute=True)
+    out["bottleneck-recompute"] = _step_ledger(ctx, recompute, False)
+    out["saved"] = {k: _saved_layer_bytes(ctx, _model(**BIG, low_rank_tp="bottleneck", low_rank_recompute=k))
+                    for k in (False, True)}
+    return out
+
+
+def _planned(cfg: ModelConfig, sp: bool, backward: bool) -> dict:
+    """The planner's TP transfers of one microbatch (2 samples), as a ledger summary."""
+    shape, lay = Shape.of(cfg, cfg.seq_length), Layout(2, 1, 1, 1, 1, 1, 0, "1f1b", 2, "none", sp)
+    transfers = comm.tp_layer(shape, lay, 2, 4, backward) * cfg.num_layers
+    transfers += comm.low_rank_stream(shape, lay, 2, 4, backward)
+    transfers += comm.embedding_and_head(shape, lay, 2, 4, True, True, backward)
+    out: dict = {}
+    for t in transfers:
+        e = out.setdefault(f"{t.op}@{t.group}", {"calls": 0, "bytes": 0})
+        e["calls"] += t.calls
+        e["bytes"] += int(t.nbytes * t.calls)
+    return out
+
+
+def _tp_bytes(fwd_bwd) -> int:
+    return sum(e["bytes"] for s in fwd_bwd for k, e in s.items() if k.endswith("@tp"))
+
+
+@pytest.fixture(scope="module")
+def ledgers() -> dict:
+    return run_ranks(_ledger_rank, 2, timeout=300)[0]
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_ledger_bytes_are_the_plans_formula(name, ledgers):
+    """Each plan's recorded TP collectives (ops, calls, bytes; forward and backward) are exactly
+    :func:`paratron.planner.communication.low_rank_tp_layer` per layer plus the bottleneck stream's
+    all-gathers and the embedding/head terms (full rank: the existing formula)."""
+    cfg, sp = _model(**{**BIG, **VARIANTS[name]}), name.endswith("-sp")
+    fwd, bwd = ledgers[name]
+    assert fwd == _planned(cfg, sp, False), name
+    assert bwd == _planned(cfg, sp, True), name
+
+
+def test_bottleneck_moves_at_most_half_of_naive_and_no_more_than_full_rank(ledgers):
+    """At r = h/4 and TP=2 the bottleneck plan's TP bytes per step (embedding and head included)
+    are <= 0.5x the naive plan's and <= 1.0x the full-rank model's."""
+    b, n, f = (_tp_bytes(ledgers[k]) for k in ("bottleneck", "naive", "full"))
+    assert b <= 0.5 * n, (b, n)
+    assert b <= 1.0 * f, (b, f)
+
+
+def test_recompute_keeps_only_the_bottlenecks(ledgers):
+    """With model.low_rank_recompute the layers save <= 0.4x the activation bytes of the plain
+    bottleneck plan (TP=2), and move exactly the same bytes (no collective is replayed)."""
+    saved = ledgers["saved"]
+    assert saved[True] <= 0.4 * saved[False], saved
+    assert ledgers["bottleneck-recompute"] == ledgers["bottleneck"]
