@@ -180,3 +180,15 @@ def test_recompute_keeps_only_the_bottlenecks(ledgers):
     saved = ledgers["saved"]
     assert saved[True] <= 0.4 * saved[False], saved
     assert ledgers["bottleneck-recompute"] == ledgers["bottleneck"]
+
+
+def test_planner_memory_term_is_the_measured_recompute_bytes(ledgers):
+    """The planner's saved bytes of a recomputed bottleneck layer are the measured ones exactly,
+    and its estimate without recompute keeps the <= 0.4x relation."""
+    from paratron.planner.memory import low_rank_activation_bytes
+
+    lay = Layout(2, 1, 1, 1, 1, 1, 0, "1f1b", 2, "none", False)
+    shapes = {k: Shape.of(_model(**BIG, low_rank_tp="bottleneck", low_rank_recompute=k), 8) for k in (False, True)}
+    planned = {k: low_rank_activation_bytes(s, lay, 2, 4) * BIG["num_layers"] for k, s in shapes.items()}
+    assert planned[True] == ledgers["saved"][True]
+    assert planned[True] <= 0.4 * planned[False], planned
