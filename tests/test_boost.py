@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from paratron.config import Config, ConfigError, ModelConfig, validate
+from paratron.config.low_rank_rules import check_low_rank_model
 from paratron.models.gpt import build_model_chunks
 from paratron.models.rope import rope_tables
 from paratron.parallel.context import ParallelContext
@@ -192,3 +193,25 @@ def test_planner_memory_term_is_the_measured_recompute_bytes(ledgers):
     planned = {k: low_rank_activation_bytes(s, lay, 2, 4) * BIG["num_layers"] for k, s in shapes.items()}
     assert planned[True] == ledgers["saved"][True]
     assert planned[True] <= 0.4 * planned[False], planned
+
+
+# ---- config rules --------------------------------------------------------------------------------
+@pytest.mark.parametrize("fields, message", [
+    (dict(low_rank=-1), r"model.low_rank=-1 must be >= 0"),
+    (dict(low_rank=6, tp=4), r"model.low_rank=6 is not divisible by parallel.tensor=4"),
+    (dict(low_rank=64), r"model.low_rank=64 must be <= model.hidden_size=32"),
+    (dict(plan="bottleneck", tp=2, sp=True), r"'bottleneck' does not take parallel.sequence_parallel"),
+    (dict(plan="bottleneck", normalization="layernorm"), r"needs model.normalization='rmsnorm'"),
+    (dict(recompute=True), r"low_rank_recompute=true needs .*low_rank_tp='bottleneck'"),
+    (dict(add_bias_linear=True), r"does not support: model.add_bias_linear=True"),
+    (dict(num_experts=4), r"does not support: model.num_experts=4"),
+])
+def test_bad_low_rank_settings_are_refused_before_any_process_group(fields, message):
+    kw = {k: fields.pop(k) for k in ("plan", "tp", "sp", "recompute") if k in fields}
+    with pytest.raises(ConfigError, match=message):
+        _config(world=kw.get("tp", 1), **kw, **fields)
+
+
+def test_bottleneck_hidden_size_must_divide_by_tp():
+    with pytest.raises(ConfigError, match=r"model.hidden_size=36 is not divisible by parallel.tensor=8"):
+        check_low_rank_model(_model(low_rank_tp="bottleneck", hidden_size=36, low_rank=4), 8)
