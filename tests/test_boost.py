@@ -71,9 +71,9 @@ def test_low_rank_tp2_matches_one_process(name, reference):
     assert_parity(run_ranks(_train_rank, kw["tp"], kw, kw["tp"], timeout=300), reference, TOL, name)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("name", [n for n in LAYOUTS if "tp4" in n])
 def test_low_rank_tp4_matches_one_process(name, reference):
+    """The same at TP=4: naive with SP, bottleneck."""
     kw = LAYOUTS[name]
     assert_parity(run_ranks(_train_rank, kw["tp"], kw, kw["tp"], timeout=600), reference, TOL, name)
 
