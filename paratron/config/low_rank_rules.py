@@ -1,7 +1,7 @@
 """Rules of the low-rank (CoLA) projections and their two tensor-parallel plans (docs/boost.md).
 
 ``model.low_rank = r`` replaces every attention and MLP linear by ``B silu(A x)`` (Liu et al.
-2025, "CoLA: Compute-Efficient Pre-Training of LLMs via Low-Rank Activation", section 3);
+2025, "CoLA: Compute-Efficient Pre-Training of LLMs via Low-Rank Activation");
 ``model.low_rank_tp`` chooses how TP splits the factors ("naive" or BOOST's "bottleneck",
 MLSys'26). The rules are checked by config validation and again by the layers' constructors,
 before any collective.

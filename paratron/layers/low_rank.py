@@ -1,6 +1,7 @@
 """Low-rank projections ``y = B silu(A x)`` under tensor parallelism: CoLA's factorised linear
 (Liu et al. 2025, "CoLA: Compute-Efficient Pre-Training of LLMs via Low-Rank Activation",
-section 3) with BOOST's two TP plans (BOOST, MLSys'26, sections 3-4; docs/boost.md).
+the method section) with BOOST's two TP plans (BOOST, MLSys'26: its tensor-parallel plan
+for low-rank layers; docs/boost.md).
 
 A projection of ``in -> out`` features at rank ``r`` has ``A [r, in]`` and ``B [out, r]``
 (:class:`LowRankFactor`). The plans split them as follows (``t`` = TP size):
@@ -19,7 +20,7 @@ concatenated into one GEMM, and, under ``naive``, their outputs share one all-re
 
 :class:`OnlineRMSNorm` is RMSNorm over a hidden-sharded input (``[s, b, h/t]``): each rank sums
 the squares of its slice and one all-reduce of one value per token completes the mean (BOOST
-section 4, "online RMSNorm"); the weight is sharded like the input.
+"online RMSNorm"); the weight is sharded like the input.
 
 All grads come from autograd (``.grad``), as for :mod:`paratron.models.lora`'s adapters.
 """
@@ -131,7 +132,7 @@ def bottleneck_b(z: torch.Tensor, factors) -> list[torch.Tensor]:
 
 
 class OnlineRMSNorm(nn.Module):
-    """RMSNorm of a hidden-sharded input (BOOST section 4): ``x / rms(x) * w`` with
+    """RMSNorm of a hidden-sharded input (BOOST's online RMSNorm): ``x / rms(x) * w`` with
     ``rms(x)^2 = (sum over all t shards of x^2) / h + eps``.
 
     Forward: ``[s, b, h/t]`` -> ``[s, b, h/t]`` (fp32 inside, as :class:`paratron.layers.norm.RMSNorm`);

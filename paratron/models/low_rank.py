@@ -1,5 +1,5 @@
-"""Low-rank attention and MLP (CoLA; Liu et al. 2025, section 3) with BOOST's tensor-parallel
-plans (BOOST, MLSys'26, sections 3-4): the modules :mod:`paratron.models.layer_spec` builds when
+"""Low-rank attention and MLP (CoLA; Liu et al. 2025) with BOOST's tensor-parallel
+plans (BOOST, MLSys'26): the modules :mod:`paratron.models.layer_spec` builds when
 ``model.low_rank = r > 0`` (docs/boost.md).
 
 Every projection of the layer (q, k, v, the attention output ``proj``; SwiGLU's ``gate``, ``up``
