@@ -29,11 +29,11 @@ def _model(**kw) -> ModelConfig:
                                           seq_length=8, ffn_hidden_size=64, low_rank=8), **kw})
 
 
-def _config(plan="naive", tp=1, sp=False, recompute=False, world=1, **model) -> Config:
+def _config(plan="naive", tp=1, sp=False, recompute=False, world=1, pp=1, **model) -> Config:
     cfg = Config()
     cfg.model = _model(low_rank_tp=plan, low_rank_recompute=recompute, **model)
     p, t, o = cfg.parallel, cfg.train, cfg.optimizer
-    p.tensor, p.sequence_parallel, p.bucket_size_mb = tp, sp, 0.001
+    p.tensor, p.pipeline, p.sequence_parallel, p.bucket_size_mb = tp, pp, sp, 0.001
     t.micro_batch_size, t.global_batch_size, t.seed = 2, 4, 1234
     o.name, o.lr, o.weight_decay, o.clip_grad, o.lr_decay_style = "adamw", 1e-2, 0.1, 1.0, "constant"
     return validate(cfg, world)
@@ -41,7 +41,8 @@ def _config(plan="naive", tp=1, sp=False, recompute=False, world=1, **model) -> 
 
 def _train_rank(kw: dict, world: int) -> dict:
     cfg = _config(world=world, **kw)
-    return train_for_parity(cfg, ParallelContext.build(tp=cfg.parallel.tensor), steps=3)
+    p = cfg.parallel
+    return train_for_parity(cfg, ParallelContext.build(tp=p.tensor, pp=p.pipeline), steps=3)
 
 
 LAYOUTS = {
@@ -51,7 +52,9 @@ LAYOUTS = {
     "bottleneck-tp2-recompute": dict(plan="bottleneck", tp=2, recompute=True),
     "naive-tp4-sp": dict(plan="naive", tp=4, sp=True),
     "bottleneck-tp4": dict(plan="bottleneck", tp=4),
+    "bottleneck-tp2-pp2": dict(plan="bottleneck", tp=2, pp=2),
 }
+WORLD = {name: kw["tp"] * kw.get("pp", 1) for name, kw in LAYOUTS.items()}
 
 
 @pytest.fixture(scope="module")
@@ -63,19 +66,20 @@ def reference() -> dict:
     return ref
 
 
-@pytest.mark.parametrize("name", [n for n in LAYOUTS if "tp4" not in n])
+@pytest.mark.parametrize("name", [n for n in LAYOUTS if WORLD[n] == 2])
 def test_low_rank_tp2_matches_one_process(name, reference):
     """3 AdamW steps of both plans at TP=2 (naive with and without SP, bottleneck with and
     without recompute) match one process within 1e-5, params and losses."""
     kw = LAYOUTS[name]
-    assert_parity(run_ranks(_train_rank, kw["tp"], kw, kw["tp"], timeout=300), reference, TOL, name)
+    assert_parity(run_ranks(_train_rank, WORLD[name], kw, WORLD[name], timeout=300), reference, TOL, name)
 
 
-@pytest.mark.parametrize("name", [n for n in LAYOUTS if "tp4" in n])
+@pytest.mark.parametrize("name", [n for n in LAYOUTS if WORLD[n] == 4])
 def test_low_rank_tp4_matches_one_process(name, reference):
-    """The same at TP=4: naive with SP, bottleneck."""
+    """The same at TP=4 (naive with SP, bottleneck) and at TP=2 x PP=2 (bottleneck: the stream is
+    gathered at each chunk's end and sliced at the next one's start)."""
     kw = LAYOUTS[name]
-    assert_parity(run_ranks(_train_rank, kw["tp"], kw, kw["tp"], timeout=600), reference, TOL, name)
+    assert_parity(run_ranks(_train_rank, WORLD[name], kw, WORLD[name], timeout=600), reference, TOL, name)
 
 
 # ---- the comm ledger against the plans' formulas, and the byte ratios --------------------------
