@@ -219,3 +219,23 @@ def test_bad_low_rank_settings_are_refused_before_any_process_group(fields, mess
 def test_bottleneck_hidden_size_must_divide_by_tp():
     with pytest.raises(ConfigError, match=r"model.hidden_size=36 is not divisible by parallel.tensor=8"):
         check_low_rank_model(_model(low_rank_tp="bottleneck", hidden_size=36, low_rank=4), 8)
+
+
+def test_planner_prices_bottleneck_below_naive_at_tp8():
+    """The planner's step estimate of a 1.3B-shaped low-rank model (r = h/4) on 8 H100s at TP=8:
+    the bottleneck plan's is below the naive plan's, and the recompute option trades time for memory."""
+    from paratron.planner.estimate import Problem, estimate
+    from paratron.planner.hardware import Cluster, device
+    from paratron.planner.pipeline import ScheduleCache
+
+    def est(**kw):
+        m = ModelConfig(**{**LLAMA, **dict(num_layers=24, hidden_size=2048, num_attention_heads=16, vocab_size=32000,
+                                           seq_length=2048, low_rank=512), **kw})
+        prob = Problem(m, Shape.of(m, m.seq_length), Cluster(1, 8, device("h100")), 8, m.seq_length)
+        return estimate(prob, Layout(8, 1, 1, 1, 1, 1, 0, "1f1b", 1, "none", False), ScheduleCache())
+
+    naive, bottleneck = est(low_rank_tp="naive"), est(low_rank_tp="bottleneck")
+    recompute = est(low_rank_tp="bottleneck", low_rank_recompute=True)
+    assert bottleneck.step_time < naive.step_time, (bottleneck.step_time, naive.step_time)
+    assert recompute.memory.total < bottleneck.memory.total
+    assert recompute.step_time > bottleneck.step_time

@@ -130,6 +130,8 @@ def layer_work(shape: Shape, lay: Layout, b: int, layer: int, cluster: Cluster, 
     B = g.B + 2 * attn_t + 2 * elem + OPS_BACKWARD * hw.op_overhead + bwd_comm
     if lay.recompute == "full":
         B += F
+    elif shape.low_rank_recompute:  # every piece but the collectives runs again (docs/boost.md)
+        B += F - fwd_comm
     elif lay.recompute == "selective":
         B += attn_t + scores_bytes / hw.mem_bandwidth
     return Work(F, B, g.W)
