@@ -239,3 +239,15 @@ def test_planner_prices_bottleneck_below_naive_at_tp8():
     assert bottleneck.step_time < naive.step_time, (bottleneck.step_time, naive.step_time)
     assert recompute.memory.total < bottleneck.memory.total
     assert recompute.step_time > bottleneck.step_time
+
+
+def test_model_flops_count_the_factors():
+    """MFU's model FLOPs of a low-rank layer: ``2 r (in + out)`` per projection (forward, per token)."""
+    from paratron.models.flops import forward_flops_per_token
+
+    full, low = _model(low_rank=0), _model()
+    h, f, r, s = 32, 64, 8, 8
+    per_layer = 2 * r * (4 * (h + h) + 3 * (h + f)) + 4 * s * h  # q, k, v, proj; gate, up, fc2; core
+    head = 2 * h * 64
+    assert forward_flops_per_token(low) == 2 * per_layer + head
+    assert forward_flops_per_token(low) < forward_flops_per_token(full)
