@@ -90,11 +90,12 @@ class LowRankFactor(nn.Module):
         return p
 
 
-def _split(shape: tuple[int, int], dim: int, t: int, tr: int, name: str) -> ShardSpec:
+def _split(shape: tuple[int, ...], dim: int, t: int, tr: int, name: str) -> ShardSpec:
+    """TP rank ``tr``'s contiguous ``1/t`` of ``shape`` along ``dim``."""
     if shape[dim] % t:
         raise ValueError(f"{name}: dim {dim} of {shape} is not divisible by the TP size {t}")
     n = shape[dim] // t
-    offsets = tuple(tr * n if d == dim else 0 for d in range(2))
+    offsets = tuple(tr * n if d == dim else 0 for d in range(len(shape)))
     local = tuple(n if d == dim else s for d, s in enumerate(shape))
     return ShardSpec(shape, offsets, local)
 
@@ -144,8 +145,7 @@ class OnlineRMSNorm(nn.Module):
     def __init__(self, ctx, logical_name: str, hidden: int, eps: float, params_dtype: torch.dtype) -> None:
         super().__init__()
         self.group, self.hidden, self.eps, self.logical_name = ctx.tp, int(hidden), float(eps), logical_name
-        spec = _split((hidden, 1), 0, ctx.tp.size, ctx.tp.rank, logical_name)
-        spec = ShardSpec((hidden,), spec.offsets[:1], spec.local_shape[:1])
+        spec = _split((hidden,), 0, ctx.tp.size, ctx.tp.rank, logical_name)
         self.weight = nn.Parameter(torch.ones(spec.local_shape, device=ctx.device, dtype=params_dtype))
         mark(self.weight, f"{logical_name}.weight", spec, partition_dim=0 if ctx.tp.size > 1 else -1,
              no_weight_decay=True)
