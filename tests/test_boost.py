@@ -29,11 +29,11 @@ def _model(**kw) -> ModelConfig:
                                           seq_length=8, ffn_hidden_size=64, low_rank=8), **kw})
 
 
-def _config(plan="naive", tp=1, sp=False, recompute=False, world=1, pp=1, **model) -> Config:
+def _config(plan="naive", tp=1, sp=False, recompute=False, world=1, pp=1, dp=1, zero=0, **model) -> Config:
     cfg = Config()
     cfg.model = _model(low_rank_tp=plan, low_rank_recompute=recompute, **model)
     p, t, o = cfg.parallel, cfg.train, cfg.optimizer
-    p.tensor, p.pipeline, p.sequence_parallel, p.bucket_size_mb = tp, pp, sp, 0.001
+    p.tensor, p.pipeline, p.sequence_parallel, p.zero, p.bucket_size_mb = tp, pp, sp, zero, 0.001
     t.micro_batch_size, t.global_batch_size, t.seed = 2, 4, 1234
     o.name, o.lr, o.weight_decay, o.clip_grad, o.lr_decay_style = "adamw", 1e-2, 0.1, 1.0, "constant"
     return validate(cfg, world)
@@ -53,8 +53,9 @@ LAYOUTS = {
     "naive-tp4-sp": dict(plan="naive", tp=4, sp=True),
     "bottleneck-tp4": dict(plan="bottleneck", tp=4),
     "bottleneck-tp2-pp2": dict(plan="bottleneck", tp=2, pp=2),
+    "bottleneck-tp2-dp2-zero1": dict(plan="bottleneck", tp=2, dp=2, zero=1),
 }
-WORLD = {name: kw["tp"] * kw.get("pp", 1) for name, kw in LAYOUTS.items()}
+WORLD = {name: kw["tp"] * kw.get("pp", 1) * kw.get("dp", 1) for name, kw in LAYOUTS.items()}
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +77,9 @@ def test_low_rank_tp2_matches_one_process(name, reference):
 
 @pytest.mark.parametrize("name", [n for n in LAYOUTS if WORLD[n] == 4])
 def test_low_rank_tp4_matches_one_process(name, reference):
-    """The same at TP=4 (naive with SP, bottleneck) and at TP=2 x PP=2 (bottleneck: the stream is
-    gathered at each chunk's end and sliced at the next one's start)."""
+    """The same at TP=4 (naive with SP, bottleneck), at TP=2 x PP=2 (bottleneck: the stream is
+    gathered at each chunk's end and sliced at the next one's start) and at TP=2 x DP=2 with
+    ZeRO-1 (bottleneck: its norm weights are TP-split, sharded over DP like any weight)."""
     kw = LAYOUTS[name]
     assert_parity(run_ranks(_train_rank, WORLD[name], kw, WORLD[name], timeout=600), reference, TOL, name)
 
