@@ -218,6 +218,11 @@ def test_bad_low_rank_settings_are_refused_before_any_process_group(fields, mess
         _config(world=kw.get("tp", 1), **kw, **fields)
 
 
+def test_selective_recompute_is_refused():
+    with pytest.raises(ConfigError, match=r"does not support: model.recompute='selective'"):
+        check_low_rank_model(_model(recompute="selective"), 1)
+
+
 def test_bottleneck_hidden_size_must_divide_by_tp():
     with pytest.raises(ConfigError, match=r"model.hidden_size=36 is not divisible by parallel.tensor=8"):
         check_low_rank_model(_model(low_rank_tp="bottleneck", hidden_size=36, low_rank=4), 8)

@@ -26,6 +26,9 @@ def _unsupported(m: ModelConfig, context: int, fp8) -> list[str]:
                       ("lora_rank", 0)):
         if getattr(m, name) != off:
             bad.append(f"model.{name}={getattr(m, name)!r} (needs {off!r})")
+    if m.recompute == "selective":
+        bad.append("model.recompute='selective' (its attention-core recompute is SelfAttention's; use "
+                   "model.low_rank_recompute with the bottleneck plan, or recompute='full')")
     if context != 1:
         bad.append(f"parallel.context={context} (needs 1)")
     if fp8 is not None:
