@@ -29,9 +29,9 @@ def _model(**kw) -> ModelConfig:
                                           seq_length=8, ffn_hidden_size=64, low_rank=8), **kw})
 
 
-def _config(plan="naive", tp=1, sp=False, recompute=False, world=1, pp=1, dp=1, zero=0, **model) -> Config:
+def _config(plan="naive", tp=1, sp=False, lr_recompute=False, world=1, pp=1, dp=1, zero=0, **model) -> Config:
     cfg = Config()
-    cfg.model = _model(low_rank_tp=plan, low_rank_recompute=recompute, **model)
+    cfg.model = _model(low_rank_tp=plan, low_rank_recompute=lr_recompute, **model)
     p, t, o = cfg.parallel, cfg.train, cfg.optimizer
     p.tensor, p.pipeline, p.sequence_parallel, p.zero, p.bucket_size_mb = tp, pp, sp, zero, 0.001
     t.micro_batch_size, t.global_batch_size, t.seed = 2, 4, 1234
@@ -49,7 +49,8 @@ LAYOUTS = {
     "naive-tp2": dict(plan="naive", tp=2),
     "naive-tp2-sp": dict(plan="naive", tp=2, sp=True),
     "bottleneck-tp2": dict(plan="bottleneck", tp=2),
-    "bottleneck-tp2-recompute": dict(plan="bottleneck", tp=2, recompute=True),
+    "bottleneck-tp2-recompute": dict(plan="bottleneck", tp=2, lr_recompute=True),
+    "bottleneck-tp2-full-recompute": dict(plan="bottleneck", tp=2, recompute="full"),
     "naive-tp4-sp": dict(plan="naive", tp=4, sp=True),
     "bottleneck-tp4": dict(plan="bottleneck", tp=4),
     "bottleneck-tp2-pp2": dict(plan="bottleneck", tp=2, pp=2),
@@ -69,8 +70,9 @@ def reference() -> dict:
 
 @pytest.mark.parametrize("name", [n for n in LAYOUTS if WORLD[n] == 2])
 def test_low_rank_tp2_matches_one_process(name, reference):
-    """3 AdamW steps of both plans at TP=2 (naive with and without SP, bottleneck with and
-    without recompute) match one process within 1e-5, params and losses."""
+    """3 AdamW steps of both plans at TP=2 (naive with and without SP, bottleneck plain, with
+    model.low_rank_recompute and with full-layer recompute) match one process within 1e-5,
+    params and losses."""
     kw = LAYOUTS[name]
     assert_parity(run_ranks(_train_rank, WORLD[name], kw, WORLD[name], timeout=300), reference, TOL, name)
 
@@ -208,12 +210,12 @@ def test_planner_memory_term_is_the_measured_recompute_bytes(ledgers):
     (dict(low_rank=64), r"model.low_rank=64 must be <= model.hidden_size=32"),
     (dict(plan="bottleneck", tp=2, sp=True), r"'bottleneck' does not take parallel.sequence_parallel"),
     (dict(plan="bottleneck", normalization="layernorm"), r"needs model.normalization='rmsnorm'"),
-    (dict(recompute=True), r"low_rank_recompute=true needs .*low_rank_tp='bottleneck'"),
+    (dict(lr_recompute=True), r"low_rank_recompute=true needs .*low_rank_tp='bottleneck'"),
     (dict(add_bias_linear=True), r"does not support: model.add_bias_linear=True"),
     (dict(num_experts=4), r"does not support: model.num_experts=4"),
 ])
 def test_bad_low_rank_settings_are_refused_before_any_process_group(fields, message):
-    kw = {k: fields.pop(k) for k in ("plan", "tp", "sp", "recompute") if k in fields}
+    kw = {k: fields.pop(k) for k in ("plan", "tp", "sp", "lr_recompute") if k in fields}
     with pytest.raises(ConfigError, match=message):
         _config(world=kw.get("tp", 1), **kw, **fields)
 
