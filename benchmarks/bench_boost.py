@@ -4,7 +4,7 @@
 
 Every variant is the same Llama-style model (RMSNorm, RoPE, SwiGLU, no biases) of ``--layers``
 layers of width ``--hidden``; the low-rank ones have r = hidden / 4 (``--rank``). One model chunk
-per variant (embedding, layers, loss) on two gloo ranks, one thread each (``paratron.testing.
+per variant (embedding, layers, loss) on two gloo ranks, one thread each (``paratron.local_ranks.
 run_ranks``). A step is one forward+backward of ``--batch`` x ``--seq`` tokens. Bytes are the comm
 ledger's TP payloads (its own convention: all-reduce the tensor, all-gather the local shard),
 recorded over one step. Timed steps alternate the variants (their order rotating each round) so
@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from paratron.config import ModelConfig  # noqa: E402
 from paratron.models.gpt import build_model_chunks  # noqa: E402
 from paratron.parallel.context import ParallelContext  # noqa: E402
-from paratron.testing import run_ranks  # noqa: E402
+from paratron.local_ranks import run_ranks  # noqa: E402
 
 VARIANTS = {"full": dict(low_rank=0), "naive": dict(low_rank_tp="naive"),
             "bottleneck": dict(low_rank_tp="bottleneck"),

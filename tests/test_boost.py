@@ -15,7 +15,7 @@ from paratron.parallel.context import ParallelContext
 from paratron.planner import communication as comm
 from paratron.planner.layout import Layout
 from paratron.planner.shape import Shape
-from paratron.testing import run_ranks
+from paratron.local_ranks import run_ranks
 
 from helpers import assert_parity, train_for_parity
 
