@@ -96,8 +96,9 @@ def norm_saved_bytes(shape: Shape) -> int:
 def layer_activation_bytes(shape: Shape, lay: Layout, b: int, a: int, fused: bool) -> tuple[float, float]:
     """(bytes held per microbatch in flight, bytes of the whole layer's saved tensors) of one layer."""
     if shape.low_rank:
-        held = low_rank_activation_bytes(shape, lay, b, a)
-        return held, held
+        whole = low_rank_activation_bytes(shape, lay, b, a)
+        stream = shape.h / lay.tp if shape.low_rank_tp == "bottleneck" or lay.sp else shape.h
+        return (b * shape.s // lay.cp * stream * a if lay.recompute == "full" else whole), whole
     T, t, h = b * shape.s // lay.cp, lay.tp, shape.h
     hs = h / t if lay.sp else h
     whole = 2 * hs * norm_saved_bytes(shape) / a + 2 * h
@@ -140,7 +141,7 @@ def low_rank_activation_bytes(shape: Shape, lay: Layout, b: int, a: int) -> floa
     hs = h / t if shape.low_rank_tp == "bottleneck" or lay.sp else h
     qkv, nd = (shape.n + 2 * shape.g) * shape.d / split, shape.n * shape.d / split
     elems = 4 * hs + qkv + 2 * (shape.n + shape.g) * shape.d / split + nd + 8 * shape.n / split / a
-    elems += (4 if shape.swiglu else 2) * shape.f / split + 2 * bottlenecks / (t // split)
+    elems += (4 if shape.swiglu else 2) * shape.f / split + 2 * bottlenecks / (t if split == 1 else 1)
     return T * elems * a
 
 
