@@ -25,7 +25,7 @@ from paratron.parallel.grads import attach_weight_grad_store
 from .embedding import WORD_EMBEDDINGS, Embedding
 from .lora import apply_lora
 from .low_rank import residual_stream
-from .moe.layer import moe_layers
+from .moe.layer import link_moe_layers, moe_layers
 from .blocks import BLOCKS
 from .norms import make_norm
 from .offload import check_layers, start_session
@@ -98,6 +98,7 @@ class GPTChunk(nn.Module):
         check_layers(cfg.activation_offload, self.layers.values())
         # (enter, exit) of a layer-owned stream layout (the low-rank bottleneck plan), or None.
         self.stream = residual_stream(cfg, ctx) if len(self.layers) else None
+        link_moe_layers(self.layers)  # each MoE layer's predecessor (the prefetch dispatcher's predictor)
         if cfg.compile:
             # Per layer (as torchtitan does): layers share one compiled code object, and the
             # embedding, loss and pipeline plumbing around them stay eager.
