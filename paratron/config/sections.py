@@ -158,6 +158,16 @@ class ModelConfig:
     """The linears that get adapters, by paratron's module names: ``qkv`` (fused attention input;
     HF q_proj, k_proj, v_proj), ``proj`` (attention output; o_proj), ``fc1`` (MLP input, SwiGLU's
     fused gate and up; gate_proj, up_proj), ``fc2`` (MLP output; down_proj). MoE experts get none."""
+    low_rank: int = 0
+    """Low-rank (CoLA) projections: every attention and MLP linear ``W`` becomes ``B silu(A x)`` with
+    ``A [r, in]``, ``B [out, r]`` and this ``r``; 0 means full rank (docs/boost.md)."""
+    low_rank_tp: Literal["naive", "bottleneck"] = "naive"
+    """Tensor-parallel plan of the low-rank projections: ``naive`` (A column-, B row-parallel,
+    sequence parallelism allowed) or ``bottleneck`` (BOOST: hidden-sharded residual stream, A
+    row-, B column-parallel, one all-reduce of the r-wide bottleneck; docs/boost.md)."""
+    low_rank_recompute: bool = False
+    """Under ``low_rank_tp = "bottleneck"``: recompute inside each layer so that only the r-wide
+    bottleneck activations (and the residual stream) are kept for the backward."""
 
 
 @dataclass
