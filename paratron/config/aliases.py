@@ -28,6 +28,7 @@ MEGATRON_ALIASES: dict[str, str] = {
     "--max-position-embeddings": "model.max_position_embeddings",
     "--num-experts": "model.num_experts",
     "--moe-router-topk": "model.moe_top_k",
+    "--moe-token-dispatcher-type": "model.moe_token_dispatcher",
     "--micro-batch-size": "train.micro_batch_size",
     "--global-batch-size": "train.global_batch_size",
     "--train-iters": "train.train_iters",
@@ -104,6 +105,8 @@ MEGATRON_SWITCHES: dict[str, tuple[str, str]] = {
     "--moe-router-enable-expert-bias": ("model.moe_router_enable_expert_bias", "true"),
     "--multi-latent-attention": ("model.multi_latent_attention", "true"),
     "--muon-no-split-qkv": ("optimizer.muon_split_qkv", "false"),
+    "--finetune": ("checkpoint.finetune", "true"),
+    "--no-load-optim": ("checkpoint.load_optimizer", "false"),
 }
 """Megatron-LM flags without a value -> (paratron key, value)."""
 

@@ -104,10 +104,16 @@ class ModelConfig:
     moe_shared_expert_ffn_hidden_size: Optional[int] = None
     """Inner width of the shared expert; None means no shared expert."""
     moe_token_dispatcher: str = "alltoall"
-    """Token dispatcher registry name: alltoall, allgather or alltoall_chunked."""
+    """Token dispatcher registry name: alltoall, allgather, alltoall_chunked or prefetch."""
     moe_dispatch_chunks: int = 2
     """alltoall_chunked: token chunks per microbatch (k >= 1); chunk i+1's dispatch and chunk
     i-1's combine are in flight while chunk i's experts compute."""
+    moe_prefetch_policy: Literal["auto", "pull", "push"] = "auto"
+    """prefetch dispatcher (PopFetcher): per remote expert, pull its weights when its predicted
+    pairs times the hidden size exceed its parameter count ("auto"), or always pull / always
+    push (all-to-all) the tokens."""
+    moe_prefetch_window: int = 4
+    """prefetch dispatcher: forwards of routing history its hot-expert predictor keeps."""
     moe_pad_to_capacity: bool = False
     """With a capacity factor, pad every expert's rows to its capacity (static shapes)."""
     moe_aux_loss_type: Literal["micro_batch", "seq"] = "micro_batch"
@@ -152,6 +158,16 @@ class ModelConfig:
     """The linears that get adapters, by paratron's module names: ``qkv`` (fused attention input;
     HF q_proj, k_proj, v_proj), ``proj`` (attention output; o_proj), ``fc1`` (MLP input, SwiGLU's
     fused gate and up; gate_proj, up_proj), ``fc2`` (MLP output; down_proj). MoE experts get none."""
+    low_rank: int = 0
+    """Low-rank (CoLA) projections: every attention and MLP linear ``W`` becomes ``B silu(A x)`` with
+    ``A [r, in]``, ``B [out, r]`` and this ``r``; 0 means full rank (docs/boost.md)."""
+    low_rank_tp: Literal["naive", "bottleneck"] = "naive"
+    """Tensor-parallel plan of the low-rank projections: ``naive`` (A column-, B row-parallel,
+    sequence parallelism allowed) or ``bottleneck`` (BOOST: hidden-sharded residual stream, A
+    row-, B column-parallel, one all-reduce of the r-wide bottleneck; docs/boost.md)."""
+    low_rank_recompute: bool = False
+    """Under ``low_rank_tp = "bottleneck"``: recompute inside each layer so that only the r-wide
+    bottleneck activations (and the residual stream) are kept for the backward."""
 
 
 @dataclass
@@ -196,6 +212,13 @@ class ParallelConfig:
     MoE all-to-all of one microbatch's forward runs while a layer of another microbatch's backward
     computes (DeepSeek-V3's DualPipe overlap). Needs MoE layers and a dispatcher that calls the
     in-flight hook (``alltoall``)."""
+    encoder_placement: Literal["stage0", "optimus"] = "stage0"
+    """Where a multimodal model's encoder runs (:mod:`paratron.pipeline.encoder_schedule`):
+    ``stage0`` on pipeline stage 0's rank (Megatron), ``optimus`` replicated on every pipeline
+    rank, its forward and backward parts placed in the schedule's bubbles by the simulator's costs
+    and its grads summed over pp x dp (Optimus, USENIX ATC 2025; docs/optimus.md). Read by the
+    pipeline API (``place_encoder``, ``run_pipeline(encoder=)``); ``paratron train`` builds no
+    multimodal model yet."""
     order: str = "tp-cp-ep-dp-pp"
     """Rank order, fastest-varying axis first."""
     overlap_grad_reduce: bool = True
@@ -430,6 +453,9 @@ class CheckpointConfig:
     """Write checkpoints in a background thread while training goes on."""
     load_optimizer: bool = True
     """Also restore the optimizer state on load; false starts a fresh optimizer."""
+    finetune: bool = False
+    """Load only the model weights of ``checkpoint.load`` and start a new run from them: step 0,
+    no samples consumed, a fresh optimizer, LR schedule and RNG (Megatron's ``--finetune``)."""
     load_hf: Optional[str] = None
     """A Hugging Face folder (``config.json``, safetensors, ``tokenizer.json``) to start from: the
     model config and the tokenizer come from it, and each rank reads only its own slices of the
