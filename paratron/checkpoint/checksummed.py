@@ -511,8 +511,8 @@ class StreamedFile:
 
 
 def read_streamed(files: list[StreamedFile], threads: int, per_task: int = 4) -> None:
-    """Read every planned block of ``files`` on ``threads`` threads (``preadv`` and CRC-32C
-    release the GIL, so the reads and checksums of different runs of blocks overlap).
+    """Read every planned block of ``files`` on ``threads`` threads (``preadv`` releases the GIL,
+    so one thread's reads overlap another's checksums; google-crc32c itself holds it).
 
     Raises:
         CheckpointError: the first failure, in file and block order.

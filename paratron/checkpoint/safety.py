@@ -217,8 +217,10 @@ class SafeFileSystemReader(FileSystemReader):
 
     @staticmethod
     def _threads(blocks: int) -> int:
-        """Reader threads: one per 4 blocks, at most half the usable CPUs (ranks share them), 1-4."""
-        return max(1, min(4, len(os.sched_getaffinity(0)) // 2, blocks // 4))
+        """Reader threads: the usable CPUs shared among this node's ranks (``LOCAL_WORLD_SIZE``,
+        else ``WORLD_SIZE``), 1-4, and at most one per 4 blocks."""
+        ranks = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("WORLD_SIZE") or 1)
+        return max(1, min(4, len(os.sched_getaffinity(0)) // max(1, ranks), blocks // 4))
 
     def _slice_file(self, file, sinfo):
         reader = self._readers.get(sinfo.relative_path)
