@@ -268,13 +268,13 @@ class BlockReader:
         raise self.failure
 
 
-class VerifiedRange(io.RawIOBase):
-    """A read-only, seekable window ``[offset, offset + length)`` of a file read through a
-    :class:`BlockReader` (what DCP's ``torch.load`` of one saved chunk reads)."""
+class _Window(io.RawIOBase):
+    """A read-only, seekable window ``[offset, offset + length)`` of a file; subclasses say how
+    its bytes are read (:meth:`_fill`)."""
 
-    def __init__(self, reader: BlockReader, offset: int, length: int) -> None:
+    def __init__(self, offset: int, length: int) -> None:
         super().__init__()
-        self._reader, self._offset, self._length, self._pos = reader, offset, length, 0
+        self._offset, self._length, self._pos = offset, length, 0
 
     def readable(self) -> bool:
         return True
@@ -293,44 +293,42 @@ class VerifiedRange(io.RawIOBase):
     def readinto(self, b) -> int:
         n = max(0, min(len(b), self._length - self._pos))
         if n:
-            self._reader.read_into(self._offset + self._pos, memoryview(b).cast("B")[:n])
+            n = self._fill(self._offset + self._pos, memoryview(b).cast("B")[:n])
             self._pos += n
         return n
+
+    def _fill(self, at: int, out: memoryview) -> int:
+        raise NotImplementedError
+
+
+class VerifiedRange(_Window):
+    """A window of a file read through a :class:`BlockReader`, every block verified (what DCP's
+    ``torch.load`` of one saved chunk reads)."""
+
+    def __init__(self, reader: BlockReader, offset: int, length: int) -> None:
+        super().__init__(offset, length)
+        self._reader = reader
+
+    def _fill(self, at: int, out: memoryview) -> int:
+        self._reader.read_into(at, out)
+        return len(out)
 
 
 # ---- the direct, streamed load -------------------------------------------------------------
 IOV_MAX = 1024  # the most buffers one preadv takes (Linux)
 
 
-class _RawRange(io.RawIOBase):
-    """An unverified, read-only window ``[offset, offset + length)`` of a file descriptor, for
-    parsing a saved chunk's zip directory and pickle (the few hundred bytes that say where its
-    tensor data lies); the bytes themselves are verified by the streamed read that follows."""
+class _RawRange(_Window):
+    """An unverified window of a file descriptor, for parsing a saved chunk's zip directory and
+    pickle (the few hundred bytes that say where its tensor data lies); the bytes themselves are
+    verified by the streamed read that follows."""
 
     def __init__(self, fd: int, offset: int, length: int) -> None:
-        super().__init__()
-        self._fd, self._offset, self._length, self._pos = fd, offset, length, 0
+        super().__init__(offset, length)
+        self._fd = fd
 
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, pos: int, whence: int = os.SEEK_SET) -> int:
-        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos, os.SEEK_END: self._length}[whence]
-        self._pos = max(0, base + pos)
-        return self._pos
-
-    def readinto(self, b) -> int:
-        n = max(0, min(len(b), self._length - self._pos))
-        if n:
-            n = os.preadv(self._fd, [memoryview(b).cast("B")[:n]], self._offset + self._pos)
-            self._pos += n
-        return n
+    def _fill(self, at: int, out: memoryview) -> int:
+        return os.preadv(self._fd, [out], at)
 
 
 def tensor_data_range(fd: int, offset: int, length: int) -> tuple[int, torch.Tensor]:
