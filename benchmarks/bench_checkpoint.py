@@ -1,32 +1,42 @@
-"""Checkpoint save/load throughput against a raw numpy write of the same bytes, and the training
-stall of an async save against a sync save.
+"""Checkpoint save/load throughput against raw writes and reads of the same bytes, and the
+training stall of an async save against a sync save.
 
-    .venv/bin/python benchmarks/bench_checkpoint.py [--mb 256] [--repeats 3] [--dir /tmp] [--paratron DIR]
+    .venv/bin/python benchmarks/bench_checkpoint.py [--mb 256] [--repeats 30] [--big-mb 4096]
+        [--big-repeats 10] [--raw-threads 2] [--dir /tmp] [--paratron DIR] [--no-stall]
 
 ``--paratron DIR`` measures the paratron package of another checkout (e.g. an older commit,
-``git archive <commit> | tar -x -C DIR``) with this script, so two versions can be run in turn
-under the same load and compared by their ratios to the raw write measured in the same run.
+``git archive <commit> paratron | tar -x -C DIR``) with this script, so two versions can be run in
+turn under the same load and compared by their ratios to the raw side measured in the same run.
 
 Model state: 20 fp32 tensors, ``--mb`` MB in all, marked as parameters of their full logical
-tensors. Cases:
+tensors. Cases at ``--mb`` (overhead-bound):
 
 * 1 rank: the whole state.
 * 4 ranks, sharded: each tensor split by rows over 4 ranks (TP-like), 1/4 of the bytes per rank.
 * 4 ranks, replicated: every rank holds everything (pure DP); the save writes each tensor once,
   spread over the ranks.
 
+and 4 sharded ranks again at ``--big-mb`` (16x the bytes by default, where I/O dominates).
+
 Save = ``CheckpointManager.save`` (inf/NaN check, DCP files with fsync, checksums, manifest,
 rename, ``latest``); load = ``CheckpointManager.load`` into the same layout (checksums verified).
 Deleting the previous checkpoint (``keep_last``) runs in the manager's background thread and is
-waited for outside the timing, as the raw side's file is deleted outside its timing. Baseline:
-each rank writes its share of the bytes into one file (all on one rank; a quarter on each of 4
-ranks, in the replicated case every 4th tensor) with ``ndarray.tofile`` + fsync: one payload file
-per rank and one fsync each, as the save. The raw read reads the bytes the load needs (its own
-file; with replicated state all 4 files, since every rank loads the whole state) into the
-module's tensors with ``readinto``. Reads hit the page cache on both sides. GB/s = state bytes / seconds; median of ``--repeats`` runs, slowest
-rank; ratios: median over the repeats of each repeat's raw / checkpoint. Also printed: zlib's
-CRC-32 (older checkpoints) and CRC-32C (new ones) speeds over the state bytes in memory (the
-checksums' cost).
+waited for outside the timing, as the raw side's files are deleted outside its timing. Two raw
+writers of each rank's share of the bytes (all on one rank; a quarter on each of 4 ranks, in the
+replicated case every 4th tensor):
+
+* matched: one file per rank, ``ndarray.tofile`` + one fsync (the save's own shape);
+* best: ``--raw-threads`` files per rank written in parallel by as many threads, unbuffered
+  ``os.write`` straight from the tensors' memory, one fsync per file.
+
+The raw read reads the bytes the load needs (its own file; with replicated state all 4 files,
+since every rank loads the whole state) into the module's tensors with ``readinto``. Reads hit
+the page cache on both sides. Each repeat runs the save and both raw writes, then the load and
+the raw read, the checkpoint side first in even repeats and last in odd ones; per repeat the
+slowest rank's seconds. GB/s = state bytes / median seconds; ratios: raw / checkpoint seconds of
+the same repeat, as median [min-max] over the repeats. Also printed: the load average before and
+after, and zlib's CRC-32 (older checkpoints) and CRC-32C (new ones) speeds over the state bytes
+in memory (the checksums' cost).
 """
 
 from __future__ import annotations
