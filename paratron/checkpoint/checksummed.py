@@ -477,24 +477,10 @@ class StreamedFile:
         Raises:
             CheckpointError: a block's CRC differs from the one at save time, or the file ends early.
         """
-        scratch = memoryview(bytearray(self.block))
         starts = [o for o, _ in self._targets]
         for k in blocks:
             lo, hi = k * self.block, min((k + 1) * self.block, self.size)
-            pieces, cursor, used = [], lo, 0
-            i = max(0, bisect.bisect_right(starts, lo) - 1)
-            while i < len(self._targets) and self._targets[i][0] < hi:
-                at, dest = self._targets[i]
-                a, b = max(lo, at), min(hi, at + len(dest))
-                if b > a:
-                    if a > cursor:
-                        pieces.append(scratch[used:used + a - cursor])
-                        used += a - cursor
-                    pieces.append(dest[a - at:b - at])
-                    cursor = b
-                i += 1
-            if cursor < hi:
-                pieces.append(scratch[used:used + hi - cursor])
+            pieces = self._pieces(lo, hi, starts)
             _preadv_all(self.fd, pieces, lo, lambda at: self._fail(
                 f"ended at byte {at:,} while reading (read by rank {self.rank}); the file is truncated"))
             crc = 0
@@ -503,6 +489,31 @@ class StreamedFile:
             if k >= len(self.crcs) or crc != self.crcs[k]:
                 self._fail(f"checksum mismatch in bytes {lo:,}-{hi:,} (read by rank {self.rank}); the file "
                            "is corrupt")
+
+    def _pieces(self, lo: int, hi: int, starts: list[int]) -> list[memoryview]:
+        """The buffers, in file order, that bytes ``[lo, hi)`` are read into: slices of the
+        destinations, and for the bytes nobody wants (zip headers, chunks of other ranks) one
+        scratch buffer of just their size."""
+        pieces: list = []
+        gaps, cursor = [], lo
+        i = max(0, bisect.bisect_right(starts, lo) - 1)
+        while i < len(self._targets) and self._targets[i][0] < hi:
+            at, dest = self._targets[i]
+            a, b = max(lo, at), min(hi, at + len(dest))
+            if b > a:
+                if a > cursor:
+                    gaps.append(len(pieces))
+                    pieces.append(a - cursor)
+                pieces.append(dest[a - at:b - at])
+                cursor = b
+            i += 1
+        if cursor < hi:
+            gaps.append(len(pieces))
+            pieces.append(hi - cursor)
+        scratch, used = memoryview(bytearray(sum(pieces[g] for g in gaps))), 0
+        for g in gaps:
+            pieces[g], used = scratch[used:used + pieces[g]], used + pieces[g]
+        return pieces
 
     def _fail(self, what: str) -> None:
         raise CheckpointError(f"{self.path}: {what}")

@@ -144,14 +144,17 @@ class SafeFileSystemReader(FileSystemReader):
         rank: the reading rank, named in errors.
         algorithm: the CRC of ``checksums`` (:func:`~paratron.checkpoint.integrity.manifest_algorithm`);
             required with them.
+        metadata: the directory's ``.metadata`` when the caller just read it
+            (:func:`read_metadata_safely`); read here otherwise.
 
     Raises:
         ValueError: ``checksums`` without ``algorithm``.
     """
 
     def __init__(self, path: str | os.PathLike, checksums: dict | None = None, rank: int = 0,
-                 algorithm: Algorithm | None = None) -> None:
+                 algorithm: Algorithm | None = None, metadata: Metadata | None = None) -> None:
         super().__init__(path)
+        self._metadata = metadata
         if checksums is not None and algorithm is None:
             raise ValueError("SafeFileSystemReader: checksums need the algorithm they were computed with")
         self._checksums, self._algorithm = checksums, algorithm
@@ -230,7 +233,8 @@ class SafeFileSystemReader(FileSystemReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")
-        md = read_metadata_safely(self._get_metadata_path(rank))
+        md = self._metadata if self._metadata is not None and rank is None else \
+            read_metadata_safely(self._get_metadata_path(rank))
         if getattr(md, "storage_meta", None) is None:
             md.storage_meta = StorageMeta()
         md.storage_meta.load_id = self.load_id
