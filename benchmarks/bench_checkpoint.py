@@ -2,7 +2,8 @@
 training stall of an async save against a sync save.
 
     .venv/bin/python benchmarks/bench_checkpoint.py [--mb 256] [--repeats 30] [--big-mb 4096]
-        [--big-repeats 10] [--raw-threads 2] [--dir /tmp] [--paratron DIR] [--no-stall]
+        [--big-repeats 10] [--cases "1 rank,sharded,replicated"] [--raw-threads 2] [--dir /tmp]
+        [--paratron DIR] [--json FILE] [--no-stall]
 
 ``--paratron DIR`` measures the paratron package of another checkout (e.g. an older commit,
 ``git archive <commit> paratron | tar -x -C DIR``) with this script, so two versions can be run in
@@ -306,7 +307,7 @@ def main(args) -> None:
 
         print(f"paratron from {Path(paratron.__file__).parent}; load average {os.getloadavg()}")
         record: dict = {}
-        throughput(workdir, args.mb, args.repeats, ["1 rank", "sharded", "replicated"], args.raw_threads, record)
+        throughput(workdir, args.mb, args.repeats, args.cases.split(","), args.raw_threads, record)
         if args.big_mb:
             throughput(workdir, args.big_mb, args.big_repeats, ["sharded"], args.raw_threads, record)
         if args.json:
@@ -340,6 +341,8 @@ if __name__ == "__main__":
     parser.add_argument("--raw-threads", type=int, default=2, help="files (threads) per rank of the best raw write")
     parser.add_argument("--dir", default=None, help="where to write (default: the system temp dir)")
     parser.add_argument("--paratron", default=None, help="the checkout whose paratron package to measure")
+    parser.add_argument("--cases", default="1 rank,sharded,replicated",
+                        help="comma-separated cases at --mb: '1 rank', sharded, replicated")
     parser.add_argument("--json", default=None, help="write every repeat's seconds (slowest rank) here")
     parser.add_argument("--no-stall", action="store_true", help="only the throughput table")
     main(parser.parse_args())

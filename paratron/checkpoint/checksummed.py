@@ -3,20 +3,20 @@
 Save: :class:`ChecksummingWriter` is DCP's ``FileSystemWriter`` with one change, the stream each
 payload file (``__<r>_<i>.distcp``) is written through: it passes every buffer on to the file and
 feeds the same memory to a :class:`~paratron.checkpoint.integrity.BlockCrc` (the CRC of each
-``integrity.BLOCK``-byte block, by ``integrity.CURRENT``). So the checksums cost one pass over bytes already in memory, not
-a second read of the file, and the writer hands the manifest entries back (:attr:`sums`). The
-same stream asks the kernel every 16 MiB to start writing the bytes so far out to disk (Linux
-``sync_file_range``), so the disk works while the CPU serialises and checksums the rest instead
-of all of it waiting for DCP's closing fsync. While it writes, ``torch.save``'s own CRC-32 of each zip record is switched off
-(:func:`no_record_crc32`): ``torch.load`` never checks it, so it was a second checksum pass over
-the same bytes that protected nothing; ours covers every byte of the file.
+``integrity.BLOCK``-byte block, by ``integrity.CURRENT``). So the checksums cost one pass over
+bytes already in memory, not a second read of the file, and the writer hands the manifest entries
+back (:attr:`sums`). While it writes, ``torch.save``'s own CRC-32 of each zip record is switched
+off (:func:`no_record_crc32`): ``torch.load`` never checks it, so it was a second checksum pass
+over the same bytes that protected nothing; ours covers every byte of the file.
 
-Load: :class:`BlockReader` reads a payload file by blocks with ``os.preadv`` and checks each block
-it reads against its save-time CRC (by the manifest's algorithm) before the bytes are used (whole blocks straight into the
-caller's buffer; the partial blocks at a range's edges through a small cache). DCP reads each
-saved chunk through a :class:`VerifiedRange` over it (``SafeFileSystemReader._slice_file``), so a
-rank reads, and verifies, only the saved chunks its own chunks overlap, each byte once, plus at
-most the rest of the two edge blocks of each range.
+Load, the usual case (:class:`StreamedFile`): each saved chunk's data is read straight into the
+tensor being loaded; every block the rank needs is read once with one ``preadv`` scattering its
+bytes into their destinations, and verified against its save-time CRC (by the manifest's
+algorithm) while in cache, on reader threads. Where the wanted part of a chunk is not contiguous
+in the file or its destination not a contiguous CPU tensor of its dtype, DCP's ``torch.load``
+reads the chunk through a :class:`VerifiedRange` over a :class:`BlockReader`, which verifies each
+block before its bytes are used. Either way a rank reads, and verifies, only the saved chunks its
+own chunks overlap, each byte once, plus at most the rest of the two edge blocks of each range.
 
 Why a writer subclass and a view rather than DCP's stream-transform extensions: an extension is
 recorded in the metadata by name and must be registered with every reader, and it sees neither the
@@ -61,42 +61,20 @@ def no_record_crc32():
         torch.serialization.set_crc32_options(before)
 
 
-def _start_writeback_function():
-    """``fn(fd, offset, nbytes)`` that asks the kernel to start writing a file range to disk
-    without waiting (Linux ``sync_file_range(SYNC_FILE_RANGE_WRITE)``, through ctypes: Python's
-    ``os`` lacks it); None where unavailable."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        fn = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True).sync_file_range
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    return lambda fd, offset, nbytes: fn(fd, offset, nbytes, 2)  # 2: SYNC_FILE_RANGE_WRITE
-
-
 class _PayloadStream:
-    """A payload file being written: its bytes also go through a :class:`BlockCrc`, and every
-    ``WRITEBACK`` bytes the kernel is asked to start writing them out, so that the disk works
-    while the CPU checksums and serialises the rest and the closing fsync has little left to wait
-    for (a plain write leaves all of it to the fsync)."""
+    """A payload file being written: its bytes also go through a :class:`BlockCrc`.
 
-    WRITEBACK = 16 << 20
+    No ``sync_file_range`` writeback requests while writing: on this project's shared disk they
+    blocked the writer on the device queue and made the save slower, not faster (paired runs in
+    ``benchmarks/README.md``, Checkpoints); the closing fsync writes everything once."""
 
-    def __init__(self, file, block: int, start_writeback=None) -> None:
+    def __init__(self, file, block: int) -> None:
         self._file = file
         self.crc = integrity.BlockCrc(block)
-        self._start_writeback = start_writeback
-        self._written_back = 0
 
     def write(self, data) -> int:
         n = self._file.write(data)
         self.crc.update(data)
-        if self._start_writeback is not None and self.crc.size - self._written_back >= self.WRITEBACK:
-            self._file.flush()
-            self._start_writeback(self._file.fileno(), self._written_back, self.crc.size - self._written_back)
-            self._written_back = self.crc.size
         return n
 
     def tell(self) -> int:
@@ -119,7 +97,6 @@ class _ChecksumFileSystem(FileSystem):
     def __init__(self, sums: dict[str, list], block: int) -> None:
         super().__init__()
         self._sums, self._block = sums, block
-        self._start_writeback = _start_writeback_function()
 
     @contextmanager
     def create_stream(self, path, mode: str):
@@ -128,7 +105,7 @@ class _ChecksumFileSystem(FileSystem):
                 yield stream
             return
         with super().create_stream(path, mode) as stream:
-            out = _PayloadStream(stream, self._block, self._start_writeback)
+            out = _PayloadStream(stream, self._block)
             yield out
         self._sums[Path(path).name] = out.crc.entry()  # only once the file is complete and closed
 
