@@ -307,7 +307,9 @@ def main(args) -> None:
 
         print(f"paratron from {Path(paratron.__file__).parent}; load average {os.getloadavg()}")
         record: dict = {}
-        throughput(workdir, args.mb, args.repeats, args.cases.split(","), args.raw_threads, record)
+        cases = [c for c in args.cases.split(",") if c]
+        if cases:
+            throughput(workdir, args.mb, args.repeats, cases, args.raw_threads, record)
         if args.big_mb:
             throughput(workdir, args.big_mb, args.big_repeats, ["sharded"], args.raw_threads, record)
         if args.json:
