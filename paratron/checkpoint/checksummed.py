@@ -396,6 +396,9 @@ class StreamedFile:
     once, its bytes scattered straight into their destinations (the tensors being loaded) with
     one ``preadv`` and the bytes nobody wants into a scratch buffer, then verified against its
     save-time CRC while still in cache (:meth:`read_blocks`). No intermediate tensor, no copy.
+    The bytes land before their block is verified, so a load that fails verification leaves its
+    destinations partly overwritten: it raises, and nothing goes on with those tensors (a failed
+    load ends the run on every rank, :meth:`CheckpointManager.load_everywhere`).
 
     Args:
         path, entry, rank, algorithm: as :class:`BlockReader`.
