@@ -12,7 +12,8 @@ plain JSON; the manifest is a few kB, so its own checksum's speed does not matte
 
 On load, :func:`check_manifest` verifies the manifest's own bytes and :func:`verify_files` the
 small shared files; payload bytes are verified block by block as they are read
-(:class:`paratron.checkpoint.checksummed.BlockReader`), by the ranks that read them. New saves
+(:class:`paratron.checkpoint.checksummed.StreamedFile`, or ``BlockReader`` for the reads DCP
+reshapes), by the ranks that read them. New saves
 use CRC-32C (the Castagnoli polynomial, computed by the ``google-crc32c`` library's C extension
 with the CPU's CRC instructions where it has them): 2-3× zlib's CRC-32 on this machine, with the
 same kind of guarantees (every 1-bit error and every burst of up to 32 bits is caught). A CRC is

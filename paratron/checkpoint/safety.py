@@ -132,10 +132,14 @@ class SafeFileSystemReader(FileSystemReader):
     """DCP's file reader with the metadata read replaced by :func:`read_metadata_safely`, and
     every payload byte it reads verified against its save-time checksums.
 
-    Tensor payloads are still read by DCP with ``torch.load(weights_only=True)``. Payloads with
-    block checksums are read through :class:`~paratron.checkpoint.checksummed.BlockReader` (each
-    block read once and verified, only the saved chunks this rank's chunks overlap); payloads of
-    checkpoints written before block checksums are verified whole before they are read.
+    Payloads with block checksums are read straight into the destination tensors where the
+    wanted bytes are contiguous on both sides (:class:`~paratron.checkpoint.checksummed.StreamedFile`:
+    one ``preadv`` per block, verified as read, on reader threads; each chunk's layout from a
+    ``weights_only`` ``torch.load`` onto the meta device), otherwise by DCP's
+    ``torch.load(weights_only=True)`` through a :class:`~paratron.checkpoint.checksummed.BlockReader`;
+    either way each block is read once and verified, only for the saved chunks this rank's chunks
+    overlap. Payloads of checkpoints written before block checksums are verified whole before
+    DCP reads them.
 
     Args:
         path: the checkpoint directory.
