@@ -38,7 +38,7 @@ def build(cfg, ctx, *, zero: bool, seed: int, virtual: int = 1, precision: str =
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
     chunks = build_model_chunks(cfg.model, ctx, seed=seed, virtual_pipeline=virtual, params_dtype=dtype)
     # Small buckets: ZeRO shard boundaries fall inside parameters (the embedding included).
-    ddp = DistributedDataParallel(chunks, ctx, bucket_size_mb=0.002, use_distributed_optimizer=zero)
+    ddp = DistributedDataParallel(chunks, ctx, bucket_size_mb=0.002, zero=int(zero))
     opt = build_optimizer(chunks, ctx, cfg.optimizer, ddp, precision=precision)
     sched = build_lr_scheduler(cfg.optimizer, 100, opt)
     return chunks, opt, sched

@@ -146,7 +146,7 @@ def train_dp(ctx, cfg, *, steps, zero, overlap, microbatches=2, bucket_mb=0.0005
     """
     model = Toy(dtype=precision_dtype(precision), **(model_kw or {}))
     ddp = DistributedDataParallel([model], ctx, bucket_size_mb=bucket_mb,
-                                  overlap_grad_reduce=overlap, use_distributed_optimizer=zero)
+                                  overlap_grad_reduce=overlap, zero=int(zero))
     opt = build_optimizer([model], ctx, cfg, ddp, precision=precision)
     results = []
     dp, r = ctx.dp.size, ctx.dp.rank
@@ -240,7 +240,7 @@ def _rank_uneven(zero):
     ctx = ParallelContext.build()
     data = _uneven_batches()
     model = Toy()
-    ddp = DistributedDataParallel([model], ctx, bucket_size_mb=0.0005, use_distributed_optimizer=zero)
+    ddp = DistributedDataParallel([model], ctx, bucket_size_mb=0.0005, zero=int(zero))
     # SGD with lr 1 and no decay: the update is exactly minus the gradient.
     opt = build_optimizer([model], ctx, opt_cfg(name="sgd", lr=1.0, weight_decay=0.0), ddp)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -396,7 +396,7 @@ def test_params_used_unevenly_across_steps_overlap_bitwise():
 def _rank_ledger(zero):
     ctx = ParallelContext.build()
     model = Toy()
-    ddp = DistributedDataParallel([model], ctx, bucket_size_mb=0.0005, use_distributed_optimizer=zero)
+    ddp = DistributedDataParallel([model], ctx, bucket_size_mb=0.0005, zero=int(zero))
     opt = build_optimizer([model], ctx, opt_cfg(), ddp)
     tokens, labels = batch(0)
     opt.zero_grad()
@@ -436,7 +436,7 @@ def _rank_memory(precision):
     ctx = ParallelContext.build()
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     model = Toy(dtype=dtype)
-    ddp = DistributedDataParallel([model], ctx, bucket_size_mb=0.0005, use_distributed_optimizer=True)
+    ddp = DistributedDataParallel([model], ctx, bucket_size_mb=0.0005, zero=1)
     return build_optimizer([model], ctx, opt_cfg(), ddp, precision=precision).state_bytes()
 
 

@@ -45,13 +45,16 @@ Reduction is a plain SUM over the DP group: the training step divides the loss b
 number of valid tokens before backward, so summed grads equal the single-device token mean.
 Dense params reduce over ``ctx.dp_cp`` (``ctx.dp`` without context parallelism: CP ranks see
 different tokens of the same sequences), expert params over ``ctx.expert_dp``. With
-``use_distributed_optimizer`` (ZeRO-1) a bucket is reduce-scattered instead of all-reduced: rank
+``zero=1`` (ZeRO-1, the distributed optimizer) a bucket is reduce-scattered instead of all-reduced: rank
 ``r`` receives the summed grads of shard ``r`` of every bucket (Rajbhandari et al. 2020, section
 5.1).
 
 A rank may hold no trainable param at all (an empty pipeline stage): it then has no buffer and
 no bucket, and its DP reductions are empty.
 
+What a bucket's reduction is, is chosen once from the ZeRO stage: a reducer of
+:mod:`paratron.optim.reducers` (all-reduce buckets, reduce-scatter buckets, staged shards), to
+which DDP delegates; DDP keeps the buffers and the schedule bookkeeping above.
 ZeRO stages 2 and 3 (``zero=2|3``) keep no full-size grad buffer: grads are staged per bucket and
 reduce-scattered during backward by :class:`~paratron.optim.zero.ShardedGrads` whenever every
 param of a bucket has a grad (a rule that needs no last-backward block), which also holds the
@@ -69,8 +72,7 @@ from torch import nn
 from paratron.parallel.params import unique_params
 
 from .grad_buffer import Bucket, GradBuffer
-from .param_gather import ParamShards, unit_ids
-from .zero import ShardedGrads
+from .reducers import reducer_class
 
 
 def chunk_params(chunks) -> list[nn.Parameter]:
@@ -121,9 +123,10 @@ class DistributedDataParallel:
         bucket_size_mb: MiB of grads per bucket (in ``grad_dtype``); <= 0: one bucket.
         overlap_grad_reduce: start each bucket's reduction during the last backward as soon as it
             is ready; else reduce everything in :meth:`finish_grad_sync`.
-        use_distributed_optimizer: ZeRO-1: reduce-scatter grads (each DP rank keeps the summed
-            grads of its shard of every bucket, in :attr:`shard_grads`).
-        zero: the ZeRO stage 0-3 (overrides ``use_distributed_optimizer``; stage 1 is the same).
+        zero: the ZeRO stage 0-3, which picks the reducer (:mod:`paratron.optim.reducers`):
+            0 all-reduces buckets; 1 (the distributed optimizer) reduce-scatters them, each DP
+            rank keeping the summed grads of its shard of every bucket in :attr:`shard_grads`;
+            2 and 3 stage grads per bucket, 3 also shards the params.
         zero3_reshard_after_forward: stage 3: free a unit's params after its forward.
         zero3_prefetch: stage 3: all-gather the next unit's params ahead of use.
 
@@ -133,30 +136,29 @@ class DistributedDataParallel:
 
     def __init__(self, chunks, ctx, *, grad_dtype: torch.dtype = torch.float32,
                  bucket_size_mb: float = 40.0, overlap_grad_reduce: bool = True,
-                 use_distributed_optimizer: bool = False, zero: int | None = None,
+                 zero: int = 0,
                  zero3_reshard_after_forward: bool = True, zero3_prefetch: bool = True) -> None:
         self.chunks = [chunks] if isinstance(chunks, nn.Module) else list(chunks)
         self.ctx = ctx
         self.grad_dtype = grad_dtype
         self.overlap_grad_reduce = bool(overlap_grad_reduce)
-        self.zero = int(zero) if zero is not None else int(bool(use_distributed_optimizer))
-        if self.zero not in (0, 1, 2, 3):
-            raise ValueError(f"parallel.zero={self.zero} must be 0, 1, 2 or 3")
-        self.use_distributed_optimizer = self.zero >= 1
+        self.zero = int(zero)
+        reducer = reducer_class(self.zero)  # raises on a bad stage, before any buffer
         params = chunk_params(self.chunks)
         for p in params:
             if not hasattr(p, "logical_name"):
                 raise ValueError(f"a param of shape {tuple(p.shape)} has no logical_name: every "
                                  "param must be marked with paratron.parallel.params.mark")
-        self.buffers = self._build_buffers(params, bucket_size_mb)
+        self.buffers = self._build_buffers(params, bucket_size_mb, reducer)
         self.params = params
 
-        # ZeRO: the summed grads of this rank's shard of each bucket land in shard_grads.
-        self.sharded = ShardedGrads(self.buffers, self.zero, grad_dtype) if self.zero else None
-        self.shard_grads = self.sharded.shard_grads if self.sharded else [[] for _ in self.buffers]
-        self.param_shards = (ParamShards(self.buffers, self.chunks, prefetch=zero3_prefetch,
-                                         reshard_after_forward=zero3_reshard_after_forward)
-                             if self.zero == 3 else None)
+        # The one choice per stage: what a bucket's reduction is and where the sums land.
+        self.reducer = reducer(self.buffers, grad_dtype, stage=self.zero, chunks=self.chunks,
+                               prefetch=zero3_prefetch, reshard_after_forward=zero3_reshard_after_forward)
+        self.shard_grads = self.reducer.shard_grads
+        self.param_shards = self.reducer.param_shards
+        # The schedule launches buckets only for a reducer that reduces whole buckets.
+        self._schedules_launches = self.overlap_grad_reduce and self.reducer.launches_buckets
 
         self._where = {id(p): (i, b.index) for i, buf in enumerate(self.buffers)
                        for b in buf.buckets for p in b.params}
@@ -173,33 +175,33 @@ class DistributedDataParallel:
         self._ready: set[int] = set()       # ids of params whose grads are complete
         self._uses: dict[int, int] = {}     # grads seen inside the last backward, per param id
         self.finalized = False
+        on_grad = self._grad_ready if self.reducer.launches_buckets else self.reducer.grad_event
         for p in params:
-            p.grad_ready_hook = self._grad_ready
-            if self.zero >= 2:
-                p.acquire_main_grad = self.sharded.acquire
+            p.grad_ready_hook = on_grad
+            if not self.reducer.allocates_grads:
+                p.acquire_main_grad = self.reducer.acquire
             p.register_post_accumulate_grad_hook(self._autograd_grad_ready)
         self._reset_step()
 
-    def _build_buffers(self, params, bucket_size_mb: float) -> list[GradBuffer]:
+    def _build_buffers(self, params, bucket_size_mb: float, reducer) -> list[GradBuffer]:
         bucket_numel = int(bucket_size_mb * 2**20) // torch.empty((), dtype=self.grad_dtype).element_size()
         # Reverse registration order approximates the order in which backward produces grads.
         kinds: dict[tuple[torch.dtype, bool], list] = {}
         for p in reversed(params):
             kinds.setdefault((p.dtype, bool(getattr(p, "is_expert", False))), []).append(p)
-        units = unit_ids(self.chunks, params) if self.zero == 3 else {}
+        units = reducer.bucket_units(self.chunks, params)
         return [GradBuffer.build(ps, [_needs_model_parallel_reduction(p) for p in ps],
                                  group=self.ctx.expert_dp if is_expert else self.ctx.dp_cp,
                                  is_expert=is_expert, grad_dtype=self.grad_dtype,
                                  bucket_numel=bucket_numel, units=[units.get(id(p), 0) for p in ps],
-                                 allocate_grads=self.zero < 2)
+                                 allocate_grads=reducer.allocates_grads)
                 for (_, is_expert), ps in kinds.items()]
 
     # ---- the per-step cycle ------------------------------------------------------------------
     def zero_grad_buffer(self) -> None:
         """Zero every main grad and start a new step (call before the first microbatch)."""
         self._reset_step()  # first: it waits for reductions still in flight on these buffers
-        if self.sharded is not None:
-            self.sharded.start_step()
+        self.reducer.start_step()
         for buf in self.buffers:
             if buf.grad_data is not None:
                 buf.grad_data.zero_()
@@ -248,31 +250,24 @@ class DistributedDataParallel:
         the same step does nothing."""
         if self.finalized:
             return
-        if self.param_shards is not None:
-            self.param_shards.release_all()
-        if self.zero >= 2:
-            self.sharded.finish()
-        else:
-            self.start_deferred()
-            for states in self._states:
-                for st in states:
-                    if st.handle is not None:
-                        st.wait()
+        self.reducer.finish()
+        self.start_deferred()
+        for states in self._states:
+            for st in states:
+                if st.handle is not None:
+                    st.wait()
         self.finalized = True
 
     # ---- grad events -------------------------------------------------------------------------
     def _autograd_grad_ready(self, p: torch.Tensor) -> None:
         if p.grad is None:
             return
-        main = p.main_grad if getattr(p, "main_grad", None) is not None else self.sharded.acquire(p)
+        main = p.main_grad if getattr(p, "main_grad", None) is not None else p.acquire_main_grad(p)
         main.add_(p.grad.view_as(main))
         p.grad = None
-        self._grad_ready(p)
+        p.grad_ready_hook(p)
 
     def _grad_ready(self, p: torch.Tensor) -> None:
-        if self.zero >= 2:
-            self.sharded.grad_event(p)
-            return
         i, k = self._where[id(p)]
         if self._states[i][k].launched:
             raise RuntimeError(
@@ -297,7 +292,7 @@ class DistributedDataParallel:
 
     def _launch_ready(self, i: int) -> None:
         buf, states = self.buffers[i], self._states[i]
-        if not self.overlap_grad_reduce or self.zero >= 2:
+        if not self._schedules_launches:
             return
         n = self._next[i]
         while n < len(buf.buckets) and states[n].pending == 0 and not buf.buckets[n].deferred:
@@ -314,12 +309,7 @@ class DistributedDataParallel:
     def _launch(self, i: int, bucket: Bucket) -> None:
         buf = self.buffers[i]
         st = self._states[i][bucket.index]
-        flat = buf.grad_data[bucket.start:bucket.end]
-        if self.use_distributed_optimizer:
-            st.handle = buf.group.reduce_scatter_into(self.shard_grads[i][bucket.index], flat,
-                                                      async_op=True)
-        else:
-            st.handle = buf.group.all_reduce(flat, async_op=True)
+        st.handle = self.reducer.launch(i, bucket)
         st.launched = True
         rec = self.ctx.ledger.intervals
         if rec is not None and st.handle is not None:  # recorded for a step's timeline
@@ -345,12 +335,7 @@ class DistributedDataParallel:
         whole buffer without ZeRO, its shard of every bucket with ZeRO-1. ``grads`` is the
         ``[end - start]`` tensor that holds the DP-summed grads of the range after
         :meth:`finish_grad_sync`."""
-        buf = self.buffers[i]
-        if not self.use_distributed_optimizer:
-            return [(0, buf.numel, buf.grad_data)]
-        g = buf.group
-        return [(*b.shard_range(max(g.rank, 0), g.size), self.shard_grads[i][b.index])
-                for b in buf.buckets]
+        return self.reducer.owned_ranges(i)
 
     @contextmanager
     def full_params(self, writeback: bool = False):
@@ -375,12 +360,9 @@ class DistributedDataParallel:
         params = (self.param_shards.param_tensors() if self.param_shards is not None
                   else [b.param_data for b in self.buffers])
         grads = [b.grad_data for b in self.buffers if b.grad_data is not None]
-        if self.sharded is not None:
-            grads += self.sharded.grad_tensors()
+        grads += self.reducer.grad_tensors()
         return {"params": params, "grads": grads}
 
     def num_launched(self) -> int:
         """Buckets whose reduction has started this step (for tests and logging)."""
-        if self.zero >= 2:
-            return self.sharded.flushes
-        return sum(st.launched for states in self._states for st in states)
+        return self.reducer.launches

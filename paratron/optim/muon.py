@@ -181,7 +181,7 @@ class MuonStep:
         out = []
         for si, seg in enumerate(opt.segments):
             buf = ddp.buffers[seg.buffer]
-            if ddp.use_distributed_optimizer and buf.group.size > 1:
+            if ddp.zero >= 1 and buf.group.size > 1:
                 bucket = next(b for b in buf.buckets if b.start <= seg.start < b.end)
                 params = [p for p in bucket.params if uses_muon(p)]
             else:

@@ -102,7 +102,7 @@ class Optimizer:
 
     Args:
         ddp: the :class:`DistributedDataParallel` whose buffers hold the params and grads;
-            ZeRO-1 when it was built with ``use_distributed_optimizer=True``.
+            ZeRO-1 when it was built with ``zero=1``.
         ctx: the parallel context.
         cfg: :class:`paratron.config.OptimizerConfig` (name, lr, weight_decay, betas, eps,
             sgd_momentum, clip_grad, loss-scale fields).
@@ -234,7 +234,7 @@ class Optimizer:
         return [tuple(r) for r in runs]
 
     def _build_views(self) -> None:
-        zero = self.ddp.use_distributed_optimizer
+        zero = self.ddp.zero >= 1
         groups = {i: buf.group for i, buf in enumerate(self.ddp.buffers)}
         seg_of = self.segments
 
@@ -526,7 +526,7 @@ def _state_kinds(cfg) -> dict:
 def build_optimizer(chunks, ctx, opt_cfg, ddp: DistributedDataParallel | None = None, *,
                     precision: str = "fp32") -> Optimizer:
     """The optimizer for ``chunks``: AdamW or SGD (``opt_cfg.name``), ZeRO-1 when ``ddp`` was
-    built with ``use_distributed_optimizer=True``.
+    built with ``zero=1``.
 
     Args:
         chunks: the model chunks ``ddp`` wraps (a plain DDP with default settings is built when

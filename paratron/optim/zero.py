@@ -7,7 +7,7 @@ per bucket, this rank's fp32 ``[bucket.numel / N_d]`` shard of the DP-summed gra
 optimizer updates from. What differs between stages is only where the full-size tensors live:
 
 * stage 1 (P_os): DDP keeps the full ``grad_data`` buffer and reduce-scatters a bucket into its
-  shard once per step (:mod:`paratron.optim.ddp`);
+  shard once per step (:class:`~paratron.optim.reducers.ReduceScatterBuckets`);
 * stage 2 (P_os+g): there is no full grad buffer. The first grad of a bucket allocates a
   bucket-sized staging tensor and attaches ``main_grad`` views into it; once every param of the
   bucket has had a grad since the last flush, the staging tensor is reduce-scattered (async) and

@@ -28,9 +28,10 @@ import torch
 
 from paratron.config.errors import ConfigError
 from paratron.parallel.intervals import timed
+from paratron.parallel.mappings import all_to_all, gather_along_dim, reduce_scatter_along_dim
 from paratron.registry import Registry
 
-from .collectives import all_to_all, finish_all_to_all, gather_rows, reduce_scatter_rows, start_all_to_all
+from .collectives import finish_all_to_all, start_all_to_all
 
 
 def _expert_major(indices: torch.Tensor, lo: int, hi: int):
@@ -304,7 +305,7 @@ class AllGatherDispatcher(TokenDispatcher):
     def dispatch(self, tokens: torch.Tensor, indices: torch.Tensor):
         T, k = indices.shape
         lo, hi = self.first_expert, self.first_expert + self.num_local
-        all_tokens = gather_rows(tokens, self.group, grad_is_partial=True)  # [ep*T, h]
+        all_tokens = gather_along_dim(tokens, self.group, 0, grad_is_partial=True)  # [ep*T, h]
         all_indices = self.group.all_gather(indices.contiguous(), 0)        # [ep*T, k]
         slot_ids, experts = _expert_major(all_indices, lo, hi)
         counts = torch.bincount(experts - lo, minlength=self.num_local)
@@ -314,7 +315,7 @@ class AllGatherDispatcher(TokenDispatcher):
     def combine(self, expert_output: torch.Tensor, plan: _AllGatherPlan) -> torch.Tensor:
         h = expert_output.shape[-1]
         slots = expert_output.new_zeros(plan.num_slots, h).index_copy(0, plan.row_slots, expert_output)
-        mine = reduce_scatter_rows(slots, self.group)
+        mine = reduce_scatter_along_dim(slots, self.group, 0)
         return mine.view(mine.shape[0] // plan.k, plan.k, h)
 
 

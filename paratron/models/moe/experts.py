@@ -45,10 +45,10 @@ from paratron.layers.init import InitMethod, init_shard_, normal_, scaled_normal
 from paratron.layers.linear import local_linear
 from paratron.parallel.comm import Group
 from paratron.parallel.grads import accumulate_grad, run_or_defer
+from paratron.parallel.mappings import all_to_all
 from paratron.parallel.params import ShardSpec, mark
 
 from ..mlp import gelu, swiglu
-from .collectives import all_to_all
 from .dispatcher import source_to_expert_major
 from .grouped_gemm import METHODS, RowBias, grouped_linear
 

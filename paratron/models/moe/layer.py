@@ -38,10 +38,10 @@ from torch import nn
 
 from paratron.config import ModelConfig, model_shape
 from paratron.layers.init import init_shard_, normal_, scaled_normal_
+from paratron.parallel.mappings import gather_along_dim, split_along_dim
 from paratron.parallel.params import ShardSpec, mark
 
 from ..mlp import MLP
-from .collectives import gather_rows, split_rows
 from .dispatcher import check_dispatcher_config, get_dispatcher
 from .experts import LocalExperts
 from .router import TopKRouter, drop_by_score, drop_over_capacity, expert_capacity
@@ -196,7 +196,7 @@ class MoELayer(nn.Module):
                 raise ValueError(f"MoE without sequence parallelism splits the s*b={s * b} tokens of a "
                                  f"microbatch over parallel.tensor={tp.size}; they must divide")
             n = s * b // tp.size
-            d_tokens, d_indices = split_rows(tokens, tp), indices[tp.rank * n:(tp.rank + 1) * n]
+            d_tokens, d_indices = split_along_dim(tokens, tp, 0), indices[tp.rank * n:(tp.rank + 1) * n]
         else:
             d_tokens, d_indices = tokens, indices
 
@@ -204,7 +204,7 @@ class MoELayer(nn.Module):
         dispatcher.while_in_flight = self.while_in_flight
         slots = dispatcher.run(d_tokens, d_indices, self.experts)  # [T_d, k, h]
         if replicated:
-            slots = gather_rows(slots, tp, grad_is_partial=False)
+            slots = gather_along_dim(slots, tp, 0, grad_is_partial=False)
         y = (slots.float() * routing.probs.unsqueeze(-1)).sum(dim=1).to(x.dtype)
 
         self.last_aux_loss, self.last_z_loss = routing.aux_value, routing.z_value
