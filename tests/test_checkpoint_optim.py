@@ -243,7 +243,7 @@ def _moe_ep1_to_ep2(root):
     for ep, zero in ((2, True), (4, False)):
         ctx_b = ParallelContext.build(ep=ep)
         chunks_b, opt_b, sched_b = build(cfg, ctx_b, zero=zero, seed=2)
-        assert any(getattr(p, "is_expert", False) for c in chunks_b for p in c.parameters())
+        assert any(p.meta.is_expert for c in chunks_b for p in c.parameters())
         CheckpointManager(CheckpointConfig(load=root), ctx_b, cfg).load(chunks_b, opt_b, sched_b)
         check_params(chunks_b, full)
         counts[ep] = check_state(opt_b, st)

@@ -182,7 +182,7 @@ def _build(ctx):
 
 def _init_rank():
     ctx = ParallelContext.build(tp=4)
-    params = {p.logical_name: (p.detach().clone(), p.shard) for m in _build(ctx) for p in m.parameters()}
+    params = {p.meta.logical_name: (p.detach().clone(), p.meta.shard) for m in _build(ctx) for p in m.parameters()}
     errors = []
     for bad in (lambda: ColumnParallelLinear(16, 30, ctx, logical_name="bad", seed=5),
                 lambda: RowParallelLinear(30, 16, ctx, logical_name="bad", seed=5)):
@@ -194,7 +194,7 @@ def _init_rank():
 
 
 def test_tp4_starts_from_the_tp1_weights():
-    single = {p.logical_name: p.detach() for m in _build(ParallelContext.single()) for p in m.parameters()}
+    single = {p.meta.logical_name: p.detach() for m in _build(ParallelContext.single()) for p in m.parameters()}
     results = run_ranks(_init_rank, 4, timeout=180)
     for params, errors, seed in results:
         assert seed == seed_for(5, "c.weight"), "the init seed must not depend on the process"
@@ -269,7 +269,7 @@ def _sp_grads_rank():
     ctx = ParallelContext.build(tp=2)
     r = float(ctx.tp.rank + 1)
     a = mark(torch.nn.Parameter(torch.zeros(3)), "a", sequence_parallel=True)
-    a.main_grad = torch.full((3,), r)  # DDP's fp32 main grad takes precedence over .grad
+    a.meta.main_grad = torch.full((3,), r)  # DDP's fp32 main grad takes precedence over .grad
     a.grad = torch.full((3,), 100.0)
     b = mark(torch.nn.Parameter(torch.zeros(2, 2, dtype=torch.bfloat16)), "b", sequence_parallel=True)
     b.grad = torch.full((2, 2), r, dtype=torch.bfloat16)
@@ -278,7 +278,7 @@ def _sp_grads_rank():
     with ctx.ledger.recording():
         allreduce_sequence_parallel_grads([a, b, c], ctx)
         calls = ctx.ledger.total("all_reduce", "tp").calls
-    return a.main_grad, a.grad, b.grad, c.grad, calls
+    return a.meta.main_grad, a.grad, b.grad, c.grad, calls
 
 
 def test_allreduce_sequence_parallel_grads():

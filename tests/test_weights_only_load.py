@@ -47,8 +47,8 @@ def _load_case(root: str, precision: str, zero: int) -> dict:
     with full_params(opt):
         for c in chunks:
             for p in c.parameters():
-                assert torch.equal(p.shard.valid(p.detach()), want[p.logical_name][p.shard.slices()]), \
-                    (precision, zero, p.logical_name)
+                assert torch.equal(p.meta.shard.valid(p.detach()), want[p.meta.logical_name][p.meta.shard.slices()]), \
+                    (precision, zero, p.meta.logical_name)
                 params += 1
     pieces = part_rows = 0
     for key, chunk_views in opt.sharded_state_dict().items():

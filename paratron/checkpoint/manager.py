@@ -424,7 +424,7 @@ def copy_params_into_main(chunks, optimizer) -> None:
     the params at construction, before the load. Each main-weight chunk is a rectangle of the
     param's 2-D view ``[prod(shape[:-1]), shape[-1]]`` (see paratron.optim.state_chunks).
     """
-    params = {p.logical_name: p for p in iter_params(chunks)}
+    params = {p.meta.logical_name: p for p in iter_params(chunks)}
     prefix = "optimizer/main_param/"
     for key, pieces in optimizer.sharded_state_dict().items():
         if not key.startswith(prefix):
@@ -465,7 +465,7 @@ def _same_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _param_blocks_2d(p) -> list[tuple[torch.Tensor, int, int]]:
     """The valid part of ``p`` as 2-D views, one per contiguous block of its shard, each with
     its row/column offset in the full 2-D view."""
-    spec = p.shard
+    spec = p.meta.shard
     valid = spec.valid(p.detach())
     out = []
     for first, block in spec.blocks():

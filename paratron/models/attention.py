@@ -100,7 +100,7 @@ class SelfAttention(nn.Module):
             seed=seed, bias=model_shape.qkv_bias(cfg), sequence_parallel=sequence_parallel,
             init_method=normal_(cfg.init_method_std), params_dtype=params_dtype)
         # Which rows are Q, K and V (per KV group), for optimizers that treat them as matrices.
-        self.qkv.weight.qkv_split = (groups, (self.q_per_group * self.head_dim, self.head_dim, self.head_dim))
+        self.qkv.weight.meta.qkv_split = (groups, (self.q_per_group * self.head_dim, self.head_dim, self.head_dim))
         self.proj = RowParallelLinear(
             heads * self.head_dim, cfg.hidden_size, ctx, logical_name=f"{prefix}.proj", seed=seed,
             bias=cfg.add_bias_linear, input_is_parallel=True, sequence_parallel=sequence_parallel,

@@ -104,7 +104,7 @@ class GPTChunk(nn.Module):
         self.mtp = (self._build_mtp(cfg, ctx, seed, params_dtype, embedding_module)
                     if post_process and cfg.mtp_num_layers else None)
         if (cfg.tie_embeddings or cfg.mtp_num_layers) and pre_process and not post_process:
-            self.embedding.word_embeddings.weight.shared_embedding = True
+            self.embedding.word_embeddings.weight.meta.shared_embedding = True
 
     def _build_output(self, cfg, ctx, seed, params_dtype, embedding_weight):
         from paratron.layers import ParallelLMHead
@@ -123,7 +123,7 @@ class GPTChunk(nn.Module):
                 make_vocab_size_divisible_by=cfg.make_vocab_size_divisible_by,
                 sequence_parallel=self.sequence_parallel, init_method=normal_(cfg.init_method_std),
                 params_dtype=params_dtype)
-            self.output_layer.weight.shared_embedding = True
+            self.output_layer.weight.meta.shared_embedding = True
         else:
             self._tied_weight = [embedding_weight]  # a list: not registered twice as a parameter
 
@@ -145,9 +145,9 @@ class GPTChunk(nn.Module):
                 params_dtype=params_dtype)
             if self.output_layer is not None and cfg.tie_embeddings:
                 shared.weight = self.output_layer.weight  # one copy on this stage, already shared
-            shared.weight.shared_embedding = True
+            shared.weight.meta.shared_embedding = True
         head = self.output_weight()  # applied once more per MTP module in each forward (DDP's grad_uses)
-        head.grad_uses = getattr(head, "grad_uses", 1) + cfg.mtp_num_layers
+        head.meta.grad_uses += cfg.mtp_num_layers
         return MultiTokenPrediction(cfg, ctx, seed=seed, sequence_parallel=self.sequence_parallel,
                                     params_dtype=params_dtype, rng_tracker=self.rng_tracker, embedding=shared,
                                     owned=shared is not embedding_module and not self.pre_process)
@@ -323,7 +323,7 @@ def build_model_chunks(cfg: ModelConfig, ctx, *, seed: int, sequence_parallel: b
         chunks.append(chunk)
     if first_embedding is not None and any(c.post_process for c in chunks):
         # Both ends on one rank share one tensor: nothing to keep in sync across stages.
-        first_embedding.shared_embedding = False
+        first_embedding.meta.shared_embedding = False
     apply_lora(chunks, cfg, ctx, seed=seed, rng_tracker=rng_tracker)  # model.lora_rank > 0 only
     return chunks
 

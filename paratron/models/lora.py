@@ -92,7 +92,7 @@ class LoRAAdapter(nn.Module):
         dev, dtype = w.device, w.dtype
         if self.column:
             a_spec, a_dim = ShardSpec.replicated((rank, base.in_features)), -1
-            ws = w.shard
+            ws = w.meta.shard
             b_spec, b_dim = ShardSpec((ws.global_shape[0], rank), (ws.offsets[0], 0), (ws.local_shape[0], rank),
                                       ws.stride), 0
         else:

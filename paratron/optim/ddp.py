@@ -5,7 +5,7 @@
 then listens for grads:
 
 * linear weights report through :func:`paratron.parallel.grads.accumulate_grad`, which adds into
-  ``main_grad`` and calls ``param.grad_ready_hook``;
+  ``param.meta.main_grad`` and calls ``param.meta.grad_ready_hook``;
 * every other param gets an autograd ``.grad``; a post-accumulate hook moves it into
   ``main_grad`` and reports it the same way.
 
@@ -15,7 +15,7 @@ guesses that from grad counts. Whoever runs the backward passes declares the *la
 each model chunk in the step with :meth:`last_backward` (the pipeline runtime does it for the
 last ``B``/``W``/``BW`` action of each stage in its action list; a plain loop wraps the backward of
 its last microbatch). Inside that block, the first grad a param receives makes it *ready* (the
-usual case: one grad per param per backward pass; a param that declares ``grad_uses = n``, see
+usual case: one grad per param per backward pass; a param that declares ``meta.grad_uses = n``, see
 below, at its n-th); when the block ends every param of the chunk is ready, including params
 that received no grad at all this step. A bucket's reduction starts
 (an async work handle) once all its params are ready. Params that get no grad in some steps, get
@@ -26,7 +26,7 @@ every bucket is reduced in :meth:`finish_grad_sync`.
 The one thing the block cannot see: a param that receives a *second* grad inside the last
 backward pass of its chunk (a linear module applied twice in one forward) after its bucket was
 launched. That raises, naming the param, rather than reducing a partial sum. A param whose module
-is applied a known ``n`` times per forward declares it as ``param.grad_uses = n`` (default 1): it
+is applied a known ``n`` times per forward declares it as ``param.meta.grad_uses = n`` (default 1): it
 becomes ready at its ``n``-th grad inside the block (the MoE layer does so for its experts under
 the chunked dispatcher, which runs them once per token chunk). Declaring more uses than happen
 only delays the param to the end of the block.
@@ -69,7 +69,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from paratron.parallel.params import unique_params
+from paratron.parallel.context import ParallelContext
+from paratron.parallel.params import is_marked, unique_params
 
 from .grad_buffer import Bucket, GradBuffer
 from .reducers import reducer_class
@@ -82,7 +83,7 @@ def chunk_params(chunks) -> list[nn.Parameter]:
 
 
 def _needs_model_parallel_reduction(p) -> bool:
-    return bool(getattr(p, "shared_embedding", False) or getattr(p, "sequence_parallel", False))
+    return p.meta.shared_embedding or p.meta.sequence_parallel
 
 
 class _BucketState:
@@ -117,7 +118,7 @@ class DistributedDataParallel:
     Args:
         chunks: the model chunks (``nn.Module`` or list: one per virtual pipeline stage) of this
             rank. Every trainable param must carry :func:`paratron.parallel.params.mark`'s
-            attributes. A chunk may have no param (an empty pipeline stage).
+            ``meta``. A chunk may have no param (an empty pipeline stage).
         ctx: the :class:`~paratron.parallel.context.ParallelContext`.
         grad_dtype: dtype of the main grads (fp32).
         bucket_size_mb: MiB of grads per bucket (in ``grad_dtype``); <= 0: one bucket.
@@ -131,10 +132,10 @@ class DistributedDataParallel:
         zero3_prefetch: stage 3: all-gather the next unit's params ahead of use.
 
     Raises:
-        ValueError: a param was not marked (no ``logical_name``), or ``zero`` is not 0..3.
+        ValueError: a param was not marked (no ``meta``), or ``zero`` is not 0..3.
     """
 
-    def __init__(self, chunks, ctx, *, grad_dtype: torch.dtype = torch.float32,
+    def __init__(self, chunks, ctx: ParallelContext, *, grad_dtype: torch.dtype = torch.float32,
                  bucket_size_mb: float = 40.0, overlap_grad_reduce: bool = True,
                  zero: int = 0,
                  zero3_reshard_after_forward: bool = True, zero3_prefetch: bool = True) -> None:
@@ -146,7 +147,7 @@ class DistributedDataParallel:
         reducer = reducer_class(self.zero)  # raises on a bad stage, before any buffer
         params = chunk_params(self.chunks)
         for p in params:
-            if not hasattr(p, "logical_name"):
+            if not is_marked(p):
                 raise ValueError(f"a param of shape {tuple(p.shape)} has no logical_name: every "
                                  "param must be marked with paratron.parallel.params.mark")
         self.buffers = self._build_buffers(params, bucket_size_mb, reducer)
@@ -175,11 +176,9 @@ class DistributedDataParallel:
         self._ready: set[int] = set()       # ids of params whose grads are complete
         self._uses: dict[int, int] = {}     # grads seen inside the last backward, per param id
         self.finalized = False
-        on_grad = self._grad_ready if self.reducer.launches_buckets else self.reducer.grad_event
         for p in params:
-            p.grad_ready_hook = on_grad
-            if not self.reducer.allocates_grads:
-                p.acquire_main_grad = self.reducer.acquire
+            p.meta.grad_ready_hook = self._grad_ready
+            p.meta.acquire_main_grad = self.reducer.acquire  # None with a full grad buffer
             p.register_post_accumulate_grad_hook(self._autograd_grad_ready)
         self._reset_step()
 
@@ -188,7 +187,7 @@ class DistributedDataParallel:
         # Reverse registration order approximates the order in which backward produces grads.
         kinds: dict[tuple[torch.dtype, bool], list] = {}
         for p in reversed(params):
-            kinds.setdefault((p.dtype, bool(getattr(p, "is_expert", False))), []).append(p)
+            kinds.setdefault((p.dtype, p.meta.is_expert), []).append(p)
         units = reducer.bucket_units(self.chunks, params)
         return [GradBuffer.build(ps, [_needs_model_parallel_reduction(p) for p in ps],
                                  group=self.ctx.expert_dp if is_expert else self.ctx.dp_cp,
@@ -251,7 +250,8 @@ class DistributedDataParallel:
         if self.finalized:
             return
         self.reducer.finish()
-        self.start_deferred()
+        if self.reducer.launches_buckets:
+            self.start_deferred()
         for states in self._states:
             for st in states:
                 if st.handle is not None:
@@ -262,24 +262,27 @@ class DistributedDataParallel:
     def _autograd_grad_ready(self, p: torch.Tensor) -> None:
         if p.grad is None:
             return
-        main = p.main_grad if getattr(p, "main_grad", None) is not None else p.acquire_main_grad(p)
+        meta = p.meta
+        main = meta.main_grad if meta.main_grad is not None else meta.acquire_main_grad(p)
         main.add_(p.grad.view_as(main))
         p.grad = None
-        p.grad_ready_hook(p)
+        meta.grad_ready_hook(p)
 
     def _grad_ready(self, p: torch.Tensor) -> None:
+        if self.reducer.grad_event(p):  # a staged reducer takes the event itself
+            return
         i, k = self._where[id(p)]
         if self._states[i][k].launched:
             raise RuntimeError(
-                f"{p.logical_name} received a grad after its bucket's DP reduction started: the "
+                f"{p.meta.logical_name} received a grad after its bucket's DP reduction started: the "
                 "backward that produced it came after the one declared the last of its chunk "
                 "(DistributedDataParallel.last_backward), or the param got more grads inside that "
                 "last backward pass than its grad_uses (a module applied twice in one forward: "
-                "declare param.grad_uses, or set parallel.overlap_grad_reduce=false)")
+                "declare param.meta.grad_uses, or set parallel.overlap_grad_reduce=false)")
         if self._closing and id(p) not in self._ready:
             if all(o in self._closing or o in self._closed for o in self._owners[id(p)]):
                 uses = self._uses[id(p)] = self._uses.get(id(p), 0) + 1
-                if uses >= getattr(p, "grad_uses", 1):
+                if uses >= p.meta.grad_uses:
                     self._mark_ready(p)
                     self._launch_ready(i)
 

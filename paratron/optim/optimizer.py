@@ -244,7 +244,7 @@ class Optimizer:
 
         self._buffer_of = {id(pc.param): seg_of[pc.segment].buffer for pc in self.pieces}
         self._norm_views = [seg_of[s].grad[a:b] for s, a, b in self._runs(owner)]
-        decay_runs = self._runs(lambda p: not getattr(p, "no_weight_decay", False))
+        decay_runs = self._runs(lambda p: not p.meta.no_weight_decay)
         self._decay_main = [seg_of[s].main[a:b] for s, a, b in decay_runs]
         self._grads = [s.grad for s in self.segments]
         self._places = self._place_views(decay_runs)
@@ -275,7 +275,7 @@ class Optimizer:
         self._adam_lists = ([seg_of[s].main[a:b] for s, a, b, _ in runs["exp_avg"]],
                             [seg_of[s].grad[a:b] for s, a, b, _ in runs["exp_avg"]],
                             [v for *_, v in runs["exp_avg"]], [v for *_, v in runs["exp_avg_sq"]])
-        decay = self._runs(lambda p: not uses_muon(p) and not getattr(p, "no_weight_decay", False))
+        decay = self._runs(lambda p: not uses_muon(p) and not p.meta.no_weight_decay)
         self._decay_main = [seg_of[s].main[a:b] for s, a, b in decay]
 
     def _use_fused(self) -> bool:
@@ -288,7 +288,7 @@ class Optimizer:
     def _fused_groups(self, decay_runs) -> list:
         """``(mains, grads, exp_avgs, exp_avg_sqs, weight_decay)`` views of the decay and the
         no-decay runs, for :func:`~paratron.optim.update_rules.fused_adamw_step`."""
-        plain_runs = self._runs(lambda p: getattr(p, "no_weight_decay", False))
+        plain_runs = self._runs(lambda p: p.meta.no_weight_decay)
         self._step_t = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
         out = []
         for runs, wd in ((decay_runs, float(self.cfg.weight_decay)), (plain_runs, 0.0)):
@@ -387,7 +387,7 @@ class Optimizer:
         for pc in self.pieces:
             g = self.segments[pc.segment].grad[pc.at:pc.at + pc.hi - pc.lo]
             if not bool(torch.isfinite(g).all()):
-                return pc.param.logical_name
+                return pc.param.meta.logical_name
         return None
 
     def _low_precision_state(self) -> bool:
@@ -461,12 +461,12 @@ class Optimizer:
         out: dict[str, list] = {}
         for pc, kinds in zip(self.pieces, self._piece_state):
             p = pc.param
-            rects = rectangles(pc.shape, p.shard, pc.lo, pc.hi, p.logical_name)
+            rects = rectangles(pc.shape, p.meta.shard, pc.lo, pc.hi, p.meta.logical_name)
             if not rects:
                 continue
             for kind, flat in kinds.items():
                 views = chunk_views(flat, pc.lo, rects)
-                out.setdefault(f"optimizer/{kind}/{p.logical_name}", []).extend(views)
+                out.setdefault(f"optimizer/{kind}/{p.meta.logical_name}", []).extend(views)
         return out
 
     def scalar_state(self) -> dict:
@@ -547,6 +547,6 @@ def build_optimizer(chunks, ctx, opt_cfg, ddp: DistributedDataParallel | None = 
                          "fp32 main grads (grad_dtype=torch.float32)")
     for p in ddp.params:
         if p.dtype not in (want, torch.float32):
-            raise ValueError(f"{p.logical_name}: dtype {p.dtype} does not match "
+            raise ValueError(f"{p.meta.logical_name}: dtype {p.dtype} does not match "
                              f"train.precision={precision!r}")
     return Optimizer(ddp, ctx, opt_cfg, precision=precision)

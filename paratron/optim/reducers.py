@@ -15,8 +15,8 @@ launch order); the reducer decides what a bucket's reduction is and where the su
   (:class:`~paratron.optim.param_gather.ParamShards`).
 
 The first two launch bucket reductions when DDP's schedule says a bucket is ready
-(``launches_buckets``); the staged reducer receives every grad event itself (:meth:`grad_event`)
-and ignores the schedule. All three share one rule for the shards: rank ``r`` of a buffer's DP
+(``launches_buckets``); the staged reducer takes every grad event itself (its ``grad_event``
+returns True) and DDP's schedule launches nothing for it. All three share one rule for the shards: rank ``r`` of a buffer's DP
 group owns slice ``r`` of every bucket.
 """
 
@@ -47,6 +47,7 @@ class AllReduceBuckets:
     launches_buckets = True   # DDP's last-backward schedule launches each bucket
     allocates_grads = True    # DDP keeps a full-size grad buffer
     param_shards: ParamShards | None = None
+    acquire = None            # main grads are views into the full buffer, never staged
 
     def __init__(self, buffers: list[GradBuffer], grad_dtype: torch.dtype, **_) -> None:
         self.buffers, self.grad_dtype = buffers, grad_dtype
@@ -61,6 +62,10 @@ class AllReduceBuckets:
     def start_step(self) -> None:
         """A new step: nothing is in flight (DDP waited for it)."""
         self.launches = 0
+
+    def grad_event(self, p: torch.Tensor) -> bool:
+        """``p`` received a grad: False, the schedule decides when its bucket is reduced."""
+        return False
 
     def launch(self, i: int, bucket: Bucket):
         """Start the reduction of ``bucket`` of buffer ``i``; its async work handle."""
@@ -137,12 +142,17 @@ class StagedShards:
                                          reshard_after_forward=reshard_after_forward)
                              if stage == 3 else None)
         self.acquire = self.sharded.acquire
-        self.grad_event = self.sharded.grad_event
 
     @staticmethod
     def bucket_units(chunks, params) -> dict[int, int]:
         """Stage 3: the ZeRO-3 unit of each param (a bucket never spans two units)."""
         return unit_ids(chunks, params)
+
+    def grad_event(self, p: torch.Tensor) -> bool:
+        """``p`` received a grad: flush its bucket if every param of it has one; True (handled
+        here, not by the schedule)."""
+        self.sharded.grad_event(p)
+        return True
 
     @property
     def launches(self) -> int:
@@ -152,10 +162,6 @@ class StagedShards:
     def start_step(self) -> None:
         """Zero the shard grads and drop staged grads (see :meth:`ShardedGrads.start_step`)."""
         self.sharded.start_step()
-
-    def launch(self, i: int, bucket: Bucket):
-        """Nothing: staged buckets flush in :meth:`grad_event` and :meth:`finish`."""
-        return None
 
     def finish(self) -> None:
         """End of the step's backward: free gathered params (stage 3), flush every bucket still

@@ -116,7 +116,7 @@ class TokenDispatcher(ABC):
     @classmethod
     def expert_calls(cls, cfg) -> int:
         """How many times :meth:`run` calls the experts per forward (each call gives every local
-        expert weight one grad event in backward; DDP is told through ``param.grad_uses``)."""
+        expert weight one grad event in backward; DDP is told through ``param.meta.grad_uses``)."""
         return 1
 
     @classmethod

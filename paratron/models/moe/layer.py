@@ -118,8 +118,8 @@ class MoELayer(nn.Module):
         calls = getattr(self.dispatcher_cls, "expert_calls", lambda cfg: 1)(cfg)
         for p in self.experts.parameters():
             # The experts' weights get one grad per call in backward: DDP waits for all of them
-            # before reducing inside the last backward (paratron.optim.ddp, grad_uses).
-            p.grad_uses = calls
+            # before reducing inside the last backward (paratron.optim.ddp, meta.grad_uses).
+            p.meta.grad_uses = calls
         self.shared_expert = None
         if cfg.moe_shared_expert_ffn_hidden_size:
             # DeepSpeed-MoE's residual expert (Rajbhandari et al. 2022, section 4.1): a dense MLP
