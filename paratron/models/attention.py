@@ -27,6 +27,7 @@ from torch import nn
 
 from paratron.config import ModelConfig, model_shape
 from paratron.layers.dropout import rng_fork
+from paratron.parallel.context import ParallelContext
 
 from .context_parallel import context_attention
 from .norms import make_norm
@@ -79,7 +80,7 @@ class SelfAttention(nn.Module):
     ``k_norm.weight`` ``[d]`` under QK-norm.
     """
 
-    def __init__(self, cfg: ModelConfig, ctx, *, layer_number: int, seed: int, sequence_parallel: bool,
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, *, layer_number: int, seed: int, sequence_parallel: bool,
                  params_dtype: torch.dtype, rng_tracker=None, output_init=None):
         from paratron.layers import ColumnParallelLinear, RowParallelLinear
         from paratron.layers.init import normal_

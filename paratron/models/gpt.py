@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from paratron.config import ConfigError, ModelConfig, model_shape
+from paratron.parallel.context import ParallelContext
 
 from .embedding import WORD_EMBEDDINGS, Embedding
 from .lora import apply_lora
@@ -64,7 +65,7 @@ class GPTChunk(nn.Module):
     The layers are built by the block registered as ``model.block`` (:mod:`paratron.models.blocks`).
     """
 
-    def __init__(self, cfg: ModelConfig, ctx, *, seed: int, layer_ids: range, pre_process: bool,
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, *, seed: int, layer_ids: range, pre_process: bool,
                  post_process: bool, sequence_parallel: bool = False, params_dtype: torch.dtype = torch.float32,
                  rng_tracker=None, embedding_weight: nn.Parameter | None = None, context_algorithm: str = "ring",
                  embedding_module: nn.Module | None = None):
@@ -106,7 +107,7 @@ class GPTChunk(nn.Module):
         if (cfg.tie_embeddings or cfg.mtp_num_layers) and pre_process and not post_process:
             self.embedding.word_embeddings.weight.meta.shared_embedding = True
 
-    def _build_output(self, cfg, ctx, seed, params_dtype, embedding_weight):
+    def _build_output(self, cfg, ctx: ParallelContext, seed, params_dtype, embedding_weight):
         from paratron.layers import ParallelLMHead
         from paratron.layers.init import normal_
 
@@ -127,7 +128,7 @@ class GPTChunk(nn.Module):
         else:
             self._tied_weight = [embedding_weight]  # a list: not registered twice as a parameter
 
-    def _build_mtp(self, cfg, ctx, seed, params_dtype, embedding_module):
+    def _build_mtp(self, cfg, ctx: ParallelContext, seed, params_dtype, embedding_module):
         """The MTP modules (:mod:`paratron.models.mtp`), with the word embedding they share: this
         chunk's, the given one (same rank), or a copy drawn from the same full tensor (its own
         ``shared_embedding`` parameter, or the tied output layer's)."""
@@ -270,7 +271,7 @@ def model_order(stage_layers: StageLayers, num_layers: int) -> list[tuple[int, i
     return order
 
 
-def build_model_chunks(cfg: ModelConfig, ctx, *, seed: int, sequence_parallel: bool = False,
+def build_model_chunks(cfg: ModelConfig, ctx: ParallelContext, *, seed: int, sequence_parallel: bool = False,
                        params_dtype: torch.dtype = torch.float32, stage_layers: StageLayers | None = None,
                        virtual_pipeline: int = 1, rng_tracker=None, context_algorithm: str = "ring"
                        ) -> list[GPTChunk]:
@@ -328,7 +329,7 @@ def build_model_chunks(cfg: ModelConfig, ctx, *, seed: int, sequence_parallel: b
     return chunks
 
 
-def full_logits(logits: torch.Tensor, ctx, vocab_size: int) -> torch.Tensor:
+def full_logits(logits: torch.Tensor, ctx: ParallelContext, vocab_size: int) -> torch.Tensor:
     """Gather vocab-parallel logits ``[s, b, V_pad/tp]`` over TP and drop the padding: ``[b, s, V]``.
 
     For evaluation and tests (not differentiable across ranks).

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from paratron.parallel.context import ParallelContext
 from paratron.parallel.params import gather_full, unique_params
 
 
@@ -31,7 +32,7 @@ def load_full_state(chunks, tensors: dict[str, torch.Tensor]) -> set[str]:
     return used
 
 
-def gather_full_state(chunks, ctx) -> dict[str, torch.Tensor]:
+def gather_full_state(chunks, ctx: ParallelContext) -> dict[str, torch.Tensor]:
     """The full logical tensors of these chunks' dense parameters, gathered over TP (vocab padding
     dropped): ``{logical name: tensor}``. Every TP rank of the stage must call it (all-gathers in
     parameter order). Each pipeline stage returns only its own parameters.

@@ -15,10 +15,11 @@ import math
 
 import torch
 
+from ..parallel.context import ParallelContext
 from ..parallel.params import is_replica_owner, meta_of
 
 
-def owns_for_norm(param, ctx, *, dp_rank: int, sharded: bool) -> bool:
+def owns_for_norm(param, ctx: ParallelContext, *, dp_rank: int, sharded: bool) -> bool:
     """Whether this rank counts ``param``'s (owned) grad elements in the global norm.
 
     Args:

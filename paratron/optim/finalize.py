@@ -14,11 +14,12 @@ and every reduction is waited for.
 
 from __future__ import annotations
 
+from ..parallel.context import ParallelContext
 from ..parallel.grads import allreduce_embedding_grads, allreduce_sequence_parallel_grads
 from ..parallel.params import meta_of, unique_params
 
 
-def finalize_grads(chunks, ctx, ddp=None) -> None:
+def finalize_grads(chunks, ctx: ParallelContext, ddp=None) -> None:
     """Model-parallel grad all-reduces, then DP: afterwards the main grads (or ZeRO-1 shard
     grads) of every param are the sums over every rank that computed a part of them.
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from ..parallel.context import ParallelContext
 from .clip import clip_coefficient, owns_for_norm, sum_of_squares
 from .ddp import DistributedDataParallel
 from .distributed_optimizer import gather_params
@@ -112,7 +113,7 @@ class Optimizer:
         ValueError: unknown optimizer name or precision.
     """
 
-    def __init__(self, ddp: DistributedDataParallel, ctx, cfg, *, precision: str = "fp32") -> None:
+    def __init__(self, ddp: DistributedDataParallel, ctx: ParallelContext, cfg, *, precision: str = "fp32") -> None:
         precision_dtype(precision)  # validates the name
         if cfg.name not in ("adamw", "sgd", "muon"):
             raise ValueError(f"optimizer.name={cfg.name!r} must be 'adamw', 'sgd' or 'muon'")
@@ -523,7 +524,7 @@ def _state_kinds(cfg) -> dict:
     return {"exp_avg": adam, "exp_avg_sq": adam, "momentum": uses_muon}
 
 
-def build_optimizer(chunks, ctx, opt_cfg, ddp: DistributedDataParallel | None = None, *,
+def build_optimizer(chunks, ctx: ParallelContext, opt_cfg, ddp: DistributedDataParallel | None = None, *,
                     precision: str = "fp32") -> Optimizer:
     """The optimizer for ``chunks``: AdamW or SGD (``opt_cfg.name``), ZeRO-1 when ``ddp`` was
     built with ``zero=1``.

@@ -18,6 +18,7 @@ from typing import Callable
 
 import torch
 
+from .context import ParallelContext
 from .params import meta_of
 
 
@@ -98,7 +99,7 @@ def _grad_of(param: torch.Tensor) -> torch.Tensor | None:
     return main if main is not None else param.grad
 
 
-def allreduce_embedding_grads(params, ctx) -> None:
+def allreduce_embedding_grads(params, ctx: ParallelContext) -> None:
     """Sum the grads of tied-embedding copies (``shared_embedding=True``) over ``ctx.embedding``.
 
     With pipeline parallelism the first stage owns the input embedding and the last stage a copy
@@ -118,7 +119,7 @@ def allreduce_embedding_grads(params, ctx) -> None:
             group.all_reduce(g)
 
 
-def allreduce_sequence_parallel_grads(params, ctx) -> None:
+def allreduce_sequence_parallel_grads(params, ctx: ParallelContext) -> None:
     """Sum over ``ctx.tp`` the grads of replicated params fed sequence-sharded activations.
 
     Under sequence parallelism each TP rank sees ``s/tp`` positions, so the grads of norm weights

@@ -27,6 +27,7 @@ from typing import Callable
 import torch
 
 from paratron.config.errors import ConfigError
+from paratron.parallel.context import ParallelContext
 from paratron.parallel.intervals import timed
 from paratron.parallel.mappings import all_to_all, gather_along_dim, reduce_scatter_along_dim
 from paratron.registry import Registry
@@ -81,7 +82,7 @@ class TokenDispatcher(ABC):
     """True for a dispatcher whose all-to-alls call ``while_in_flight`` (config validation
     refuses ``parallel.overlap_moe_expert_parallel_comm`` with any other)."""
 
-    def __init__(self, ctx, num_experts: int, *, capacity: int | None = None, pad_to_capacity: bool = False):
+    def __init__(self, ctx: ParallelContext, num_experts: int, *, capacity: int | None = None, pad_to_capacity: bool = False):
         ep = ctx.ep.size
         self.ctx, self.group = ctx, ctx.ep
         self.num_experts, self.num_local = num_experts, num_experts // ep
@@ -351,7 +352,7 @@ class ChunkedAllToAllDispatcher(AllToAllDispatcher):
 
     overlaps_microbatches = False  # its own run() launches and waits; it never calls the hook
 
-    def __init__(self, ctx, num_experts: int, *, capacity: int | None = None, pad_to_capacity: bool = False,
+    def __init__(self, ctx: ParallelContext, num_experts: int, *, capacity: int | None = None, pad_to_capacity: bool = False,
                  num_chunks: int = 2):
         self._check(pad_to_capacity, num_chunks)
         super().__init__(ctx, num_experts, capacity=capacity, pad_to_capacity=False)

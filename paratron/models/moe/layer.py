@@ -38,6 +38,7 @@ from torch import nn
 
 from paratron.config import ModelConfig, model_shape
 from paratron.layers.init import init_shard_, normal_, scaled_normal_
+from paratron.parallel.context import ParallelContext
 from paratron.parallel.mappings import gather_along_dim, split_along_dim
 from paratron.parallel.params import ShardSpec, mark
 
@@ -96,7 +97,7 @@ class MoELayer(nn.Module):
             (:func:`.dispatcher.check_dispatcher_config`).
     """
 
-    def __init__(self, cfg: ModelConfig, ctx, *, layer_number: int, seed: int, sequence_parallel: bool,
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, *, layer_number: int, seed: int, sequence_parallel: bool,
                  params_dtype: torch.dtype = torch.float32):
         super().__init__()
         E, ep = cfg.num_experts, ctx.ep.size
@@ -249,7 +250,7 @@ def aux_losses(module: nn.Module) -> dict[str, float]:
             "moe_z_loss": float(torch.stack([m.last_z_loss for m in ran]).mean())}
 
 
-def update_expert_bias(module: nn.Module, ctx) -> None:
+def update_expert_bias(module: nn.Module, ctx: ParallelContext) -> None:
     """After a training step: move every router's expert bias (``model.moe_router_enable_expert_bias``)
     against its load error over the global batch. The per-expert loads of all MoE layers of this
     rank are summed in one all-reduce over ``ctx.dp_cp`` (and TP under sequence parallelism, where
