@@ -136,8 +136,7 @@ class DistributedDataParallel:
     """
 
     def __init__(self, chunks, ctx: ParallelContext, *, grad_dtype: torch.dtype = torch.float32,
-                 bucket_size_mb: float = 40.0, overlap_grad_reduce: bool = True,
-                 zero: int = 0,
+                 bucket_size_mb: float = 40.0, overlap_grad_reduce: bool = True, zero: int = 0,
                  zero3_reshard_after_forward: bool = True, zero3_prefetch: bool = True) -> None:
         self.chunks = [chunks] if isinstance(chunks, nn.Module) else list(chunks)
         self.ctx = ctx
@@ -148,8 +147,8 @@ class DistributedDataParallel:
         params = chunk_params(self.chunks)
         for p in params:
             if not is_marked(p):
-                raise ValueError(f"a param of shape {tuple(p.shape)} has no logical_name: every "
-                                 "param must be marked with paratron.parallel.params.mark")
+                raise ValueError(f"a param of shape {tuple(p.shape)} has no meta: every param must "
+                                 "be marked with paratron.parallel.params.mark")
         self.buffers = self._build_buffers(params, bucket_size_mb, reducer)
         self.params = params
 
