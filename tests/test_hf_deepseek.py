@@ -20,7 +20,7 @@ from paratron.config import ConfigError  # noqa: E402
 from paratron.checkpoint.hf_deepseek import deepseek_config  # noqa: E402
 from paratron.models.gpt import build_model_chunks, full_logits, gather_full_state, load_full_state  # noqa: E402
 from paratron.parallel.context import ParallelContext  # noqa: E402
-from paratron.testing import run_ranks  # noqa: E402
+from paratron.local_ranks import run_ranks  # noqa: E402
 
 TOL = 1e-5
 VOCAB, SEQ, BATCH = 61, 10, 2
@@ -124,11 +124,11 @@ def test_unsupported_named():
 def _train_converted(path, pp: int, ep: int) -> list[tuple[float, float]]:
     """A converted MoE DeepSeek-V3 model with one MTP module added (drawn fresh, layout-free),
     2 AdamW steps on a fixed batch: (LM loss, MTP loss) per step."""
-    from paratron.checkpoint.manager import copy_params_into_main
+    from paratron.checkpoint.items import iter_params
     from paratron.config import Config, validate
     from paratron.parallel.params import load_full_, unique_params
     from paratron.training.data_iter import microbatch_preparer
-    from paratron.training.runner import build_model_and_optimizer
+    from paratron.training.builders import build_model_and_optimizer
     from paratron.training.step import run_global_batch
 
     cfg = Config()
@@ -143,7 +143,7 @@ def _train_converted(path, pp: int, ep: int) -> list[tuple[float, float]]:
     for p in unique_params(chunks):
         if p.meta.logical_name in tensors:  # the MTP module keeps its own draw
             load_full_(p, tensors[p.meta.logical_name])
-    copy_params_into_main(chunks, optimizer)
+    optimizer.copy_params_into_main(iter_params(chunks))
     prepare, rows = microbatch_preparer(cfg, ctx, eod=0), 4 // ctx.dp.size
     ids = torch.randint(0, VOCAB, (4, SEQ + 1), generator=torch.Generator().manual_seed(5))
     mine = ids[ctx.dp.rank * rows:(ctx.dp.rank + 1) * rows]

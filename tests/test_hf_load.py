@@ -33,7 +33,7 @@ from paratron.checkpoint.hf_load import (SafetensorsFolder, apply_load_hf, load_
 from paratron.config import Config, validate  # noqa: E402
 from paratron.models.gpt import build_model_chunks, full_logits  # noqa: E402
 from paratron.parallel.context import ParallelContext  # noqa: E402
-from paratron.testing import run_ranks  # noqa: E402
+from paratron.local_ranks import run_ranks  # noqa: E402
 from test_hf_deepseek import _make as make_deepseek  # noqa: E402
 from test_hf_moe import _make as make_moe  # noqa: E402
 from test_hf_parity import MAKERS, _perturb_  # noqa: E402

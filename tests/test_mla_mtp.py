@@ -22,7 +22,7 @@ import torch
 
 from paratron.config import Config, ConfigError, validate
 from paratron.parallel.context import ParallelContext
-from paratron.testing import run_ranks
+from paratron.local_ranks import run_ranks
 
 GBS, SEQ, VOCAB, STEPS = 4, 16, 32, 3
 
@@ -67,7 +67,7 @@ def _batch(step: int):
 
 def _train(cfg: Config, ctx, steps: int = STEPS, grads: bool = False) -> dict:
     from paratron.training.data_iter import microbatch_preparer
-    from paratron.training.runner import build_model_and_optimizer
+    from paratron.training.builders import build_model_and_optimizer
     from paratron.training.step import run_global_batch
 
     torch.manual_seed(0)
@@ -81,7 +81,8 @@ def _train(cfg: Config, ctx, steps: int = STEPS, grads: bool = False) -> dict:
         optimizer.zero_grad()
         out = run_global_batch(cfg, ctx, chunks, mbs, forward_only=False, loss_scale=optimizer.loss_scale, ddp=ddp)
         if grads and step == 0:
-            grad = {p.meta.logical_name: (p.meta.shard.valid(p.meta.main_grad if p.meta.main_grad is not None else p.grad).detach().clone(), p.meta.shard.slices())
+            grad = {p.meta.logical_name: (p.meta.shard.valid(p.grad if p.meta.main_grad is None else p.meta.main_grad)
+                                          .detach().clone(), p.meta.shard.slices())
                     for c in chunks for p in c.parameters() if p.requires_grad}
         res = optimizer.step()
         history.append((out.loss, out.mtp_loss, res.grad_norm))

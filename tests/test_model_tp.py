@@ -14,7 +14,7 @@ from paratron.models.gpt import build_model_chunks, default_stage_layers, model_
 from paratron.parallel.context import ParallelContext
 from paratron.parallel.grads import allreduce_sequence_parallel_grads
 from paratron.parallel.params import gather_full
-from paratron.testing import run_ranks
+from paratron.local_ranks import run_ranks
 
 from helpers import perturb_1d_params_
 

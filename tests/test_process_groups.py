@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from paratron.testing import RankFailure, run_ranks
+from paratron.local_ranks import RankFailure, run_ranks
 
 TINY = [
     "model.num_layers=2", "model.hidden_size=32", "model.num_attention_heads=4",
@@ -26,7 +26,7 @@ def _train_counting(overrides: list[str], run_dir: str) -> dict:
     """One rank of a run: its ``new_group`` calls, and the group kinds and rank sets it used."""
     import torch.distributed as dist
 
-    import paratron.training.runner as runner
+    import paratron.launch.runner as runner
     from paratron.config import load_config
     from paratron.parallel.context import GROUP_KINDS
 

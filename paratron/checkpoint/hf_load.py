@@ -28,6 +28,7 @@ from paratron.config import ConfigError, apply_overrides
 
 from .hf import hf_config_to_model, hf_recipes, source_names, unmapped_sources
 from .hf_recipe import Recipe
+from .items import iter_params
 
 
 @dataclass
@@ -209,10 +210,10 @@ def load_hf_weights(cfg, chunks, optimizer) -> LoadStats:
     """:func:`load_hf_slices` from ``checkpoint.load_hf`` into a run's model, then the optimizer's
     fp32 main weights from the params (as a checkpoint load without optimizer state does); under
     ZeRO-3 inside the gathered params. Call on every rank."""
-    from .manager import copy_params_into_main, full_params
+    from .manager import full_params
 
     with torch.no_grad(), full_params(optimizer, writeback=True):
         stats = load_hf_slices(chunks, cfg.checkpoint.load_hf, cfg.model)
         if optimizer is not None:
-            copy_params_into_main(chunks, optimizer)
+            optimizer.copy_params_into_main(iter_params(chunks))
     return stats

@@ -75,7 +75,7 @@ def synthetic_microbatches(cfg, ctx) -> list[dict]:
 
 def build_rank(cfg, ctx):
     """Model chunks, DDP and optimizer of this rank on meta (``paratron train``'s builder)."""
-    from paratron.training.setup import build_model_and_optimizer, seed_everything
+    from paratron.training.builders import build_model_and_optimizer, seed_everything
 
     seed_everything(cfg.train.seed, ctx)
     with torch.device(META):

@@ -77,7 +77,8 @@ class RMSNorm(nn.Module):
         return f"{self.hidden}, eps={self.eps}"
 
 
-def _init_norm(norm: nn.Module, hidden: int, ctx: ParallelContext, logical_name: str, eps: float, sequence_parallel: bool,
+def _init_norm(norm: nn.Module, hidden: int, ctx: ParallelContext, logical_name: str, eps: float,
+               sequence_parallel: bool,
                params_dtype: torch.dtype) -> None:
     """Shared set-up of both norms: checks, and a weight of ones marked replicated over TP (and
     sequence_parallel under SP, so its grads are summed over TP) with no weight decay."""

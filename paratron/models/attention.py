@@ -80,7 +80,8 @@ class SelfAttention(nn.Module):
     ``k_norm.weight`` ``[d]`` under QK-norm.
     """
 
-    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, *, layer_number: int, seed: int, sequence_parallel: bool,
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, *, layer_number: int, seed: int,
+                 sequence_parallel: bool,
                  params_dtype: torch.dtype, rng_tracker=None, output_init=None):
         from paratron.layers import ColumnParallelLinear, RowParallelLinear
         from paratron.layers.init import normal_

@@ -27,7 +27,8 @@ class Embedding(nn.Module):
     over TP).
     """
 
-    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, *, seed: int, sequence_parallel: bool, params_dtype: torch.dtype,
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, *, seed: int, sequence_parallel: bool,
+                 params_dtype: torch.dtype,
                  rng_tracker=None):
         from paratron.layers import VocabParallelEmbedding
         from paratron.layers.init import init_shard_, normal_

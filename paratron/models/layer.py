@@ -31,7 +31,8 @@ class TransformerLayer(nn.Module):
     the submodules (default: :class:`TransformerLayerSpec` ``()``).
     """
 
-    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, *, layer_number: int, seed: int, sequence_parallel: bool,
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, *, layer_number: int, seed: int,
+                 sequence_parallel: bool,
                  params_dtype: torch.dtype, rng_tracker=None, spec: TransformerLayerSpec | None = None):
         super().__init__()
         spec = spec or TransformerLayerSpec()
@@ -52,6 +53,9 @@ class TransformerLayer(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
                 layout=None) -> torch.Tensor:
         """``layout``: the microbatch's :class:`~paratron.models.context_parallel.SeqLayout` or None."""
+        before_attention = getattr(self.mlp, "before_attention", None)
+        if before_attention is not None:  # e.g. the MoE prefetch dispatcher's weight fetch
+            before_attention()
         x = x + self._dropout(self.attention(self.input_norm(x), rope, layout))
         y = self.post_attention_norm(x)
         # The MoE layer needs the layout for its per-sequence aux loss (model.moe_aux_loss_type).

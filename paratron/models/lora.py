@@ -79,7 +79,8 @@ class LoRAAdapter(nn.Module):
         ValueError: a base of another type, or with ``gather_output``.
     """
 
-    def __init__(self, base: nn.Module, ctx: ParallelContext, *, rank: int, alpha: float, p_dropout: float, seed: int,
+    def __init__(self, base: nn.Module, ctx: ParallelContext, *, rank: int, alpha: float, p_dropout: float,
+                 seed: int,
                  rng_tracker=None) -> None:
         super().__init__()
         self.column = isinstance(base, ColumnParallelLinear)

@@ -89,7 +89,8 @@ class LatentAttention(nn.Module):
             divisible by the TP size (before any collective).
     """
 
-    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, *, layer_number: int, seed: int, sequence_parallel: bool,
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, *, layer_number: int, seed: int,
+                 sequence_parallel: bool,
                  params_dtype: torch.dtype, rng_tracker=None, output_init=None):
         super().__init__()
         tp = ctx.tp.size

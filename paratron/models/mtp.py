@@ -134,7 +134,8 @@ class MultiTokenPrediction(nn.Module):
     losses of every module, ``[D, s, b]`` fp32.
     """
 
-    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, *, seed: int, sequence_parallel: bool, params_dtype: torch.dtype,
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, *, seed: int, sequence_parallel: bool,
+                 params_dtype: torch.dtype,
                  rng_tracker=None, embedding: nn.Module, owned: bool):
         super().__init__()
         self.depths = nn.ModuleList([

@@ -16,8 +16,8 @@ launch order); the reducer decides what a bucket's reduction is and where the su
 
 The first two launch bucket reductions when DDP's schedule says a bucket is ready
 (``launches_buckets``); the staged reducer takes every grad event itself (its ``grad_event``
-returns True) and DDP's schedule launches nothing for it. All three share one rule for the shards: rank ``r`` of a buffer's DP
-group owns slice ``r`` of every bucket.
+returns True) and DDP's schedule launches nothing for it. All three share one rule for the
+shards: rank ``r`` of a buffer's DP group owns slice ``r`` of every bucket.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """``paratron plan --calibrate``: measure what the CPU cost model needs, with every rank busy at once.
 
-Measured on ``nproc`` forked gloo ranks (:func:`paratron.testing.run_ranks`), one thread each,
+Measured on ``nproc`` forked gloo ranks (:func:`paratron.local_ranks.run_ranks`), one thread each,
 all running together as a training run's ranks do, so the figures are each rank's share of the
 cores under that load (and under whatever else runs on the machine: calibrate when it is as
 loaded as it will be for the runs):
@@ -89,7 +89,7 @@ def _measure(bar) -> dict:
 def calibrate(nproc: int, quiet: bool = True) -> dict:
     """Medians over ``nproc`` ranks of each figure (module docstring), plus ``nproc``; unless
     ``quiet``, rank 0 draws a progress bar (on a terminal)."""
-    from paratron.testing import run_ranks
+    from paratron.local_ranks import run_ranks
 
     per_rank = run_ranks(_rank_measure, nproc, quiet, timeout=600)
     out = {k: statistics.median(r[k] for r in per_rank) for k in per_rank[0]}

@@ -270,19 +270,20 @@ def import_plugins(cfg: Config) -> None:
         import_callback_module(spec)
 
 
-def prepare_training(cfg: Config, run_dir: str | os.PathLike) -> None:
+def prepare_training(cfg: Config, run_dir: str | os.PathLike, *, launching: bool) -> None:
     """What ``paratron train`` does after validating and before any rank starts: default the
     outputs into the run directory, tokenise and check the data (and its splits), check the
     checkpoint to resume from, and the checkpoint directory. Inside a rank (a plain
     ``torchrun``, or the ranks the launcher started) only the checks every rank answers alike
     run: global rank 0 prepares the data after launch, and each save checks its exact size (:func:`paratron.checkpoint.storage.refuse_unless_room`).
+    ``launching`` says which: True outside torchrun (the launcher, or one process alone;
+    :func:`paratron.launch.mode.started`).
 
     Raises:
         ConfigError: as :func:`prepare_data`, :func:`check_checkpoint_load` and
             :func:`check_checkpoint_dir`.
     """
     apply_run_dir_defaults(cfg, run_dir)
-    launching = "WORLD_SIZE" not in os.environ
     tok = prepare_data(cfg, progress=cfg.logging.progress) if launching else None
     vocab = tok.vocab_size if tok is not None else None
     check_vocab_fits(cfg, vocab)

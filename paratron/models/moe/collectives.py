@@ -103,9 +103,10 @@ class _Landed(torch.autograd.Function):
 
 def start_all_to_all(x: torch.Tensor, group: Group, out_splits: list[int], in_splits: list[int], *,
                      kind: str = "all_to_all", chunk: int | None = None) -> InFlight:
-    """Launch the all-to-all of :func:`paratron.parallel.mappings.all_to_all` asynchronously (``async_op``); the rows are
-    usable, with their gradient, after :func:`finish_all_to_all`. ``kind``/``chunk`` name its
-    interval in ``ledger.intervals`` (the backward's: ``kind + "_grad"``).
+    """Launch the all-to-all of :func:`paratron.parallel.mappings.all_to_all` asynchronously
+    (``async_op``); the rows are usable, with their gradient, after :func:`finish_all_to_all`.
+    ``kind``/``chunk`` name its interval in ``ledger.intervals`` (the backward's:
+    ``kind + "_grad"``).
 
     Backward is asynchronous too: the backward of :func:`finish_all_to_all` launches the swapped
     all-to-all and the gradient of ``x`` waits for it only when autograd reaches the node put on

@@ -38,6 +38,7 @@ projection) and the grouped paths (``grouped_linear(..., weight_grad=)``,
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from paratron.config import ModelConfig, model_shape
@@ -141,7 +142,8 @@ class ExpertMLP(nn.Module):
         params_dtype: parameter dtype.
     """
 
-    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, *, logical_name: str, seed: int, params_dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, *, logical_name: str, seed: int,
+                 params_dtype: torch.dtype):
         super().__init__()
         h, f = cfg.hidden_size, model_shape.expert_ffn_size(cfg)
         self.activation = cfg.activation
@@ -161,6 +163,18 @@ class ExpertMLP(nn.Module):
             return self.fc2(swiglu(self.gate(x), self.up(x)))
         return self.fc2(gelu(self.fc1(x), self.activation))
 
+    def with_weights(self, x: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
+        """This expert's function on rows ``x [n, h]`` with the weights ``w`` (by parameter name,
+        e.g. ``"fc1.weight"``) in place of its own: ``[n, h]``, differentiable in ``w`` through
+        autograd (the prefetch dispatcher's fetched copies, :mod:`.prefetch`). Whole experts only
+        (no expert-TP)."""
+        def linear(name: str, inp: torch.Tensor) -> torch.Tensor:
+            return F.linear(inp, w[f"{name}.weight"], w.get(f"{name}.bias"))
+
+        if self.activation == "swiglu":
+            return linear("fc2", swiglu(linear("gate", x), linear("up", x)))
+        return linear("fc2", gelu(linear("fc1", x), self.activation))
+
 
 class LocalExperts(nn.Module):
     """The ``num_local`` experts of this EP rank, global ids ``first_expert + l`` (each split over
@@ -179,7 +193,8 @@ class LocalExperts(nn.Module):
             unknown ``gemm``.
     """
 
-    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, *, prefix: str, seed: int, first_expert: int, num_local: int,
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, *, prefix: str, seed: int, first_expert: int,
+                 num_local: int,
                  params_dtype: torch.dtype, gemm: str = "auto"):
         super().__init__()
         if gemm not in METHODS:

@@ -125,7 +125,8 @@ class TopKRouter(nn.Module):
         params_dtype: parameter dtype.
     """
 
-    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, *, logical_name: str, seed: int, sequence_parallel: bool,
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, *, logical_name: str, seed: int,
+                 sequence_parallel: bool,
                  params_dtype: torch.dtype = torch.float32):
         super().__init__()
         self.num_experts, self.k, self.score = cfg.num_experts, cfg.moe_top_k, cfg.moe_router_score

@@ -12,8 +12,9 @@ import json
 import os
 import sys
 
-from paratron.training.command import add_arguments as add_train_arguments
-from paratron.training.command import launch_or_run, parse  # noqa: F401 (parse used by cli)
+from paratron.launch.command import add_arguments as add_train_arguments
+from paratron.launch.mode import Mode, started
+from paratron.launch.command import launch_or_run, parse  # noqa: F401 (parse used by cli)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -50,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     if args.world_size is not None and args.world_size < 1:
         print(f"paratron info: --world-size={args.world_size} must be a positive integer (ranks)", file=sys.stderr)
         return 2
-    if args.world_size and "WORLD_SIZE" not in os.environ and not args.nproc_per_node:
+    if args.world_size and started(args.nproc_per_node).mode is Mode.ALONE:
         from paratron.config import ConfigError, build_config, validate
 
         try:

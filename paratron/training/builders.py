@@ -22,16 +22,6 @@ def seed_everything(seed: int, ctx) -> None:
         torch.cuda.manual_seed(seed + 100 * ctx.pp.rank)
 
 
-def builtin_callbacks(cfg: Config, ctx, state) -> list:
-    """The hang watchdog (first, so it sees every step of the other callbacks), when on."""
-    if cfg.parallel.hang_timeout_s > 0 and ctx.world_size > 1:
-        from paratron.training.watchdog import HangWatchdog
-
-        return [HangWatchdog(state, cfg.parallel.hang_timeout_s,
-                             check_collectives=cfg.parallel.check_collectives)]
-    return []
-
-
 def print_sample(cfg: Config, ctx, prompt: str) -> None:
     """Rank 0 reloads the checkpoint just saved on one process and continues ``prompt``
     (``train.sample_prompt``, else the start of a validation document)."""
