@@ -254,5 +254,5 @@ def test_ddp_picks_one_reducer_per_stage():
         assert type(ddp.reducer) is kind and ddp.reducer.stage == zero
         assert (ddp.param_shards is not None) == (zero == 3)
         assert all((b.grad_data is not None) == (zero < 2) for b in ddp.buffers)
-    with pytest.raises(ValueError, match="parallel.zero=4 must be 0, 1, 2 or 3"):
+    with pytest.raises(ValueError, match="parallel.zero=4"):
         DistributedDataParallel([Toy()], ctx, zero=4)

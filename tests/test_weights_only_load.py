@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from paratron.checkpoint.io import save_model_full
-from paratron.checkpoint.manager import CheckpointManager, copy_aliased_, full_params
+from paratron.checkpoint.manager import CheckpointManager, full_params
 from paratron.config import CheckpointConfig
 from paratron.models.gpt import build_model_chunks
 from paratron.optim import DistributedDataParallel, build_optimizer, precision_dtype
+from paratron.optim.state_chunks import copy_aliased_
 from paratron.parallel.context import ParallelContext
 from paratron.local_ranks import run_ranks
 from test_checkpoint_reshard import targets, tiny_config
