@@ -19,6 +19,7 @@ import math
 
 from . import model_shape
 from .context_rules import check_context
+from .low_rank_rules import check_low_rank
 from .observe_rules import check_observability
 from .offload_rules import check_activation_offload
 from .record_rules import check_records
@@ -329,7 +330,7 @@ def _save_peft(cfg: Config, world: int | None) -> None:
 
 VALIDATORS = [_finite, _positive, _nonfinite_policy, _lr_schedule, _grid, _model, _activation_offload, _batch, _sequence, _link_latency, _schedule, _pipeline_layers, _mtp_last_stage,
               _dualpipev_zero3, _experts, _moe_fb_overlap, _zero, _fp8, _save_peft, _split, check_context, check_microbatch_tokens,
-              check_observability, check_records]
+              check_observability, check_records, check_low_rank]
 """Every config rule, in order. Each takes ``(cfg, world_size_or_None)`` and raises ConfigError."""
 
 

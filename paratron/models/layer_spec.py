@@ -27,6 +27,7 @@ from torch import nn
 
 from paratron.config import ModelConfig, model_shape
 
+from .low_rank import low_rank_attention, low_rank_mlp, uses_online_norm
 from .norms import make_norm
 
 
@@ -58,7 +59,10 @@ SubmoduleBuilder = Callable[[LayerInputs, str], nn.Module]
 
 
 def norm(inputs: LayerInputs, name: str) -> nn.Module:
-    """The config's norm (``model.normalization``)."""
+    """The config's norm (``model.normalization``); an identity under ``model.low_rank_tp =
+    "bottleneck"``, whose online norms are part of the low-rank modules (docs/boost.md)."""
+    if uses_online_norm(inputs.cfg):
+        return nn.Identity()
     return make_norm(inputs.cfg, inputs.ctx, f"{inputs.prefix}.{name}", inputs.sequence_parallel,
                      inputs.params_dtype)
 
@@ -69,6 +73,8 @@ def self_attention(inputs: LayerInputs, name: str) -> nn.Module:
     whatever ``name`` is)."""
     from .attention import SelfAttention
 
+    if inputs.cfg.low_rank:  # CoLA / BOOST (paratron/models/low_rank.py)
+        return low_rank_attention(inputs, name)
     if inputs.cfg.multi_latent_attention:
         from .mla import latent_attention
 
@@ -83,6 +89,8 @@ def dense_mlp(inputs: LayerInputs, name: str) -> nn.Module:
     """:class:`~paratron.models.mlp.MLP` of width :func:`~paratron.config.model_shape.ffn_size`."""
     from .mlp import MLP
 
+    if inputs.cfg.low_rank:  # CoLA / BOOST (paratron/models/low_rank.py)
+        return low_rank_mlp(inputs, name)
     return MLP(inputs.cfg, inputs.ctx, logical_name=f"{inputs.prefix}.{name}", ffn=model_shape.ffn_size(inputs.cfg),
                seed=inputs.seed, sequence_parallel=inputs.sequence_parallel, params_dtype=inputs.params_dtype,
                output_init=inputs.output_init())
