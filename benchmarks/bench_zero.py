@@ -14,7 +14,7 @@ h=128 (667k params), ``large`` h=512:
   ``torch.optim.AdamW`` as the client optimizer (no compiled op), gradient clipping 1.0, at its
   default buckets with ``overlap_comm`` on (as its users run it);
 * ``deepspeed_matched``: the same at ``--bucket-mb`` buckets, ``overlap_comm`` off;
-* ``paratron``: ``DistributedDataParallel(use_distributed_optimizer=True)`` + ``build_optimizer``
+* ``paratron``: ``DistributedDataParallel(zero=1)`` + ``build_optimizer``
   (AdamW, clip 1.0), bucket of ``--bucket-mb``, overlap on;
 * ``paratron_no_overlap``: the same with overlap off.
 
@@ -162,7 +162,7 @@ def _rank(args):
     for name, overlap in (("paratron", True), ("paratron_no_overlap", False)):
         model = TinyGPT(**kw)
         ddp = DistributedDataParallel([model], ctx, bucket_size_mb=args.bucket_mb,
-                                      overlap_grad_reduce=overlap, use_distributed_optimizer=True)
+                                      overlap_grad_reduce=overlap, zero=1)
         runs[name] = (model, build_optimizer([model], ctx, cfg, ddp))
 
     def paratron_step(name, step):

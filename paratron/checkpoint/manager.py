@@ -38,6 +38,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from paratron.parallel.context import ParallelContext
 from . import integrity, rng, storage
 from .adapters import base_weights, lora_on, only_adapters
 from .async_save import BackgroundWriter, Staging
@@ -82,7 +83,7 @@ class CheckpointManager:
             ``checkpoint.load``.
     """
 
-    def __init__(self, ckpt_cfg, ctx, config) -> None:
+    def __init__(self, ckpt_cfg, ctx: ParallelContext, config) -> None:
         if int(ckpt_cfg.keep_last) < 0:
             raise CheckpointError(f"checkpoint.keep_last={ckpt_cfg.keep_last} must be >= 0 "
                                   "(0 keeps every checkpoint)")
@@ -101,7 +102,7 @@ class CheckpointManager:
             storage.remove_stale_temporaries(ckpt_cfg.save)
 
     @staticmethod
-    def _checkpoint_group(ctx):
+    def _checkpoint_group(ctx: ParallelContext):
         from paratron.parallel.comm import Group
 
         world = ctx.world_size

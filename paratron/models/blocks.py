@@ -20,12 +20,13 @@ from typing import Callable
 
 from torch import nn
 
+from paratron.parallel.context import ParallelContext
 from paratron.registry import Registry
 
 BlockFactory = Callable[..., nn.Module]
 
 
-def _transformer(cfg, ctx, **kw) -> nn.Module:
+def _transformer(cfg, ctx: ParallelContext, **kw) -> nn.Module:
     from .layer import TransformerLayer
 
     return TransformerLayer(cfg, ctx, **kw)

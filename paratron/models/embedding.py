@@ -10,6 +10,7 @@ from torch import nn
 
 from paratron.config import ModelConfig, model_shape
 from paratron.layers.dropout import dropout
+from paratron.parallel.context import ParallelContext
 from paratron.parallel.params import ShardSpec, mark
 
 WORD_EMBEDDINGS = "embedding.word_embeddings"
@@ -26,7 +27,8 @@ class Embedding(nn.Module):
     over TP).
     """
 
-    def __init__(self, cfg: ModelConfig, ctx, *, seed: int, sequence_parallel: bool, params_dtype: torch.dtype,
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, *, seed: int, sequence_parallel: bool,
+                 params_dtype: torch.dtype,
                  rng_tracker=None):
         from paratron.layers import VocabParallelEmbedding
         from paratron.layers.init import init_shard_, normal_

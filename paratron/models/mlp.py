@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from paratron.config import ModelConfig
+from paratron.parallel.context import ParallelContext
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -53,7 +54,7 @@ class MLP(nn.Module):
     ``[gate; up]`` (SwiGLU), ``fc2.weight`` ``[h, f]``; biases when ``add_bias_linear``.
     """
 
-    def __init__(self, cfg: ModelConfig, ctx, *, logical_name: str, ffn: int, seed: int,
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, *, logical_name: str, ffn: int, seed: int,
                  sequence_parallel: bool, params_dtype: torch.dtype, output_init=None):
         from paratron.layers import ColumnParallelLinear, RowParallelLinear
         from paratron.layers.init import normal_
