@@ -18,7 +18,7 @@ import csv
 import time
 from pathlib import Path
 
-from paratron.config import build_config, validate
+from paratron.rules import build_config, validate
 from paratron.dryrun.run import dry_run
 
 TABLE = Path(__file__).resolve().parents[1] / "paratron" / "planner" / "data" / "megatron-sc21-table1.csv"

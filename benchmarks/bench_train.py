@@ -48,7 +48,7 @@ def cli_tokens_per_second(extra: list[str], nproc: int, iters: int) -> float:
 def step_overhead(rounds: int, steps: int) -> dict:
     from bench_model import RefModel
 
-    from paratron.config import load_config
+    from paratron.rules import load_config
     from paratron.models.gpt import gather_full_state
     from paratron.config.model_shape import ffn_size, query_groups
     from paratron.parallel.context import ParallelContext

@@ -155,7 +155,7 @@ RUN = ["model.num_layers=2", "model.hidden_size=32", "model.num_attention_heads=
 def _run_with_full_disk_at(overrides: list[str], run_dir: str, fail_at_save: int):
     """One rank of a run whose ``fail_at_save``-th save hits a full disk mid-write (0: never)."""
     import paratron.checkpoint.io as io
-    from paratron.config import load_config
+    from paratron.rules import load_config
     from paratron.training.runner import run_training
 
     class FillsUp(io.ChecksummingWriter):

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from paratron.config import build_config, validate
+from paratron.rules import build_config, validate
 from paratron.dryrun.rehearse import DryRunError, build_context, rehearse_rank
 from paratron.dryrun.run import auto_ranks, dry_run
 from paratron.testing import run_ranks

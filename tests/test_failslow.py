@@ -30,7 +30,7 @@ TINY = [
 
 def _train(overrides: list[str], run_dir: str, slow: str):
     import paratron.training.runner as runner
-    from paratron.config import load_config
+    from paratron.rules import load_config
 
     os.environ["PARATRON_SLOW_RANK"] = slow  # this forked rank only
     with contextlib.redirect_stdout(io.StringIO()) as buf:

@@ -125,7 +125,8 @@ def _train_converted(path, pp: int, ep: int) -> list[tuple[float, float]]:
     """A converted MoE DeepSeek-V3 model with one MTP module added (drawn fresh, layout-free),
     2 AdamW steps on a fixed batch: (LM loss, MTP loss) per step."""
     from paratron.checkpoint.manager import copy_params_into_main
-    from paratron.config import Config, validate
+    from paratron.config import Config
+    from paratron.rules import validate
     from paratron.parallel.params import load_full_, unique_params
     from paratron.training.data_iter import microbatch_preparer
     from paratron.training.runner import build_model_and_optimizer

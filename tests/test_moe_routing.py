@@ -192,7 +192,7 @@ def test_routing_config_rules(kw, match):
 def test_training_step_updates_the_expert_bias():
     """The real training step (DDP, pipeline runtime, optimizer) runs with the frozen bias and
     moves it once per global batch."""
-    from paratron.config import validate
+    from paratron.rules import validate
     from paratron.training.runner import build_model_and_optimizer
     from paratron.training.step import run_global_batch
 

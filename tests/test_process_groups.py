@@ -27,7 +27,7 @@ def _train_counting(overrides: list[str], run_dir: str) -> dict:
     import torch.distributed as dist
 
     import paratron.training.runner as runner
-    from paratron.config import load_config
+    from paratron.rules import load_config
     from paratron.parallel.context import GROUP_KINDS
 
     calls = []

@@ -34,7 +34,7 @@ TINY = [
 
 def _train(overrides: list[str], run_dir: str) -> int:
     import paratron.training.runner as runner
-    from paratron.config import load_config
+    from paratron.rules import load_config
 
     return runner.run_training(load_config(None, overrides), run_dir)
 

@@ -16,7 +16,8 @@ import json
 import sys
 from pathlib import Path
 
-from paratron.config import ConfigError, build_config, validate
+from paratron.config import ConfigError
+from paratron.rules import build_config, validate
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -36,7 +37,7 @@ def load_config(path: str | None, overrides: list[str], world_size: int):
     tokenizer's configured size (no corpus is read)."""
     cfg = build_config(path, overrides)
     if cfg.model.vocab_size is None:
-        from paratron.planner.command import model_with_vocab
+        from .plan_command import model_with_vocab
 
         cfg.model = model_with_vocab(cfg)
     validate(cfg, world_size)

@@ -86,7 +86,6 @@ class SelfAttention(nn.Module):
 
         super().__init__()
         tp = ctx.tp.size
-        model_shape.check_model(cfg, tp)
         self.head_dim = model_shape.head_dim(cfg)
         heads, groups = cfg.num_attention_heads, model_shape.query_groups(cfg)
         self.q_per_group = heads // groups

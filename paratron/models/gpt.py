@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from paratron.config import ConfigError, ModelConfig, model_shape
+from paratron.pipeline import partition
 
 from .embedding import WORD_EMBEDDINGS, Embedding
 from .lora import apply_lora
@@ -29,7 +30,7 @@ from .context_parallel import sequence_layout
 from .rope import rope_tables, rope_tables_at
 from .state import gather_full_state, load_full_state
 
-__all__ = ["GPTChunk", "build_model_chunks", "default_stage_layers", "model_order", "full_logits",
+__all__ = ["GPTChunk", "build_model_chunks", "model_order", "full_logits",
            "load_full_state", "gather_full_state", "StageLayers"]
 
 StageLayers = dict[tuple[int, int], tuple[int, int]]
@@ -58,8 +59,9 @@ class GPTChunk(nn.Module):
             ``ctx.cp`` has more than one rank.
 
     Raises:
-        ConfigError: the model does not fit the TP size (see :func:`paratron.config.model_shape.check_model`),
-            or ``model.block`` is not registered; raised before any collective.
+        ConfigError: ``model.block`` is not registered; raised before any collective. The model's
+            shape rules (:func:`paratron.config.model_shape.check_model`) are checked once, by
+            :func:`build_model_chunks` (and before that by the config rules), not per chunk.
 
     The layers are built by the block registered as ``model.block`` (:mod:`paratron.models.blocks`).
     """
@@ -69,7 +71,6 @@ class GPTChunk(nn.Module):
                  rng_tracker=None, embedding_weight: nn.Parameter | None = None, context_algorithm: str = "ring",
                  embedding_module: nn.Module | None = None):
         super().__init__()
-        model_shape.check_model(cfg, ctx.tp.size)
         self.cfg, self.ctx = cfg, ctx
         self.context_algorithm = context_algorithm
         self.layer_ids = range(layer_ids.start, layer_ids.stop) if isinstance(layer_ids, range) else layer_ids
@@ -234,21 +235,6 @@ class GPTChunk(nn.Module):
         return vocab_parallel_cross_entropy(logits, labels.t().contiguous(), self.ctx, self.cfg.vocab_size)
 
 
-def default_stage_layers(num_layers: int, pp: int, virtual: int = 1) -> StageLayers:
-    """Even split in Megatron's interleaved order: virtual stage ``chunk * pp + pp_rank`` holds
-    layers ``[v * n, (v + 1) * n)`` with ``n = num_layers / (pp * virtual)``.
-
-    Raises:
-        ConfigError: ``num_layers`` not divisible by ``pp * virtual``.
-    """
-    stages = pp * virtual
-    if num_layers % stages:
-        raise ConfigError(f"model.num_layers={num_layers} is not divisible by parallel.pipeline*"
-                          f"virtual_pipeline = {pp}*{virtual} = {stages}; pass an explicit layout")
-    n = num_layers // stages
-    return {(r, c): ((c * pp + r) * n, n) for r in range(pp) for c in range(virtual)}
-
-
 def model_order(stage_layers: StageLayers, num_layers: int) -> list[tuple[int, int]]:
     """The (pp_rank, chunk) keys in model order (by layer range; an empty stage at a boundary comes
     before the stage that starts there; empty stages at the same boundary keep the mapping's
@@ -280,7 +266,8 @@ def build_model_chunks(cfg: ModelConfig, ctx, *, seed: int, sequence_parallel: b
         cfg, seed, sequence_parallel, params_dtype, context_algorithm: as in :class:`GPTChunk`.
         ctx: the parallel context (its ``pp`` group gives this rank's stage).
         stage_layers: (pp_rank, chunk) -> (first layer, count), e.g. from
-            ``paratron.pipeline.partition``; default :func:`default_stage_layers`. The first stage in
+            ``paratron.pipeline.partition``; default: its even split
+            (:func:`paratron.pipeline.partition.stage_layers` in the loop placement). The first stage in
             model order holds the embedding, the last the output layer.
         virtual_pipeline: chunks per rank for the default split.
         rng_tracker: shared by all chunks (``chunk.rng_tracker``). Default: when the config has
@@ -295,8 +282,11 @@ def build_model_chunks(cfg: ModelConfig, ctx, *, seed: int, sequence_parallel: b
     """
     model_shape.check_model(cfg, ctx.tp.size)
     pp = ctx.pp.size
-    if stage_layers is None:
-        stage_layers = default_stage_layers(cfg.num_layers, pp, virtual_pipeline)
+    if stage_layers is None:  # the even split, chunk c of rank r holding virtual stage c * pp + r
+        try:
+            stage_layers = partition.stage_layers(cfg.num_layers, pp, virtual_pipeline)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     order = model_order(stage_layers, cfg.num_layers)
     ranks = {k[0] for k in stage_layers}
     if ranks != set(range(pp)):

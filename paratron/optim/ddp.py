@@ -70,7 +70,7 @@ from paratron.parallel.params import unique_params
 
 from .grad_buffer import Bucket, GradBuffer
 from .param_gather import ParamShards, unit_ids
-from .zero import ShardedGrads
+from .zero import ShardedGrads, check_zero_level
 
 
 def chunk_params(chunks) -> list[nn.Parameter]:
@@ -140,8 +140,7 @@ class DistributedDataParallel:
         self.grad_dtype = grad_dtype
         self.overlap_grad_reduce = bool(overlap_grad_reduce)
         self.zero = int(zero) if zero is not None else int(bool(use_distributed_optimizer))
-        if self.zero not in (0, 1, 2, 3):
-            raise ValueError(f"parallel.zero={self.zero} must be 0, 1, 2 or 3")
+        check_zero_level(self.zero)
         self.use_distributed_optimizer = self.zero >= 1
         params = chunk_params(self.chunks)
         for p in params:

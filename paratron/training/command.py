@@ -18,7 +18,8 @@ import sys
 from contextlib import contextmanager
 from pathlib import Path
 
-from paratron.config import ConfigError, Config, build_config, megatron_overrides, validate
+from paratron.config import ConfigError, Config, megatron_overrides
+from paratron.rules import build_config, validate
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

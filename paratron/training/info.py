@@ -51,7 +51,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"paratron info: --world-size={args.world_size} must be a positive integer (ranks)", file=sys.stderr)
         return 2
     if args.world_size and "WORLD_SIZE" not in os.environ and not args.nproc_per_node:
-        from paratron.config import ConfigError, build_config, validate
+        from paratron.config import ConfigError
+        from paratron.rules import build_config, validate
 
         try:
             cfg = validate(build_config(args.config, args.overrides), args.world_size)

@@ -22,7 +22,8 @@ import shlex
 import sys
 from pathlib import Path
 
-from paratron.config import Config, ConfigError, build_config
+from paratron.config import Config, ConfigError
+from paratron.rules import build_config
 
 DEFAULT_CALIBRATION = "runs/cpu-calibration.json"
 GPT2_VOCAB = 50257
@@ -92,10 +93,10 @@ def model_with_vocab(cfg: Config) -> object:
 
 def problem(args: argparse.Namespace, cfg: Config):
     """The :class:`~paratron.planner.estimate.Problem` of these arguments."""
-    from .calibrate import load
-    from .estimate import Problem
-    from .hardware import Cluster, device
-    from .shape import Shape
+    from paratron.planner.calibrate import load
+    from paratron.planner.estimate import Problem
+    from paratron.planner.hardware import Cluster, device
+    from paratron.planner.shape import Shape
 
     gpn = (4 if args.gpu == "cpu" else 8) if args.gpus_per_node is None else args.gpus_per_node
     for name, v in (("--nodes", args.nodes), ("--gpus-per-node", gpn), ("--top-k", args.top_k)):
@@ -132,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
 def write_calibration(path: str | Path, nproc: int, quiet: bool = False) -> dict:
     """Measure this CPU on ``nproc`` ranks (:func:`.calibrate.calibrate`) and write the figures
     to ``path`` as JSON; returns them."""
-    from .calibrate import calibrate
+    from paratron.planner.calibrate import calibrate
 
     out = calibrate(nproc, quiet=quiet)
     path = Path(path)
@@ -149,8 +150,8 @@ def _calibrate(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from . import report
-    from .search import plan
+    from paratron.planner import report
+    from paratron.planner.search import plan
 
     cfg = base_config(args)
     prob = problem(args, cfg)
@@ -166,7 +167,7 @@ def _plan(args: argparse.Namespace) -> int:
         print()
         print(report.explain(result.plans[i], prob))
     if args.verify:
-        from paratron.dryrun.verify import verify
+        from .verify import verify
 
         print()
         print(verify(cfg, result.plans, prob, args.verify, quiet=args.quiet))

@@ -70,7 +70,8 @@ def _gb(tensors) -> str:
 def _hf_to_paratron(args, bar) -> str:
     from paratron.checkpoint.hf import hf_to_paratron
     from paratron.checkpoint.io import save_model_full
-    from paratron.config import apply_overrides, load_config, validate
+    from paratron.config import apply_overrides
+    from paratron.rules import load_config, validate
 
     shards = sorted(Path(args.src).glob("*.safetensors"))
     _stage(bar, f"reading {len(shards)} safetensors file(s), "
