@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from paratron.dryrun.moe_standin import install_balanced_routing
 from paratron.rules import build_config, validate
 from paratron.dryrun.rehearse import DryRunError, build_context, rehearse_rank
 from paratron.dryrun.run import auto_ranks, dry_run
@@ -46,6 +47,7 @@ def _real_rank(cfg):
     ctx = build_context(cfg, torch.device("cpu"))
     seed_everything(cfg.train.seed, ctx)
     chunks, ddp, optimizer, _ = build_model_and_optimizer(cfg, ctx)
+    install_balanced_routing(chunks, meta=False)  # the dry run's routing rule, on real tensors
     shapes = [mb["tokens"].shape for mb in synthetic_microbatches(cfg, ctx)]
     g = torch.Generator().manual_seed(ctx.dp.rank)
     mbs = [{"tokens": torch.randint(0, cfg.model.vocab_size, s, generator=g),
@@ -54,8 +56,12 @@ def _real_rank(cfg):
     return {"rank": ctx.rank, **m.as_dict()}
 
 
-@pytest.mark.parametrize("extra, act_tol", [(["parallel.zero=1"], 0.10), (["parallel.zero=3"], 0.20)],
-                         ids=["zero1", "zero3"])
+MOE_EP2 = ["parallel.zero=1", "model.num_experts=6", "model.moe_top_k=2", "parallel.expert=2"]  # 64 pairs: uneven per expert
+
+
+@pytest.mark.parametrize("extra, act_tol", [(["parallel.zero=1"], 0.10), (["parallel.zero=3"], 0.20),
+                                            (MOE_EP2, 0.10)],
+                         ids=["zero1", "zero3", "moe-ep2"])
 def test_dry_run_equals_real_run(extra, act_tol):
     """Model-state bytes, ledger and p2p shapes equal; peak saved-activation bytes within 10%
     (ZeRO-1). Under ZeRO-3 the peak moves between runs of the same process, real or dry (seen:
@@ -140,6 +146,31 @@ def test_70b_interleaved_zero1_at_1024_ranks(tmp_path):
     _assert_states_match_planner(rep)
     assert row["main_params"] > 0 and row["optimizer_state"] == 2 * row["main_params"]  # ZeRO-1 shards
     assert any(k.startswith("all_gather@dp_cp") for k in row["ledger"])  # ZeRO-1 param gather
+    assert _children_peak_gb() < 4.0
+
+
+MIXTRAL_8X7B = [o for o in LLAMA if "vocab_size" not in o and "seq_length" not in o] + [
+    "model.vocab_size=32000", "model.seq_length=4096", "model.num_layers=32", "model.hidden_size=4096",
+    "model.num_attention_heads=32", "model.num_query_groups=8", "model.ffn_hidden_size=14336",
+    "model.num_experts=8", "model.moe_top_k=2"]
+
+
+def test_mixtral_8x7b_at_ep8_tp2_pp4(tmp_path):
+    """EP8 x TP2 x PP4 (64 ranks, DP8, ZeRO-1), routed by the balanced stand-in: the first stage
+    and the far corner of the last. Expert state shards over expert_dp (2 ranks), not DP (8): the
+    planner's model-state bytes match the dry run's (they were 3.6x low on the optimizer)."""
+    proc, rep = _cli(tmp_path, MIXTRAL_8X7B + ["parallel.expert=8", "parallel.tensor=2", "parallel.pipeline=4",
+                                               "parallel.zero=1", "train.global_batch_size=64"], 64,
+                     "--ranks", "0,63")
+    assert proc.returncode == 0, proc.stderr
+    assert [r["rank"] for r in rep["ranks"]] == [0, 63]
+    _assert_states_match_planner(rep)
+    for row in rep["ranks"]:
+        a2a = row["ledger"]["all_to_all@ep"]
+        # 8 layers, 8 microbatches: per layer and microbatch the counts exchange and the rows,
+        # forward (dispatch, combine) and backward (their grads).
+        assert a2a["calls"] == 8 * 8 * 5 and a2a["bytes"] > 0, a2a
+        assert any(k.startswith("reduce_scatter@expert_dp") for k in row["ledger"])  # expert ZeRO-1 shards
     assert _children_peak_gb() < 4.0
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from paratron.planner.estimate import rank_params, stage_ranks
+from paratron.planner.estimate import rank_expert_params, rank_params, stage_ranks
 from paratron.planner.layout import Layout
 from paratron.planner.memory import held_activation_bytes, rank_memory, state_bytes
 from paratron.planner.pipeline import ScheduleCache
@@ -38,15 +38,17 @@ def predict(cfg, world_size: int, pp_rank: int, cache: ScheduleCache | None = No
     model = dataclasses.replace(cfg.model)
     shape = Shape.of(model, model.seq_length)
     params_local = rank_params(shape, lay)[pp_rank]
+    expert_local = rank_expert_params(shape, lay)[pp_rank]
     m = lay.microbatches(cfg.train.global_batch_size)
     cache = cache or ScheduleCache()
     in_flight = cache.in_flight(lay.schedule, lay.pp, m, lay.vpp)[pp_rank]
     last = stage_ranks(lay)[-1] == pp_rank
     prec = cfg.train.precision
     per_chunk, a = shape.L // (lay.pp * lay.vpp), act_bytes(prec)
-    mem = rank_memory(shape, lay, params_local, per_chunk, in_flight, last, prec, a, fused=True)
+    mem = rank_memory(shape, lay, params_local, per_chunk, in_flight, last, prec, a, fused=True,
+                      expert_local=expert_local)
     held, transient = held_activation_bytes(shape, lay, per_chunk, in_flight, last, a, fused=True)
-    param, grad, opt = state_bytes(params_local, lay, prec)
+    param, grad, opt = state_bytes(params_local, lay, prec, expert_local)
     return {"params": param, "grads": grad, "optimizer": opt, "activations": held, "transient": transient,
             "total": mem.total}
 

@@ -12,8 +12,10 @@ What a meta tensor cannot serve, and what stands in for it (the only seams in th
   returns zeros, so the step is taken as finite with no clipping;
 * the attention core on meta takes torch's flash op (``models/attention.py``): SDPA's backend
   choice has no meta entry and would take the math path, which a real run does not;
-* MoE routing is data dependent (token counts per expert decide tensor sizes): MoE layouts are
-  refused with a message saying so (no stand-in yet);
+* MoE routing is data dependent (token counts per expert decide tensor sizes): the dry run
+  routes by a fixed balanced rule (:mod:`.moe_standin`), so the MoE figures are those of a
+  perfectly balanced step; layouts that read the routing again (capacity dropping, expert TP,
+  the all-gather dispatcher) are refused, naming the field;
 * the tokens are zeros of the right shape (``[micro_batch_size, seq_length]``, the CP share).
 
 So a dry run proves shapes, divisibility, groups, schedules, buffer sizes, activation bytes and
@@ -29,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from paratron.dryrun.measure import measure_step, model_state
+from paratron.dryrun.moe_standin import check_supported, install_balanced_routing
 
 META = torch.device("meta")
 GB = 1e9
@@ -124,14 +127,14 @@ def rehearse_rank(cfg, world_size: int, rank: int, memory_gb: float | None = Non
     """
     from paratron.training.step import rank_actions
 
-    if cfg.model.num_experts > 0:
-        raise DryRunError(f"rank {rank}: model.num_experts={cfg.model.num_experts}: MoE routing is data "
-                          "dependent (bincount, nonzero, uneven all-to-all splits) and the dry run has no "
-                          "meta stand-in for it yet; dense layouts only")
+    if cfg.model.num_experts > 0 and (why := check_supported(cfg)):
+        raise DryRunError(f"rank {rank}: the dry run routes MoE tokens by a balanced stand-in, which cannot "
+                          f"serve {why}")
     with fake_world(rank, world_size):
         try:
             ctx = build_context(cfg, META)
             chunks, ddp, optimizer = build_rank(cfg, ctx)
+            install_balanced_routing(chunks, meta=True)
             if memory_gb is not None:  # model states alone over the limit: refused before the step
                 check_memory({"rank": rank, "coords": ctx.grid.coords(rank), **model_state(ddp, optimizer)},
                              memory_gb)

@@ -78,6 +78,16 @@ def rank_params(shape: Shape, lay: Layout) -> list[float]:
     return out
 
 
+def rank_expert_params(shape: Shape, lay: Layout) -> list[float]:
+    """Routed-expert parameters held by each pipeline rank (a part of :func:`rank_params`)."""
+    stages, ranks = lay.pp * lay.vpp, stage_ranks(lay)
+    per = shape.L // stages
+    out = [0.0] * lay.pp
+    for layer in range(stages * per):
+        out[ranks[layer // per]] += shape.expert_params(layer, lay.ep)
+    return out
+
+
 def stage_ranks(lay: Layout) -> list[int]:
     """The pipeline rank of each virtual stage, in model order (the schedule's placement)."""
     from paratron.pipeline.placement import rank_of_stage
@@ -90,15 +100,16 @@ def stage_ranks(lay: Layout) -> list[int]:
 def memory_per_rank(prob: Problem, lay: Layout, in_flight: list[int]) -> tuple[Memory, int]:
     """(largest rank's memory, its pipeline rank)."""
     shape, stages = prob.shape, lay.pp * lay.vpp
-    params = rank_params(shape, lay)
+    params, experts = rank_params(shape, lay), rank_expert_params(shape, lay)
     last = stage_ranks(lay)[-1]
-    memo: dict[tuple[float, int, bool], Memory] = {}  # most ranks of a pipeline hold the same
+    memo: dict[tuple[float, float, int, bool], Memory] = {}  # most ranks of a pipeline hold the same
 
     def of(r: int) -> Memory:
-        key = (params[r], in_flight[r], r == last)
+        key = (params[r], experts[r], in_flight[r], r == last)
         if key not in memo:
             memo[key] = rank_memory(shape, lay, params[r], shape.L // stages, in_flight[r], r == last,
-                                    prob.precision, prob.cluster.hw.act_bytes, prob.fused_attention)
+                                    prob.precision, prob.cluster.hw.act_bytes, prob.fused_attention,
+                                    experts[r])
         return memo[key]
 
     mems = [of(r) for r in range(lay.pp)]

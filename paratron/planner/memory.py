@@ -54,21 +54,34 @@ class Memory:
         return self.params + self.grads + self.optimizer + self.activations + self.transient
 
 
-def state_bytes(params_local: float, lay: Layout, precision: str) -> tuple[float, float, float]:
-    """(parameter, grad, optimizer-state) bytes of ``params_local`` parameters (module docstring)."""
-    n = lay.dp * lay.cp
+def expert_dp(lay: Layout) -> int:
+    """Ranks holding the same experts, over which ZeRO shards their state: ``tp * cp * dp / ep``
+    (the grid's ``expert_dp`` group, expert TP 1)."""
+    return max(1, lay.tp * lay.cp * lay.dp // lay.ep)
+
+
+def state_bytes(params_local: float, lay: Layout, precision: str,
+                expert_local: float = 0.0) -> tuple[float, float, float]:
+    """(parameter, grad, optimizer-state) bytes of ``params_local`` parameters (module docstring),
+    ``expert_local`` of them expert weights: ZeRO shards those over :func:`expert_dp`, the rest
+    over ``dp * cp`` (an EP8 x DP8 layout keeps eight times the expert state the dense rule says;
+    found by ``paratron dryrun`` on a Mixtral shape)."""
+    dense = params_local - expert_local
+
+    def shard(per_param: float) -> float:
+        return per_param * (dense / (lay.dp * lay.cp) + expert_local / expert_dp(lay))
+
     mixed = precision in ("bf16", "fp16")
-    param = (2 if mixed else 4) * params_local
-    grad = 4 * params_local
-    opt = (12 if mixed else 8) * params_local
-    if lay.zero >= 1:
-        opt /= n
+    per_param = 2 if mixed else 4
+    opt_per_param = 12 if mixed else 8
+    param, grad = per_param * params_local, 4 * params_local
+    opt = shard(opt_per_param) if lay.zero >= 1 else opt_per_param * params_local
     if lay.zero == 1:
-        grad += grad / n  # ZeRO-1 keeps the full buffer and its reduced fp32 shard (optim/zero.py)
+        grad += shard(4)  # ZeRO-1 keeps the full buffer and its reduced fp32 shard (optim/zero.py)
     if lay.zero >= 2:
-        grad /= n
+        grad = shard(4)
     if lay.zero >= 3:
-        param /= n
+        param = shard(per_param)
     return param, grad, opt
 
 
@@ -128,7 +141,7 @@ def held_activation_bytes(shape: Shape, lay: Layout, layers_per_chunk: int, in_f
 
 
 def rank_memory(shape: Shape, lay: Layout, params_local: float, layers_per_chunk: int, in_flight: int,
-                has_head: bool, precision: str, a: int, fused: bool = True) -> Memory:
+                has_head: bool, precision: str, a: int, fused: bool = True, expert_local: float = 0.0) -> Memory:
     """Bytes of one rank holding ``params_local`` parameters and ``in_flight`` (microbatch, chunk)
     activations of ``layers_per_chunk`` layers each (the last stage also its head's, for the
     microbatches of its last chunk in flight).
@@ -137,10 +150,9 @@ def rank_memory(shape: Shape, lay: Layout, params_local: float, layers_per_chunk
     recomputed layer) or during the optimizer step (Adam's ``sqrt(v) + eps`` denominator, one fp32
     buffer of the rank's optimizer shard, ``optim/update_rules.py``), whichever is larger.
     """
-    param, grad, opt = state_bytes(params_local, lay, precision)
+    param, grad, opt = state_bytes(params_local, lay, precision, expert_local)
     acts, transient = held_activation_bytes(shape, lay, layers_per_chunk, in_flight, has_head, a, fused)
-    shard = lay.dp * lay.cp if lay.zero >= 1 else 1
-    step_peak = 4.0 * params_local / shard
+    step_peak = opt / (3 if precision in ("bf16", "fp16") else 2)  # one fp32 buffer per param of the shard
     if step_peak > acts + transient:
         acts, transient = 0.0, step_peak
     return Memory(param, grad, opt, acts, transient)

@@ -76,12 +76,20 @@ class Shape:
         attn = (h * qkv + qkv * bias + self.n * self.d * h) // tp + h * bias
         mats = 3 if self.swiglu else 2
         if self.is_moe(layer):
-            mlp = (self.experts // ep) * (mats * h * self.expert_f + (mats - 1) * self.expert_f * bias + h * bias)
+            mlp = self.expert_params(layer, ep)
             mlp += h * self.experts  # router, replicated
             mlp += (mats * h * self.shared_f + (mats - 1) * self.shared_f * bias) // tp + h * bias * (self.shared_f > 0)
         else:
             mlp = (mats * h * self.f + (mats - 1) * self.f * bias) // tp + h * bias
         return attn + mlp + 2 * self.norm_params() + 2 * self.d * int(self.qk_norm)
+
+    def expert_params(self, layer: int, ep: int) -> int:
+        """Parameters of one layer's routed experts held by one EP rank (0 for a dense layer;
+        experts are not split over TP)."""
+        if not self.is_moe(layer):
+            return 0
+        h, bias, mats = self.h, int(self.bias), 3 if self.swiglu else 2
+        return (self.experts // ep) * (mats * h * self.expert_f + (mats - 1) * self.expert_f * bias + h * bias)
 
     def norm_params(self) -> int:
         return self.h * (2 if self.layernorm else 1)

@@ -243,7 +243,8 @@ class AllToAllDispatcher(TokenDispatcher):
         lo, hi = p.local_range
         source_major = torch.cat([received[:at], p.buf[lo:hi], received[at:]])
         # Rows arrive as [source rank][local expert]; experts run on [local expert][source rank].
-        to_expert_major = source_to_expert_major(p.recv_counts)
+        # On the counts' device (the host under the dry run's stand-in, see paratron/dryrun/).
+        to_expert_major = source_to_expert_major(p.recv_counts).to(source_major.device)
         expert_input = source_major.index_select(0, to_expert_major)
         plan = _AllToAllPlan(p.num_slots, p.k, p.slot_ids, p.real_rows, p.in_splits, p.out_splits, p.local_range,
                              at, to_expert_major)

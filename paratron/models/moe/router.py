@@ -157,6 +157,12 @@ class TopKRouter(nn.Module):
             select = limit_to_groups(select, self.num_groups, self.group_topk, self.k)
         return top_k(select, self.k)[1]
 
+    def count_experts(self, indices: torch.Tensor) -> torch.Tensor:
+        """(token, slot) pairs per expert ``[E]`` fp32 for ``indices`` ``[T, k]``. The dry run's
+        balanced stand-in (:mod:`paratron.dryrun.moe_standin`) replaces it on meta tensors, where
+        ``bincount`` has no kernel (its output size depends on the data)."""
+        return torch.bincount(indices.reshape(-1), minlength=self.num_experts).to(torch.float32)
+
     @torch.no_grad()
     def update_bias(self, load: torch.Tensor) -> None:
         """``expert_bias += rate * sign(mean(load) - load)`` for ``load`` [E], the (token, slot)
@@ -194,7 +200,7 @@ class TopKRouter(nn.Module):
             probs = probs * self.scaling_factor
 
         E, T = self.num_experts, tokens.shape[0]
-        counts = torch.bincount(indices.reshape(-1), minlength=E).to(torch.float32)
+        counts = self.count_experts(indices)
         if self.expert_bias is not None and self.training and torch.is_grad_enabled():
             # A recomputed forward counts again: every load doubles alike, the sign of the
             # load error does not change.
