@@ -44,9 +44,13 @@ def no_groups(monkeypatch):
 
 
 @pytest.mark.parametrize("field", sorted(BAD))
-def test_train_refuses_before_any_process_group(field, no_groups, capsys, tmp_path):
+def test_train_refuses_before_any_process_group(field, no_groups, capsys, tmp_path, monkeypatch):
     overrides, message = BAD[field]
-    argv = ["train", "--nproc-per-node", "2", "--run-dir", str(tmp_path / "run")]
+    # As rank 0 of a 2-rank torchrun: past validation the command would set up its process groups.
+    for k, v in {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": "29555"}.items():
+        monkeypatch.setenv(k, v)
+    argv = ["train", "--run-dir", str(tmp_path / "run")]
     for o in overrides:
         argv += ["--set", o]
     assert cli.main(argv) == 2

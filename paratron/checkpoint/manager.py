@@ -39,6 +39,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from paratron.parallel.comm import Group
+
 from . import integrity, rng, storage
 from .adapters import base_weights, lora_on, only_adapters
 from .async_save import BackgroundWriter, Staging
@@ -113,8 +115,6 @@ class CheckpointManager:
 
     @staticmethod
     def _checkpoint_group(ctx):
-        from paratron.parallel.comm import Group
-
         world = ctx.world_size
         if world == 1:
             return Group("checkpoint", [0], 0, None, ctx.ledger)

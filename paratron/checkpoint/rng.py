@@ -22,6 +22,8 @@ import hashlib
 
 import torch
 
+from paratron.parallel.random import RNGStatesTracker
+
 
 def layout_signature(ctx, config=None) -> dict:
     """The rank-grid description that decides whether saved per-rank states still apply."""
@@ -84,8 +86,6 @@ def derived_seed(seed: int, step: int) -> int:
 def rederive(chunks, ctx, seed: int, step: int) -> int:
     """Re-seed the global generators and every tracker stream from ``derived_seed(seed, step)``
     and this rank's coordinates (see the module docstring). Returns the derived seed."""
-    from paratron.parallel.random import RNGStatesTracker
-
     new_seed = derived_seed(seed, step)
     fresh = RNGStatesTracker(new_seed, ctx)
     tracker = find_tracker(chunks)

@@ -22,12 +22,12 @@ from torch import nn
 
 from paratron.registry import Registry
 
+from .layer import TransformerLayer
+
 BlockFactory = Callable[..., nn.Module]
 
 
 def _transformer(cfg, ctx, **kw) -> nn.Module:
-    from .layer import TransformerLayer
-
     return TransformerLayer(cfg, ctx, **kw)
 
 

@@ -19,6 +19,10 @@ from torch import nn
 
 from paratron.config import ConfigError, ModelConfig, model_shape
 from paratron.pipeline import partition
+from paratron.layers import (ParallelLMHead, VocabParallelEmbedding, vocab_parallel_cross_entropy,
+                             vocab_parallel_logits)
+from paratron.layers.init import normal_
+from paratron.parallel.random import RNGStatesTracker
 
 from .embedding import WORD_EMBEDDINGS, Embedding
 from .lora import apply_lora
@@ -29,6 +33,7 @@ from .recompute import checkpointed
 from .context_parallel import sequence_layout
 from .rope import rope_tables, rope_tables_at
 from .state import gather_full_state, load_full_state
+from .mtp import MultiTokenPrediction
 
 __all__ = ["GPTChunk", "build_model_chunks", "model_order", "full_logits",
            "load_full_state", "gather_full_state", "StageLayers"]
@@ -108,9 +113,6 @@ class GPTChunk(nn.Module):
             self.embedding.word_embeddings.weight.shared_embedding = True
 
     def _build_output(self, cfg, ctx, seed, params_dtype, embedding_weight):
-        from paratron.layers import ParallelLMHead
-        from paratron.layers.init import normal_
-
         if not cfg.tie_embeddings:
             self.output_layer = ParallelLMHead(
                 cfg.vocab_size, cfg.hidden_size, ctx, logical_name="output_layer", seed=seed,
@@ -132,11 +134,6 @@ class GPTChunk(nn.Module):
         """The MTP modules (:mod:`paratron.models.mtp`), with the word embedding they share: this
         chunk's, the given one (same rank), or a copy drawn from the same full tensor (its own
         ``shared_embedding`` parameter, or the tied output layer's)."""
-        from paratron.layers import VocabParallelEmbedding
-        from paratron.layers.init import normal_
-
-        from .mtp import MultiTokenPrediction
-
         shared = self.embedding.word_embeddings if self.pre_process else embedding_module
         if shared is None:
             shared = VocabParallelEmbedding(
@@ -224,8 +221,6 @@ class GPTChunk(nn.Module):
 
     def _head(self, h: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
         """Logits (or per-token losses against ``labels``) of the normed hidden ``h``."""
-        from paratron.layers import vocab_parallel_cross_entropy, vocab_parallel_logits
-
         if self.output_layer is not None:
             logits = self.output_layer(h)
         else:
@@ -293,8 +288,6 @@ def build_model_chunks(cfg: ModelConfig, ctx, *, seed: int, sequence_parallel: b
         raise ValueError(f"stage_layers names pipeline ranks {sorted(ranks)}; the layout has parallel.pipeline={pp}")
     if rng_tracker is None and (cfg.hidden_dropout > 0 or cfg.attention_dropout > 0
                                 or (cfg.lora_rank > 0 and cfg.lora_dropout > 0)):
-        from paratron.parallel.random import RNGStatesTracker
-
         rng_tracker = RNGStatesTracker(seed, ctx)
     mine = sorted(k for k in stage_layers if k[0] == ctx.pp.rank)
     chunks: list[GPTChunk] = []

@@ -17,6 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from paratron.config import ModelConfig
+from paratron.layers import ColumnParallelLinear, RowParallelLinear
+from paratron.layers.init import normal_
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -55,9 +57,6 @@ class MLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig, ctx, *, logical_name: str, ffn: int, seed: int,
                  sequence_parallel: bool, params_dtype: torch.dtype, output_init=None):
-        from paratron.layers import ColumnParallelLinear, RowParallelLinear
-        from paratron.layers.init import normal_
-
         super().__init__()
         self.activation = cfg.activation
         fused = 2 if cfg.activation == "swiglu" else 1

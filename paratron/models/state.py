@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from paratron.parallel.params import gather_full, unique_params
+from paratron.parallel.params import gather_full, load_full_, unique_params
 
 
 def load_full_state(chunks, tensors: dict[str, torch.Tensor]) -> set[str]:
@@ -19,8 +19,6 @@ def load_full_state(chunks, tensors: dict[str, torch.Tensor]) -> set[str]:
         KeyError: a parameter of these chunks has no tensor (named).
         ValueError: a tensor has the wrong full shape.
     """
-    from paratron.parallel.params import load_full_
-
     used = set()
     for p in unique_params(chunks):
         if p.logical_name not in tensors:

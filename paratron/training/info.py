@@ -14,6 +14,11 @@ import sys
 
 from paratron.training.command import add_arguments as add_train_arguments
 from paratron.training.command import launch_or_run, parse  # noqa: F401 (parse used by cli)
+from paratron.config import ConfigError
+from paratron.parallel.context import ParallelContext, init_distributed
+from paratron.parallel.grid import build_grid
+from paratron.rules import build_config, validate
+from paratron.training.groups import groups_used
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -23,9 +28,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _describe_grid(cfg, world: int) -> dict:
-    from paratron.parallel.grid import build_grid
-    from paratron.training.groups import groups_used
-
     p = cfg.parallel
     grid = build_grid(world, tp=p.tensor, cp=p.context, ep=p.expert, pp=p.pipeline,
                       expert_tp=p.expert_tensor, order=p.order)
@@ -51,9 +53,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"paratron info: --world-size={args.world_size} must be a positive integer (ranks)", file=sys.stderr)
         return 2
     if args.world_size and "WORLD_SIZE" not in os.environ and not args.nproc_per_node:
-        from paratron.config import ConfigError
-        from paratron.rules import build_config, validate
-
         try:
             cfg = validate(build_config(args.config, args.overrides), args.world_size)
         except ConfigError as e:
@@ -75,9 +74,6 @@ def run(args: argparse.Namespace) -> int:
 def _body(cfg, args) -> int:
     import torch
     import torch.distributed as dist
-
-    from paratron.parallel.context import ParallelContext, init_distributed
-    from paratron.training.groups import groups_used
 
     init_distributed(cfg.parallel.timeout_s)
     p = cfg.parallel

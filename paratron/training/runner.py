@@ -16,16 +16,15 @@ import torch.distributed as dist
 
 from paratron.config import Config
 from paratron.training.setup import build_model_and_optimizer  # noqa: F401  (public here too)
+from paratron.parallel.context import ParallelContext, init_distributed
+from paratron.training.groups import groups_used
+from paratron.training.rankproc import record_failure
 from paratron.training.startup import StartupClock
 from paratron.training.step_log import log
-from paratron.training.rankproc import record_failure
 from paratron.training.trainer import NonFiniteStop, Trainer
 
 
 def build_context(cfg: Config):
-    from paratron.parallel.context import ParallelContext, init_distributed
-    from paratron.training.groups import groups_used
-
     init_distributed(cfg.parallel.timeout_s)
     p = cfg.parallel
     return ParallelContext.build(tp=p.tensor, cp=p.context, ep=p.expert, pp=p.pipeline,

@@ -38,8 +38,9 @@ from paratron.training.profiling import StepObserver
 from paratron.training.setup import (build_checkpoint_manager, build_model_and_optimizer, builtin_callbacks,
                                      count_params, export_hf_at_end, load_hf_start, print_sample,
                                      seed_everything, warn_if_saving_over)
-from paratron.training.step import needs_microbatch_time, rank_actions, run_global_batch
+from paratron.training.data_iter import TrainingData
 from paratron.training.startup import StartupClock
+from paratron.training.step import needs_microbatch_time, rank_actions, run_global_batch
 from paratron.training.step_log import StepLog, log
 from paratron.training.timers import PhaseTimer
 from paratron.training.wandb_log import wandb_sinks
@@ -83,8 +84,6 @@ class Trainer:
     """
 
     def __init__(self, cfg: Config, ctx, run_dir: Path, clock: StartupClock | None = None) -> None:
-        from paratron.training.data_iter import TrainingData  # builds the data pipeline: lazy
-
         seed_everything(cfg.train.seed, ctx)
         self.cfg, self.ctx, self.run_dir = cfg, ctx, run_dir
         self.clock = clock if clock is not None else StartupClock()

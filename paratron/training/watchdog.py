@@ -42,6 +42,7 @@ from paratron.checkpoint.io import write_json_atomic
 from paratron.parallel.collcheck import CollectiveMismatch
 from paratron.parallel.flight import BlackBox, FlightRecorder
 from paratron.training.callbacks import Callback
+from paratron.training.hang import diagnose, load_dumps, load_rings
 from paratron.training.rankproc import LOG_DIR_ENV
 
 EXIT_HANG = 124
@@ -186,8 +187,6 @@ class HangWatchdog(Callback):
 
     def print_diagnosis(self) -> None:
         """Wait for the peers' dumps, then print the diagnosis to stderr (rank 0, bare torchrun)."""
-        from paratron.training.hang import diagnose, load_dumps, load_rings
-
         time.sleep(min(2.5 * self.poll_s, 2.5))
         dumps = load_dumps(self.dir)
         text = diagnose(dumps, where=str(self.dir), rings=load_rings(self.dir, dumps))

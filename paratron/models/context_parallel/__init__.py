@@ -16,6 +16,8 @@ from typing import Callable
 
 import torch
 
+from paratron.parallel.comm import Group
+
 from .layout import (ALGORITHMS, SeqLayout, attention_flops_per_rank, chunk_ids, local_positions, sequence_layout,
                      shard_microbatch, shard_sequence)
 from .ring import RingAttention
@@ -27,8 +29,6 @@ __all__ = ["ALGORITHMS", "SeqLayout", "context_attention", "attention_flops_per_
 
 def _local(layout: SeqLayout) -> SeqLayout:
     """The same microbatch seen whole by one rank (after the all2all gathered the sequence)."""
-    from paratron.parallel.comm import Group
-
     one = Group(layout.cp.name, [0], 0, None, layout.cp.ledger)
     return SeqLayout(layout.seq_length, one, "ring", layout.cu_seqlens, layout.batch)
 
