@@ -51,7 +51,7 @@ from paratron.checkpoint.manager import CheckpointManager  # noqa: E402
 from paratron.config import CheckpointConfig, Config  # noqa: E402
 from paratron.parallel.context import ParallelContext  # noqa: E402
 from paratron.parallel.params import ShardSpec, mark  # noqa: E402
-from paratron.testing import run_ranks  # noqa: E402
+from paratron.local_ranks import run_ranks  # noqa: E402
 
 N_TENSORS, COLS = 20, 1000
 

@@ -42,7 +42,7 @@ import torch  # noqa: E402
 from paratron.config import Config
 from paratron.rules import validate  # noqa: E402
 from paratron.parallel.context import ParallelContext  # noqa: E402
-from paratron.testing import run_ranks  # noqa: E402
+from paratron.local_ranks import run_ranks  # noqa: E402
 
 
 def _config(seq: int, cp: int, algorithm: str) -> Config:
@@ -74,7 +74,7 @@ LAYOUTS = (("cp1-dp2", 1, "ring"), ("cp2-ring", 2, "ring"), ("cp2-all2all", 2, "
 def _layout_step(seq: int, cp: int, algorithm: str):
     """One layout's model, optimizer and microbatches on this rank: a function running one step."""
     from paratron.training.data_iter import microbatch_preparer
-    from paratron.training.runner import build_model_and_optimizer
+    from paratron.training.builders import build_model_and_optimizer
     from paratron.training.step import run_global_batch
 
     cfg = _config(seq, cp, algorithm)

@@ -8,7 +8,11 @@ micro-batch 1, full activation recomputation off, 1F1B, ZeRO off; the global bat
 embedding's and the head's stage). Prints a Markdown table: model-state bytes (params + grads +
 optimizer) and peak (model states + activations) of the dry run, the planner's, and the ratios.
 
-    .venv/bin/python benchmarks/bench_dryrun_sc21.py [--rows 0,1,...]
+    .venv/bin/python benchmarks/bench_dryrun_sc21.py [--rows 0,1,...] [--plans paper|best]
+
+With ``--plans best`` each row is first planned (``paratron plan``'s search: A100 80 GB, 8 per
+node, the row's GPU count and global batch) and the planner's top plan is rehearsed instead of
+the paper's layout, its batch cut as ``paratron plan --verify`` cuts it.
 """
 
 from __future__ import annotations
@@ -19,7 +23,14 @@ import time
 from pathlib import Path
 
 from paratron.rules import build_config, validate
+import dataclasses
+
 from paratron.dryrun.run import dry_run
+from paratron.dryrun.verify import plan_config
+from paratron.planner.estimate import Problem
+from paratron.planner.hardware import Cluster, device
+from paratron.planner.search import plan
+from paratron.planner.shape import Shape
 
 TABLE = Path(__file__).resolve().parents[1] / "paratron" / "planner" / "data" / "megatron-sc21-table1.csv"
 GPT = ["model.normalization=layernorm", "model.position_embedding_type=learned", "model.activation=gelu",
@@ -44,18 +55,34 @@ def row_config(r: dict):
     return cfg, world
 
 
+def best_plan_config(r: dict, cfg, world: int):
+    """The planner's top plan for row ``r`` (its model, GPU count and global batch) as a config
+    with the batch cut like ``plan --verify``; and the plan's one-line name."""
+    model = dataclasses.replace(cfg.model)
+    prob = Problem(model, Shape.of(model, model.seq_length), Cluster(world // 8, 8, device("a100", memory_gb=80)),
+                   int(r["global_batch_size"]), model.seq_length)
+    est = plan(prob, cfg, 1, quiet=True).plans[0]
+    return plan_config(cfg, est, prob), est.layout.short()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default=None, help="comma-separated row indices (default: all)")
+    ap.add_argument("--plans", choices=("paper", "best"), default="paper",
+                    help="rehearse the paper's TP x PP (default) or the planner's top plan")
     args = ap.parse_args()
     table = rows()
     chosen = range(len(table)) if args.rows is None else [int(i) for i in args.rows.split(",")]
-    print("| params (B) | TP x PP x DP | rank | states dry (GB) | states planner (GB) | ratio "
+    print("| params (B) | layout | rank | states dry (GB) | states planner (GB) | ratio "
           "| peak dry (GB) | peak planner (GB) | ratio | seconds |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for i in chosen:
         r = table[i]
         cfg, world = row_config(r)
+        p = cfg.parallel
+        name = f"{p.tensor} x {p.pipeline} x {world // (p.tensor * p.pipeline)}"
+        if args.plans == "best":
+            cfg, name = best_plan_config(r, cfg, world)
         t0 = time.perf_counter()
         rep = dry_run(cfg, world, sorted({0, world - 1}), quiet=True)
         secs = (time.perf_counter() - t0) / len(rep.ranks)
@@ -64,8 +91,7 @@ def main() -> None:
             sd = sum(v[t][0] for t in ("params", "grads", "optimizer"))
             sp = sum(v[t][1] for t in ("params", "grads", "optimizer"))
             pd, pk = sd + v["activations"][0], sp + v["activations"][1]
-            dp = world // (cfg.parallel.tensor * cfg.parallel.pipeline)
-            print(f"| {r['params_billion']} | {cfg.parallel.tensor} x {cfg.parallel.pipeline} x {dp} | {row['rank']} "
+            print(f"| {r['params_billion']} | {name} | {row['rank']} "
                   f"| {sd / 1e9:.2f} | {sp / 1e9:.2f} | {sd / sp:.3f} | {pd / 1e9:.2f} | {pk / 1e9:.2f} "
                   f"| {pd / pk:.3f} | {secs:.0f} |", flush=True)
 

@@ -71,7 +71,7 @@ def _rank(overrides: list[str], run_dir: str, slow: str):
     import io
 
     from paratron.rules import load_config
-    from paratron.training.runner import run_training
+    from paratron.launch.runner import run_training
 
     os.environ["PARATRON_SLOW_RANK"] = slow
     with contextlib.redirect_stdout(io.StringIO()):
@@ -79,7 +79,7 @@ def _rank(overrides: list[str], run_dir: str, slow: str):
 
 
 def _run(base: list[str], run_dir: Path, slow: str) -> list[dict]:
-    from paratron.testing import run_ranks
+    from paratron.local_ranks import run_ranks
 
     cbs = (f'train.callbacks=["{Path(__file__).resolve()}:Alternating", '
            '"paratron.plugins.failslow_inject:SlowRank"]')

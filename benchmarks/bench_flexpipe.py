@@ -53,7 +53,7 @@ from paratron.parallel.context import ParallelContext  # noqa: E402
 from paratron.pipeline.partition import stage_layers  # noqa: E402
 from paratron.pipeline.registry import build_schedule  # noqa: E402
 from paratron.pipeline.runtime import run_pipeline  # noqa: E402
-from paratron.testing import run_ranks  # noqa: E402
+from paratron.local_ranks import run_ranks  # noqa: E402
 
 VOCAB = 512
 

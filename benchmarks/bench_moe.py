@@ -49,7 +49,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from paratron.config import Config
 from paratron.rules import validate  # noqa: E402
 from paratron.parallel.context import ParallelContext  # noqa: E402
-from paratron.testing import run_ranks  # noqa: E402
+from paratron.local_ranks import run_ranks  # noqa: E402
 
 GBS, MBS, SEQ, VOCAB = 8, 2, 128, 512
 
@@ -78,7 +78,7 @@ def _step_times(ep: int, dispatcher: str, world: int, steps: int, intervals: boo
     from paratron.models.moe.layer import set_aux_loss_scale
     from paratron.optim import finalize_grads
     from paratron.parallel.intervals import recording
-    from paratron.training.runner import build_model_and_optimizer
+    from paratron.training.builders import build_model_and_optimizer
 
     cfg = _config(ep, dispatcher, world)
     ctx = ParallelContext.build(ep=ep) if world > 1 else ParallelContext.single()

@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from bench_moe import FARSKIP_OVERLAP, FORWARD, GBS, SEQ, VOCAB, _config, _hidden  # noqa: E402
 from paratron.rules import validate  # noqa: E402
 from paratron.parallel.context import ParallelContext  # noqa: E402
-from paratron.testing import run_ranks  # noqa: E402
+from paratron.local_ranks import run_ranks  # noqa: E402
 
 EP = 2
 
@@ -41,7 +41,7 @@ def _steps(overlap: bool, steps: int):
     """On every rank: median step seconds (wall, CPU of the process), and the intervals recorded
     in ``steps`` more steps."""
     from paratron.parallel.intervals import recording
-    from paratron.training.setup import build_model_and_optimizer
+    from paratron.training.builders import build_model_and_optimizer
     from paratron.training.step import rank_actions, run_global_batch
 
     cfg = _config(EP, "alltoall", EP)

@@ -3,7 +3,7 @@ model and schedule (1F1B, interleaved 1F1B), and paratron's measured step time a
 simulator's prediction from measured per-action costs.
 
 The model is a GPT built from paratron's layers (untied embeddings, fp32), split over 4 pipeline
-ranks (gloo, one thread each, forked by ``paratron.testing.run_ranks``). Both frameworks run the
+ranks (gloo, one thread each, forked by ``paratron.local_ranks.run_ranks``). Both frameworks run the
 same ``GPTChunk`` modules and the same vocab-parallel cross-entropy; torch's schedules get
 ``scale_grads=False`` because the loss is already divided by the global token count, like ours.
 Step time: from a barrier to the end of the slowest rank's schedule, median over the measured
@@ -47,7 +47,7 @@ from paratron.pipeline.registry import build_schedule  # noqa: E402
 from paratron.pipeline.runtime import run_pipeline  # noqa: E402
 from paratron.pipeline.simulator import simulate  # noqa: E402
 from paratron.pipeline.timeline import TraceEvent, draw_png, from_spans  # noqa: E402
-from paratron.testing import run_ranks  # noqa: E402
+from paratron.local_ranks import run_ranks  # noqa: E402
 
 VOCAB = 512
 

@@ -45,7 +45,7 @@ from paratron.pipeline.partition import stage_layers  # noqa: E402
 from paratron.pipeline.registry import build_schedule  # noqa: E402
 from paratron.pipeline.runtime import run_pipeline  # noqa: E402
 from paratron.pipeline.simulator import Costs, simulate  # noqa: E402
-from paratron.testing import run_ranks  # noqa: E402
+from paratron.local_ranks import run_ranks  # noqa: E402
 
 VOCAB, P, HIDDEN, SEQ, MBS, DELAYS_MS = 128, 4, 32, 16, 1, (10, 40, 100)
 
@@ -107,8 +107,8 @@ def _rank(a):
     def run(lists, delay):
         timeline = []
         dist.barrier()
-        run_pipeline(lists[ctx.pp.rank], chunks, ctx, micro, step, (SEQ, MBS, HIDDEN), torch.float32,
-                     timeline=timeline, link_delay=delay)
+        run_pipeline(lists[ctx.pp.rank], chunks, ctx if delay is None else delay.over(ctx), micro, step,
+                     (SEQ, MBS, HIDDEN), torch.float32, timeline=timeline)
         for c in chunks:
             c.zero_grad(set_to_none=True)
         everyone = [None] * P

@@ -46,7 +46,7 @@ from paratron.pipeline.partition import stage_layers  # noqa: E402
 from paratron.pipeline.registry import build_schedule  # noqa: E402
 from paratron.pipeline.runtime import run_pipeline  # noqa: E402
 from paratron.pipeline.simulator import Costs, simulate  # noqa: E402
-from paratron.testing import run_ranks  # noqa: E402
+from paratron.local_ranks import run_ranks  # noqa: E402
 
 VOCAB, P, HIDDEN, SEQ, MBS = 128, 4, 32, 16, 1
 SCHEDULES = (("1f1b", 1), ("zbv", 2), ("dualpipev", 2))

@@ -47,7 +47,7 @@ from paratron.pipeline.recompute_placement import place_recompute, with_full_rec
 from paratron.pipeline.registry import build_schedule  # noqa: E402
 from paratron.pipeline.runtime import run_pipeline  # noqa: E402
 from paratron.pipeline.simulator import Costs, simulate  # noqa: E402
-from paratron.testing import run_ranks  # noqa: E402
+from paratron.local_ranks import run_ranks  # noqa: E402
 
 from bench_pipeline_delay import FixedCost  # noqa: E402
 

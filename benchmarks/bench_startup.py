@@ -121,7 +121,7 @@ def group_creation(repeats: int) -> dict:
     import torch
 
     from paratron.rules import load_config
-    from paratron.testing import run_ranks
+    from paratron.local_ranks import run_ranks
     from paratron.training.groups import groups_used
 
     torch.set_num_threads(1)

@@ -7,7 +7,7 @@ Both layers are the same pre-norm block (LayerNorm, fused QKV column-parallel li
 SDPA on the local heads, row-parallel output projection, LayerNorm, column fc1, GELU, row fc2),
 built from each framework's ColumnParallelLinear/RowParallelLinear with biases; megatron-core
 uses ``use_cpu_initialization=True``. Two gloo ranks, one thread each (forked by
-``paratron.testing.run_ranks``). Iterations alternate paratron / megatron-core so that load from
+``paratron.local_ranks.run_ranks``). Iterations alternate paratron / megatron-core so that load from
 other processes hits both alike; printed: the ratio of median times, of minimum times, and the
 median of per-iteration ratios (each pair ran back to back, so it is the least disturbed by load).
 
@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from paratron.layers import ColumnParallelLinear, LayerNorm, RowParallelLinear  # noqa: E402
 from paratron.parallel.context import ParallelContext  # noqa: E402
 from paratron.parallel.grads import allreduce_sequence_parallel_grads  # noqa: E402
-from paratron.testing import run_ranks  # noqa: E402
+from paratron.local_ranks import run_ranks  # noqa: E402
 
 
 class _Block(nn.Module):

@@ -52,7 +52,7 @@ def step_overhead(rounds: int, steps: int) -> dict:
     from paratron.models.gpt import gather_full_state
     from paratron.config.model_shape import ffn_size, query_groups
     from paratron.parallel.context import ParallelContext
-    from paratron.training.runner import build_model_and_optimizer
+    from paratron.training.builders import build_model_and_optimizer
     from paratron.training.trainer import train_batch
 
     cfg = load_config(ROOT / "configs/default.toml", ["parallel.tensor=1", "parallel.pipeline=1",

@@ -31,7 +31,7 @@ from paratron.parallel.flight import FlightRecorder  # noqa: E402
 def _setup(tp: int, pp: int):
     from paratron.rules import load_config
     from paratron.parallel.context import ParallelContext
-    from paratron.training.runner import build_model_and_optimizer
+    from paratron.training.builders import build_model_and_optimizer
 
     cfg = load_config(ROOT / "configs/default.toml", [f"parallel.tensor={tp}", f"parallel.pipeline={pp}",
                                                        "model.vocab_size=8192"])
@@ -53,7 +53,7 @@ def _setup(tp: int, pp: int):
 
 def _rounds(rounds: int, steps: int, tp: int, pp: int) -> dict:
     from paratron.training.step import run_global_batch
-    from paratron.training.watchdog import HangWatchdog
+    from paratron.launch.watchdog import HangWatchdog
 
     cfg, ctx, chunks, ddp, opt, mbs = _setup(tp, pp)
 
@@ -120,7 +120,7 @@ def main() -> None:
     single = _rounds(args.rounds, args.steps, 1, 1)
     print(f"layout (1): step {single['off_s']:.3f} s off / {single['on_s']:.3f} s on, ratio {single['ratio']:.3f}, "
           f"ops recorded per step {single['ops_per_step']}")
-    from paratron.testing import run_ranks
+    from paratron.local_ranks import run_ranks
 
     res = run_ranks(_rounds, 4, args.rounds, args.steps, 2, 2, timeout=3000)[0]
     predicted = (res["ops_per_step"] * hook + poll * res["on_s"] / 1.0) / res["off_s"]

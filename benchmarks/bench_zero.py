@@ -43,7 +43,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from paratron.config import OptimizerConfig  # noqa: E402
 from paratron.parallel.params import mark  # noqa: E402
-from paratron.testing import run_ranks  # noqa: E402
+from paratron.local_ranks import run_ranks  # noqa: E402
 
 
 class Block(nn.Module):

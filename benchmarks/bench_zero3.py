@@ -49,7 +49,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from bench_zero import TinyGPT, _data, deepspeed_engine, deepspeed_step, parse_args, time_in_turn  # noqa: E402
 from paratron.config import OptimizerConfig  # noqa: E402
-from paratron.testing import run_ranks  # noqa: E402
+from paratron.local_ranks import run_ranks  # noqa: E402
 
 
 def _fsdp(kw, cfg, reshard: bool):

@@ -1,7 +1,7 @@
 """``python -m paratron ...`` (what torchrun runs with ``-m paratron``).
 
 The first lines stamp this process's start and the end of ``import torch`` for the start-up
-breakdown (:mod:`paratron.training.startup`); nothing else may come before them.
+breakdown (:mod:`paratron.launch.startup`); nothing else may come before them.
 """
 
 import os

@@ -14,8 +14,8 @@ import sys
 from paratron import markup
 
 COMMANDS: dict[str, tuple[str, str]] = {
-    "train": ("paratron.training.command", "train a model (under torchrun, or --nproc-per-node N)"),
-    "info": ("paratron.training.info", "show the process groups of a layout (under torchrun too)"),
+    "train": ("paratron.launch.command", "train a model (under torchrun, or --nproc-per-node N)"),
+    "info": ("paratron.launch.info", "show the process groups of a layout (under torchrun too)"),
     "preprocess": ("paratron.data.preprocess", "tokenize a JSONL/text corpus into .bin/.idx files"),
     "generate": ("paratron.training.generate", "sample text from a checkpoint"),
     "convert": ("paratron.convert", "convert checkpoints to and from Hugging Face"),

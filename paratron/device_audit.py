@@ -18,7 +18,7 @@ therefore uses a stand-in accelerator: PyTorch's ``PrivateUse1`` device type, re
   ``bool(t)``, ``.tolist()``, blocking copies to the host, and ops with data-dependent output
   shapes such as ``nonzero``), with the op and the paratron line of each in :attr:`DeviceAudit.sync_ops`.
 
-Only ``paratron.testing`` users (the tests) need this module.
+Only ``paratron.local_ranks`` users (the tests) need this module.
 """
 
 from __future__ import annotations

@@ -48,9 +48,9 @@ def train_for_parity(cfg: Config, ctx, steps: int, seed: int = 50, prepare=None)
     index in the full tensor)}, "losses": [one per step]}`` for a comparison against one process.
     ``prepare(chunks, ddp, optimizer)``, when given, replaces the perturbation (it must set the
     optimizer's main weights itself)."""
-    from paratron.checkpoint.manager import copy_params_into_main
+    from paratron.checkpoint.items import iter_params
     from paratron.training.data_iter import microbatch_preparer
-    from paratron.training.runner import build_model_and_optimizer
+    from paratron.training.builders import build_model_and_optimizer
     from paratron.training.step import run_global_batch
 
     torch.manual_seed(0)
@@ -62,7 +62,7 @@ def train_for_parity(cfg: Config, ctx, steps: int, seed: int = 50, prepare=None)
         # change only with writeback.
         with ddp.full_params(writeback=True):
             perturb_1d_params_(chunks)
-            copy_params_into_main(chunks, optimizer)
+            optimizer.copy_params_into_main(iter_params(chunks))
     gbs, mbs, m = cfg.train.global_batch_size, cfg.train.micro_batch_size, cfg.model
     rows, r = gbs // ctx.dp.size, ctx.dp.rank
     losses = []

@@ -15,7 +15,7 @@ import torch
 from paratron.config import ConfigError
 from paratron.rules import load_config, validate
 from paratron.device_audit import AUDIT_DEVICE_TYPE, AuditTensor, DeviceAudit, audit_device
-from paratron.testing import run_ranks
+from paratron.local_ranks import run_ranks
 
 from test_device_audit import AUDIT_BACKEND, FRESH, _config, _microbatches, _sanction_host_traffic
 
@@ -85,7 +85,7 @@ def _grads(chunks) -> dict:
 def _rank_offload(offloaded: list[str], recompute: str = "none"):
     import paratron.models.gpt as gpt
     from paratron.parallel.context import ParallelContext
-    from paratron.training.setup import build_model_and_optimizer
+    from paratron.training.builders import build_model_and_optimizer
     from paratron.training.timers import PhaseTimer
     from paratron.training.trainer import train_batch
 

@@ -20,7 +20,7 @@ from paratron.checkpoint.safety import METADATA_FILE, read_metadata_safely
 from paratron.config import CheckpointConfig, Config
 from paratron.parallel.context import ParallelContext
 from paratron.parallel.params import ShardSpec, mark
-from paratron.testing import run_ranks
+from paratron.local_ranks import run_ranks
 
 ROWS, COLS, TENSORS = 256, 512, 4  # 512 KiB fp32 per tensor, 2 MiB in all
 

@@ -16,7 +16,7 @@ from paratron.config import CheckpointConfig
 from paratron.models.gpt import build_model_chunks
 from paratron.parallel.context import ParallelContext
 from paratron.parallel.random import MODEL_PARALLEL_RNG
-from paratron.testing import run_ranks
+from paratron.local_ranks import run_ranks
 from test_checkpoint_reshard import tiny_config
 
 

@@ -15,7 +15,7 @@ from paratron.config import CheckpointConfig
 from paratron.models.gpt import build_model_chunks, load_full_state
 from paratron.optim import DistributedDataParallel, build_lr_scheduler, build_optimizer
 from paratron.parallel.context import ParallelContext
-from paratron.testing import run_ranks
+from paratron.local_ranks import run_ranks
 from test_checkpoint_reshard import check_params, targets, tiny_config
 
 KINDS = ("exp_avg", "exp_avg_sq")
@@ -129,7 +129,7 @@ def check_against_checkpoint(saved, model) -> int:
 
 
 def _train_save_and_resume_elsewhere(root):
-    from paratron.training.runner import build_model_and_optimizer
+    from paratron.training.builders import build_model_and_optimizer
 
     cfg = train_config(ORIGINAL)
     ctx = ParallelContext.build(tp=2, pp=2)
@@ -155,7 +155,7 @@ def load_and_continue(root, lay: dict | None, saved, save_at: int, steps_after) 
     at step ``save_at``), check it against ``saved`` bitwise and train ``steps_after``.
 
     Returns: (number of optimizer chunks checked, the losses)."""
-    from paratron.training.runner import build_model_and_optimizer
+    from paratron.training.builders import build_model_and_optimizer
 
     if lay is None:
         cfg_b, ctx_b = train_config(dict(tp=1, pp=1, v=1, zero=0)), ParallelContext.single()

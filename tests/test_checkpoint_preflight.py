@@ -18,9 +18,9 @@ from paratron.checkpoint.manager import CheckpointManager
 from paratron.data.indexed import IndexedDatasetWriter
 from paratron.models.gpt import build_model_chunks
 from paratron.parallel.context import ParallelContext
-from paratron.testing import run_ranks
-from paratron.training.failures import collect, summarize
-from paratron.training.rankproc import write_error_record
+from paratron.local_ranks import run_ranks
+from paratron.launch.failures import collect, summarize
+from paratron.launch.rankproc import write_error_record
 from test_checkpoint_integrity import _flip
 from test_checkpoint_reshard import tiny_config
 
@@ -49,7 +49,7 @@ def saved(tmp_path_factory) -> tuple[Path, list[str]]:
 @pytest.fixture
 def launches(monkeypatch):
     """Every torchrun the launcher would start (none is: each returns 0 at once)."""
-    import paratron.training.launch as launch
+    import paratron.launch.launch as launch
 
     started = []
     monkeypatch.setattr(launch, "run_torchrun", lambda cmd, *a, **k: started.append(cmd) or 0)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from paratron.testing import run_ranks
+from paratron.local_ranks import run_ranks
 from paratron.training.callbacks import Callback
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,7 +65,7 @@ def _train(overrides: list[str], run_dir: str, stop_at: int = 0):
     how many init tiles it drew (``"draws"``)."""
     import paratron.layers.init as init
     import paratron.training.evaluator as evaluator
-    import paratron.training.runner as runner
+    import paratron.launch.runner as runner
     import paratron.training.trainer as trainer
     from paratron.rules import load_config
 

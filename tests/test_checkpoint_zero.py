@@ -7,7 +7,7 @@ checkpoint loading at DP=8 ZeRO-3, is a layout of ``test_checkpoint_optim``.)"""
 from paratron.checkpoint.io import load_tensors_full
 from paratron.checkpoint.manager import CheckpointManager
 from paratron.parallel.context import ParallelContext
-from paratron.testing import run_ranks
+from paratron.local_ranks import run_ranks
 from test_checkpoint_optim import load_and_continue, train_config, train_steps
 
 ORIGINAL = dict(tp=2, pp=1, v=1, zero=3, mbs=1)
@@ -21,7 +21,7 @@ SAVE_AT = 2
 
 
 def _save_zero3_and_load_elsewhere(root):
-    from paratron.training.runner import build_model_and_optimizer
+    from paratron.training.builders import build_model_and_optimizer
 
     cfg = train_config(ORIGINAL)
     ctx = ParallelContext.build(tp=2)

@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 from paratron.parallel.flight import FlightRecorder, signature
-from paratron.testing import run_ranks
-from paratron.training.hang import diagnose
+from paratron.local_ranks import run_ranks
+from paratron.launch.hang import diagnose
 from test_launcher_failures import ROOT, _command, _env, _no_process_left
 
 

@@ -52,7 +52,7 @@ def test_zbv_implies_two_virtual_stages(tmp_path):
 
 def test_warmup_longer_than_the_run_warns_once(capsys, monkeypatch):
     from paratron.config.validators import config_warnings
-    from paratron.training.command import print_config_warnings
+    from paratron.launch.command import print_config_warnings
 
     cfg = validate(cfg_with("train.train_iters=4", "optimizer.lr_warmup_iters=30"), 1)
     (line,) = config_warnings(cfg)

@@ -6,7 +6,7 @@ import torch
 
 from paratron.parallel.context import GROUP_KINDS, ParallelContext
 from paratron.parallel.grid import build_grid
-from paratron.testing import RankFailure, RankTimeout, run_ranks
+from paratron.local_ranks import RankFailure, RankTimeout, run_ranks
 
 
 def _membership(tp, pp, ep):
@@ -127,7 +127,7 @@ def test_harness_repeats_a_failed_rendezvous_before_any_rank_runs(tmp_path, monk
 
 
 def test_harness_reports_a_rendezvous_that_keeps_failing(tmp_path, monkeypatch):
-    from paratron.testing import RENDEZVOUS_ATTEMPTS
+    from paratron.local_ranks import RENDEZVOUS_ATTEMPTS
 
     _rendezvous_failing(monkeypatch, str(tmp_path), times=RENDEZVOUS_ATTEMPTS)
     try:

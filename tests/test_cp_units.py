@@ -11,7 +11,7 @@ from paratron.rules import validate
 from paratron.models.context_parallel import attention_flops_per_rank
 from paratron.models.gpt import build_model_chunks
 from paratron.parallel.context import ParallelContext
-from paratron.testing import run_ranks
+from paratron.local_ranks import run_ranks
 
 from helpers import config_with
 
@@ -42,7 +42,7 @@ def test_config_errors_name_fields_and_rule(kw, words):
 def test_cp_layouts_validate_and_info_shows_cp_groups():
     validate(_cfg(parallel__context=4), 8)
     validate(_cfg(parallel__context=2, parallel__context_algorithm="all2all", parallel__tensor=2), 8)
-    from paratron.training.info import _describe_grid
+    from paratron.launch.info import _describe_grid
 
     grid = _describe_grid(_cfg(parallel__context=2, parallel__tensor=2), 8)
     assert grid["groups"]["cp"] == [[0, 2], [1, 3], [4, 6], [5, 7]] and grid["dp"] == 2

@@ -78,8 +78,8 @@ def test_tokenizer_mismatch_is_refused_naming_both(tmp_path):
 
 def _no_launch(monkeypatch):
     """Fail the test if ``paratron train`` gets as far as starting torchrun."""
-    def refuse(cmd):
-        raise AssertionError(f"ranks were launched: {cmd}")
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"ranks were launched: {args}")
 
     monkeypatch.setattr(launch, "run_torchrun", refuse)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
@@ -93,6 +93,16 @@ def test_train_refuses_a_mismatched_tokenizer_before_launch(tmp_path, monkeypatc
     err = capsys.readouterr().err
     assert code == 2 and "config error" in err and "built with GPT2BPETokenizer gpt2" in err
     assert "ByteLevelBPE" in err and not (tmp_path / "run").exists()
+
+
+def test_train_refuses_a_vocab_smaller_than_the_tokenizer_before_launch(tmp_path, monkeypatch, capsys):
+    """GPT-2 BPE has 50,257 ids: model.vocab_size=1000 would index past the embedding on every rank."""
+    _no_launch(monkeypatch)
+    prefix = _gpt2_dataset(tmp_path)
+    code = cli.main(["train", "--data", f"{prefix}.bin", "--nproc-per-node", "2", "--run-dir", str(tmp_path / "run"),
+                     "--set", "model.vocab_size=1000"])
+    err = capsys.readouterr().err
+    assert code == 2 and "model.vocab_size=1000 is smaller than the tokenizer's vocabulary (50257 ids" in err, err
 
 
 @pytest.mark.parametrize("line,message", [

@@ -12,7 +12,7 @@ import torch
 
 from paratron.device_audit import AuditTensor, DeviceAudit, DeviceMixError, audit_device
 from paratron.parallel.comm import Group
-from paratron.testing import RankFailure, run_ranks
+from paratron.local_ranks import RankFailure, run_ranks
 
 AUDIT_BACKEND = "cpu:gloo,auditgpu:gloo"  # gloo serves the stand-in device's (unwrapped) tensors
 FRESH = "forkserver"  # ranks forked from a fresh interpreter: autograd's device threads must start there
@@ -64,7 +64,7 @@ def _rank_step(precision: str, moe: bool, steps: int, tp: int = 2, pp: int = 2):
     from types import SimpleNamespace
 
     from paratron.parallel.context import ParallelContext
-    from paratron.training.setup import build_model_and_optimizer
+    from paratron.training.builders import build_model_and_optimizer
     from paratron.training.step_log import StepLog
     from paratron.training.timers import PhaseTimer
     from paratron.training.trainer import agree_to_stop, train_batch

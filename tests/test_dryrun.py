@@ -22,7 +22,7 @@ from paratron.dryrun.moe_standin import install_balanced_routing
 from paratron.rules import build_config, validate
 from paratron.dryrun.rehearse import DryRunError, build_context, rehearse_rank
 from paratron.dryrun.run import auto_ranks, dry_run
-from paratron.testing import run_ranks
+from paratron.local_ranks import run_ranks
 
 SMALL = ["model.num_layers=4", "model.hidden_size=64", "model.num_attention_heads=4", "model.num_query_groups=2",
          "model.seq_length=32", "model.vocab_size=250", "model.normalization=rmsnorm",
@@ -41,7 +41,7 @@ def _real_rank(cfg):
     """One real step on this gloo rank, measured like the dry run (random tokens)."""
     from paratron.dryrun.measure import measure_step
     from paratron.dryrun.rehearse import synthetic_microbatches
-    from paratron.training.setup import build_model_and_optimizer, seed_everything
+    from paratron.training.builders import build_model_and_optimizer, seed_everything
     from paratron.training.step import rank_actions
 
     ctx = build_context(cfg, torch.device("cpu"))

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from paratron.testing import run_ranks
+from paratron.local_ranks import run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -128,7 +128,7 @@ def test_sigterm_saves_and_exits_cleanly(tiny_data, tmp_path):
 def check_startup_record(metrics: Path) -> None:
     """One ``startup`` record with every part (spawn and import_torch come from the launcher's
     and the rank's stamps), whose rank-0 parts add up to within 10% of the measured wall time."""
-    from paratron.training.startup import PARTS
+    from paratron.launch.startup import PARTS
 
     records = [json.loads(l) for l in metrics.read_text().splitlines()]
     startup = [r for r in records if r.get("record") == "startup"]

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from paratron.data.sampler import PretrainingSampler
+from paratron.local_ranks import run_ranks
 from paratron.plugins.failslow import balance_microbatches, propose_layout, simulated_step
-from paratron.testing import run_ranks
 
 TINY = [
     "model.num_layers=2", "model.hidden_size=32", "model.num_attention_heads=4",
@@ -31,6 +31,7 @@ TINY = [
 def _train(overrides: list[str], run_dir: str, slow: str):
     import paratron.training.runner as runner
     from paratron.rules import load_config
+    import paratron.launch.runner as runner
 
     os.environ["PARATRON_SLOW_RANK"] = slow  # this forked rank only
     with contextlib.redirect_stdout(io.StringIO()) as buf:

@@ -17,7 +17,7 @@ import torch
 from paratron.config import Config
 from paratron.rules import validate
 from paratron.parallel.context import ParallelContext
-from paratron.testing import run_ranks
+from paratron.local_ranks import run_ranks
 
 VOCAB, S, N, G, STEPS, DOCS = 64, 256, 512, 8, 3, 48
 
@@ -57,7 +57,7 @@ def _train(cfg: Config, ctx, prefix: str) -> dict:
     from paratron.config.token_rules import row_multiple
     from paratron.data.token_batches import DocumentSource, TokenBudgetSampler, collate_pieces
     from paratron.training.data_iter import microbatch_preparer
-    from paratron.training.runner import build_model_and_optimizer
+    from paratron.training.builders import build_model_and_optimizer
     from paratron.training.step import run_global_batch
 
     torch.manual_seed(0)

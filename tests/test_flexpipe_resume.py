@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from paratron.testing import run_ranks
+from paratron.local_ranks import run_ranks
 from paratron.training.callbacks import Callback
 
 STOP_AT = "PARATRON_TEST_STOP_AT"
@@ -41,7 +41,7 @@ class StopAt(Callback):
 def _train(overrides: list[str], run_dir: str, stop_at: int):
     """One rank of a run; returns its exit code and the token rows it trained and validated on."""
     import paratron.training.evaluator as evaluator
-    import paratron.training.runner as runner
+    import paratron.launch.runner as runner
     import paratron.training.trainer as trainer
     from paratron.rules import load_config
 

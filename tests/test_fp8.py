@@ -12,7 +12,7 @@ from paratron.rules import validate
 from paratron.config.aliases import megatron_overrides
 from paratron.layers.fp8 import E4M3, E5M2, Fp8Recipe, fp8_matmul, quantize, recipe_of
 from paratron.parallel.context import ParallelContext
-from paratron.testing import run_ranks
+from paratron.local_ranks import run_ranks
 
 from helpers import gpt2_config, train_for_parity
 
@@ -125,7 +125,7 @@ def test_fp8_rowwise_tp2_sp_matches_one_process():
 def _gather_bytes(fp8_gather: bool):
     """All-gather bytes of one transformer layer's params at ZeRO-3 DP2 (bf16 params), and the
     layer's 2-D weights as gathered, with their exact values."""
-    from paratron.training.setup import build_model_and_optimizer
+    from paratron.training.builders import build_model_and_optimizer
 
     cfg = _config("tensorwise", zero=3, gather=fp8_gather, world=2, precision="bf16")
     cfg.model.add_bias_linear = False

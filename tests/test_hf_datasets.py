@@ -19,7 +19,7 @@ import sys
 import pytest
 import torch
 
-from paratron.testing import run_ranks
+from paratron.local_ranks import run_ranks
 from test_flexpipe_resume import STOP_AT  # its StopAt callback stops the runs here
 
 datasets = pytest.importorskip("datasets")
@@ -181,6 +181,7 @@ def _runs(runs: list[tuple[list[str], str, int]]) -> list[dict]:
 
     from paratron.rules import load_config
     from paratron.training import runner
+    from paratron.launch import runner
     from paratron.training.data_iter import TrainingData
 
     out = []

@@ -16,11 +16,11 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from paratron.checkpoint.hf import hf_to_paratron, paratron_to_hf  # noqa: E402
-from paratron.config import ConfigError  # noqa: E402
 from paratron.checkpoint.hf_deepseek import deepseek_config  # noqa: E402
+from paratron.config import ConfigError  # noqa: E402
+from paratron.local_ranks import run_ranks  # noqa: E402
 from paratron.models.gpt import build_model_chunks, full_logits, gather_full_state, load_full_state  # noqa: E402
 from paratron.parallel.context import ParallelContext  # noqa: E402
-from paratron.testing import run_ranks  # noqa: E402
 
 TOL = 1e-5
 VOCAB, SEQ, BATCH = 61, 10, 2
@@ -127,9 +127,10 @@ def _train_converted(path, pp: int, ep: int) -> list[tuple[float, float]]:
     from paratron.checkpoint.manager import copy_params_into_main
     from paratron.config import Config
     from paratron.rules import validate
+    from paratron.checkpoint.items import iter_params
     from paratron.parallel.params import load_full_, unique_params
     from paratron.training.data_iter import microbatch_preparer
-    from paratron.training.runner import build_model_and_optimizer
+    from paratron.training.builders import build_model_and_optimizer
     from paratron.training.step import run_global_batch
 
     cfg = Config()
@@ -144,7 +145,7 @@ def _train_converted(path, pp: int, ep: int) -> list[tuple[float, float]]:
     for p in unique_params(chunks):
         if p.logical_name in tensors:  # the MTP module keeps its own draw
             load_full_(p, tensors[p.logical_name])
-    copy_params_into_main(chunks, optimizer)
+    optimizer.copy_params_into_main(iter_params(chunks))
     prepare, rows = microbatch_preparer(cfg, ctx, eod=0), 4 // ctx.dp.size
     ids = torch.randint(0, VOCAB, (4, SEQ + 1), generator=torch.Generator().manual_seed(5))
     mine = ids[ctx.dp.rank * rows:(ctx.dp.rank + 1) * rows]

@@ -34,7 +34,7 @@ from paratron.config import Config
 from paratron.rules import validate  # noqa: E402
 from paratron.models.gpt import build_model_chunks, full_logits  # noqa: E402
 from paratron.parallel.context import ParallelContext  # noqa: E402
-from paratron.testing import run_ranks  # noqa: E402
+from paratron.local_ranks import run_ranks  # noqa: E402
 from test_hf_deepseek import _make as make_deepseek  # noqa: E402
 from test_hf_moe import _make as make_moe  # noqa: E402
 from test_hf_parity import MAKERS, _perturb_  # noqa: E402

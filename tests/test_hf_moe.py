@@ -17,7 +17,7 @@ from paratron.config import Config, ConfigError
 from paratron.rules import validate  # noqa: E402
 from paratron.models.gpt import build_model_chunks, full_logits, load_full_state  # noqa: E402
 from paratron.parallel.context import ParallelContext  # noqa: E402
-from paratron.testing import run_ranks  # noqa: E402
+from paratron.local_ranks import run_ranks  # noqa: E402
 from test_hf_parity import _perturb_  # noqa: E402  (randomised norms and biases)
 
 TOL = 1e-5
@@ -106,8 +106,8 @@ def test_moe_logits_at_ep2(hf_moe):
 
 
 def _train_converted(path, ep: int) -> list[float]:
-    from paratron.checkpoint.manager import copy_params_into_main
-    from paratron.training.runner import build_model_and_optimizer
+    from paratron.checkpoint.items import iter_params
+    from paratron.training.builders import build_model_and_optimizer
     from paratron.training.step import run_global_batch
 
     model_cfg, tensors = hf_to_paratron(path)
@@ -121,7 +121,7 @@ def _train_converted(path, ep: int) -> list[float]:
     ctx = ParallelContext.build(ep=ep) if ep > 1 else ParallelContext.single()
     chunks, ddp, optimizer, _ = build_model_and_optimizer(cfg, ctx)
     load_full_state(chunks, tensors)
-    copy_params_into_main(chunks, optimizer)
+    optimizer.copy_params_into_main(iter_params(chunks))
     rows = 4 // ctx.dp.size
     losses = []
     for step in range(2):

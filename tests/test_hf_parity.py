@@ -15,7 +15,7 @@ from paratron.checkpoint.hf import hf_to_paratron, paratron_to_hf  # noqa: E402
 from paratron.models.gpt import (GPTChunk, build_model_chunks, full_logits, gather_full_state,  # noqa: E402
                                  load_full_state)
 from paratron.parallel.context import ParallelContext  # noqa: E402
-from paratron.testing import run_ranks  # noqa: E402
+from paratron.local_ranks import run_ranks  # noqa: E402
 
 TOL = 1e-5
 VOCAB, SEQ, BATCH = 97, 12, 2

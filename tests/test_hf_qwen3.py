@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers")
 from paratron.checkpoint.hf import hf_config_to_model, hf_to_paratron, paratron_to_hf  # noqa: E402
 from paratron.config import ConfigError  # noqa: E402
 from paratron.parallel.context import ParallelContext  # noqa: E402
-from paratron.testing import run_ranks  # noqa: E402
+from paratron.local_ranks import run_ranks  # noqa: E402
 from test_hf_moe import TOL, VOCAB, _hf_logits, _ids, _paratron_logits, _train_converted, assert_round_trip  # noqa: E402,E501
 from test_hf_parity import _perturb_  # noqa: E402  (randomised norms, QK-norm weights included)
 

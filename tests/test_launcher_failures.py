@@ -20,9 +20,9 @@ import pytest
 import torch
 
 from paratron.parallel.flight import FlightRecorder
-from paratron.training.hang import diagnose
-from paratron.training.launch import children
-from paratron.training.runlock import RunLock, RunLocked
+from paratron.launch.hang import diagnose
+from paratron.launch.launch import children
+from paratron.launch.runlock import RunLock, RunLocked
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -139,7 +139,7 @@ def test_run_lock_refuses_a_second_holder_and_takes_over_a_dead_ones(tmp_path):
         with pytest.raises(RunLocked, match=f"pid {os.getpid()} on host"):
             RunLock(tmp_path / "run").acquire()
     # A holder that dies without releasing: its lock is stale and is taken over.
-    code = ("import sys, os; sys.path.insert(0, sys.argv[2]); from paratron.training.runlock import RunLock; "
+    code = ("import sys, os; sys.path.insert(0, sys.argv[2]); from paratron.launch.runlock import RunLock; "
             "RunLock(sys.argv[1]).acquire(); os._exit(0)")
     subprocess.run([sys.executable, "-c", code, str(tmp_path / "dead"), str(ROOT)], check=True)
     lock = RunLock(tmp_path / "dead").acquire()
@@ -236,7 +236,7 @@ def _p2p_and_collective_entries():
 
 
 def test_flight_recorder_sees_p2p_and_collectives():
-    from paratron.testing import run_ranks
+    from paratron.local_ranks import run_ranks
 
     res = run_ranks(_p2p_and_collective_entries, 2, timeout=120)
     # pp and world are the same two ranks (one process group), so they share one numbering.
@@ -257,7 +257,7 @@ class _State:
 
 
 def test_watchdog_reasons_and_dump(tmp_path):
-    from paratron.training.watchdog import EXIT_HANG, TERM_GRACE_S, HangWatchdog
+    from paratron.launch.watchdog import EXIT_HANG, TERM_GRACE_S, HangWatchdog
 
     codes = []
     wd = HangWatchdog(_State(tmp_path), timeout_s=30, exit_fn=codes.append)
@@ -286,7 +286,7 @@ def test_watchdog_reasons_and_dump(tmp_path):
 
 
 def test_rank0_prints_the_diagnosis_without_the_launcher(tmp_path, capsys, monkeypatch):
-    from paratron.training.watchdog import HangWatchdog
+    from paratron.launch.watchdog import HangWatchdog
 
     monkeypatch.delenv("PARATRON_LOG_DIR", raising=False)
     state = _State(tmp_path)
@@ -304,7 +304,7 @@ def test_watchdog_sees_sigterm_while_the_main_thread_is_busy(tmp_path):
     """Two SIGTERMs end the rank through the watchdog thread, whatever the main thread does (a
     rank blocked in a C++ collective never runs its Python handler)."""
     from paratron.training.trainer import StopFlag
-    from paratron.training.watchdog import EXIT_TERM, HangWatchdog
+    from paratron.launch.watchdog import EXIT_TERM, HangWatchdog
 
     codes = []
     wd = HangWatchdog(_State(tmp_path), timeout_s=5, exit_fn=codes.append)

@@ -24,7 +24,7 @@ from paratron.rules import validate
 from paratron.models.gpt import build_model_chunks, full_logits, gather_full_state, load_full_state
 from paratron.models.lora import is_adapter_name, merge_lora_tensors
 from paratron.parallel.context import ParallelContext
-from paratron.testing import run_ranks
+from paratron.local_ranks import run_ranks
 
 from helpers import assert_parity, perturb_1d_params_, train_for_parity
 
@@ -52,7 +52,7 @@ def _config(tp=1, dp=1, pp=1, sp=False, zero=0) -> Config:
 
 def _initial_base(cfg: Config, ctx) -> dict[str, torch.Tensor]:
     """The frozen params as built (and perturbed) by train_for_parity, before any step."""
-    from paratron.training.setup import build_model_and_optimizer
+    from paratron.training.builders import build_model_and_optimizer
 
     torch.manual_seed(0)
     chunks, ddp, _, _ = build_model_and_optimizer(cfg, ctx)
@@ -99,7 +99,7 @@ def test_lora_matches_one_process(name):
 
 
 def test_only_adapters_have_grads_and_optimizer_state():
-    from paratron.training.setup import build_model_and_optimizer
+    from paratron.training.builders import build_model_and_optimizer
 
     cfg = _config()
     chunks, ddp, optimizer, _ = build_model_and_optimizer(cfg, ParallelContext.single())
@@ -225,7 +225,7 @@ def test_peft_loads_the_exported_adapter(tmp_path):
 
 def _lora_run(tmp_path, **ckpt):
     from paratron.checkpoint.manager import CheckpointManager
-    from paratron.training.setup import build_model_and_optimizer
+    from paratron.training.builders import build_model_and_optimizer
 
     cfg = _config()
     for k, v in ckpt.items():
@@ -241,7 +241,7 @@ def test_adapter_only_checkpoints(tmp_path):
     the base from checkpoint.pretrained_checkpoint, and is refused without one."""
     from paratron.checkpoint.io import load_tensors_full, read_json, resolve, save_model_full
     from paratron.checkpoint.items import CheckpointError
-    from paratron.checkpoint.manager import copy_params_into_main
+    from paratron.checkpoint.items import iter_params
 
     base_cfg = Config()
     base_cfg.model = _model(lora_rank=0)
@@ -260,7 +260,7 @@ def test_adapter_only_checkpoints(tmp_path):
         for name, p in params.items():
             if is_adapter_name(name):
                 p.copy_(torch.randn(p.shape, generator=g))
-    copy_params_into_main(chunks, optimizer)
+    optimizer.copy_params_into_main(iter_params(chunks))
     manager.save(3, chunks, optimizer, scheduler, {"iteration": 3})
     saved = load_tensors_full(tmp_path / "ckpt", "model/")
     assert set(saved) == {n for n in params if is_adapter_name(n)}

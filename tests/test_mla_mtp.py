@@ -23,7 +23,7 @@ import torch
 from paratron.config import Config, ConfigError
 from paratron.rules import validate
 from paratron.parallel.context import ParallelContext
-from paratron.testing import run_ranks
+from paratron.local_ranks import run_ranks
 
 GBS, SEQ, VOCAB, STEPS = 4, 16, 32, 3
 
@@ -68,7 +68,7 @@ def _batch(step: int):
 
 def _train(cfg: Config, ctx, steps: int = STEPS, grads: bool = False) -> dict:
     from paratron.training.data_iter import microbatch_preparer
-    from paratron.training.runner import build_model_and_optimizer
+    from paratron.training.builders import build_model_and_optimizer
     from paratron.training.step import run_global_batch
 
     torch.manual_seed(0)

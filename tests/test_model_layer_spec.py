@@ -19,7 +19,7 @@ from paratron.models.layer import transformer_block
 from paratron.models.layer_spec import TransformerLayerSpec
 from paratron.models.presets import preset
 from paratron.parallel.context import ParallelContext
-from paratron.testing import run_ranks
+from paratron.local_ranks import run_ranks
 
 VOCAB, SEQ = 64, 16
 

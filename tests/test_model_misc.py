@@ -14,7 +14,7 @@ from paratron.models.gpt import build_model_chunks
 from paratron.models.presets import PRESETS, preset
 from paratron.config.model_shape import check_model, ffn_size
 from paratron.parallel.context import ParallelContext
-from paratron.testing import run_ranks
+from paratron.local_ranks import run_ranks
 
 VOCAB = 64
 

@@ -12,7 +12,7 @@ from paratron.config import ModelConfig
 from paratron.models.gpt import build_model_chunks
 from paratron.parallel.context import ParallelContext
 from paratron.parallel.grads import allreduce_sequence_parallel_grads
-from paratron.testing import run_ranks
+from paratron.local_ranks import run_ranks
 
 VOCAB = 64
 

@@ -15,7 +15,7 @@ from paratron.pipeline.partition import stage_layers
 from paratron.parallel.context import ParallelContext
 from paratron.parallel.grads import allreduce_sequence_parallel_grads
 from paratron.parallel.params import gather_full
-from paratron.testing import run_ranks
+from paratron.local_ranks import run_ranks
 
 from helpers import perturb_1d_params_
 

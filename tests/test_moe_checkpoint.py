@@ -11,7 +11,7 @@ from paratron.checkpoint.manager import CheckpointManager
 from paratron.config import CheckpointConfig, Config
 from paratron.models.gpt import build_model_chunks, load_full_state
 from paratron.parallel.context import ParallelContext
-from paratron.testing import run_ranks
+from paratron.local_ranks import run_ranks
 
 
 def moe_config() -> Config:

@@ -19,7 +19,7 @@ from paratron.models.mlp import MLP
 from paratron.models.moe.layer import MoELayer
 from paratron.models.moe.router import TopKRouter
 from paratron.parallel.context import ParallelContext
-from paratron.testing import run_ranks
+from paratron.local_ranks import run_ranks
 
 from helpers import assert_parity, train_for_parity
 

@@ -17,7 +17,7 @@ import torch
 from paratron.config import Config
 from paratron.rules import validate
 from paratron.parallel.context import ParallelContext
-from paratron.testing import run_ranks
+from paratron.local_ranks import run_ranks
 
 GBS, SEQ, VOCAB, LR, STEPS = 4, 8, 32, 0.5, 2
 
@@ -54,7 +54,7 @@ def _snapshot(chunks, ddp) -> dict[str, tuple[torch.Tensor, tuple]]:
 
 
 def _train(cfg: Config, ctx) -> dict:
-    from paratron.training.runner import build_model_and_optimizer
+    from paratron.training.builders import build_model_and_optimizer
     from paratron.training.step import run_global_batch
 
     torch.manual_seed(0)
@@ -144,7 +144,7 @@ def test_aux_loss_grad_scale_in_training_step():
     ``LM token mean + coeff * mean over microbatches of (aux + z-loss terms)`` (one process,
     4 microbatches, a large coefficient so a wrong scale shows), to 1e-6."""
     from paratron.models.gpt import build_model_chunks
-    from paratron.training.runner import build_model_and_optimizer
+    from paratron.training.builders import build_model_and_optimizer
     from paratron.training.step import run_global_batch
 
     cfg = _config(aux=0.5)

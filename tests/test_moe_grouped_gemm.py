@@ -10,7 +10,7 @@ from paratron.config import ModelConfig
 from paratron.models.moe.experts import LocalExperts
 from paratron.models.moe.grouped_gemm import choose_method, grouped_linear
 from paratron.parallel.context import ParallelContext
-from paratron.pipeline.runtime import attach_weight_grad_stores
+from paratron.pipeline.chunk import attach_weight_grad_stores
 
 TOL = dict(rtol=1e-6, atol=1e-6)
 COUNTS = [3, 0, 5, 0, 1, 7]  # experts 1 and 3 get no rows

@@ -18,7 +18,7 @@ from paratron.models.moe.layer import MoELayer, aux_losses, set_aux_loss_scale
 from paratron.parallel.context import ParallelContext
 from paratron.parallel.grads import allreduce_sequence_parallel_grads
 from paratron.parallel.params import load_full_
-from paratron.testing import run_ranks
+from paratron.local_ranks import run_ranks
 
 from helpers import config_with
 

@@ -25,7 +25,7 @@ from paratron.pipeline.actions import Action
 from paratron.pipeline.delay import measured_microbatch_time
 from paratron.pipeline.runtime import run_pipeline
 from paratron.pipeline.timeline import read_chrome_trace, write_chrome_trace
-from paratron.testing import run_ranks
+from paratron.local_ranks import run_ranks
 
 from helpers import config_with
 

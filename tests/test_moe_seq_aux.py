@@ -15,7 +15,7 @@ from paratron.models.gpt import build_model_chunks
 from paratron.models.moe.layer import moe_layers, set_aux_loss_scale
 from paratron.models.moe.seq_aux import count_sequences
 from paratron.parallel.context import ParallelContext
-from paratron.testing import run_ranks
+from paratron.local_ranks import run_ranks
 
 EOD, VOCAB, SEQ, GBS, SEED = 1, 32, 12, 6, 3
 
@@ -85,7 +85,7 @@ def _step_router_grad(mbs: int, cp: int = 1):
     from paratron.config import Config
     from paratron.rules import validate
     from paratron.training.data_iter import microbatch_preparer
-    from paratron.training.runner import build_model_and_optimizer
+    from paratron.training.builders import build_model_and_optimizer
     from paratron.training.step import run_global_batch
 
     cfg = Config()

@@ -32,7 +32,7 @@ from paratron.optim.ddp import DistributedDataParallel
 from paratron.optim.zero import ShardedGrads
 from paratron.parallel.context import ParallelContext
 from paratron.pipeline.runtime import _Run
-from paratron.testing import run_ranks
+from paratron.local_ranks import run_ranks
 from test_moe_gpt import STEPS, _config, _train
 
 LAYERS = 4  # zbv runs 4 virtual stages on 2 ranks: one layer each

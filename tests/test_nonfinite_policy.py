@@ -17,8 +17,8 @@ import torch
 
 from paratron.checkpoint.io import load_tensors_full
 from paratron.config import ConfigError
+from paratron.local_ranks import run_ranks
 from paratron.rules import build_config, validate
-from paratron.testing import run_ranks
 from paratron.training.nonfinite import NonFiniteGuard, NonFiniteStop
 
 TINY = [
@@ -41,7 +41,7 @@ def _train_poisoned(overrides: list[str], run_dir: str, bad_iteration, value: fl
     """One rank of a run whose grads on the last rank (rank 1 of 2) get ``value`` at step
     ``bad_iteration`` of this process (an int, or a collection of them), after they are final
     (so only that rank holds it); returns (exit code, rank 0's output)."""
-    import paratron.training.runner as runner
+    import paratron.launch.runner as runner
     import paratron.training.trainer as trainer
     from paratron.rules import load_config
 
@@ -190,9 +190,10 @@ def test_a_nonfinite_stop_is_named_in_the_launcher_summary(tmp_path, monkeypatch
     reach the launcher's summary (not "exited with code 1 without a Python error")."""
     import time
 
-    from paratron.training.failures import collect, summarize
+    from paratron.launch.failures import collect, summarize
     from paratron.training.nonfinite import NonFiniteStop
-    from paratron.training.rankproc import LOG_DIR_ENV, record_failure
+    from paratron.launch.mode import LOG_DIR_ENV
+    from paratron.launch.rankproc import record_failure
 
     monkeypatch.setenv(LOG_DIR_ENV, str(tmp_path))
     monkeypatch.setenv("RANK", "1")

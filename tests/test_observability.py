@@ -18,7 +18,7 @@ from paratron.parallel.context import ParallelContext
 from paratron.parallel.profiling import labelled, profiler_enabled
 from paratron.pipeline.actions import Action
 from paratron.pipeline.runtime import run_pipeline
-from paratron.testing import run_ranks
+from paratron.local_ranks import run_ranks
 from paratron.training.profiling import ProfiledRecorder, StepObserver, tensor_inventory
 
 from helpers import config_with

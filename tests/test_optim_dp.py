@@ -22,7 +22,7 @@ from paratron.optim import DistributedDataParallel, build_optimizer, finalize_gr
 from paratron.parallel.context import ParallelContext
 from paratron.parallel.grads import accumulate_grad
 from paratron.parallel.params import ShardSpec, mark
-from paratron.testing import run_ranks
+from paratron.local_ranks import run_ranks
 
 VOCAB, HID, SEQ, GLOBAL_B = 11, 16, 8, 8
 IGNORE = -100

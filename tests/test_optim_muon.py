@@ -24,7 +24,7 @@ from paratron.parallel.context import ParallelContext
 from paratron.pipeline.partition import stage_layers
 from paratron.pipeline.registry import build_schedule
 from paratron.pipeline.runtime import run_pipeline
-from paratron.testing import run_ranks
+from paratron.local_ranks import run_ranks
 
 from helpers import perturb_1d_params_
 from test_optim_parallel import GLOBAL_B, IGNORE, SEQ, VOCAB, _batch
@@ -259,7 +259,7 @@ def test_bf16_moments_match_fp32_over_20_steps(name, tol):
 def _muon_run(lay: dict):
     """Config, context and (chunks, ddp, optimizer, scheduler) of the checkpoint tests' tiny model
     (SwiGLU with biases, vocab 500) under ``lay``, with Muon."""
-    from paratron.training.runner import build_model_and_optimizer
+    from paratron.training.builders import build_model_and_optimizer
     from test_checkpoint_optim import train_config
 
     cfg = train_config(lay)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from paratron.device_audit import AUDIT_DEVICE_TYPE, DeviceAudit, audit_device
-from paratron.testing import run_ranks
+from paratron.local_ranks import run_ranks
 
 from test_device_audit import AUDIT_BACKEND, FRESH, _config, _microbatches, _sanction_host_traffic
 
@@ -25,7 +25,7 @@ def _device_bytes(opt) -> dict[str, int]:
 
 def _rank_offload():
     from paratron.parallel.context import ParallelContext
-    from paratron.training.setup import build_model_and_optimizer
+    from paratron.training.builders import build_model_and_optimizer
     from paratron.training.timers import PhaseTimer
     from paratron.training.trainer import train_batch
 

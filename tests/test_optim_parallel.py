@@ -18,7 +18,7 @@ from paratron.parallel.context import ParallelContext
 from paratron.pipeline.partition import stage_layers
 from paratron.pipeline.registry import build_schedule
 from paratron.pipeline.runtime import run_pipeline
-from paratron.testing import run_ranks
+from paratron.local_ranks import run_ranks
 
 from helpers import gpt2_config, perturb_1d_params_
 

@@ -15,7 +15,7 @@ from paratron.optim.state_chunks import rectangles
 from paratron.parallel.context import ParallelContext
 from paratron.parallel.grads import accumulate_grad
 from paratron.parallel.params import ShardSpec
-from paratron.testing import run_ranks
+from paratron.local_ranks import run_ranks
 
 from test_optim_dp import IGNORE, Toy, batch, opt_cfg, reference, torch_adamw, train_dp
 

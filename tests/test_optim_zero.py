@@ -21,7 +21,7 @@ from paratron.optim.zero import model_state_bytes_per_rank, storage_bytes
 from paratron.parallel.context import ParallelContext
 from paratron.pipeline.registry import build_schedule
 from paratron.pipeline.runtime import run_pipeline
-from paratron.testing import run_ranks
+from paratron.local_ranks import run_ranks
 
 from helpers import gpt2_config
 from test_optim_dp import _wire_bytes

@@ -13,7 +13,7 @@ from paratron.data.packing import document_starts, pack_microbatch, reset_positi
 from paratron.models.context_parallel import shard_microbatch
 from paratron.models.gpt import build_model_chunks
 from paratron.parallel.context import ParallelContext
-from paratron.testing import run_ranks
+from paratron.local_ranks import run_ranks
 
 EOD, VOCAB, SEQ, SEED = 1, 32, 24, 7
 # Sample 0: documents [0, 9), [9, 18), [18, 24): with CP=2 the ring's chunks are [0,6) [6,12)

@@ -19,7 +19,7 @@ from paratron.pipeline.partition import stage_layers
 from paratron.pipeline.registry import build_schedule
 from paratron.pipeline.runtime import run_pipeline
 from paratron.pipeline.simulator import Costs, simulate
-from paratron.testing import run_ranks
+from paratron.local_ranks import run_ranks
 
 from helpers import perturb_1d_params_
 from test_pipeline_runtime import GLOBAL_BATCH, HIDDEN, LAYERS, SEED, SEQ, _cfg, _forward_step, _global_batch
@@ -40,8 +40,8 @@ def _run(p, m):
         perturb_1d_params_(chunks)
         lists = build_schedule(name, p, m, 1, **options)
         start = time.perf_counter()
-        losses = run_pipeline(lists[ctx.pp.rank], chunks, ctx, micro, _forward_step(total), (SEQ, mbs, HIDDEN),
-                              torch.float32, link_delay=DELAY)
+        losses = run_pipeline(lists[ctx.pp.rank], chunks, DELAY.over(ctx), micro, _forward_step(total),
+                              (SEQ, mbs, HIDDEN), torch.float32)
         elapsed = time.perf_counter() - start
         finalize_grads(chunks, ctx)
         out[name] = ([x.item() for x in losses], {q.logical_name: q.grad.clone() for c in chunks for q in c.parameters()},
@@ -191,7 +191,7 @@ def test_microbatch_time_config_and_measurement():
 
 def _train_recording_actions(overrides, run_dir):
     """One rank of ``paratron train``; returns the action list each step ran."""
-    import paratron.training.runner as runner
+    import paratron.launch.runner as runner
     import paratron.training.trainer as trainer
     from paratron.rules import load_config
 

@@ -23,7 +23,7 @@ from paratron.pipeline.registry import build_schedule
 from paratron.pipeline.schedules import with_p2p
 from paratron.pipeline.simulator import Costs, simulate
 from paratron.pipeline.validate import ScheduleError, validate
-from paratron.testing import run_ranks
+from paratron.local_ranks import run_ranks
 
 COMM = Costs(F=1.0, B=1.0, W=1.0, comm_F=0.5, comm_B=0.5)
 GBS, SEQ, VOCAB, LR, STEPS, TOL = 4, 8, 32, 0.5, 3, 1e-6
@@ -146,7 +146,7 @@ def _config(tp=1, ep=1, pp=1, sp=False, world=1, gbs=GBS, recompute="none") -> C
 
 
 def _train(cfg: Config, ctx, actions, timeline=None) -> dict:
-    from paratron.training.setup import build_model_and_optimizer
+    from paratron.training.builders import build_model_and_optimizer
     from paratron.training.step import run_global_batch
 
     torch.manual_seed(0)

@@ -19,7 +19,7 @@ from paratron.pipeline.registry import build_schedule
 from paratron.pipeline.runtime import run_pipeline
 from paratron.pipeline.simulator import Costs, simulate
 from paratron.pipeline.validate import ScheduleError, validate
-from paratron.testing import run_ranks
+from paratron.local_ranks import run_ranks
 
 from helpers import perturb_1d_params_
 from test_pipeline_runtime import GLOBAL_BATCH, HIDDEN, LAYERS, SEED, SEQ, _cfg, _forward_step, _global_batch

@@ -23,7 +23,7 @@ from paratron.pipeline.schedules import check_1f1b, with_p2p
 from paratron.pipeline.simulator import simulate
 from paratron.pipeline.timeline import write_chrome_trace
 from paratron.pipeline.validate import validate
-from paratron.testing import run_ranks
+from paratron.local_ranks import run_ranks
 
 from helpers import gpt2_config, perturb_1d_params_
 

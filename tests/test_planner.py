@@ -24,7 +24,7 @@ from paratron.planner.layouts import enumerate_layouts
 from paratron.planner.pipeline import ScheduleCache, makespan
 from paratron.planner.search import PlanError, plan
 from paratron.planner.shape import Shape
-from paratron.testing import run_ranks
+from paratron.local_ranks import run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 # Fixed CPU figures (not measured, so that the ranking in these tests is deterministic).
@@ -142,7 +142,7 @@ def test_activation_formula_matches_saved_tensors(activation, pos, recompute):
 
 # ---- the plan and its runnability -------------------------------------------------------------
 def test_cpu_plans_are_accepted_by_train_validation(tmp_path):
-    from paratron.training.command import load_and_validate
+    from paratron.launch.command import load_and_validate
 
     cfg = Config(model=ModelConfig(**TINY_MODEL))
     cfg.train.global_batch_size = 8

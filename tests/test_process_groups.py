@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from paratron.testing import RankFailure, run_ranks
+from paratron.local_ranks import RankFailure, run_ranks
 
 TINY = [
     "model.num_layers=2", "model.hidden_size=32", "model.num_attention_heads=4",
@@ -28,6 +28,7 @@ def _train_counting(overrides: list[str], run_dir: str) -> dict:
 
     import paratron.training.runner as runner
     from paratron.rules import load_config
+    import paratron.launch.runner as runner
     from paratron.parallel.context import GROUP_KINDS
 
     calls = []

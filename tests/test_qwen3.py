@@ -13,7 +13,7 @@ from paratron.config import Config, ConfigError, ModelConfig
 from paratron.rules import validate
 from paratron.models.gpt import build_model_chunks
 from paratron.parallel.context import ParallelContext
-from paratron.testing import run_ranks
+from paratron.local_ranks import run_ranks
 
 from helpers import assert_parity, train_for_parity
 

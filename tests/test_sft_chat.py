@@ -21,7 +21,7 @@ from paratron.config.aliases import megatron_overrides
 from paratron.rules import build_config
 from paratron.data.chat import ChatFormatError, ChatRenderer, SIMPLE_TEMPLATE, conversation, template_source
 from paratron.data.tokenizer import gpt2_bpe
-from paratron.testing import run_ranks
+from paratron.local_ranks import run_ranks
 
 pytest.importorskip("jinja2")
 
@@ -168,7 +168,7 @@ def _reference_loss(cfg, tok, every_token: bool = False) -> float:
 
 def _paratron_loss(cfg, ctx) -> float:
     from paratron.training.data_iter import TrainingData
-    from paratron.training.setup import build_model_and_optimizer
+    from paratron.training.builders import build_model_and_optimizer
     from paratron.training.step import rank_actions, run_global_batch
 
     cfg.model.vocab_size = None

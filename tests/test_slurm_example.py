@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from paratron.testing import run_ranks
+from paratron.local_ranks import run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "slurm" / "train.sbatch"

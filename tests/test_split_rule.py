@@ -106,7 +106,7 @@ def _argv(tmp_path, data_path: list[str], extra: list[str]) -> list[str]:
 @pytest.fixture
 def launches(monkeypatch):
     """Every torchrun the launcher would start (none is: each returns 0 at once)."""
-    import paratron.training.launch as launch
+    import paratron.launch.launch as launch
 
     started = []
     monkeypatch.setattr(launch, "run_torchrun", lambda cmd, *a, **k: started.append(cmd) or 0)

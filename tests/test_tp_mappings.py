@@ -10,7 +10,7 @@ from paratron.layers.init import full_init, normal_, scaled_normal_, seed_for
 from paratron.parallel import mappings as M
 from paratron.parallel.context import ParallelContext
 from paratron.parallel.random import RNGStatesTracker
-from paratron.testing import run_ranks
+from paratron.local_ranks import run_ranks
 
 
 def _t(name, shape):

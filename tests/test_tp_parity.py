@@ -16,7 +16,7 @@ from paratron.layers import ColumnParallelLinear, LayerNorm, RMSNorm, RowParalle
 from paratron.layers.init import full_init
 from paratron.parallel.context import ParallelContext
 from paratron.parallel.grads import WeightGradStore, allreduce_sequence_parallel_grads
-from paratron.testing import run_ranks
+from paratron.local_ranks import run_ranks
 
 SEED = 31
 S, B, H, HEADS, FFN = 8, 2, 32, 4, 64

@@ -18,7 +18,7 @@ from paratron.layers import (LayerNorm, ParallelLMHead, VocabParallelEmbedding, 
                              vocab_parallel_cross_entropy, vocab_parallel_logits)
 from paratron.layers.init import full_init
 from paratron.parallel.context import ParallelContext
-from paratron.testing import run_ranks
+from paratron.local_ranks import run_ranks
 
 SEED = 7
 IGNORE = -100

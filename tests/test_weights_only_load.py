@@ -16,7 +16,7 @@ from paratron.config import CheckpointConfig
 from paratron.models.gpt import build_model_chunks
 from paratron.optim import DistributedDataParallel, build_optimizer, precision_dtype
 from paratron.parallel.context import ParallelContext
-from paratron.testing import run_ranks
+from paratron.local_ranks import run_ranks
 from test_checkpoint_reshard import targets, tiny_config
 
 PRECISIONS = ("fp32", "bf16", "fp16")

@@ -9,7 +9,7 @@ import os
 import traceback
 
 import paratron.device_audit as device_audit
-import paratron.training.rankproc as rankproc
+import paratron.launch.rankproc as rankproc
 from paratron.where import PACKAGE_DIR, package_relpath
 
 # A torch file of a venv inside a clone named paratron (the path need not exist).

@@ -23,8 +23,9 @@ class SlowestRankReport(Callback):
         self.times: list[float] = []
 
     def on_step_end(self, state: TrainState, metrics: dict, timings: dict[str, float]) -> None:
-        # Compute time only: the step total would be equal on all ranks once they synchronise.
-        self.times.append(timings["forward_backward"] - timings.get("comm_wait", 0.0))
+        # The forward/backward phase, not the step total, which is equal on all ranks once they
+        # synchronise at the optimizer step.
+        self.times.append(timings["forward_backward"])
         if state.iteration % self.report_interval:
             return
         mine = torch.tensor([[sum(self.times) / len(self.times)]], dtype=torch.float64)

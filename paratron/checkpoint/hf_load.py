@@ -29,7 +29,8 @@ from paratron.parallel.params import unique_params
 
 from .hf import hf_config_to_model, hf_recipes, source_names, unmapped_sources
 from .hf_recipe import Recipe
-from .manager import copy_params_into_main, full_params
+from .manager import full_params
+from .items import iter_params
 
 
 @dataclass
@@ -212,5 +213,5 @@ def load_hf_weights(cfg, chunks, optimizer) -> LoadStats:
     with torch.no_grad(), full_params(optimizer, writeback=True):
         stats = load_hf_slices(chunks, cfg.checkpoint.load_hf, cfg.model)
         if optimizer is not None:
-            copy_params_into_main(chunks, optimizer)
+            optimizer.copy_params_into_main(iter_params(chunks))
     return stats

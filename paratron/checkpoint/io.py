@@ -35,7 +35,7 @@ from . import integrity, storage
 from .checksummed import ChecksummingWriter
 from .items import MODEL_PREFIX, CheckpointError, StateItems, full_items, model_items
 from .legacy import adapt_items, fuse_full
-from .planner import ChunkLoadPlanner, ChunkSavePlanner
+from .dcp_planners import ChunkLoadPlanner, ChunkSavePlanner
 from .safety import (METADATA_FILE, SafeFileSystemReader, check_same_base, check_same_model, file_sha256,
                      read_metadata_safely, refuse_pickle_files)
 

@@ -33,7 +33,7 @@ class PeerCheckpointError(CheckpointError):
 def naming_the_save(step: int) -> Iterator[None]:
     """Mark an exception raised in the block with the iteration whose save it interrupted, as
     ``exc.paratron_save`` (the first mark stays), for the launcher's failure summary: "while
-    saving the checkpoint of iteration N" (:mod:`paratron.training.failures`)."""
+    saving the checkpoint of iteration N" (:mod:`paratron.launch.failures`)."""
     try:
         yield
     except BaseException as e:

@@ -21,14 +21,13 @@ has room for the whole checkpoint, and a failed save removes its temporary direc
 disk costs the save, never the previous checkpoint or a manual clean-up. Steps 2-3 run in a background
 thread with ``async_`` (``checkpoint.async_save``); :meth:`CheckpointManager.wait` joins it.
 
-Loading reshards every tensor to this rank's layout (see :mod:`paratron.checkpoint.planner`), then
+Loading reshards every tensor to this rank's layout (see :mod:`paratron.checkpoint.dcp_planners`), then
 restores the scalars, and the RNG per rank (see :mod:`paratron.checkpoint.rng`). The data position
 (consumed samples) is global, so it carries over to any layout unchanged.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import shutil
 import time
@@ -348,7 +347,7 @@ class CheckpointManager:
                     items = merge(items, optimizer_items(optimizer))
                 read_items(directory, items, manifest)
                 if not want_optimizer and optimizer is not None:
-                    copy_params_into_main(chunks, optimizer)
+                    optimizer.copy_params_into_main(iter_params(chunks))
             if want_optimizer:
                 optimizer.load_scalar_state(decode(manifest["optimizer"]))
                 optimizer.reload_model_params()
@@ -425,66 +424,3 @@ def full_params(optimizer, writeback: bool = False):
     context (ZeRO-3 gathers every param for the block; otherwise nothing happens)."""
     ddp = getattr(optimizer, "ddp", None)
     return ddp.full_params(writeback) if ddp is not None else nullcontext()
-
-
-def copy_params_into_main(chunks, optimizer) -> None:
-    """Set the optimizer's fp32 main weights from the (just loaded) model params.
-
-    Used when loading weights without optimizer state: the main weights were initialised from
-    the params at construction, before the load. Each main-weight chunk is a rectangle of the
-    param's 2-D view ``[prod(shape[:-1]), shape[-1]]`` (see paratron.optim.state_chunks).
-    """
-    params = {p.logical_name: p for p in iter_params(chunks)}
-    prefix = "optimizer/main_param/"
-    for key, pieces in optimizer.sharded_state_dict().items():
-        if not key.startswith(prefix):
-            continue
-        blocks = _param_blocks_2d(params[key[len(prefix):]])
-        for view, spec in pieces:
-            (r, c), (nr, nc) = spec.offsets, spec.local_shape
-            # A rectangle lies inside one block (one, unless the shard is strided).
-            local2d, roff, coff = next(b for b in blocks if b[1] <= r < b[1] + b[0].shape[0]
-                                       and b[2] <= c < b[2] + b[0].shape[1])
-            copy_aliased_(view, local2d[r - roff:r - roff + nr, c - coff:c - coff + nc])
-
-
-def copy_aliased_(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst.copy_(src)``, also where the two share memory.
-
-    In fp32 the optimizer's main weights are the params' own storage, so a main-weight chunk and
-    the param rectangle it is filled from are the same elements; where a ZeRO shard boundary cuts
-    a row, the chunk is a ``[1, k]`` view with another (irrelevant) row stride, which
-    ``Tensor.copy_`` refuses as a partial overlap. The same elements: nothing to copy. Any other
-    overlap: through a copy of ``src``.
-    """
-    if dst.numel() and src.numel() and dst.untyped_storage().data_ptr() == src.untyped_storage().data_ptr():
-        if dst.dtype == src.dtype and _same_elements(dst, src):
-            return
-        src = src.clone()
-    dst.copy_(src)
-
-
-def _same_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two views of one storage address the same elements in the same order (the
-    strides of size-1 dims never matter)."""
-    if a.shape != b.shape or a.storage_offset() != b.storage_offset():
-        return False
-    return all(sa == sb for n, sa, sb in zip(a.shape, a.stride(), b.stride()) if n > 1)
-
-
-def _param_blocks_2d(p) -> list[tuple[torch.Tensor, int, int]]:
-    """The valid part of ``p`` as 2-D views, one per contiguous block of its shard, each with
-    its row/column offset in the full 2-D view."""
-    spec = p.shard
-    valid = spec.valid(p.detach())
-    out = []
-    for first, block in spec.blocks():
-        v = valid[first:first + block.local_shape[0]] if spec.stride > 1 else valid
-        if v.dim() == 0:
-            out.append((v.reshape(1, 1), 0, 0))
-        elif v.dim() == 1:
-            out.append((v.reshape(1, -1), 0, block.offsets[0]))
-        else:
-            mid = math.prod(v.shape[1:-1])
-            out.append((v.reshape(-1, v.shape[-1]), block.offsets[0] * mid, block.offsets[-1]))
-    return out

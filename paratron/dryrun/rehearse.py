@@ -33,9 +33,9 @@ import torch.distributed as dist
 from paratron.dryrun.measure import measure_step, model_state
 from paratron.dryrun.moe_standin import check_supported, install_balanced_routing
 from paratron.parallel.context import ParallelContext
+from paratron.training.builders import build_model_and_optimizer, seed_everything
 from paratron.training.data_iter import microbatch_preparer
 from paratron.training.groups import groups_used
-from paratron.training.setup import build_model_and_optimizer, seed_everything
 from paratron.training.step import rank_actions
 
 META = torch.device("meta")

@@ -14,6 +14,8 @@ al. 2021 do the same); when both ends of the model sit on one rank they share on
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 from torch import nn
 
@@ -22,10 +24,12 @@ from paratron.pipeline import partition
 from paratron.layers import (ParallelLMHead, VocabParallelEmbedding, vocab_parallel_cross_entropy,
                              vocab_parallel_logits)
 from paratron.layers.init import normal_
+from paratron.parallel.grads import attach_weight_grad_store
 from paratron.parallel.random import RNGStatesTracker
 
 from .embedding import WORD_EMBEDDINGS, Embedding
 from .lora import apply_lora
+from .moe.layer import moe_layers
 from .blocks import BLOCKS
 from .norms import make_norm
 from .offload import check_layers, start_session
@@ -157,6 +161,34 @@ class GPTChunk(nn.Module):
         if self.pre_process:
             return self.embedding.word_embeddings.weight
         return self._tied_weight[0]
+
+    # ---- the pipeline runtime's chunk interface (paratron.pipeline.chunk.PipelineChunk) ----
+    def use_weight_grad_store(self, store) -> None:
+        """Queue the weight grads of this chunk's linears and experts in ``store`` (a
+        :class:`~paratron.parallel.grads.WeightGradStore`) while it is deferring."""
+        attach_weight_grad_store(self, store)
+
+    @contextmanager
+    def layer_boundaries(self, cut):
+        """While inside: ``h = cut(h)`` before each layer and before the head."""
+        self.layer_boundary = cut
+        try:
+            yield
+        finally:
+            self.layer_boundary = None
+
+    @contextmanager
+    def in_flight_hook(self, hook):
+        """While inside: each MoE layer's dispatcher calls ``hook(what, wait)`` after launching
+        an all-to-all asynchronously (:class:`~paratron.models.moe.dispatcher.TokenDispatcher`)."""
+        layers = moe_layers(self)
+        for layer in layers:
+            layer.while_in_flight = hook
+        try:
+            yield
+        finally:
+            for layer in layers:
+                layer.while_in_flight = None
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None, *,
                 position_ids: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,

@@ -38,7 +38,7 @@ from .muon import MuonStep, uses_muon
 from .offload import copy_grads_to_host, offload_plan
 from .update_rules import adamw_step, fused_adamw_step, sgd_step
 from .scaler import ConstantLossScaler, DynamicLossScaler
-from .state_chunks import chunk_views, rectangles
+from .state_chunks import chunk_views, copy_param_into_views, rectangles
 from .zero import storage_bytes
 
 
@@ -468,6 +468,21 @@ class Optimizer:
                 views = chunk_views(flat, pc.lo, rects)
                 out.setdefault(f"optimizer/{kind}/{p.logical_name}", []).extend(views)
         return out
+
+    def copy_params_into_main(self, params) -> None:
+        """Set the fp32 main weights from the model ``params`` (an iterable of the chunks'
+        params, just loaded).
+
+        Used when loading weights without optimizer state: the main weights were initialised from
+        the params at construction, before the load. Each main-weight view of
+        :meth:`sharded_state_dict` (``optimizer/main_param/<logical_name>``) is a rectangle of the
+        param's 2-D view ``[prod(shape[:-1]), shape[-1]]`` (:mod:`paratron.optim.state_chunks`).
+        """
+        by_name = {p.logical_name: p for p in params}
+        prefix = "optimizer/main_param/"
+        for key, views in self.sharded_state_dict().items():
+            if key.startswith(prefix):
+                copy_param_into_views(by_name[key[len(prefix):]], views)
 
     def scalar_state(self) -> dict:
         """Plain numbers: the step count, the lr and the loss scaler's state."""

@@ -110,3 +110,57 @@ def chunk_views(flat: torch.Tensor, lo: int, rects) -> list[tuple[torch.Tensor, 
     for a, b, spec in rects:
         out.append((flat[a - lo:b - lo].view(spec.local_shape), spec))
     return out
+
+
+def copy_param_into_views(param: torch.Tensor, views) -> None:
+    """Fill state ``views`` (``(view, ShardSpec)`` rectangles of ``param``'s 2-D view, as
+    ``Optimizer.sharded_state_dict`` lists them) from the param's own values."""
+    blocks = _param_blocks_2d(param)
+    for view, spec in views:
+        (r, c), (nr, nc) = spec.offsets, spec.local_shape
+        # A rectangle lies inside one block (one, unless the shard is strided).
+        local2d, roff, coff = next(b for b in blocks if b[1] <= r < b[1] + b[0].shape[0]
+                                   and b[2] <= c < b[2] + b[0].shape[1])
+        copy_aliased_(view, local2d[r - roff:r - roff + nr, c - coff:c - coff + nc])
+
+
+def copy_aliased_(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)``, also where the two share memory.
+
+    In fp32 the optimizer's main weights are the params' own storage, so a main-weight chunk and
+    the param rectangle it is filled from are the same elements; where a ZeRO shard boundary cuts
+    a row, the chunk is a ``[1, k]`` view with another (irrelevant) row stride, which
+    ``Tensor.copy_`` refuses as a partial overlap. The same elements: nothing to copy. Any other
+    overlap: through a copy of ``src``.
+    """
+    if dst.numel() and src.numel() and dst.untyped_storage().data_ptr() == src.untyped_storage().data_ptr():
+        if dst.dtype == src.dtype and _same_elements(dst, src):
+            return
+        src = src.clone()
+    dst.copy_(src)
+
+
+def _same_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two views of one storage address the same elements in the same order (the
+    strides of size-1 dims never matter)."""
+    if a.shape != b.shape or a.storage_offset() != b.storage_offset():
+        return False
+    return all(sa == sb for n, sa, sb in zip(a.shape, a.stride(), b.stride()) if n > 1)
+
+
+def _param_blocks_2d(p) -> list[tuple[torch.Tensor, int, int]]:
+    """The valid part of ``p`` as 2-D views, one per contiguous block of its shard, each with
+    its row/column offset in the full 2-D view."""
+    spec = p.shard
+    valid = spec.valid(p.detach())
+    out = []
+    for first, block in spec.blocks():
+        v = valid[first:first + block.local_shape[0]] if spec.stride > 1 else valid
+        if v.dim() == 0:
+            out.append((v.reshape(1, 1), 0, 0))
+        elif v.dim() == 1:
+            out.append((v.reshape(1, -1), 0, block.offsets[0]))
+        else:
+            mid = prod(v.shape[1:-1])
+            out.append((v.reshape(-1, v.shape[-1]), block.offsets[0] * mid, block.offsets[-1]))
+    return out

@@ -8,7 +8,7 @@ watchdog thread, and :meth:`FlightRecorder.close_all` at the end of a step, when
 the step has been waited for). ``seq`` numbers the ops of one process group (its ranks tuple)
 on this rank, from 1: ranks that issue the same program give the same op the same number, so
 comparing the numbers of several ranks' dumps shows who never entered an op (the hang
-diagnosis, :mod:`paratron.training.hang`).
+diagnosis, :mod:`paratron.launch.hang`).
 
 Each collective (p2p ops left out: a send pairs with a recv) also gets ``cseq``, its number
 among the group's collectives, and a *signature* (:func:`signature`: op, group, reduce op, dtype

@@ -52,6 +52,15 @@ def run_or_defer(owner, compute: Callable[[], None]) -> None:
         compute()
 
 
+def attach_weight_grad_store(module: torch.nn.Module, store: "WeightGradStore") -> None:
+    """Give every submodule of ``module`` that defers weight grads (a ``weight_grad_store``
+    attribute, read by :func:`run_or_defer`) the one ``store``, so that a chunk's W actions run
+    the weight grads its B actions queued."""
+    for m in module.modules():
+        if hasattr(m, "weight_grad_store"):
+            m.weight_grad_store = store
+
+
 class WeightGradStore:
     """A queue of deferred weight-grad computations (the W actions of zero-bubble schedules).
 

@@ -11,11 +11,13 @@ that many more activations held on those ranks.
 
 :class:`LinkDelay` adds a fixed latency to one link of a real run by delaying the receiver's wait:
 each message over the link carries its send time, and the wait returns no earlier than that time
-plus the delay.
+plus the delay. It wraps the pipeline group (:class:`DelayedGroup`, through :meth:`LinkDelay.over`),
+so the runtime's p2p path knows nothing of it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -114,11 +116,17 @@ class LinkDelay:
     stamp + ``seconds``: the message arrives ``seconds`` after it was sent, however late the
     receive was posted, as on a real slow link (and as the simulator assumes). The clock is the
     host's monotonic clock, so all ranks must run on one machine (tests and benchmarks only).
-    Gloo only: the runtime pairs each message's work with its stamp's, which needs one work per op.
+    Gloo only: :class:`DelayedGroup` pairs each message's work with its stamp's, which needs one
+    work per op.
     """
 
     link: tuple[int, int]
     seconds: float
+
+    def over(self, ctx):
+        """A copy of the :class:`~paratron.parallel.context.ParallelContext` ``ctx`` whose
+        pipeline group (``ctx.pp``) delays this link; hand it to ``run_pipeline``."""
+        return dataclasses.replace(ctx, pp=DelayedGroup(ctx.pp, self))
 
     def applies(self, rank: int, peer: int) -> bool:
         return {rank, peer} == set(self.link)
@@ -151,3 +159,51 @@ class Delayed:
         left = float(self.stamp.item()) + self.seconds - time.monotonic()
         if left > 0:
             time.sleep(left)
+
+
+class DelayedGroup:
+    """A pipeline :class:`~paratron.parallel.comm.Group` whose messages over ``delay.link`` arrive
+    ``delay.seconds`` after they were sent; everything else is the wrapped group's.
+
+    :meth:`p2p_op` builds, after each op over the link, the op of its stamp (a send of the send
+    time, or a receive of it), and :meth:`batch_isend_irecv` posts each op followed by its stamp's
+    and returns one work per op given: a receive's work waits for the delay (:class:`Delayed`),
+    a send's for both sends. Both count in the ledger, as real traffic would.
+    """
+
+    def __init__(self, group, delay: LinkDelay):
+        self.group, self.delay = group, delay
+
+    def __getattr__(self, name: str):
+        return getattr(self.group, name)
+
+    def p2p_op(self, kind: str, t: "torch.Tensor", peer_group_rank: int):
+        op = self.group.p2p_op(kind, t, peer_group_rank)
+        if self.delay.applies(self.group.rank, peer_group_rank):
+            stamp = LinkDelay.stamp(t.device) if kind == "send" else LinkDelay.stamp_buffer(t.device)
+            op.delay_stamp = (kind, self.group.p2p_op(kind, stamp, peer_group_rank), stamp)
+        return op
+
+    def batch_isend_irecv(self, ops: list) -> list:
+        stamps = [getattr(op, "delay_stamp", None) for op in ops]
+        posted = [x for op, st in zip(ops, stamps) for x in ((op,) if st is None else (op, st[1]))]
+        works = iter(self.group.batch_isend_irecv(posted))
+        out = []
+        for st in stamps:
+            work = next(works)
+            if st is not None:
+                kind, stamp_work, stamp = st[0], next(works), st[2]
+                work = _Both(work, stamp_work, stamp) if kind == "send" else self.delay.delayed(work, stamp_work, stamp)
+            out.append(work)
+        return out
+
+
+class _Both:
+    """A message's send and its stamp's, waited together (the stamp is kept until then)."""
+
+    def __init__(self, work: Any, stamp_work: Any, stamp: "torch.Tensor"):
+        self.work, self.stamp_work, self.stamp = work, stamp_work, stamp
+
+    def wait(self) -> None:
+        self.work.wait()
+        self.stamp_work.wait()

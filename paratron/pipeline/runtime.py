@@ -1,8 +1,9 @@
 """Execute one pipeline rank's action list: forward, split backward (B/W), batched p2p.
 
 The runtime is the only part of the pipeline package that touches tensors. It runs exactly the
-list it is given (built by a registered schedule and checked by :mod:`.validate`), with these
-rules:
+list it is given (built by a registered schedule and checked by :mod:`.validate`), as planned
+once by :func:`~paratron.pipeline.plan.plan_run`, on chunks seen through
+:class:`~paratron.pipeline.chunk.PipelineChunk`, with these rules:
 
 * Each maximal run of send/recv actions is one batch (``ctx.pp.batch_isend_irecv``) of ops built by
   ``ctx.pp.p2p_op`` (so the comm ledger counts them). The rank waits for the batch's receives when
@@ -27,15 +28,8 @@ rules:
   backward, then puts the RNG states back. Where the ``R`` sits in the list is the schedule's
   choice (:mod:`.recompute_placement`).
 * Cross-microbatch overlap (:mod:`.overlap`): an ``FB`` pair runs the forward of one microbatch
-  and the backward of another interleaved. The backward of a paired microbatch was cut at its
-  layer boundaries during its forward (a chunk with a ``layer_boundary`` attribute, such as
-  :class:`~paratron.models.gpt.GPTChunk`, hands the runtime each boundary activation), so it runs
-  as one autograd call per segment (the head on the last stage, else the last layer, first;
-  the embedding last on the first stage). The pair starts with the first segment; every module of the forward's chunk with a ``while_in_flight`` attribute (the MoE
-  layers) is given a hook that its dispatcher calls after launching an all-to-all
-  asynchronously: the hook runs the next backward segment, then waits for the exchange. What is
-  left of either half runs after the forward returns. Both halves' collectives are issued in the
-  same order on every rank of a group (the same list, the same model), so they match.
+  and the backward of another interleaved (:mod:`.fb_pair`): the backward in layer segments,
+  one while each all-to-all of the forward is in flight.
 * Gradient finalisation is driven by the list: the last backward action (``B``, ``W`` or ``BW``)
   of each stage is the last one that produces grads for that chunk in this step, so the runtime
   runs it inside ``grad_sync.last_backward([chunk])`` when a ``grad_sync`` (the
@@ -52,42 +46,32 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from ..parallel.grads import WeightGradStore
 from ..parallel.intervals import IntervalRecorder
 from ..parallel.profiling import labelled
 from ..parallel.random import capture_default_states, restore_default_states
-from .actions import (Action, batches, forward_only as strip_backward, halves, last_backward_actions, recomputed,
-                      stages_of)
+from .actions import Action, halves
+from .chunk import as_pipeline_chunk, attach_weight_grad_stores
+from .fb_pair import LayerCuts, leaf_grad, run_fb_pair
+from .plan import RunPlan, plan_run
 from .timeline import TraceEvent, event_name, from_intervals
 
 ForwardStep = Callable[[int, nn.Module, "torch.Tensor | None", Any], torch.Tensor]
 
 
-def attach_weight_grad_stores(chunks: Sequence[nn.Module]) -> list[WeightGradStore]:
-    """Give every submodule of each chunk that has a ``weight_grad_store`` attribute the chunk's
-    own store (one store per chunk, so W's of a chunk follow that chunk's B's); returns them."""
-    stores = []
-    for chunk in chunks:
-        store = WeightGradStore()
-        for module in chunk.modules():
-            if hasattr(module, "weight_grad_store"):
-                module.weight_grad_store = store
-        stores.append(store)
-    return stores
-
-
 def run_pipeline(actions: list[Action], chunks: Sequence[nn.Module], ctx, microbatches: Sequence[Any],
                  forward_step: ForwardStep, tensor_shape: Sequence[int], dtype: torch.dtype, *,
                  forward_only: bool = False, timeline: list[TraceEvent] | None = None,
-                 grad_sync=None, link_delay=None,
-                 tensor_shapes: Sequence[Sequence[int]] | None = None) -> list[torch.Tensor]:
+                 grad_sync=None, tensor_shapes: Sequence[Sequence[int]] | None = None) -> list[torch.Tensor]:
     """Run this rank's part of one pipelined step.
 
     Args:
         actions: this rank's action list (``build_schedule(...)[ctx.pp.rank]``).
         chunks: this rank's model chunks, ordered by ascending stage (local chunk ``c`` runs stage
-            ``stages_of(actions)[c]``). The model has ``ctx.pp.size * len(chunks)`` stages.
-        ctx: the :class:`~paratron.parallel.context.ParallelContext`; p2p goes over ``ctx.pp``.
+            ``stages_of(actions)[c]``). The model has ``ctx.pp.size * len(chunks)`` stages. A chunk
+            implementing :class:`~paratron.pipeline.chunk.PipelineChunk` (``GPTChunk``) can run
+            the backward half of an ``FB`` pair in segments; any other module runs it whole.
+        ctx: the :class:`~paratron.parallel.context.ParallelContext`; p2p goes over ``ctx.pp``
+            (tests inject a link latency with :meth:`~paratron.pipeline.delay.LinkDelay.over`).
         microbatches: ``microbatches[i]`` is handed to ``forward_step`` for microbatch ``i``.
         forward_step: ``(chunk_id, chunk_module, input, microbatch) -> Tensor``. ``chunk_id`` is the
             local chunk index. ``input`` is None on stage 0 (read the tokens from the microbatch),
@@ -113,8 +97,6 @@ def run_pipeline(actions: list[Action], chunks: Sequence[nn.Module], ctx, microb
         grad_sync: an object with a ``last_backward(chunk_ids)`` context manager (DDP), told
             which backward is the last of each local chunk; None: nobody is told (grads are then
             reduced when the caller finalizes them).
-        link_delay: a :class:`~paratron.pipeline.delay.LinkDelay` (tests and benchmarks, gloo):
-            a message over its link is received its ``seconds`` after it was sent; None: none.
 
     Returns:
         On the rank holding the last stage, the detached losses in microbatch order; else ``[]``.
@@ -126,84 +108,56 @@ def run_pipeline(actions: list[Action], chunks: Sequence[nn.Module], ctx, microb
             shape would hang the receiver), or ``tensor_shapes`` has too few entries.
         RuntimeError: weight grads are still deferred at the end (a list missing W actions).
     """
-    stages = stages_of(actions)
-    if len(stages) != len(chunks):
-        raise ValueError(f"the action list runs stages {stages} but {len(chunks)} model chunks were given")
-    if actions and max(a.microbatch for a in actions) >= len(microbatches):
-        raise ValueError(f"the action list uses microbatch {max(a.microbatch for a in actions)} but only "
-                         f"{len(microbatches)} microbatches were given")
+    plan = plan_run(actions, len(chunks), ctx.pp.size, len(microbatches), forward_only=forward_only)
     if tensor_shapes is not None and len(tensor_shapes) < len(microbatches):
         raise ValueError(f"tensor_shapes has {len(tensor_shapes)} entries for {len(microbatches)} microbatches")
-    run = _Run(ctx, chunks, stages, ctx.pp.size * len(chunks) - 1, microbatches, forward_step,
-               tuple(tensor_shape), dtype, forward_only, timeline)
-    if tensor_shapes is not None:
-        run.shapes = [tuple(s) for s in tensor_shapes]
-    if grad_sync is not None and not forward_only:
-        run.grad_sync, run.last_backward = grad_sync, last_backward_actions(actions)
-    if not forward_only:
-        run.again = recomputed(actions)
-        run.segmented = {(h.microbatch, h.stage) for a in actions if a.kind == "FB" for h in halves(a)[1:]}
-    run.link_delay = link_delay
-    run.execute(strip_backward(actions) if forward_only else actions)
+    device = next((p.device for c in chunks for p in c.parameters()), torch.device(ctx.device))
+    shapes = (tuple(tensor_shape),) * len(microbatches) if tensor_shapes is None else \
+        tuple(tuple(s) for s in tensor_shapes)
+    links = _Links(ctx.pp, plan, shapes, dtype, device)
+    run = _Run(ctx, chunks, plan, links, microbatches, forward_step, timeline,
+               None if forward_only else grad_sync)
+    run.execute()
     return [run.losses[mb] for mb in sorted(run.losses)]
 
 
 class _Run:
-    """The buffers of one :func:`run_pipeline` call, keyed by (microbatch, stage)."""
+    """The compute of one :func:`run_pipeline` call and its buffers, keyed by (microbatch, stage)."""
 
-    def __init__(self, ctx, chunks, stages, last, microbatches, forward_step, shape, dtype, forward_only,
-                 timeline):
-        self.ctx, self.chunks, self.last = ctx, chunks, last
-        self.local = {s: c for c, s in enumerate(stages)}
+    def __init__(self, ctx, chunks: Sequence[nn.Module], plan: RunPlan, links: "_Links",
+                 microbatches: Sequence[Any], forward_step: ForwardStep, timeline, grad_sync):
+        self.ctx, self.chunks, self.plan, self.links = ctx, chunks, plan, links
+        self.views = [as_pipeline_chunk(c) for c in chunks]
         self.microbatches, self.forward_step = microbatches, forward_step
-        self.shape, self.dtype, self.forward_only, self.timeline = shape, dtype, forward_only, timeline
-        self.shapes: list[tuple[int, ...]] | None = None  # per microbatch, when they differ
-        self.device = next((p.device for c in chunks for p in c.parameters()), torch.device(ctx.device))
-        self.stores = [] if forward_only else attach_weight_grad_stores(chunks)
-        self.received: dict[tuple[int, int], torch.Tensor] = {}   # RECV_F: input of (mb, stage)
-        self.to_send: dict[tuple[str, int, int], torch.Tensor] = {}  # ("F"|"B", mb, stage)
+        self.timeline, self.grad_sync = timeline, grad_sync
+        self.stores = [] if plan.forward_only else attach_weight_grad_stores(chunks)
         self.local_out: dict[tuple[int, int], torch.Tensor] = {}  # output kept for a local next stage
         self.inputs: dict[tuple[int, int], torch.Tensor | None] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
-        self.out_grads: dict[tuple[int, int], torch.Tensor] = {}
         self.losses: dict[int, torch.Tensor] = {}
-        self.pending_sends: list[tuple[Any, torch.Tensor]] = []
-        self.prefetched: dict[int, list[tuple[Action, torch.Tensor, Any]]] = {}  # step index -> posted recvs
-        self.next_p2p: dict[int, int] = {}
-        self.grad_sync, self.last_backward = None, {}
-        self.link_delay = None
-        self.again: set[tuple[int, int]] = set()  # (mb, stage) whose F is recomputed by an R
         self.rng_at_forward: dict[tuple[int, int], Any] = {}
-        self.segmented: set[tuple[int, int]] = set()  # (mb, stage) whose backward is an FB half
-        self.cuts: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.cuts = LayerCuts()
         self.pair_events: list[TraceEvent] = []
-        self.tracker = next((m.rng_tracker for c in chunks for m in c.modules()
-                             if getattr(m, "rng_tracker", None) is not None), None)
+        self.tracker = next((v.rng_tracker for v in self.views if v.rng_tracker is not None), None)
         # A RecordedTimeline fixes the clock's zero (a training step's start); else this call's.
         self.t0 = getattr(timeline, "origin", None) or time.perf_counter()
 
-    def execute(self, actions: list[Action]) -> None:
-        steps = batches(actions)
-        p2p_at = [i for i, step in enumerate(steps) if step[0].is_p2p]
-        self.next_p2p = dict(zip(p2p_at, p2p_at[1:]))
+    def execute(self) -> None:
         with self.recording_intervals():
-            self.run_steps(steps, p2p_at)
-        for work, _ in self.pending_sends:
-            work.wait()
-        self.pending_sends.clear()
+            self.run_steps()
+        self.links.wait_sends()
         for c, store in enumerate(self.stores):
             if len(store):
                 raise RuntimeError(f"pipeline chunk {c}: {len(store)} deferred weight-grad groups are still "
                                    "queued after the schedule; every B needs a W")
 
-    def run_steps(self, steps: list[list[Action]], p2p_at: list[int]) -> None:
+    def run_steps(self) -> None:
         try:
-            if p2p_at:
-                self.prefetched[p2p_at[0]] = self.post_recvs(steps[p2p_at[0]])
-            for i, step in enumerate(steps):
+            self.links.start()
+            for i, step in enumerate(self.plan.steps):
                 start = time.perf_counter()
                 if step[0].is_p2p:
-                    self.p2p(i, step, steps)
+                    self.links.exchange(i, step)
                 else:
                     self.compute_recorded(step[0])
                 if self.timeline is not None and step[0].kind == "FB":
@@ -217,11 +171,11 @@ class _Run:
             for store in self.stores:
                 store.deferring = False
 
-    # ---- compute ---------------------------------------------------------------------------
+    # ---- recording -------------------------------------------------------------------------
     def compute_recorded(self, a: Action) -> None:
         """:meth:`compute`, with the interval recorder (if any) stamped with the action's
         (microbatch, stage)."""
-        rec = self.ctx.ledger.intervals if self.timeline is not None else None
+        rec = self.recorder()
         if rec is None:
             self.compute(a)
             return
@@ -230,6 +184,9 @@ class _Run:
             self.compute(a)
         finally:
             rec.scope = scope
+
+    def recorder(self) -> IntervalRecorder | None:
+        return self.ctx.ledger.intervals if self.timeline is not None else None
 
     @contextmanager
     def recording_intervals(self):
@@ -252,9 +209,10 @@ class _Run:
                 ledger.intervals = None
         self.timeline.extend(from_intervals(rec.intervals[first:], self.ctx.pp.rank, self.t0))
 
+    # ---- compute ---------------------------------------------------------------------------
     def compute(self, a: Action) -> None:
         run = getattr(self, "do_" + a.kind)
-        last = sorted({self.local[h.stage] for h in halves(a) if self.last_backward.get(h.stage) == a})
+        last = self.plan.is_last_backward(a)
         with labelled(event_name(a.kind, a.microbatch, a.stage)):  # a torch.profiler range, if profiling
             if self.grad_sync is None or not last:
                 run(a)
@@ -263,32 +221,32 @@ class _Run:
                 run(a)
 
     def do_F(self, a: Action) -> None:
-        key, s = (a.microbatch, a.stage), a.stage
+        key, s, plan = (a.microbatch, a.stage), a.stage, self.plan
         if s == 0:
             x = None
         elif (a.microbatch, s - 1) in self.local_out:
             x = self.local_out.pop((a.microbatch, s - 1))
         else:
-            x = self.received.pop(key)
-        if x is not None and not self.forward_only:
+            x = self.links.received.pop(key)
+        if x is not None and not plan.forward_only:
             x = x.detach().requires_grad_(True)  # a leaf: its .grad is what goes to stage s-1
-        again = key in self.again
+        again = key in plan.recomputed
         if again:
             self.rng_at_forward[key] = self._rng_states()
-        with torch.set_grad_enabled(not (self.forward_only or again)):
+        with torch.set_grad_enabled(not (plan.forward_only or again)):
             out = self._forward(key, x)
-        if s == self.last:
+        if s == plan.last_stage:
             if out.dim() != 0:
                 raise ValueError(f"forward_step must return a scalar loss on the last stage; got shape "
                                  f"{tuple(out.shape)} for microbatch {a.microbatch}")
             self.losses[a.microbatch] = out.detach()
-        elif s + 1 in self.local:
+        elif s + 1 in plan.local:
             self.local_out[key] = out.detach()
         else:
-            self.to_send[("F",) + key] = out.detach()
+            self.links.to_send[("F",) + key] = out.detach()
         if again:
             self.inputs[key] = x
-        elif not self.forward_only:
+        elif not plan.forward_only:
             self.inputs[key], self.outputs[key] = x, out
 
     def do_R(self, a: Action) -> None:
@@ -313,41 +271,26 @@ class _Run:
 
     def _forward(self, key: tuple[int, int], x):
         """``forward_step`` of (microbatch, stage); for a microbatch whose backward is an FB half,
-        with the chunk's ``layer_boundary`` cutting the graph at each boundary it reports."""
-        c = self.local[key[1]]
-        chunk = self.chunks[c]
-        if key not in self.segmented or not hasattr(chunk, "layer_boundary"):
-            return self.forward_step(c, chunk, x, self.microbatches[key[0]])
-        cuts = self.cuts.setdefault(key, [])
-
-        def cut(t: torch.Tensor) -> torch.Tensor:
-            if not (torch.is_grad_enabled() and t.requires_grad and t.grad_fn is not None):
-                return t
-            leaf = t.detach().requires_grad_(True)  # the next segment's input; its .grad links them
-            cuts.append((t, leaf))
-            return leaf
-
-        chunk.layer_boundary = cut
-        try:
-            return self.forward_step(c, chunk, x, self.microbatches[key[0]])
-        finally:
-            chunk.layer_boundary = None
+        with the graph cut at each layer boundary (:class:`~paratron.pipeline.fb_pair.LayerCuts`)."""
+        c = self.plan.local[key[1]]
+        if key not in self.plan.segmented:
+            return self.forward_step(c, self.chunks[c], x, self.microbatches[key[0]])
+        with self.views[c].layer_boundaries(self.cuts.cut_for(key)):
+            return self.forward_step(c, self.chunks[c], x, self.microbatches[key[0]])
 
     def _backward_segments(self, a: Action, split: bool):
         """The backward of ``a`` (a ``B`` or ``BW``), one autograd call per segment of its graph
         (one in all unless its forward was cut), yielding between segments; the last one also
         hands the input grad on."""
-        key, s = (a.microbatch, a.stage), a.stage
+        key, s, plan = (a.microbatch, a.stage), a.stage, self.plan
         out, x = self.outputs.pop(key), self.inputs.pop(key)
-        grad = None if s == self.last else self.out_grads.pop(key)
-        pieces = [(out, grad)] + [(t, leaf) for t, leaf in reversed(self.cuts.pop(key, []))]
-        store = self.stores[self.local[s]]
+        grad = None if s == plan.last_stage else self.links.out_grads.pop(key)
+        pieces = self.cuts.pieces(key, out, grad)
+        store = self.stores[plan.local[s]]
         for k, (t, g) in enumerate(pieces):
-            if k:  # a cut: the grad of its leaf, summed over the later segment's uses
-                g = g.grad if g.grad is not None else torch.zeros_like(g)
             store.deferring = split
             try:
-                torch.autograd.backward(t, grad_tensors=g)
+                torch.autograd.backward(t, grad_tensors=leaf_grad(g) if k else g)
             finally:
                 store.deferring = False
             if k + 1 < len(pieces):
@@ -355,46 +298,25 @@ class _Run:
         if split:
             store.mark()
         if x is not None:
-            g = x.grad if x.grad is not None else torch.zeros_like(x)
-            if s - 1 in self.local:
-                self.out_grads[(a.microbatch, s - 1)] = g
+            g = leaf_grad(x)
+            if s - 1 in plan.local:
+                self.links.out_grads[(a.microbatch, s - 1)] = g
             else:
-                self.to_send[("B",) + key] = g
+                self.links.to_send[("B",) + key] = g
 
     def _backward(self, a: Action, split: bool) -> None:
         for _ in self._backward_segments(a, split):
             pass
 
     def do_FB(self, a: Action) -> None:
-        """Run an ``FB`` pair: the backward half's first segment, then the forward half, whose
-        MoE dispatchers run the next backward segment while each all-to-all is in flight."""
+        """Run an ``FB`` pair (:func:`~paratron.pipeline.fb_pair.run_fb_pair`)."""
         f, b = halves(a)
-        rank, now = self.ctx.pp.rank, lambda: time.perf_counter() - self.t0
-        rec = self.ctx.ledger.intervals if self.timeline is not None else None
-        backward = _Segments(self._backward_segments(b, split=b.kind == "B"), rec, (b.microbatch, b.stage))
-        b_start = now()
-        backward.step()
-
-        def while_in_flight(what: str, wait: Callable[[], None]) -> None:
-            if backward.busy:  # a recompute inside a backward segment runs a forward: no nesting
-                return
-            backward.step()
-            wait()
-
-        hooked = [m for m in self.chunks[self.local[f.stage]].modules() if hasattr(m, "while_in_flight")]
-        f_start = now()
-        for m in hooked:
-            m.while_in_flight = while_in_flight
-        try:
-            self.do_F(f)
-        finally:
-            for m in hooked:
-                m.while_in_flight = None
-        f_end = now()
-        while not backward.done:
-            backward.step()
+        times = run_fb_pair(f, b, self.views[self.plan.local[f.stage]], self.do_F,
+                            self._backward_segments(b, split=b.kind == "B"), self.recorder())
+        f_start, f_end, b_start, b_end = (t - self.t0 for t in times)
+        rank = self.ctx.pp.rank
         self.pair_events = [TraceEvent(rank, "F", f.microbatch, f.stage, f_start, f_end),
-                            TraceEvent(rank, b.kind, b.microbatch, b.stage, b_start, backward.end - self.t0)]
+                            TraceEvent(rank, b.kind, b.microbatch, b.stage, b_start, b_end)]
 
     def do_B(self, a: Action) -> None:
         self._backward(a, split=True)
@@ -403,59 +325,61 @@ class _Run:
         self._backward(a, split=False)
 
     def do_W(self, a: Action) -> None:
-        self.stores[self.local[a.stage]].flush()
+        self.stores[self.plan.local[a.stage]].flush()
 
-    # ---- p2p ---------------------------------------------------------------------------------
-    def shape_of(self, microbatch: int) -> tuple[int, ...]:
-        """The shape of the activations (and their grads) of ``microbatch`` sent between stages."""
-        return self.shape if self.shapes is None else self.shapes[microbatch]
 
-    def post_recvs(self, step: list[Action]) -> list[tuple[Action, torch.Tensor, Any]]:
+class _Links:
+    """The p2p side of one :func:`run_pipeline` call: tensors to send, receives posted one batch
+    ahead, what arrived, and the sends waited for at the end."""
+
+    def __init__(self, group, plan: RunPlan, shapes: tuple[tuple[int, ...], ...], dtype: torch.dtype,
+                 device: torch.device):
+        self.group, self.plan, self.shapes, self.dtype, self.device = group, plan, shapes, dtype, device
+        self.to_send: dict[tuple[str, int, int], torch.Tensor] = {}  # ("F"|"B", mb, stage)
+        self.received: dict[tuple[int, int], torch.Tensor] = {}   # RECV_F: input of (mb, stage)
+        self.out_grads: dict[tuple[int, int], torch.Tensor] = {}  # grad of the output of (mb, stage)
+        self.pending_sends: list[tuple[Any, torch.Tensor]] = []
+        self.prefetched: dict[int, list[tuple[Action, torch.Tensor, Any]]] = {}  # step index -> posted recvs
+
+    def start(self) -> None:
+        """Post the first batch's receives, before the first step."""
+        first = self.plan.first_p2p
+        if first is not None:
+            self.prefetched[first] = self.post_recvs(self.plan.steps[first])
+
+    def post_recvs(self, step: Sequence[Action]) -> list[tuple[Action, torch.Tensor, Any]]:
         """Post the receives of a batch now; they are waited for when the batch is reached.
 
         Posting a receive early changes neither the matching (receives from one peer keep their
         list order) nor any wait, so the validator's guarantees hold; it lets the transfer run
         while this rank computes instead of after it reaches the batch.
         """
-        recvs = [(a, torch.empty(self.shape_of(a.microbatch), dtype=self.dtype, device=self.device))
+        recvs = [(a, torch.empty(self.shapes[a.microbatch], dtype=self.dtype, device=self.device))
                  for a in step if a.kind.startswith("RECV")]
         if not recvs:
             return []
-        ops, stamps = [], []
-        for a, buf in recvs:
-            ops.append(self.ctx.pp.p2p_op("recv", buf, a.peer))
-            stamps.append(self.link_delay.stamp_buffer(self.device) if self.delayed(a.peer) else None)
-            if stamps[-1] is not None:  # the injected delay's send time follows the message
-                ops.append(self.ctx.pp.p2p_op("recv", stamps[-1], a.peer))
-        works = iter(self.ctx.pp.batch_isend_irecv(ops))
-        return [(a, buf, next(works) if stamp is None else self.link_delay.delayed(next(works), next(works), stamp))
-                for (a, buf), stamp in zip(recvs, stamps)]
+        works = self.group.batch_isend_irecv([self.group.p2p_op("recv", buf, a.peer) for a, buf in recvs])
+        return [(a, buf, work) for (a, buf), work in zip(recvs, works)]
 
-    def delayed(self, peer: int) -> bool:
-        """The link to ``peer`` has an injected delay (:class:`~paratron.pipeline.delay.LinkDelay`)."""
-        return self.link_delay is not None and self.link_delay.applies(self.ctx.pp.rank, peer)
-
-    def p2p(self, index: int, step: list[Action], steps: list[list[Action]]) -> None:
+    def exchange(self, index: int, step: Sequence[Action]) -> None:
+        """The p2p batch at step ``index``: post its sends, post the next batch's receives, then
+        wait for this batch's receives and file what arrived."""
         ops, sends = [], []
         for a in step:
             if a.kind.startswith("SEND"):
                 t = self.to_send.pop((a.kind[-1], a.microbatch, a.stage)).contiguous()
-                if tuple(t.shape) != self.shape_of(a.microbatch) or t.dtype != self.dtype:
+                want = self.shapes[a.microbatch]
+                if tuple(t.shape) != want or t.dtype != self.dtype:
                     raise ValueError(f"{a}: the tensor to send has shape {tuple(t.shape)} and dtype {t.dtype}; "
-                                     f"the receiver expects tensor_shape={list(self.shape_of(a.microbatch))}, "
-                                     f"dtype={self.dtype}")
-                ops.append(self.ctx.pp.p2p_op("send", t, a.peer))
+                                     f"the receiver expects tensor_shape={list(want)}, dtype={self.dtype}")
+                ops.append(self.group.p2p_op("send", t, a.peer))
                 sends.append(t)
-                if self.delayed(a.peer):
-                    sends.append(self.link_delay.stamp(self.device))
-                    ops.append(self.ctx.pp.p2p_op("send", sends[-1], a.peer))
         if ops:
-            for work, t in zip(self.ctx.pp.batch_isend_irecv(ops), sends):
-                self.pending_sends.append((work, t))
+            self.pending_sends.extend(zip(self.group.batch_isend_irecv(ops), sends))
         recvs = self.prefetched.pop(index)
-        nxt = self.next_p2p.get(index)
+        nxt = self.plan.next_p2p.get(index)
         if nxt is not None:
-            self.prefetched[nxt] = self.post_recvs(steps[nxt])
+            self.prefetched[nxt] = self.post_recvs(self.plan.steps[nxt])
         for a, buf, work in recvs:
             work.wait()
             if a.kind == "RECV_F":
@@ -463,31 +387,7 @@ class _Run:
             else:
                 self.out_grads[(a.microbatch, a.stage)] = buf
 
-
-class _Segments:
-    """The backward half of an ``FB`` pair, advanced one segment per :meth:`step`; each segment
-    is recorded as a ``backward`` compute interval under the backward's (microbatch, stage)."""
-
-    def __init__(self, segments, rec, scope: tuple[int, int]):
-        self.segments, self.rec, self.scope = segments, rec, scope
-        self.busy = self.done = False
-        self.end = 0.0  # perf_counter() when the last segment finished
-
-    def step(self) -> None:
-        if self.done:
-            return
-        self.busy = True
-        outer = None
-        if self.rec is not None:
-            outer, self.rec.scope = self.rec.scope, self.scope
-        try:
-            if self.rec is None:
-                self.done = next(self.segments, self) is self
-            else:
-                with self.rec.compute("backward"):
-                    self.done = next(self.segments, self) is self
-        finally:
-            self.busy = False
-            if self.rec is not None:
-                self.rec.scope = outer
-        self.end = time.perf_counter()
+    def wait_sends(self) -> None:
+        for work, _ in self.pending_sends:
+            work.wait()
+        self.pending_sends.clear()

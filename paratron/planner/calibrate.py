@@ -1,6 +1,6 @@
 """``paratron plan --calibrate``: measure what the CPU cost model needs, with every rank busy at once.
 
-Measured on ``nproc`` forked gloo ranks (:func:`paratron.testing.run_ranks`), one thread each,
+Measured on ``nproc`` forked gloo ranks (:func:`paratron.local_ranks.run_ranks`), one thread each,
 all running together as a training run's ranks do, so the figures are each rank's share of the
 cores under that load (and under whatever else runs on the machine: calibrate when it is as
 loaded as it will be for the runs):
@@ -25,8 +25,8 @@ import statistics
 import time
 from pathlib import Path
 
+from paratron.local_ranks import run_ranks
 from paratron.progress import progress_bar
-from paratron.testing import run_ranks
 
 MEASUREMENTS = ("GEMM", "memory bandwidth", "autograd op overhead", "gloo all-reduce 1 KB",
                 "gloo all-reduce 16 MB")

@@ -232,6 +232,21 @@ def check_checkpoint_load(cfg: Config, vocab_size: int | None = None) -> None:
         raise ConfigError(f"checkpoint.load={c.load}: {e}") from None
 
 
+def check_vocab_fits(cfg: Config, tokenizer_vocab: int | None) -> None:
+    """Refuse a set ``model.vocab_size`` below the tokenizer's vocabulary: ids at or past it
+    would index past the embedding table on every rank (padding only ever adds rows).
+
+    Raises:
+        ConfigError: naming ``model.vocab_size``, the tokenizer and both sizes.
+    """
+    m = cfg.model.vocab_size
+    if m is None or tokenizer_vocab is None or m >= tokenizer_vocab:
+        return
+    name = cfg.data.tokenizer_model or cfg.data.tokenizer_type
+    raise ConfigError(f"model.vocab_size={m} is smaller than the tokenizer's vocabulary ({tokenizer_vocab} ids, "
+                      f"{name}): it must be at least that (leave it unset to take the tokenizer's)")
+
+
 def import_plugins(cfg: Config) -> None:
     """Import the modules named in ``train.callbacks``, so that the schedules, dispatchers and
     blocks they register exist before the config is checked against the registries."""
@@ -239,20 +254,22 @@ def import_plugins(cfg: Config) -> None:
         import_callback_module(spec)
 
 
-def prepare_training(cfg: Config, run_dir: str | os.PathLike) -> None:
+def prepare_training(cfg: Config, run_dir: str | os.PathLike, *, launching: bool) -> None:
     """What ``paratron train`` does after validating and before any rank starts: default the
     outputs into the run directory, tokenise and check the data (and its splits), check the
     checkpoint to resume from, and the checkpoint directory. Inside a rank (a plain
     ``torchrun``, or the ranks the launcher started) only the checks every rank answers alike
     run: global rank 0 prepares the data after launch, and each save checks its exact size (:func:`paratron.checkpoint.storage.refuse_unless_room`).
+    ``launching`` says which: True outside torchrun (the launcher, or one process alone;
+    :func:`paratron.launch.mode.started`).
 
     Raises:
         ConfigError: as :func:`prepare_data`, :func:`check_checkpoint_load` and
             :func:`check_checkpoint_dir`.
     """
     apply_run_dir_defaults(cfg, run_dir)
-    launching = "WORLD_SIZE" not in os.environ
     tok = prepare_data(cfg, progress=cfg.logging.progress) if launching else None
     vocab = tok.vocab_size if tok is not None else None
+    check_vocab_fits(cfg, vocab)
     check_checkpoint_load(cfg, vocab)
     check_checkpoint_dir(cfg, vocab, room=launching)

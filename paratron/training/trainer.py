@@ -35,11 +35,10 @@ from paratron.training.metrics import (METRICS, SUPERSEDED, MetricsWriter, peak_
                                        read_metrics)
 from paratron.training.nonfinite import NonFiniteGuard, NonFiniteStop
 from paratron.training.profiling import StepObserver
-from paratron.training.setup import (build_checkpoint_manager, build_model_and_optimizer, builtin_callbacks,
+from paratron.training.builders import (build_checkpoint_manager, build_model_and_optimizer,
                                      count_params, export_hf_at_end, load_hf_start, print_sample,
                                      seed_everything, warn_if_saving_over)
 from paratron.training.data_iter import TrainingData
-from paratron.training.startup import StartupClock
 from paratron.training.step import needs_microbatch_time, rank_actions, run_global_batch
 from paratron.training.step_log import StepLog, log
 from paratron.training.timers import PhaseTimer
@@ -81,12 +80,16 @@ class Trainer:
         ctx: the :class:`~paratron.parallel.context.ParallelContext`.
         run_dir: where rank 0 writes ``config.toml``, ``metrics.jsonl``, TensorBoard and
             ``loss.png``.
+        clock: the run's :class:`~paratron.launch.startup.StartupClock` (started before the
+            rendezvous); the trainer times its own start-up parts on it.
+        builtin_callbacks: ``state -> [Callback]``, the callbacks the launcher builds in (the
+            hang watchdog), run before ``train.callbacks``; None: none.
     """
 
-    def __init__(self, cfg: Config, ctx, run_dir: Path, clock: StartupClock | None = None) -> None:
+    def __init__(self, cfg: Config, ctx, run_dir: Path, clock, builtin_callbacks=None) -> None:
         seed_everything(cfg.train.seed, ctx)
         self.cfg, self.ctx, self.run_dir = cfg, ctx, run_dir
-        self.clock = clock if clock is not None else StartupClock()
+        self.clock = clock
         with self.clock.part("data_index"):
             self.data = TrainingData.build(cfg, ctx)
         if cfg.model.vocab_size is None:
@@ -100,7 +103,8 @@ class Trainer:
                                     sinks=wandb_sinks(cfg, run_dir, ctx.rank))
         self.observer = StepObserver(cfg, ctx, run_dir)  # profiler, memory snapshots, timelines
         self.state = TrainState(cfg, ctx, self.chunks, self.optimizer, self.scheduler, run_dir)
-        self.callbacks = CallbackList(builtin_callbacks(cfg, ctx, self.state) +
+        builtin = builtin_callbacks(self.state) if builtin_callbacks is not None else []
+        self.callbacks = CallbackList(builtin +
                                       [load_callback(s, self.state) for s in cfg.train.callbacks])
         with self.clock.part("checkpoint_load"):
             self.ckpt = build_checkpoint_manager(cfg, ctx)
@@ -176,11 +180,11 @@ class Trainer:
         return record, dict(timer.last_host, step=step_time)
 
     def log_startup(self, first_step_s: float) -> None:
-        """Write the ``startup`` record (:mod:`.startup`) once, after the first step (collective)."""
+        """Write the ``startup`` record (:mod:`paratron.launch.startup`) once, after the first step (collective)."""
         self.clock.seconds["first_step"] = first_step_s
         record = self.clock.record(self.ctx)
         self.writer.write(record)
-        log(self.ctx, StartupClock.line(record))
+        log(self.ctx, self.clock.line(record))
 
     def actions_for(self, m: int) -> list:
         """This rank's schedule for ``m`` microbatches (an uneven DP split or token-balanced

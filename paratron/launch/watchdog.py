@@ -10,7 +10,7 @@ list) when ``parallel.hang_timeout_s > 0`` and the world has more than one rank.
   ``RUN_DIR/hang/rank_N.json``, writes ``RUN_DIR/hang/trigger`` so that every other rank dumps
   its own buffer too (each watchdog checks for the trigger when it wakes), and ends the process
   with exit code :data:`EXIT_HANG`; the launcher then prints one diagnosis
-  (:func:`paratron.training.hang.diagnose`), or rank 0 does under a bare torchrun;
+  (:func:`paratron.launch.hang.diagnose`), or rank 0 does under a bare torchrun;
 * keeps the recorder's collectives in a black box, ``RUN_DIR/hang/rank_N.ring``, that outlives
   a rank aborted by gloo (:class:`~paratron.parallel.flight.BlackBox`);
 * dumps the ring buffer too when the loop raises
@@ -39,11 +39,11 @@ import time
 from pathlib import Path
 
 from paratron.checkpoint.io import write_json_atomic
+from paratron.launch.hang import diagnose, load_dumps, load_rings
+from paratron.launch.mode import started
 from paratron.parallel.collcheck import CollectiveMismatch
 from paratron.parallel.flight import BlackBox, FlightRecorder
 from paratron.training.callbacks import Callback
-from paratron.training.hang import diagnose, load_dumps, load_rings
-from paratron.training.rankproc import LOG_DIR_ENV
 
 EXIT_HANG = 124
 """Exit code of a rank ended by the watchdog because of a hang (its own or a peer's)."""
@@ -205,7 +205,7 @@ class HangWatchdog(Callback):
                     "peer-hang": "another rank reported a hang",
                     "signal": "SIGTERM/SIGINT while blocked in an op"}[reason]
             print(f"[paratron] rank {self.rank}: ending: {what}; ring buffer in {path}", file=sys.stderr)
-            if reason != "signal" and self.rank == 0 and LOG_DIR_ENV not in os.environ:
+            if reason != "signal" and self.rank == 0 and not started().under_launcher:
                 self.print_diagnosis()  # no paratron launcher to print it (a bare torchrun)
         finally:
             sys.stdout.flush()

@@ -22,11 +22,12 @@ from paratron.checkpoint.hf_load import apply_load_hf
 from paratron.config import ConfigError, Config, megatron_overrides
 from paratron.config.validators import config_warnings
 from paratron.rules import build_config, validate
-from paratron.training import launch  # launch.run_torchrun, looked up at the call (tests replace it)
+from paratron.launch import launch  # launch.run_torchrun, looked up at the call (tests replace it)
+from paratron.launch.mode import Mode, started
+from paratron.launch.rankproc import rank_session
+from paratron.launch.runlock import RunLocked, lock_run, stale_note
+from paratron.launch.runner import run_training
 from paratron.training.preflight import apply_data_argument, check_paths, import_plugins, prepare_training
-from paratron.training.rankproc import LOG_DIR_ENV, rank_session
-from paratron.training.runlock import RunLocked, lock_run, stale_note
-from paratron.training.runner import run_training
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -80,9 +81,10 @@ def hf_overrides(args: argparse.Namespace) -> list[str]:
 
 def world_size_for(args: argparse.Namespace) -> int:
     """The world size this invocation will have: torchrun's, or nproc x nnodes, or 1."""
-    if "WORLD_SIZE" in os.environ:
-        return int(os.environ["WORLD_SIZE"])
-    if args.nproc_per_node:
+    me = started(args.nproc_per_node)
+    if me.torchrun:
+        return me.world_size
+    if me.mode is Mode.LAUNCHER:
         return args.nproc_per_node * int(str(args.nnodes).split(":")[-1])
     return 1
 
@@ -98,7 +100,7 @@ def load_and_validate(args: argparse.Namespace) -> Config:
         raise ConfigError(str(e)) from None
     validate(cfg, world_size_for(args))
     check_paths(cfg)
-    print_config_warnings(cfg, launching=bool(args.nproc_per_node) and "WORLD_SIZE" not in os.environ)
+    print_config_warnings(cfg, launching=started(args.nproc_per_node).mode is Mode.LAUNCHER)
     return cfg
 
 
@@ -107,7 +109,7 @@ def print_config_warnings(cfg: Config, launching: bool) -> None:
     the launcher, or else on rank 0 (a launcher marks its ranks so they stay quiet)."""
     if launching:
         os.environ[_WARNED] = "1"  # inherited by the ranks torchrun starts
-    elif os.environ.get(_WARNED) or os.environ.get("RANK", "0") != "0":
+    elif os.environ.get(_WARNED) or started().rank != 0:
         return
     for line in config_warnings(cfg):
         print(f"paratron: warning: {line}", file=sys.stderr)
@@ -146,11 +148,11 @@ def launch_or_run(args: argparse.Namespace, command: str, body, prepare=None) ->
             prepare(cfg, args)
     except ConfigError as e:
         hint = ""
-        if "world size" in str(e) and "WORLD_SIZE" not in os.environ and not args.nproc_per_node:
+        if "world size" in str(e) and started(args.nproc_per_node).mode is Mode.ALONE:
             hint = " (to start several ranks, add --nproc-per-node N, or launch with torchrun)"
         print(f"paratron {command}: config error: {e}{hint}", file=sys.stderr)
         return 2
-    if args.nproc_per_node and "WORLD_SIZE" not in os.environ:
+    if started(args.nproc_per_node).mode is Mode.LAUNCHER:
         cmd = torchrun_argv(args, ["-m", "paratron", command] + args.argv)
         if command != "train":
             return launch.run_torchrun(cmd)
@@ -196,11 +198,12 @@ def run(args: argparse.Namespace) -> int:
     def body(cfg: Config, a: argparse.Namespace) -> int:
         run_dir = Path(a.run_dir or default_run_dir(a.config))
         # Under the launcher, it holds the locks; under a bare torchrun (or alone), rank 0 does.
-        take = LOG_DIR_ENV not in os.environ and int(os.environ.get("RANK", "0")) == 0
+        me = started()
+        take = not me.under_launcher and me.rank == 0
         with rank_session(), run_locks(run_dir, cfg, take) as refused:
             return 2 if refused else run_training(cfg, run_dir=str(run_dir))
 
     def prepare(cfg: Config, a: argparse.Namespace) -> None:
-        prepare_training(cfg, a.run_dir or default_run_dir(a.config))
+        prepare_training(cfg, a.run_dir or default_run_dir(a.config), launching=not started().torchrun)
 
     return launch_or_run(args, "train", body, prepare)

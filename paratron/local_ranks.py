@@ -120,7 +120,7 @@ def _launch(fn, world_size, args, kwargs, timeout, pg_backend, start_method) -> 
     ``err`` or ``rendezvous``) or ``timeout`` s pass; every rank is dead on return."""
     ctx = mp.get_context(start_method)
     if start_method == "forkserver":
-        ctx.set_forkserver_preload(["torch", "paratron.testing"])
+        ctx.set_forkserver_preload(["torch", "paratron.local_ranks"])
     tmp = tempfile.mkdtemp(prefix="paratron-ranks-")
     store_path = os.path.join(tmp, "store")
     procs, conns = [], []

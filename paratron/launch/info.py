@@ -12,13 +12,14 @@ import json
 import os
 import sys
 
-from paratron.training.command import add_arguments as add_train_arguments
-from paratron.training.command import launch_or_run, parse  # noqa: F401 (parse used by cli)
 from paratron.config import ConfigError
+from paratron.launch.command import add_arguments as add_train_arguments
+from paratron.launch.mode import Mode, started
 from paratron.parallel.context import ParallelContext, init_distributed
 from paratron.parallel.grid import build_grid
 from paratron.rules import build_config, validate
 from paratron.training.groups import groups_used
+from paratron.launch.command import launch_or_run, parse  # noqa: F401 (parse used by cli)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -52,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     if args.world_size is not None and args.world_size < 1:
         print(f"paratron info: --world-size={args.world_size} must be a positive integer (ranks)", file=sys.stderr)
         return 2
-    if args.world_size and "WORLD_SIZE" not in os.environ and not args.nproc_per_node:
+    if args.world_size and started(args.nproc_per_node).mode is Mode.ALONE:
         try:
             cfg = validate(build_config(args.config, args.overrides), args.world_size)
         except ConfigError as e:

@@ -1,4 +1,4 @@
-"""``run_training``: ``paratron train`` on every rank, and the builders the loop uses.
+"""``run_training``: ``paratron train`` on every rank.
 
 Flow: parallel context → :class:`~paratron.training.trainer.Trainer` (data → model chunks →
 DDP + optimizer + LR schedule → checkpoints, evaluator, logging) → ``Trainer.train()`` (resume,
@@ -15,11 +15,11 @@ import torch
 import torch.distributed as dist
 
 from paratron.config import Config
-from paratron.training.setup import build_model_and_optimizer  # noqa: F401  (public here too)
+from paratron.launch.rankproc import record_failure
+from paratron.launch.startup import StartupClock
+from paratron.launch.watchdog import HangWatchdog
 from paratron.parallel.context import ParallelContext, init_distributed
 from paratron.training.groups import groups_used
-from paratron.training.rankproc import record_failure
-from paratron.training.startup import StartupClock
 from paratron.training.step_log import log
 from paratron.training.trainer import NonFiniteStop, Trainer
 
@@ -29,6 +29,14 @@ def build_context(cfg: Config):
     p = cfg.parallel
     return ParallelContext.build(tp=p.tensor, cp=p.context, ep=p.expert, pp=p.pipeline,
                                  expert_tp=p.expert_tensor, order=p.order, kinds=groups_used(cfg))
+
+
+def builtin_callbacks(cfg: Config, ctx, state) -> list:
+    """The hang watchdog (first, so it sees every step of the other callbacks), when on."""
+    if cfg.parallel.hang_timeout_s > 0 and ctx.world_size > 1:
+        return [HangWatchdog(state, cfg.parallel.hang_timeout_s,
+                             check_collectives=cfg.parallel.check_collectives)]
+    return []
 
 
 def run_training(cfg: Config, run_dir: str | None = None) -> int:
@@ -41,7 +49,7 @@ def run_training(cfg: Config, run_dir: str | None = None) -> int:
     with clock.part("rendezvous"):
         ctx = build_context(cfg)
     try:
-        return Trainer(cfg, ctx, run_dir, clock=clock).train()
+        return Trainer(cfg, ctx, run_dir, clock, lambda state: builtin_callbacks(cfg, ctx, state)).train()
     except NonFiniteStop as exc:
         log(ctx, f"error: {exc}")
         record_failure(exc)

@@ -11,7 +11,7 @@
   exception ``LOG_DIR/rank_N.error.json`` (type, message, time, the ``file:line`` of the
   innermost frame outside the Python and site-packages libraries, i.e. in paratron or a plugin,
   the step), prints the traceback to the log and ends the process at once; the launcher's
-  summary reads the records (:mod:`paratron.training.failures`).
+  summary reads the records (:mod:`paratron.launch.failures`).
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from paratron.checkpoint.io import write_json_atomic
+from paratron.launch.mode import started
 from paratron.where import package_relpath
 
 PR_SET_PDEATHSIG = 1
-LOG_DIR_ENV = "PARATRON_LOG_DIR"
 
 
 def die_with_parent(sig: int = signal.SIGKILL) -> bool:
@@ -136,9 +136,9 @@ def record_failure(exc: BaseException) -> None:
     """The error record of a failure the rank ends on by itself with a non-zero exit (a
     non-finite stop), so that the launcher's summary names it like a raised exception.
     Does nothing outside the launcher (no log directory)."""
-    log_dir = os.environ.get(LOG_DIR_ENV)
-    if log_dir:
-        write_error_record(Path(log_dir), int(os.environ.get("RANK", 0)), exc)
+    me = started()
+    if me.under_launcher:
+        write_error_record(Path(me.log_dir), me.rank, exc)
 
 
 @contextmanager
@@ -146,14 +146,13 @@ def rank_session():
     """Around a rank's work: the parent-death signal (under torchrun); under the launcher also
     the status record, output to the rank's log, and an error record on an exception (re-raised,
     so that its traceback lands in the log)."""
-    if "RANK" in os.environ:
+    me = started()
+    if me.torchrun:
         die_with_parent()
-    log_dir = os.environ.get(LOG_DIR_ENV)
-    rank = int(os.environ.get("RANK", 0))
-    if not log_dir:
+    if not me.under_launcher:
         yield
         return
-    log_dir = Path(log_dir)
+    log_dir, rank = Path(me.log_dir), me.rank
     redirect_output(log_dir, rank, tee_stdout=rank == 0)
     (log_dir / f"rank_{rank}.status.json").write_text(json.dumps(
         {"rank": rank, "pid": os.getpid(), "host": socket.gethostname(), "time": time.time()}))

@@ -1,6 +1,6 @@
 """The hang diagnosis: one message from the ranks' ring-buffer dumps (``RUN_DIR/hang/rank_N.json``).
 
-Each dump (written by :mod:`paratron.training.watchdog`) holds the rank's last ops and, per process
+Each dump (written by :mod:`paratron.launch.watchdog`) holds the rank's last ops and, per process
 group (its ranks), how many ops it has entered. An op is identified across ranks by
 ``(group ranks, seq)``. The diagnosis:
 
@@ -35,7 +35,7 @@ from paratron.parallel.flight import read_black_box
 def load_dumps(directory: Path | str, pattern: str = "rank_*.json") -> dict[int, dict]:
     """Every readable JSON record matching ``pattern`` in ``directory`` (each holds its
     ``"rank"``), by rank; unreadable or partial files are skipped. Also reads the launcher's
-    error and status records (:func:`paratron.training.failures.read_records`)."""
+    error and status records (:func:`paratron.launch.failures.read_records`)."""
     out = {}
     for p in sorted(Path(directory).glob(pattern)):
         try:

@@ -1,7 +1,7 @@
 """Running torchrun for ``paratron train --nproc-per-node N``: no orphans, one summary on failure.
 
 * torchrun's agent runs in its own session with ``PR_SET_PDEATHSIG=SIGKILL`` (set between fork
-  and exec), and each rank sets the same towards the agent (:mod:`paratron.training.rankproc`):
+  and exec), and each rank sets the same towards the agent (:mod:`paratron.launch.rankproc`):
   whatever ends the launcher (SIGKILL included) ends the agent, and the agent's end ends the
   ranks. SIGTERM, SIGINT and SIGHUP to the launcher go to the ranks only: they finish the step,
   save and exit 0 (signalled itself, the agent would stop them after a grace period).
@@ -10,8 +10,8 @@
   multi-node job: ``torchrun_nodeI.log``, as the nodes may share the run directory).
 * While the job runs, the launcher watches the ranks' processes (their pids come from
   ``logs/rank_N.status.json``) and notes when each disappears. When torchrun exits non-zero it
-  prints one diagnosis: the hang report (:mod:`paratron.training.hang`) when a watchdog fired,
-  else the first failure (:mod:`paratron.training.failures`); then any rank process still alive
+  prints one diagnosis: the hang report (:mod:`paratron.launch.hang`) when a watchdog fired,
+  else the first failure (:mod:`paratron.launch.failures`); then any rank process still alive
   is killed, so none outlives the launcher.
 """
 
@@ -25,10 +25,11 @@ import sys
 import time
 from pathlib import Path
 
-from paratron.training.failures import collect, read_records, summarize, torchrun_exit_codes
-from paratron.training.hang import diagnose, load_dumps, load_rings
-from paratron.training.startup import LAUNCH_ENV
-from paratron.training.rankproc import LOG_DIR_ENV, PR_SET_PDEATHSIG
+from paratron.launch.failures import collect, read_records, summarize, torchrun_exit_codes
+from paratron.launch.hang import diagnose, load_dumps, load_rings
+from paratron.launch.startup import LAUNCH_ENV
+from paratron.launch.mode import LOG_DIR_ENV
+from paratron.launch.rankproc import PR_SET_PDEATHSIG
 
 POLL_S = 0.1
 

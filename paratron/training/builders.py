@@ -26,7 +26,6 @@ from paratron.optim import DistributedDataParallel, build_lr_scheduler, build_op
 from paratron.pipeline.partition import stage_layers
 from paratron.training.generate import generate_text, hf_export_check
 from paratron.training.step_log import log
-from paratron.training.watchdog import HangWatchdog
 
 
 def seed_everything(seed: int, ctx) -> None:
@@ -35,14 +34,6 @@ def seed_everything(seed: int, ctx) -> None:
     torch.manual_seed(seed + 100 * ctx.pp.rank)
     if torch.cuda.is_available():
         torch.cuda.manual_seed(seed + 100 * ctx.pp.rank)
-
-
-def builtin_callbacks(cfg: Config, ctx, state) -> list:
-    """The hang watchdog (first, so it sees every step of the other callbacks), when on."""
-    if cfg.parallel.hang_timeout_s > 0 and ctx.world_size > 1:
-        return [HangWatchdog(state, cfg.parallel.hang_timeout_s,
-                             check_collectives=cfg.parallel.check_collectives)]
-    return []
 
 
 def print_sample(cfg: Config, ctx, prompt: str) -> None:

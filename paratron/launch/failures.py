@@ -1,9 +1,9 @@
 """The launcher's one summary of a failed job: who failed first, with what, and where.
 
 Sources (all under ``RUN_DIR``): the ranks' error records ``logs/rank_N.error.json`` and status
-records ``logs/rank_N.status.json`` (:mod:`paratron.training.rankproc`), the times at which the
+records ``logs/rank_N.status.json`` (:mod:`paratron.launch.rankproc`), the times at which the
 launcher saw each rank's process disappear, the exit codes torchrun reports in
-``logs/torchrun.log``, and the hang dumps ``hang/rank_N.json`` (:mod:`paratron.training.hang`).
+``logs/torchrun.log``, and the hang dumps ``hang/rank_N.json`` (:mod:`paratron.launch.hang`).
 
 *First* means: the earliest failure that is not a consequence of another. A rank that lost a
 peer (gloo "connection closed/reset by peer", a communication timeout, torch's
@@ -18,7 +18,7 @@ import signal
 from dataclasses import dataclass
 from pathlib import Path
 
-from paratron.training.hang import load_dumps
+from paratron.launch.hang import load_dumps
 
 CONSEQUENCE_TYPES = {"DistBackendError", "DistNetworkError", "DistStoreError", "PeerCheckpointError"}
 CONSEQUENCE_TEXT = ("closed by peer", "reset by peer", "broken pipe", "timed out", "timeout",
