@@ -75,3 +75,12 @@ def test_loss_scale_rules_apply_to_fp16_only():
     validate(load_config(None, ["optimizer.min_loss_scale=0"]), 1)  # fp32 builds no dynamic scaler
     with pytest.raises(ConfigError, match="optimizer.min_loss_scale=131072.0 must be <= optimizer.initial_loss_scale"):
         validate(load_config(None, ["train.precision=fp16", "optimizer.min_loss_scale=131072"]), 1)
+
+
+def test_config_error_has_one_home():
+    from paratron import errors, registry
+    from paratron.config import errors as config_errors
+
+    assert config_errors.ConfigError is errors.ConfigError is ConfigError
+    with pytest.raises(errors.ConfigError, match="not a registered thing"):
+        registry.Registry("thing", "x.thing").get("nope")

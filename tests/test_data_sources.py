@@ -14,7 +14,8 @@ from paratron import cli
 from paratron.config import ConfigError, Config, DataConfig
 from paratron.data import paths, prepare, preprocess, provenance, tokenizer
 from paratron.data.indexed import IndexedDataset
-from paratron.training import launch, preflight
+from paratron.launch import launch
+from paratron.training import preflight
 
 ROOT = Path(__file__).resolve().parents[1]
 FIELD_NOTES = ROOT / "tests" / "fixtures" / "field_notes.jsonl"

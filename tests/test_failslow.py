@@ -29,7 +29,6 @@ TINY = [
 
 
 def _train(overrides: list[str], run_dir: str, slow: str):
-    import paratron.training.runner as runner
     from paratron.rules import load_config
     import paratron.launch.runner as runner
 

@@ -26,7 +26,6 @@ def _train_counting(overrides: list[str], run_dir: str) -> dict:
     """One rank of a run: its ``new_group`` calls, and the group kinds and rank sets it used."""
     import torch.distributed as dist
 
-    import paratron.training.runner as runner
     from paratron.rules import load_config
     import paratron.launch.runner as runner
     from paratron.parallel.context import GROUP_KINDS

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from paratron.checkpoint.io import save_model_full
-from paratron.checkpoint.manager import CheckpointManager, copy_aliased_, full_params
+from paratron.checkpoint.manager import CheckpointManager, full_params
+from paratron.optim.state_chunks import copy_aliased_
 from paratron.config import CheckpointConfig
 from paratron.models.gpt import build_model_chunks
 from paratron.optim import DistributedDataParallel, build_optimizer, precision_dtype
