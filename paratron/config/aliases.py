@@ -29,6 +29,7 @@ MEGATRON_ALIASES: dict[str, str] = {
     "--max-position-embeddings": "model.max_position_embeddings",
     "--num-experts": "model.num_experts",
     "--moe-router-topk": "model.moe_top_k",
+    "--moe-token-dispatcher-type": "model.moe_token_dispatcher",
     "--micro-batch-size": "train.micro_batch_size",
     "--global-batch-size": "train.global_batch_size",
     "--train-iters": "train.train_iters",

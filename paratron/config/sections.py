@@ -104,10 +104,16 @@ class ModelConfig:
     moe_shared_expert_ffn_hidden_size: Optional[int] = None
     """Inner width of the shared expert; None means no shared expert."""
     moe_token_dispatcher: str = "alltoall"
-    """Token dispatcher registry name: alltoall, allgather or alltoall_chunked."""
+    """Token dispatcher registry name: alltoall, allgather, alltoall_chunked or prefetch."""
     moe_dispatch_chunks: int = 2
     """alltoall_chunked: token chunks per microbatch (k >= 1); chunk i+1's dispatch and chunk
     i-1's combine are in flight while chunk i's experts compute."""
+    moe_prefetch_policy: Literal["auto", "pull", "push"] = "auto"
+    """prefetch dispatcher (PopFetcher): per remote expert, pull its weights when its predicted
+    pairs times the hidden size exceed its parameter count ("auto"), or always pull / always
+    push (all-to-all) the tokens."""
+    moe_prefetch_window: int = 4
+    """prefetch dispatcher: forwards of routing history its hot-expert predictor keeps."""
     moe_pad_to_capacity: bool = False
     """With a capacity factor, pad every expert's rows to its capacity (static shapes)."""
     moe_aux_loss_type: Literal["micro_batch", "seq"] = "micro_batch"

@@ -29,7 +29,7 @@ from paratron.parallel.random import RNGStatesTracker
 
 from .embedding import WORD_EMBEDDINGS, Embedding
 from .lora import apply_lora
-from .moe.layer import moe_layers
+from .moe.layer import link_moe_layers, moe_layers
 from .blocks import BLOCKS
 from .norms import make_norm
 from .offload import check_layers, start_session
@@ -101,6 +101,7 @@ class GPTChunk(nn.Module):
                           params_dtype=params_dtype, rng_tracker=rng_tracker)
             for i in self.layer_ids})
         check_layers(cfg.activation_offload, self.layers.values())
+        link_moe_layers(self.layers)  # each MoE layer's predecessor (the prefetch dispatcher's predictor)
         if cfg.compile:
             # Per layer (as torchtitan does): layers share one compiled code object, and the
             # embedding, loss and pipeline plumbing around them stay eager.

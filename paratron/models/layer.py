@@ -51,6 +51,9 @@ class TransformerLayer(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
                 layout=None) -> torch.Tensor:
         """``layout``: the microbatch's :class:`~paratron.models.context_parallel.SeqLayout` or None."""
+        before_attention = getattr(self.mlp, "before_attention", None)
+        if before_attention is not None:  # e.g. the MoE prefetch dispatcher's weight fetch
+            before_attention()
         x = x + self._dropout(self.attention(self.input_norm(x), rope, layout))
         y = self.post_attention_norm(x)
         # The MoE layer needs the layout for its per-sequence aux loss (model.moe_aux_loss_type).

@@ -30,6 +30,7 @@ from paratron.config.errors import ConfigError
 from paratron.parallel.intervals import timed
 from paratron.registry import Registry
 
+from . import prefetch
 from .collectives import all_to_all, finish_all_to_all, gather_rows, reduce_scatter_rows, start_all_to_all
 
 
@@ -417,11 +418,55 @@ class ChunkedAllToAllDispatcher(AllToAllDispatcher):
         return self._to_slots(finish_all_to_all(flight), own, plan)
 
 
+class PrefetchDispatcher(AllToAllDispatcher):
+    """PopFetcher's push/pull dispatcher (PopFetcher, USENIX ATC'25; the machinery, the choice
+    rule and the byte counts are in :mod:`.prefetch`, the guide in docs/popfetcher.md).
+
+    ``run(tokens [T, h], indices [T, k], experts) -> [T, k, h]``, as the all-to-all dispatcher:
+    it waits for the layer's weight fetch (launched before attention by
+    :meth:`~.prefetch.PrefetchState.before_attention`, or here by a standalone MoE layer), sends
+    the pairs of pushed experts (and keeps this rank's own) through the all-to-all path, runs the
+    pairs of pulled experts on the fetched copies here, and adds the two disjoint slot sets.
+    ``state``: the layer's :class:`~.prefetch.PrefetchState` (from :meth:`layer_state`, kept by
+    the MoE layer across forwards).
+    """
+
+    overlaps_microbatches = False
+
+    def __init__(self, ctx, num_experts: int, *, capacity: int | None = None, pad_to_capacity: bool = False,
+                 state: "prefetch.PrefetchState"):
+        super().__init__(ctx, num_experts, capacity=capacity, pad_to_capacity=False)
+        self.state = state
+
+    @classmethod
+    def layer_state(cls, cfg, ctx, experts) -> "prefetch.PrefetchState":
+        """What one MoE layer keeps for this dispatcher (:func:`.prefetch.new_state`)."""
+        return prefetch.new_state(cfg, ctx, experts)
+
+    @classmethod
+    def expert_calls(cls, cfg) -> int:
+        return 2  # the local experts' own backward, and the pulled copies' grads coming home
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        """See :func:`.prefetch.check_config`."""
+        prefetch.check_config(cfg)
+
+    def run(self, tokens: torch.Tensor, indices: torch.Tensor, experts) -> torch.Tensor:
+        fetch = self.state.take()
+        fetch.land()  # waited on before any expert runs
+        push, pulled = prefetch.split_pulled(indices, fetch, self.group.rank)
+        slots = super().run(tokens, push, experts) + prefetch.run_pulled(tokens, indices, pulled, fetch, self.state)
+        self.state.observe(indices, pulled, len(fetch.mine))
+        return slots
+
+
 DISPATCHERS: Registry[Callable[..., TokenDispatcher]] = Registry("token dispatcher",
                                                                 "model.moe_token_dispatcher")
 DISPATCHERS.register("alltoall", AllToAllDispatcher)
 DISPATCHERS.register("allgather", AllGatherDispatcher)
 DISPATCHERS.register("alltoall_chunked", ChunkedAllToAllDispatcher)
+DISPATCHERS.register("prefetch", PrefetchDispatcher)
 
 
 def register_dispatcher(name: str, cls: Callable[..., TokenDispatcher]) -> None:

@@ -38,6 +38,7 @@ projection) and the grouped paths (``grouped_linear(..., weight_grad=)``,
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from paratron.config import ModelConfig, model_shape
@@ -159,6 +160,18 @@ class ExpertMLP(nn.Module):
         if self.activation == "swiglu":
             return self.fc2(swiglu(self.gate(x), self.up(x)))
         return self.fc2(gelu(self.fc1(x), self.activation))
+
+    def with_weights(self, x: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
+        """This expert's function on rows ``x [n, h]`` with the weights ``w`` (by parameter name,
+        e.g. ``"fc1.weight"``) in place of its own: ``[n, h]``, differentiable in ``w`` through
+        autograd (the prefetch dispatcher's fetched copies, :mod:`.prefetch`). Whole experts only
+        (no expert-TP)."""
+        def linear(name: str, inp: torch.Tensor) -> torch.Tensor:
+            return F.linear(inp, w[f"{name}.weight"], w.get(f"{name}.bias"))
+
+        if self.activation == "swiglu":
+            return linear("fc2", swiglu(linear("gate", x), linear("up", x)))
+        return linear("fc2", gelu(linear("fc1", x), self.activation))
 
 
 class LocalExperts(nn.Module):

@@ -115,6 +115,12 @@ class MoELayer(nn.Module):
         check_dispatcher_config(cfg)
         self.dispatcher_cls = get_dispatcher(cfg.moe_token_dispatcher)
         self.dispatcher_options = getattr(self.dispatcher_cls, "options", lambda cfg: {})(cfg)
+        # A dispatcher that keeps state across forwards (the prefetch dispatcher's routing window
+        # and in-flight weight fetch) makes it here; it is handed to every forward's dispatcher.
+        make_state = getattr(self.dispatcher_cls, "layer_state", None)
+        self.dispatcher_state = make_state(cfg, ctx, self.experts) if make_state is not None else None
+        if self.dispatcher_state is not None:
+            self.dispatcher_options = {**self.dispatcher_options, "state": self.dispatcher_state}
         calls = getattr(self.dispatcher_cls, "expert_calls", lambda cfg: 1)(cfg)
         for p in self.experts.parameters():
             # The experts' weights get one grad per call in backward: DDP waits for all of them
@@ -147,6 +153,13 @@ class MoELayer(nn.Module):
     def _dispatcher(self, capacity: int | None):
         return self.dispatcher_cls(self.ctx, self.cfg.num_experts, capacity=capacity,
                                    pad_to_capacity=self.pad_to_capacity, **self.dispatcher_options)
+
+    def before_attention(self) -> None:
+        """Called by the transformer layer before its attention: lets a stateful dispatcher start
+        work that the attention can hide (the prefetch dispatcher launches its weight fetch)."""
+        start = getattr(self.dispatcher_state, "before_attention", None)
+        if start is not None:
+            start()
 
     takes_layout = True
     """The transformer layer hands :meth:`forward` the microbatch's sequence layout."""
@@ -224,6 +237,18 @@ def moe_layers(module: nn.Module) -> list[MoELayer]:
     """Every :class:`MoELayer` inside ``module`` (a model chunk or a list of chunks)."""
     modules = module if isinstance(module, (list, tuple)) else [module]
     return [m for chunk in modules for m in chunk.modules() if isinstance(m, MoELayer)]
+
+
+def link_moe_layers(module: nn.Module) -> None:
+    """Tell each MoE layer of ``module`` (a model chunk) which MoE layer runs before it in the
+    same chunk (None for the first): a stateful dispatcher's ``link(previous state)`` (the
+    prefetch dispatcher predicts a layer's hot experts from the layer before's routing)."""
+    previous = None
+    for m in moe_layers(module):
+        link = getattr(m.dispatcher_state, "link", None)
+        if link is not None:
+            link(previous.dispatcher_state if previous is not None else None)
+        previous = m
 
 
 def set_aux_loss_scale(module: nn.Module, scale: float) -> None:
