@@ -131,3 +131,26 @@ def test_exact_resume_in_a_new_process(tiny_data, tmp_path):
         for k in saved["state"]:
             for a, b in zip(saved["state"][k], loaded["state"][k]):
                 assert torch.equal(a, b), k
+
+
+def test_finetune_loads_weights_only_and_starts_at_step_0(tiny_data, tmp_path):
+    """``checkpoint.finetune`` (Megatron's ``--finetune``): the weights of step 3, then a new run
+    from iteration 1 with a fresh optimizer (step 0, zero moments) whose main weights are the
+    saved ones; a plain load of the same checkpoint resumes at iteration 4."""
+    base = TINY + tiny_data + ["parallel.zero=1", "train.callbacks=test_checkpoint_resume:Probe"]
+    ck = tmp_path / "ck"
+    _, _, _, dir_a = _run(tmp_path, "first", base + [f"checkpoint.save={ck}"], 2, stop_at=3)
+    tuned, _, _, dir_b = _run(tmp_path, "tuned", base + [f"checkpoint.load={ck}", "checkpoint.finetune=true",
+                                                         "train.train_iters=2"], 2)
+    assert sorted(tuned) == [1, 2]
+    for rank in range(2):
+        saved = torch.load(dir_a / f"saved_rank{rank}.pt")
+        loaded = torch.load(dir_b / f"loaded_rank{rank}.pt")
+        assert loaded["step"] == 0 and loaded["iteration"] == 0, loaded["step"]
+        mains = [k for k in saved["state"] if "/main_param/" in k]
+        assert mains, list(saved["state"])[:5]
+        for k in mains:
+            for a, b in zip(saved["state"][k], loaded["state"][k]):
+                assert torch.equal(a, b), k
+        moments = [k for k in loaded["state"] if "/exp_avg" in k]
+        assert moments and all(not t.any() for k in moments for t in loaded["state"][k])

@@ -310,7 +310,8 @@ class CheckpointManager:
 
         Fills the params (any saved layout), and with ``checkpoint.load_optimizer`` the optimizer's
         fp32 main weights, moments and scalars and the scheduler; restores or re-derives the RNG.
-        Call on every rank.
+        With ``checkpoint.finetune`` only the params are filled and None is returned (a new run
+        from step 0). Call on every rank.
 
         Returns:
             The ``extra`` dict given to :meth:`save`, or None when ``checkpoint.load`` is unset or
@@ -326,7 +327,8 @@ class CheckpointManager:
             self._load_base(resolve(self.cfg.pretrained_checkpoint), None, chunks)
         if not self.cfg.load:
             return None
-        want_optimizer = bool(self.cfg.load_optimizer) and optimizer is not None
+        finetune = bool(self.cfg.finetune)
+        want_optimizer = bool(self.cfg.load_optimizer) and optimizer is not None and not finetune
         found = resume_manifest(self.cfg.load, self.cfg.load_step, self.config.to_dict()["model"], want_optimizer,
                                 verify=verify_directory)
         if found is None:
@@ -353,6 +355,8 @@ class CheckpointManager:
                 optimizer.reload_model_params()
                 if scheduler is not None and manifest.get("scheduler") is not None:
                     scheduler.load_state_dict(decode(manifest["scheduler"]))
+        if finetune:  # weights only: the run starts at step 0 with its own seed's RNG
+            return None
         self._restore_rng(chunks, directory, manifest)
         return decode(manifest.get("extra") or {})
 

@@ -106,6 +106,8 @@ MEGATRON_SWITCHES: dict[str, tuple[str, str]] = {
     "--moe-router-enable-expert-bias": ("model.moe_router_enable_expert_bias", "true"),
     "--multi-latent-attention": ("model.multi_latent_attention", "true"),
     "--muon-no-split-qkv": ("optimizer.muon_split_qkv", "false"),
+    "--finetune": ("checkpoint.finetune", "true"),
+    "--no-load-optim": ("checkpoint.load_optimizer", "false"),
 }
 """Megatron-LM flags without a value -> (paratron key, value)."""
 

@@ -158,6 +158,16 @@ class ModelConfig:
     """The linears that get adapters, by paratron's module names: ``qkv`` (fused attention input;
     HF q_proj, k_proj, v_proj), ``proj`` (attention output; o_proj), ``fc1`` (MLP input, SwiGLU's
     fused gate and up; gate_proj, up_proj), ``fc2`` (MLP output; down_proj). MoE experts get none."""
+    low_rank: int = 0
+    """Low-rank (CoLA) projections: every attention and MLP linear ``W`` becomes ``B silu(A x)`` with
+    ``A [r, in]``, ``B [out, r]`` and this ``r``; 0 means full rank (docs/boost.md)."""
+    low_rank_tp: Literal["naive", "bottleneck"] = "naive"
+    """Tensor-parallel plan of the low-rank projections: ``naive`` (A column-, B row-parallel,
+    sequence parallelism allowed) or ``bottleneck`` (BOOST: hidden-sharded residual stream, A
+    row-, B column-parallel, one all-reduce of the r-wide bottleneck; docs/boost.md)."""
+    low_rank_recompute: bool = False
+    """Under ``low_rank_tp = "bottleneck"``: recompute inside each layer so that only the r-wide
+    bottleneck activations (and the residual stream) are kept for the backward."""
 
 
 @dataclass
@@ -202,6 +212,13 @@ class ParallelConfig:
     MoE all-to-all of one microbatch's forward runs while a layer of another microbatch's backward
     computes (DeepSeek-V3's DualPipe overlap). Needs MoE layers and a dispatcher that calls the
     in-flight hook (``alltoall``)."""
+    encoder_placement: Literal["stage0", "optimus"] = "stage0"
+    """Where a multimodal model's encoder runs (:mod:`paratron.pipeline.encoder_schedule`):
+    ``stage0`` on pipeline stage 0's rank (Megatron), ``optimus`` replicated on every pipeline
+    rank, its forward and backward parts placed in the schedule's bubbles by the simulator's costs
+    and its grads summed over pp x dp (Optimus, USENIX ATC 2025; docs/optimus.md). Read by the
+    pipeline API (``place_encoder``, ``run_pipeline(encoder=)``); ``paratron train`` builds no
+    multimodal model yet."""
     order: str = "tp-cp-ep-dp-pp"
     """Rank order, fastest-varying axis first."""
     overlap_grad_reduce: bool = True
@@ -436,6 +453,9 @@ class CheckpointConfig:
     """Write checkpoints in a background thread while training goes on."""
     load_optimizer: bool = True
     """Also restore the optimizer state on load; false starts a fresh optimizer."""
+    finetune: bool = False
+    """Load only the model weights of ``checkpoint.load`` and start a new run from them: step 0,
+    no samples consumed, a fresh optimizer, LR schedule and RNG (Megatron's ``--finetune``)."""
     load_hf: Optional[str] = None
     """A Hugging Face folder (``config.json``, safetensors, ``tokenizer.json``) to start from: the
     model config and the tokenizer come from it, and each rank reads only its own slices of the

@@ -18,6 +18,7 @@ import math
 
 from . import model_shape
 from .context_rules import check_context
+from .low_rank_rules import check_low_rank
 from .observe_rules import check_observability
 from .offload_rules import check_activation_offload
 from .record_rules import check_records
@@ -214,7 +215,7 @@ def _save_peft(cfg: Config, world: int | None) -> None:
 SECTION_RULES = {rule.__name__: rule for rule in (
     _finite, _positive, _nonfinite_policy, _model, _activation_offload, _batch, _sequence, _link_latency,
     _mtp_last_stage, _dualpipev_zero3, _experts, _fp8, _save_peft, _split, check_context,
-    check_microbatch_tokens, check_observability, check_records)}
+    check_microbatch_tokens, check_observability, check_records, check_low_rank)}
 """The rules that read the config alone, by name; :data:`paratron.rules.VALIDATORS` puts them in
 order among the rules that ask the owners (schedules, dispatchers, optimizer, checkpoints)."""
 

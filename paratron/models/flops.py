@@ -26,6 +26,7 @@ term by term so that each one generalises:
   (query down ``h -> r_q`` and up ``r_q -> n (d_n + d_r)``, or one ``h -> n (d_n + d_r)``; KV down
   ``h -> r_kv + d_r`` and up ``r_kv -> n (d_n + d_v)``; output ``n d_v -> h``), scores
   ``2 s n (d_n + d_r)`` and weighted sum ``2 s n d_v``;
+* low-rank projections (``model.low_rank = r``, CoLA): ``2 r (in + out)`` per ``B silu(A x)``;
 * each multi-token-prediction module (DeepSeek-V3 section 2.2): its projection ``2 (2h) h``, one
   more layer (dense or MoE as its layer number says) and one more output layer ``2 h V``.
 
@@ -62,6 +63,15 @@ def _attention_core_flops(cfg: ModelConfig, s: int) -> float:
     return 2.0 * s * n * (cfg.qk_head_dim + cfg.qk_pos_emb_head_dim + cfg.v_head_dim)
 
 
+def _low_rank_flops(cfg: ModelConfig) -> tuple[float, float]:
+    """(attention projections, MLP) per token of a low-rank layer (``model.low_rank = r``,
+    docs/boost.md): ``2 r (in + out)`` per projection ``B silu(A x)``."""
+    h, n, r, f = cfg.hidden_size, cfg.num_attention_heads, cfg.low_rank, model_shape.ffn_size(cfg)
+    nd, gd = n * model_shape.head_dim(cfg), model_shape.query_groups(cfg) * model_shape.head_dim(cfg)
+    attention = 2.0 * r * ((h + nd) + 2 * (h + gd) + (nd + h))
+    return attention, 2.0 * r * (h + f) * (3 if cfg.activation == "swiglu" else 2)
+
+
 def forward_flops_per_token(cfg: ModelConfig, seq_length: int | None = None) -> float:
     """Forward FLOPs per token (see the module docstring for each term).
 
@@ -73,6 +83,9 @@ def forward_flops_per_token(cfg: ModelConfig, seq_length: int | None = None) -> 
     h, s = cfg.hidden_size, seq_length or cfg.seq_length
     attention = _attention_projection_flops(cfg) + _attention_core_flops(cfg, s)
     dense_mlp = _mlp_flops(h, model_shape.ffn_size(cfg), cfg.activation)
+    if cfg.low_rank:
+        attention, dense_mlp = _low_rank_flops(cfg)
+        attention += _attention_core_flops(cfg, s)
     mtp = cfg.mtp_num_layers
     total = mtp * (4.0 * h * h + 2.0 * h * cfg.vocab_size)
     for layer in range(cfg.num_layers + mtp):

@@ -29,6 +29,7 @@ from paratron.parallel.random import RNGStatesTracker
 
 from .embedding import WORD_EMBEDDINGS, Embedding
 from .lora import apply_lora
+from .low_rank import residual_stream
 from .moe.layer import link_moe_layers, moe_layers
 from .blocks import BLOCKS
 from .norms import make_norm
@@ -101,6 +102,8 @@ class GPTChunk(nn.Module):
                           params_dtype=params_dtype, rng_tracker=rng_tracker)
             for i in self.layer_ids})
         check_layers(cfg.activation_offload, self.layers.values())
+        # (enter, exit) of a layer-owned stream layout (the low-rank bottleneck plan), or None.
+        self.stream = residual_stream(cfg, ctx) if len(self.layers) else None
         link_moe_layers(self.layers)  # each MoE layer's predecessor (the prefetch dispatcher's predictor)
         if cfg.compile:
             # Per layer (as torchtitan does): layers share one compiled code object, and the
@@ -232,8 +235,10 @@ class GPTChunk(nn.Module):
         args = (rope, layout) if layout.needs_custom_attention else (rope,)
         cut = self.layer_boundary or (lambda t: t)
         offload = start_session(self.cfg.activation_offload, h.device, self.training)  # per microbatch
+        h = self.stream[0](h) if self.stream else h
         for layer in self.layers.values():
             h = self._run_layer(layer, cut(h), args, offload)
+        h = self.stream[1](h) if self.stream else h
         if not self.post_process:
             return h
         h = cut(h)

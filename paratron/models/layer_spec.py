@@ -29,6 +29,7 @@ from paratron.config import ModelConfig, model_shape
 from paratron.layers.init import scaled_normal_
 from paratron.models.moe.layer import MoELayer
 
+from .low_rank import low_rank_attention, low_rank_mlp, uses_online_norm
 from .norms import make_norm
 from .attention import SelfAttention
 from .mla import latent_attention
@@ -61,7 +62,10 @@ SubmoduleBuilder = Callable[[LayerInputs, str], nn.Module]
 
 
 def norm(inputs: LayerInputs, name: str) -> nn.Module:
-    """The config's norm (``model.normalization``)."""
+    """The config's norm (``model.normalization``); an identity under ``model.low_rank_tp =
+    "bottleneck"``, whose online norms are part of the low-rank modules (docs/boost.md)."""
+    if uses_online_norm(inputs.cfg):
+        return nn.Identity()
     return make_norm(inputs.cfg, inputs.ctx, f"{inputs.prefix}.{name}", inputs.sequence_parallel,
                      inputs.params_dtype)
 
@@ -70,6 +74,8 @@ def self_attention(inputs: LayerInputs, name: str) -> nn.Module:
     """:class:`~paratron.models.attention.SelfAttention`, or under ``model.multi_latent_attention``
     :class:`~paratron.models.mla.LatentAttention` (its parameters are named ``{prefix}.attention.*``
     whatever ``name`` is)."""
+    if inputs.cfg.low_rank:  # CoLA / BOOST (paratron/models/low_rank.py)
+        return low_rank_attention(inputs, name)
     if inputs.cfg.multi_latent_attention:
         return latent_attention(inputs, name)
 
@@ -80,6 +86,8 @@ def self_attention(inputs: LayerInputs, name: str) -> nn.Module:
 
 def dense_mlp(inputs: LayerInputs, name: str) -> nn.Module:
     """:class:`~paratron.models.mlp.MLP` of width :func:`~paratron.config.model_shape.ffn_size`."""
+    if inputs.cfg.low_rank:  # CoLA / BOOST (paratron/models/low_rank.py)
+        return low_rank_mlp(inputs, name)
     return MLP(inputs.cfg, inputs.ctx, logical_name=f"{inputs.prefix}.{name}", ffn=model_shape.ffn_size(inputs.cfg),
                seed=inputs.seed, sequence_parallel=inputs.sequence_parallel, params_dtype=inputs.params_dtype,
                output_init=inputs.output_init())

@@ -26,7 +26,19 @@ Kinds (Qi et al. 2023, section 2, split the backward into B and W):
 ``FB``      a pair: ``F(microbatch, stage)`` and its ``partner``, a ``B`` or ``BW`` of another
             microbatch, run interleaved so that one half's MoE all-to-alls travel while the
             other half computes (DeepSeek-V3's DualPipe overlap; :mod:`.overlap`)
+``EF``      encoder forward of part ``part`` of one microbatch's images (multimodal models;
+            Optimus, Feng et al. 2025): on any rank, which keeps the part's graph
+``EB``      encoder backward of that part, on the rank of its ``EF``
+``SEND_E``  send the encoder output of ``EF(microbatch, part)`` to the rank of stage 0
+``RECV_E``  stage 0's rank receives it (before ``F(microbatch, 0)``)
+``SEND_EG`` stage 0's rank sends the grad of that output, after the backward of ``(microbatch, 0)``
+``RECV_EG`` the part's owner receives it (before ``EB(microbatch, part)``)
 ==========  ==========================================================================
+
+Encoder actions have ``stage == 0`` (the stage they feed) and carry ``part``; they are not a
+stage of the rank (:func:`stages_of` skips them). Their messages travel on their own channel
+(:func:`channel`): they match in order among themselves, apart from the stages' messages, and a
+batch never mixes the two channels (:mod:`.encoder_schedule`).
 
 ``peer`` is the pipeline-group rank of the other side of a send or recv (None for compute).
 Consecutive send/recv actions in one rank's list form one batch (see :mod:`.validate`).
@@ -38,9 +50,12 @@ from dataclasses import dataclass
 
 COMPUTE_KINDS = ("F", "B", "W", "BW", "R", "FB")
 P2P_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
-KINDS = COMPUTE_KINDS + P2P_KINDS
+ENCODER_COMPUTE_KINDS = ("EF", "EB")
+ENCODER_P2P_KINDS = ("SEND_E", "RECV_E", "SEND_EG", "RECV_EG")
+ENCODER_KINDS = ENCODER_COMPUTE_KINDS + ENCODER_P2P_KINDS
+KINDS = COMPUTE_KINDS + P2P_KINDS + ENCODER_KINDS
 BACKWARD_KINDS = ("B", "W", "BW", "SEND_B", "RECV_B")
-TRAINING_ONLY_KINDS = BACKWARD_KINDS + ("R",)
+TRAINING_ONLY_KINDS = BACKWARD_KINDS + ("R", "EB", "SEND_EG", "RECV_EG")
 
 
 @dataclass(frozen=True)
@@ -54,10 +69,12 @@ class Action:
         peer: pipeline-group rank of the other side, for send/recv kinds only.
         partner: for ``FB`` only, the backward half (a ``B`` or ``BW`` action); ``microbatch``
             and ``stage`` are then the forward half's.
+        part: for encoder kinds only, which part of the microbatch's images (``>= 0``).
 
     Raises:
         ValueError: unknown kind, negative ids, a peer missing on send/recv (or given on compute),
-            or an ``FB`` without a ``B``/``BW`` partner (or a partner on another kind).
+            or an ``FB`` without a ``B``/``BW`` partner (or a partner on another kind), or an
+            encoder kind without a part (or a part on another kind).
     """
 
     kind: str
@@ -65,28 +82,36 @@ class Action:
     stage: int
     peer: int | None = None
     partner: "Action | None" = None
+    part: int | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"Action.kind={self.kind!r} must be one of {', '.join(KINDS)}")
         if self.microbatch < 0 or self.stage < 0:
             raise ValueError(f"Action microbatch={self.microbatch} and stage={self.stage} must be >= 0")
-        if (self.kind in P2P_KINDS) != (self.peer is not None):
+        if self.is_p2p != (self.peer is not None):
             raise ValueError(f"Action {self.kind}: peer={self.peer} must be given exactly for send/recv kinds")
         if (self.kind == "FB") != (self.partner is not None):
             raise ValueError(f"Action {self.kind}: a partner is given exactly for FB (got {self.partner})")
         if self.partner is not None and self.partner.kind not in ("B", "BW"):
             raise ValueError(f"Action FB: the partner must be a B or BW action, not {self.partner}")
+        if (self.kind in ENCODER_KINDS) != (self.part is not None and self.part >= 0):
+            raise ValueError(f"Action {self.kind}: part={self.part} must be given (>= 0) exactly for encoder kinds")
 
     @property
     def is_p2p(self) -> bool:
-        return self.kind in P2P_KINDS
+        return self.kind in P2P_KINDS or self.kind in ENCODER_P2P_KINDS
+
+    @property
+    def is_encoder(self) -> bool:
+        return self.kind in ENCODER_KINDS
 
     def __str__(self) -> str:
         if self.partner is not None:
             return f"F{self.microbatch}@s{self.stage}+{self.partner}"
         peer = f"->{self.peer}" if self.kind.startswith("SEND") else f"<-{self.peer}" if self.is_p2p else ""
-        return f"{self.kind}{self.microbatch}@s{self.stage}{peer}"
+        where = f"p{self.part}" if self.is_encoder else f"s{self.stage}"
+        return f"{self.kind}{self.microbatch}@{where}{peer}"
 
     __repr__ = __str__
 
@@ -122,6 +147,19 @@ def FB(forward: Action, backward: Action) -> Action:
     return Action("FB", forward.microbatch, forward.stage, partner=backward)
 
 
+def EF(mb: int, part: int) -> Action:
+    return Action("EF", mb, 0, part=part)
+
+
+def EB(mb: int, part: int) -> Action:
+    return Action("EB", mb, 0, part=part)
+
+
+def channel(a: Action) -> str:
+    """The message stream of a p2p action: ``"encoder"`` for the encoder kinds, else ``"stage"``."""
+    return "encoder" if a.kind in ENCODER_KINDS else "stage"
+
+
 def halves(a: Action) -> tuple[Action, ...]:
     """The plain actions an action stands for: ``(F, B|BW)`` for an ``FB``, else ``(a,)``."""
     return (F(a.microbatch, a.stage), a.partner) if a.kind == "FB" else (a,)
@@ -134,10 +172,11 @@ def expand(actions: list[Action]) -> list[Action]:
 
 def batches(actions: list[Action]) -> list[list[Action]]:
     """Split one rank's list into steps: each compute action alone, each maximal run of
-    consecutive send/recv actions as one batch (posted together with ``batch_isend_irecv``)."""
+    consecutive send/recv actions of one :func:`channel` as one batch (posted together with
+    ``batch_isend_irecv``)."""
     out: list[list[Action]] = []
     for a in actions:
-        if a.is_p2p and out and out[-1][0].is_p2p:
+        if a.is_p2p and out and out[-1][0].is_p2p and channel(out[-1][0]) == channel(a):
             out[-1].append(a)
         else:
             out.append([a])
@@ -185,5 +224,6 @@ def last_backward_actions(actions: list[Action]) -> dict[int, Action]:
 
 
 def stages_of(actions: list[Action]) -> list[int]:
-    """The stages this rank's list touches, ascending: local chunk ``c`` is ``stages_of(...)[c]``."""
-    return sorted({h.stage for a in actions for h in halves(a)})
+    """The stages this rank's list touches, ascending: local chunk ``c`` is ``stages_of(...)[c]``
+    (encoder actions are not a stage's)."""
+    return sorted({h.stage for a in actions for h in halves(a) if not h.is_encoder})

@@ -78,7 +78,7 @@ def plan_run(actions: list[Action], num_chunks: int, pp_size: int, num_microbatc
         raise ValueError(f"the action list uses microbatch {max(a.microbatch for a in actions)} but only "
                          f"{num_microbatches} microbatches were given")
     steps = tuple(tuple(step) for step in batches(strip_backward(actions) if forward_only else actions))
-    p2p_at = [i for i, step in enumerate(steps) if step[0].is_p2p]
+    p2p_at = [i for i, step in enumerate(steps) if step[0].is_p2p and not step[0].is_encoder]  # encoder: its own
     training = not forward_only
     return RunPlan(
         steps=steps,

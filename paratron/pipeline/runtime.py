@@ -61,7 +61,8 @@ ForwardStep = Callable[[int, nn.Module, "torch.Tensor | None", Any], torch.Tenso
 def run_pipeline(actions: list[Action], chunks: Sequence[nn.Module], ctx, microbatches: Sequence[Any],
                  forward_step: ForwardStep, tensor_shape: Sequence[int], dtype: torch.dtype, *,
                  forward_only: bool = False, timeline: list[TraceEvent] | None = None,
-                 grad_sync=None, tensor_shapes: Sequence[Sequence[int]] | None = None) -> list[torch.Tensor]:
+                 grad_sync=None, tensor_shapes: Sequence[Sequence[int]] | None = None,
+                 encoder=None) -> list[torch.Tensor]:
     """Run this rank's part of one pipelined step.
 
     Args:
@@ -97,6 +98,8 @@ def run_pipeline(actions: list[Action], chunks: Sequence[nn.Module], ctx, microb
         grad_sync: an object with a ``last_backward(chunk_ids)`` context manager (DDP), told
             which backward is the last of each local chunk; None: nobody is told (grads are then
             reduced when the caller finalizes them).
+        encoder: an :class:`~paratron.pipeline.encoder_runtime.EncoderRun` that runs the list's
+            encoder steps (:mod:`.encoder_schedule`); None: the list has none.
 
     Returns:
         On the rank holding the last stage, the detached losses in microbatch order; else ``[]``.
@@ -117,6 +120,9 @@ def run_pipeline(actions: list[Action], chunks: Sequence[nn.Module], ctx, microb
     links = _Links(ctx.pp, plan, shapes, dtype, device)
     run = _Run(ctx, chunks, plan, links, microbatches, forward_step, timeline,
                None if forward_only else grad_sync)
+    run.encoder = encoder
+    if encoder is not None:
+        encoder.forward_only = forward_only
     run.execute()
     return [run.losses[mb] for mb in sorted(run.losses)]
 
@@ -130,6 +136,7 @@ class _Run:
         self.views = [as_pipeline_chunk(c) for c in chunks]
         self.microbatches, self.forward_step = microbatches, forward_step
         self.timeline, self.grad_sync = timeline, grad_sync
+        self.encoder = None  # the EncoderRun of the list's encoder steps, if any
         self.stores = [] if plan.forward_only else attach_weight_grad_stores(chunks)
         self.local_out: dict[tuple[int, int], torch.Tensor] = {}  # output kept for a local next stage
         self.inputs: dict[tuple[int, int], torch.Tensor | None] = {}
@@ -146,6 +153,8 @@ class _Run:
         with self.recording_intervals():
             self.run_steps()
         self.links.wait_sends()
+        if self.encoder is not None:
+            self.encoder.finish()
         for c, store in enumerate(self.stores):
             if len(store):
                 raise RuntimeError(f"pipeline chunk {c}: {len(store)} deferred weight-grad groups are still "
@@ -156,7 +165,9 @@ class _Run:
             self.links.start()
             for i, step in enumerate(self.plan.steps):
                 start = time.perf_counter()
-                if step[0].is_p2p:
+                if step[0].is_encoder:
+                    self.encoder.run(step)
+                elif step[0].is_p2p:
                     self.links.exchange(i, step)
                 else:
                     self.compute_recorded(step[0])

@@ -6,6 +6,8 @@ Example::
     paratron simulate --schedule interleaved --pipeline 4 --microbatches 8 --virtual 2 \\
         --cost-f 1 --cost-b 1 --cost-w 1 --latency 0.1 --output plan.json
     paratron simulate --schedule zb-h1 --pipeline 4 --microbatches 8 --comm-f 0.5 --comm-b 0.5 --overlap-fb
+    paratron simulate --schedule 1f1b --pipeline 4 --microbatches 8 --encoder-placement optimus \
+        --cost-ef 0.8 --cost-eb 1.6 --output optimus.png
 
 The output format follows the file extension: ``.png`` (matplotlib) or ``.json`` (Chrome trace).
 ``--trace FILE`` writes the Chrome trace-event JSON whatever the name, with the p2p actions, in the
@@ -18,7 +20,9 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from dataclasses import replace
 
+from .encoder_schedule import PLACEMENTS, place_encoder
 from .registry import SCHEDULES, build_schedule, default_microbatches
 from .simulator import Costs, simulate
 from .timeline import draw_png, from_spans, write_chrome_trace
@@ -47,6 +51,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overlap-fb", action="store_true",
                         help="pair forwards and backwards of different microbatches (FB, pipeline.overlap) "
                              "and print the plain schedule's makespan for comparison")
+    parser.add_argument("--encoder-placement", choices=PLACEMENTS, default=None,
+                        help="add a multimodal encoder's work (docs/optimus.md): on stage 0's rank (stage0) or "
+                             "in the bubbles of every rank (optimus, which also prints stage0's makespan)")
+    parser.add_argument("--cost-ef", type=float, default=0.0, help="encoder forward cost of one microbatch")
+    parser.add_argument("--cost-eb", type=float, default=0.0, help="encoder backward cost of one microbatch")
+    parser.add_argument("--encoder-parts", type=int, default=1,
+                        help="parts per microbatch, each placed on one rank (optimus)")
     parser.add_argument("--output", default=None, help="timeline file: .png or .json (Chrome trace)")
     parser.add_argument("--trace", default=None, metavar="FILE",
                         help="write the simulated timeline, p2p included, as Chrome trace-event JSON (the "
@@ -103,6 +114,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"without FB pairs: makespan {simulate(schedule, costs).makespan:.6g}")
         schedule = overlap_fb(schedule, costs)
         print(f"FB pairs: {sum(a.kind == 'FB' for acts in schedule for a in acts)}")
+    if args.encoder_placement:
+        try:
+            schedule, costs = _with_encoder(args, schedule, costs, m)
+        except ValueError as e:
+            print(f"paratron simulate: {e}", file=sys.stderr)
+            return 2
     result = simulate(schedule, costs)
     print(f"schedule {args.schedule}: p={p} m={m} v={v}")
     print(result.summary())
@@ -123,6 +140,26 @@ def run(args: argparse.Namespace) -> int:
         if _write("--output", args.output, write):
             return 2
     return 0
+
+
+def _with_encoder(args: argparse.Namespace, schedule, costs: Costs, m: int):
+    """The schedule with ``--encoder-placement``'s encoder actions, checked, and the costs with
+    the encoder's; under optimus, prints the stage0 placement's makespan first.
+
+    Raises:
+        ValueError: a negative or non-finite encoder cost, or what ``place_encoder`` raises.
+    """
+    for flag in ("cost_ef", "cost_eb"):
+        v = getattr(args, flag)
+        if not (math.isfinite(v) and v >= 0):
+            raise ValueError(f"--{flag.replace('_', '-')}={v} must be a finite number >= 0")
+    costs = replace(costs, EF=args.cost_ef, EB=args.cost_eb, encoder_parts=args.encoder_parts)
+    if args.encoder_placement == "optimus":
+        base = simulate(place_encoder(schedule, "stage0", costs), costs).makespan
+        print(f"encoder on stage 0: makespan {base:.6g}")
+    schedule = place_encoder(schedule, args.encoder_placement, costs)
+    validate(schedule, m)
+    return schedule, costs
 
 
 def _write(flag: str, path: str, write) -> bool:

@@ -36,6 +36,10 @@ class Costs:
     ``max(F + B - comm_F - comm_B, comm_F + comm_B)``: the compute of both halves runs back to
     back on the rank while both halves' exchanges share the network (the ideal of DeepSeek-V3's
     overlap, section 3.2.1; with no comm it is ``F + B``, the two actions in a row).
+
+    ``EF`` and ``EB`` are the encoder forward and backward of one whole microbatch (multimodal
+    models, :mod:`.encoder_schedule`); an ``EF``/``EB`` action runs one of its ``encoder_parts``
+    equal parts and costs ``EF / encoder_parts`` (``stage_scale`` does not apply to them).
     """
 
     F: float = 1.0
@@ -50,6 +54,9 @@ class Costs:
     message_size: float = 0.0
     comm_F: float = 0.0
     comm_B: float = 0.0
+    EF: float = 0.0
+    EB: float = 0.0
+    encoder_parts: int = 1
 
     def link_time(self, src: int, dst: int) -> float:
         """Time of one message from pipeline rank ``src`` to ``dst``: ``latency``, plus, on link
@@ -70,6 +77,8 @@ class Costs:
             scale_f, scale_b = (self.stage_scale[f.stage], self.stage_scale[b.stage]) if self.stage_scale else (1, 1)
             comm = self.comm_F * scale_f + self.comm_B * scale_b
             return max(self(f) + self(b) - comm, comm)
+        if a.kind in ("EF", "EB"):
+            return (self.EF if a.kind == "EF" else self.EB) / self.encoder_parts
         base = {"F": self.F, "B": self.B, "W": self.W,
                 "BW": self.BW if self.BW is not None else self.B + self.W,
                 "R": self.R if self.R is not None else self.F}[a.kind]

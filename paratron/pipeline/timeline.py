@@ -31,7 +31,7 @@ from .validate import Span
 COLOURS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868", "BW": "#C44E52", "R": "#8172B3", "FB": "#64B5CD",
            "SEND_F": "#8C8C8C", "RECV_F": "#8C8C8C", "SEND_B": "#B0B0B0", "RECV_B": "#B0B0B0",
            "experts": "#4C72B0", "experts_grad": "#DD8452", "dispatch": "#937860", "combine": "#DA8BC3",
-           "dispatch_grad": "#8C613C", "combine_grad": "#B45A9E"}
+           "dispatch_grad": "#8C613C", "combine_grad": "#B45A9E", "EF": "#CCB974", "EB": "#937860"}
 LANES = ("", "compute", "comm")
 """Event lanes: pipeline actions, compute recorded inside them, communication recorded inside them."""
 

@@ -11,6 +11,10 @@ Batched p2p semantics (what the runtime does, and what the simulator costs):
   ``SEND_F(mb, s)`` pairs with ``RECV_F(mb, s+1)`` and ``SEND_B(mb, s)`` with ``RECV_B(mb, s-1)``.
 * A receive completes once its matching send has been posted.
 
+* Encoder messages (``SEND_E``/``RECV_E``/``SEND_EG``/``RECV_EG``) form a second stream per
+  ordered pair of ranks (:func:`~paratron.pipeline.actions.channel`; the runtime gives them their
+  own tag): they match in order among themselves, independently of the stages' messages.
+
 Under these rules a set of lists deadlocks only if receives wait on each other in a cycle; the
 executor below runs the lists and reports the ranks that cannot move.
 """
@@ -21,7 +25,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Callable
 
-from .actions import Action, activation_peak, batches, halves, recomputed, stages_of
+from .actions import Action, activation_peak, batches, channel, halves, recomputed, stages_of
 
 
 class ScheduleError(ValueError):
@@ -39,7 +43,10 @@ class Span:
 
 
 def _message_key(a: Action) -> tuple[str, int, int]:
-    """What a send carries, keyed by its sending stage: ("F"|"B", microbatch, sender stage)."""
+    """What a send carries, keyed by its sending stage: ("F"|"B", microbatch, sender stage); an
+    encoder message by its part: ("E"|"G", microbatch, part) for an output or its grad."""
+    if a.is_encoder:
+        return ("G" if a.kind.endswith("EG") else "E", a.microbatch, a.part)
     if a.kind == "SEND_F" or a.kind == "SEND_B":
         return (a.kind[-1], a.microbatch, a.stage)
     if a.kind == "RECV_F":
@@ -89,15 +96,15 @@ def execute(schedule: list[list[Action]], cost: Callable[[Action], float] = lamb
                     recvs = []
                     for a in step:
                         if a.kind.startswith("SEND"):
-                            posted_at[(r, a.peer)].append((_message_key(a), clock[r]))
+                            posted_at[(r, a.peer, channel(a))].append((_message_key(a), clock[r]))
                         else:
-                            recvs.append((a, received[(a.peer, r)]))
-                            received[(a.peer, r)] += 1
+                            recvs.append((a, received[(a.peer, r, channel(a))]))
+                            received[(a.peer, r, channel(a))] += 1
                     waiting[r] = recvs
                     moved = True
                 arrivals = []
                 for a, idx in waiting[r]:
-                    queue = posted_at[(a.peer, r)]
+                    queue = posted_at[(a.peer, r, channel(a))]
                     if idx >= len(queue):
                         break
                     key, t = queue[idx]
@@ -122,14 +129,15 @@ def execute(schedule: list[list[Action]], cost: Callable[[Action], float] = lamb
             stuck = []
             for r in range(len(steps)):
                 if ptr[r] < len(steps[r]):
-                    pending = [str(a) for a, idx in waiting.get(r, []) if idx >= len(posted_at[(a.peer, r)])]
+                    pending = [str(a) for a, idx in waiting.get(r, [])
+                               if idx >= len(posted_at[(a.peer, r, channel(a))])]
                     stuck.append(f"rank {r} waits at step {ptr[r]} for {', '.join(pending) or steps[r][ptr[r]]}")
             raise ScheduleError("deadlock: " + "; ".join(stuck))
-    for (src, dst), queue in posted_at.items():
-        if len(queue) != received[(src, dst)]:
-            extra = [f"{k[0]}{k[1]}@s{k[2]}" for k, _ in queue[received[(src, dst)]:]]
-            raise ScheduleError(f"rank {src} sends {len(queue)} messages to rank {dst}, which receives only "
-                                f"{received[(src, dst)]}; never received: {', '.join(extra)}")
+    for (src, dst, chan), queue in posted_at.items():
+        if len(queue) != received[(src, dst, chan)]:
+            extra = [f"{k[0]}{k[1]}@s{k[2]}" for k, _ in queue[received[(src, dst, chan)]:]]
+            raise ScheduleError(f"rank {src} sends {len(queue)} {chan} messages to rank {dst}, which receives only "
+                                f"{received[(src, dst, chan)]}; never received: {', '.join(extra)}")
     return spans
 
 
@@ -152,7 +160,11 @@ def validate(schedule: list[list[Action]], num_microbatches: int | None = None, 
       * an ``FB`` pair: both halves obey the rules above at the pair's place, neither depending on
         the other (its backward is not of the forward's microbatch and stage, nor waits on it);
       * with ``memory_budget``, the peak in-flight activations of every rank
-        (:func:`~paratron.pipeline.actions.activation_peak`) are at most the budget.
+        (:func:`~paratron.pipeline.actions.activation_peak`) are at most the budget;
+      * encoder actions (:func:`_check_encoder`): each part of each microbatch has one ``EF`` and
+        one ``EB`` on one rank; ``F(mb, 0)`` comes after every part of ``mb`` (its ``EF`` on stage
+        0's rank or its ``RECV_E``), and ``EB(mb, k)`` after the backward of ``(mb, 0)`` (on stage
+        0's rank, or after its ``RECV_EG``), with the sends after what makes their tensors.
 
     Returns:
         The zero-cost execution (:func:`execute`), which callers may ignore.
@@ -173,6 +185,8 @@ def validate(schedule: list[list[Action]], num_microbatches: int | None = None, 
     last = num_stages - 1
     for r, acts in enumerate(schedule):
         _check_rank(r, acts, owner, last, num_microbatches, forward_only)
+    _check_encoder(schedule, owner[0] if owner else 0, num_microbatches, forward_only)
+    for r, acts in enumerate(schedule):
         if memory_budget is not None and activation_peak(acts) > memory_budget:
             raise ScheduleError(f"rank {r}: {activation_peak(acts)} activations in flight at the peak exceed "
                                 f"memory_budget={memory_budget}")
@@ -248,6 +262,8 @@ def _check_rank(r: int, acts: list[Action], owner: dict[int, int], last: int, m:
             fail(i, label, "stage 0 has no previous stage")
 
     for i, a in enumerate(acts):
+        if a.is_encoder:  # checked across ranks by _check_encoder
+            continue
         # An FB pair runs its halves interleaved: each must be ready before the pair starts, so
         # neither may depend on the other (both are checked before either counts as done).
         parts = halves(a)
@@ -268,3 +284,85 @@ def _check_rank(r: int, acts: list[Action], owner: dict[int, int], last: int, m:
                 raise ScheduleError(f"rank {r}: microbatch {mb} of stage {s} needs exactly one BW or one B + W")
             if has("B", mb, s) and not has("W", mb, s):
                 raise ScheduleError(f"rank {r}: B({mb}, stage {s}) has no W; the weight grads would be lost")
+
+
+def _check_encoder(schedule: list[list[Action]], r0: int, m: int, forward_only: bool) -> None:
+    """The encoder rules (Optimus, Feng et al. 2025: encoder forward ``m`` before stage
+    0's forward ``m``, encoder backward ``m`` after stage 0's backward ``m``); ``r0`` holds stage 0.
+    A list set without encoder actions passes."""
+    owner: dict[tuple[int, int], int] = {}
+    for r, acts in enumerate(schedule):
+        for i, a in enumerate(acts):
+            if a.kind == "EF" and owner.setdefault((a.microbatch, a.part), r) != r:
+                raise ScheduleError(f"rank {r}, action #{i} {a}: part {a.part} of microbatch {a.microbatch} "
+                                    f"already has its EF on rank {owner[(a.microbatch, a.part)]}")
+    if not owner and not any(a.is_encoder for acts in schedule for a in acts):
+        return
+    parts = 1 + max((k for _, k in owner), default=0)
+    for mb in range(m):
+        for k in range(parts):
+            if (mb, k) not in owner:
+                raise ScheduleError(f"EF({mb}, part {k}) is missing: every microbatch has {parts} encoder parts")
+    for r, acts in enumerate(schedule):
+        _check_encoder_rank(r, acts, r0, owner, parts, m, forward_only)
+
+
+def _check_encoder_rank(r: int, acts: list[Action], r0: int, owner: dict[tuple[int, int], int], parts: int,
+                        m: int, forward_only: bool) -> None:
+    seen: set[tuple[str, int, int]] = set()
+
+    def fail(i: int, a, rule: str) -> None:
+        raise ScheduleError(f"rank {r}, action #{i} {a}: {rule}")
+
+    def here(mb: int, k: int) -> bool:  # the encoder output of (mb, k) is on this rank
+        return ("EF", mb, k) in seen if owner[(mb, k)] == r else ("RECV_E", mb, k) in seen
+
+    def stage0_backward(mb: int) -> bool:
+        return ("B", mb, -1) in seen or ("BW", mb, -1) in seen
+
+    for i, a in enumerate(acts):
+        for h in halves(a):
+            if not h.is_encoder:
+                if h.stage == 0 and h.kind == "F" and not all(here(h.microbatch, k) for k in range(parts)):
+                    fail(i, a, f"F({h.microbatch}, stage 0) needs every encoder part of microbatch "
+                               f"{h.microbatch} first (its EF on this rank or its RECV_E)")
+                if h.stage == 0 and h.kind in ("B", "BW"):
+                    seen.add((h.kind, h.microbatch, -1))
+                continue
+            mb, k = h.microbatch, h.part
+            if mb >= m or k >= parts:
+                fail(i, a, f"microbatch {mb} / part {k} out of range [0, {m}) / [0, {parts})")
+            key = (h.kind, mb, k)
+            if key in seen:
+                fail(i, a, "duplicate")
+            mine, remote = owner[(mb, k)] == r, owner[(mb, k)] != r0
+            if h.kind in ("SEND_E", "RECV_EG", "EB", "EF") and not mine:
+                fail(i, a, f"part {k} of microbatch {mb} lives on rank {owner[(mb, k)]} (its EF)")
+            if h.kind in ("RECV_E", "SEND_EG") and r != r0:
+                fail(i, a, f"only stage 0's rank {r0} receives encoder outputs and sends their grads")
+            if h.is_p2p and (not remote or h.peer != (r0 if mine else owner[(mb, k)])):
+                fail(i, a, f"the peer must be rank {r0 if mine else owner[(mb, k)]}, and a part on stage 0's "
+                           "rank needs no message")
+            if h.kind == "SEND_E" and ("EF", mb, k) not in seen:
+                fail(i, a, "sends an encoder output before its EF")
+            if h.kind == "SEND_EG" and not stage0_backward(mb):
+                fail(i, a, f"sends the grad of the encoder output before the backward of ({mb}, stage 0)")
+            if h.kind == "EB" and not (("RECV_EG", mb, k) in seen if remote else stage0_backward(mb)):
+                fail(i, a, f"encoder backward before the grad of its output: needs the backward of ({mb}, "
+                           "stage 0) on this rank or RECV_EG first")
+            seen.add(key)
+    _check_encoder_complete(r, seen, r0, owner, forward_only)
+
+
+def _check_encoder_complete(r: int, seen: set, r0: int, owner: dict[tuple[int, int], int],
+                            forward_only: bool) -> None:
+    for (mb, k), o in owner.items():
+        need = []
+        if o == r:
+            need += [] if forward_only else ["EB"]
+            need += [] if o == r0 else ["SEND_E"] + ([] if forward_only else ["RECV_EG"])
+        elif r == r0:
+            need += ["RECV_E"] + ([] if forward_only else ["SEND_EG"])
+        for kind in need:
+            if (kind, mb, k) not in seen:
+                raise ScheduleError(f"rank {r}: {kind}({mb}, part {k}) is missing")

@@ -12,6 +12,8 @@ Volumes per axis (T = b s / cp tokens of one microbatch, a = bytes per activatio
   with sequence parallelism (Korthikanti et al. 2022, section 4.2.2) each becomes an all-gather
   (payload ``T h a / tp``) plus a reduce-scatter (payload ``T h a``). Full recompute replays the
   forward's collectives in backward. The vocab-parallel embedding and output layer add one each.
+  Low-rank layers (``model.low_rank``) follow :func:`low_rank_tp_layer` and, for the bottleneck
+  plan, :func:`low_rank_stream` once per chunk.
 * pp: one p2p of the stage boundary activation (``T h a``, ``/tp`` under SP) per microbatch and
   direction (Narayanan et al. 2021, section 2.2).
 * dp (group ``dp_cp``): one all-reduce of the fp32 main grads per step; ZeRO >= 1 replaces it by a
@@ -80,10 +82,51 @@ def tp_layer(shape: Shape, lay: Layout, b: int, act_bytes: int, backward: bool) 
     """TP collectives of one layer for one microbatch, forward or backward (without recompute)."""
     if lay.tp == 1:
         return []
+    if shape.low_rank:
+        return low_rank_tp_layer(shape, lay, b, act_bytes, backward)
     x = b * shape.s // lay.cp * shape.h * act_bytes
     if not lay.sp:
         return [Transfer("tp", "all_reduce", x, 2)]
     return [Transfer("tp", "all_gather", x / lay.tp, 2), Transfer("tp", "reduce_scatter", x, 2)]
+
+
+def low_rank_tp_layer(shape: Shape, lay: Layout, b: int, act_bytes: int, backward: bool) -> list[Transfer]:
+    """TP collectives of one low-rank layer (``paratron/models/low_rank.py``, docs/boost.md) for one
+    microbatch, forward or backward; the same either way for ``bottleneck``.
+
+    ``naive``: forward, one all-reduce of each projection group's full output (q|k|v, proj,
+    the MLP's inner, fc2); backward, one all-reduce of each group's input grad (``h``, ``n d``,
+    ``h``, ``f``). Under SP the groups at the residual stream all-gather their input (``T h / tp``;
+    backward: reduce-scatter ``T h``) and reduce-scatter their output (backward: all-gather).
+    ``bottleneck``: one all-reduce of the fp32 per-token sum of squares per norm (``T * 4`` bytes,
+    2 norms) and one of each r-wide bottleneck: ``3r`` (q|k|v), ``r`` (proj), ``2r`` or ``r``
+    (the MLP's inner), ``r`` (fc2), each way.
+    """
+    T, h, r = b * shape.s // lay.cp, shape.h, shape.low_rank
+    inner = 2 if shape.swiglu else 1
+    if shape.low_rank_tp == "bottleneck":
+        return [Transfer("tp", "all_reduce", T * 4, 2)] + [
+            Transfer("tp", "all_reduce", T * w * r * act_bytes) for w in (3, 1, inner, 1)]
+    x, nd, f = T * h * act_bytes, shape.n * shape.d, shape.f
+    qkv = (shape.n + 2 * shape.g) * shape.d
+    if not backward:
+        inside = [Transfer("tp", "all_reduce", T * w * act_bytes) for w in (qkv, inner * f)]
+        edge = ([Transfer("tp", "all_gather", x / lay.tp, 2), Transfer("tp", "reduce_scatter", x, 2)] if lay.sp
+                else [Transfer("tp", "all_reduce", x, 2)])
+        return inside + edge
+    inside = [Transfer("tp", "all_reduce", T * w * act_bytes) for w in (nd, f)]
+    edge = ([Transfer("tp", "reduce_scatter", x, 2), Transfer("tp", "all_gather", x / lay.tp, 2)] if lay.sp
+            else [Transfer("tp", "all_reduce", x, 2)])
+    return inside + edge
+
+
+def low_rank_stream(shape: Shape, lay: Layout, b: int, act_bytes: int, backward: bool) -> list[Transfer]:
+    """The bottleneck plan's hidden-sharded stream, once per model chunk and microbatch: the
+    all-gather of ``[s, b, h/tp]`` before the final norm (forward) and of its grad at the chunk's
+    entry (backward)."""
+    if not shape.low_rank or shape.low_rank_tp != "bottleneck" or lay.tp == 1:
+        return []
+    return [Transfer("tp", "all_gather", b * shape.s // lay.cp * shape.h * act_bytes / lay.tp)]
 
 
 def cp_layer(shape: Shape, lay: Layout, b: int, act_bytes: int, backward: bool) -> list[Transfer]:

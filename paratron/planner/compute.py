@@ -75,6 +75,9 @@ def _gemm_work(shapes: list[tuple[int, int, int, int]], hw: Hardware) -> Work:
 def layer_gemms(shape: Shape, lay: Layout, b: int, layer: int) -> list[tuple[int, int, int, int]]:
     """Weight GEMMs ``(m, n, k, count)`` of one layer's forward on one rank."""
     T, h, t = b * shape.s // lay.cp, shape.h, lay.tp
+    if shape.low_rank:  # A [r, in] and B [out, r] per projection; either plan splits one of each by t
+        r = shape.low_rank
+        return [g for i, o in shape.low_rank_widths() for g in ((T, r, i // t, 1), (T, o // t, r, 1))]
     out = [(T, (shape.n + 2 * shape.g) * shape.d // t, h, 1), (T, h, shape.n * shape.d // t, 1)]
     mats = 2 if shape.swiglu else 1
     if shape.is_moe(layer):
@@ -127,9 +130,18 @@ def layer_work(shape: Shape, lay: Layout, b: int, layer: int, cluster: Cluster, 
     B = g.B + 2 * attn_t + 2 * elem + OPS_BACKWARD * hw.op_overhead + bwd_comm
     if lay.recompute == "full":
         B += F
+    elif shape.low_rank_recompute:  # every piece but the collectives runs again (docs/boost.md)
+        B += F - fwd_comm
     elif lay.recompute == "selective":
         B += attn_t + scores_bytes / hw.mem_bandwidth
     return Work(F, B, g.W)
+
+
+def stream_work(shape: Shape, lay: Layout, b: int, cluster: Cluster) -> Work:
+    """The low-rank bottleneck plan's all-gathers of the hidden-sharded stream, once per chunk."""
+    f, bw = (comm.seconds(comm.low_rank_stream(shape, lay, b, cluster.hw.act_bytes, back), lay, cluster)
+             for back in (False, True))
+    return Work(f, bw, 0.0)
 
 
 def embedding_work(shape: Shape, lay: Layout, b: int, cluster: Cluster) -> Work:
@@ -167,6 +179,7 @@ def stage_works(shape: Shape, lay: Layout, cluster: Cluster, fused: bool = True)
             if moe not in cache:
                 cache[moe] = layer_work(shape, lay, lay.mbs, layer, cluster, fused)
             w = w + cache[moe]
+        w = w + stream_work(shape, lay, lay.mbs, cluster)
         if st == 0:
             w = w + embedding_work(shape, lay, lay.mbs, cluster)
         if st == stages - 1:

@@ -95,6 +95,10 @@ def norm_saved_bytes(shape: Shape) -> int:
 
 def layer_activation_bytes(shape: Shape, lay: Layout, b: int, a: int, fused: bool) -> tuple[float, float]:
     """(bytes held per microbatch in flight, bytes of the whole layer's saved tensors) of one layer."""
+    if shape.low_rank:
+        whole = low_rank_activation_bytes(shape, lay, b, a)
+        stream = shape.h / lay.tp if shape.low_rank_tp == "bottleneck" or lay.sp else shape.h
+        return (b * shape.s // lay.cp * stream * a if lay.recompute == "full" else whole), whole
     T, t, h = b * shape.s // lay.cp, lay.tp, shape.h
     hs = h / t if lay.sp else h
     whole = 2 * hs * norm_saved_bytes(shape) / a + 2 * h
@@ -114,6 +118,31 @@ def layer_activation_bytes(shape: Shape, lay: Layout, b: int, a: int, fused: boo
     if lay.recompute == "selective":
         return T * whole * a, whole_bytes
     return whole_bytes, whole_bytes
+
+
+def low_rank_activation_bytes(shape: Shape, lay: Layout, b: int, a: int) -> float:
+    """Bytes one low-rank layer (``paratron/models/low_rank.py``, docs/boost.md) saves for the
+    backward of one microbatch.
+
+    Under ``model.low_rank_recompute`` (bottleneck plan): exactly the recomputed pieces' inputs,
+    the layer input and mid-layer residual ``2 T h a / tp``, the two fp32 per-token sums of squares
+    ``8 T`` and the summed bottlenecks ``T (3 + 1 + 2 + 1) r a`` (SwiGLU; GELU ``6r``) (measured in
+    ``tests/test_boost.py``). Otherwise an estimate: each norm's input and output, the attention
+    tensors (q, k, v, the rotated q and k, output, log-sum-exp) and the MLP's (inner outputs and
+    activation), split by heads and ``f`` under ``bottleneck`` and whole under ``naive`` (its
+    attention and activation run replicated), plus every bottleneck before and after its silu
+    (``r/tp`` wide under ``naive``).
+    """
+    T, t, h, r = b * shape.s // lay.cp, lay.tp, shape.h, shape.low_rank
+    bottlenecks = (3 + 1 + (2 if shape.swiglu else 1) + 1) * r
+    split = t if shape.low_rank_tp == "bottleneck" else 1
+    if shape.low_rank_recompute:
+        return T * (2 * h / t * a + 8 + bottlenecks * a)
+    hs = h / t if shape.low_rank_tp == "bottleneck" or lay.sp else h
+    qkv, nd = (shape.n + 2 * shape.g) * shape.d / split, shape.n * shape.d / split
+    elems = 4 * hs + qkv + 2 * (shape.n + shape.g) * shape.d / split + nd + 8 * shape.n / split / a
+    elems += (4 if shape.swiglu else 2) * shape.f / split + 2 * bottlenecks / (t if split == 1 else 1)
+    return T * elems * a
 
 
 def head_bytes(shape: Shape, lay: Layout, b: int, a: int) -> tuple[float, float]:

@@ -37,6 +37,9 @@ class Shape:
     first_dense: int = 0
     qk_norm: bool = False
     shared_f: int = 0
+    low_rank: int = 0  # CoLA rank r of every attention/MLP projection (0: full rank; docs/boost.md)
+    low_rank_tp: str = "naive"
+    low_rank_recompute: bool = False
 
     @classmethod
     def of(cls, m: ModelConfig, seq_length: int) -> "Shape":
@@ -49,7 +52,8 @@ class Shape:
                    top_k=m.moe_top_k if m.num_experts else 0, expert_f=spec.expert_ffn_size(m),
                    vocab_multiple=m.make_vocab_size_divisible_by,
                    moe_freq=max(m.moe_layer_freq, 1), first_dense=m.first_k_dense_replace,
-                   qk_norm=m.qk_layernorm, shared_f=(m.moe_shared_expert_ffn_hidden_size or 0) if m.num_experts else 0)
+                   qk_norm=m.qk_layernorm, shared_f=(m.moe_shared_expert_ffn_hidden_size or 0) if m.num_experts else 0,
+                   low_rank=m.low_rank, low_rank_tp=m.low_rank_tp, low_rank_recompute=m.low_rank_recompute)
 
     def is_moe(self, layer: int) -> bool:
         return spec.moe_at(layer, self.experts, self.moe_freq, self.first_dense)
@@ -71,6 +75,8 @@ class Shape:
 
     def layer_params(self, layer: int, tp: int, ep: int) -> int:
         """Parameters of one transformer layer held by one (tp, ep) rank (norms replicated)."""
+        if self.low_rank:
+            return self.low_rank_layer_params(tp)
         h, bias = self.h, int(self.bias)
         qkv = (self.n + 2 * self.g) * self.d
         attn = (h * qkv + qkv * bias + self.n * self.d * h) // tp + h * bias
@@ -82,6 +88,18 @@ class Shape:
         else:
             mlp = (mats * h * self.f + (mats - 1) * self.f * bias) // tp + h * bias
         return attn + mlp + 2 * self.norm_params() + 2 * self.d * int(self.qk_norm)
+
+    def low_rank_widths(self) -> list[tuple[int, int]]:
+        """``(in, out)`` of every low-rank projection of a layer: q, k, v, proj, the MLP's."""
+        nd, gd, h, f = self.n * self.d, self.g * self.d, self.h, self.f
+        mlp = [(h, f), (h, f), (f, h)] if self.swiglu else [(h, f), (f, h)]
+        return [(h, nd), (h, gd), (h, gd), (nd, h)] + mlp
+
+    def low_rank_layer_params(self, tp: int) -> int:
+        """Parameters of one low-rank layer on one TP rank: ``r (in + out) / tp`` per projection
+        (either plan splits one factor of each), norms replicated (naive) or split (bottleneck)."""
+        norms = 2 * self.h // (tp if self.low_rank_tp == "bottleneck" else 1)
+        return sum(self.low_rank * (i + o) // tp for i, o in self.low_rank_widths()) + norms
 
     def expert_params(self, layer: int, ep: int) -> int:
         """Parameters of one layer's routed experts held by one EP rank (0 for a dense layer;

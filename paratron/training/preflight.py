@@ -227,7 +227,7 @@ def check_checkpoint_load(cfg: Config, vocab_size: int | None = None) -> None:
     if model.get("vocab_size") is None:
         model["vocab_size"] = vocab_size
     try:
-        resume_manifest(c.load, c.load_step, model, bool(c.load_optimizer))
+        resume_manifest(c.load, c.load_step, model, bool(c.load_optimizer) and not c.finetune)
     except CheckpointError as e:
         raise ConfigError(f"checkpoint.load={c.load}: {e}") from None
 
