@@ -44,8 +44,8 @@ def full_draw_(params, seed: int, std: float) -> None:
         for p in params:
             if p.dim() < 2:
                 continue
-            full = torch.empty(p.shard.global_shape).normal_(0.0, std, generator=generator_for(seed, p.logical_name))
-            p.shard.valid(p).copy_(full[p.shard.slices()])
+            full = torch.empty(p.meta.shard.global_shape).normal_(0.0, std, generator=generator_for(seed, p.meta.logical_name))
+            p.meta.shard.valid(p).copy_(full[p.meta.shard.slices()])
 
 
 def main() -> None:
@@ -66,7 +66,7 @@ def main() -> None:
         t0 = time.perf_counter()
         full_draw_(params, 1, cfg.init_method_std)
         full_s.append(time.perf_counter() - t0)
-    total = sum(math.prod(p.shard.global_shape) for p in params)
+    total = sum(math.prod(p.meta.shard.global_shape) for p in params)
     own = sum(p.numel() for p in params)
     print(f"model {total / 1e9:.2f}B params, rank's own {own / 1e6:.0f}M at tp={a.tp}")
     print(f"shard draw (build incl.): median {statistics.median(shard_s):.2f}s  runs {[round(x, 2) for x in shard_s]}")

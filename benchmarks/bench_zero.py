@@ -10,7 +10,7 @@ param marked with ``paratron.parallel.params.mark``), with the same init:
 
 * DeepSpeed 0.19 ``deepspeed.initialize`` with ZeRO stage 1, fp32, ``torch.optim.AdamW`` as the
   client optimizer (no compiled op), gradient clipping 1.0, reduce bucket of ``--bucket-mb``;
-* paratron ``DistributedDataParallel(use_distributed_optimizer=True)`` + ``build_optimizer``
+* paratron ``DistributedDataParallel(zero=1)`` + ``build_optimizer``
   (AdamW, clip 1.0), bucket of ``--bucket-mb``, overlap on;
 * the same with overlap off.
 
@@ -148,7 +148,7 @@ def _rank(args):
     for name, overlap in (("paratron", True), ("paratron_no_overlap", False)):
         model = TinyGPT(**kw)
         ddp = DistributedDataParallel([model], ctx, bucket_size_mb=args.bucket_mb,
-                                      overlap_grad_reduce=overlap, use_distributed_optimizer=True)
+                                      overlap_grad_reduce=overlap, zero=1)
         runs[name] = (model, build_optimizer([model], ctx, cfg, ddp))
 
     def paratron_step(name, step):

@@ -33,10 +33,10 @@ def perturb_1d_params_(chunks, seed: int = 11) -> None:
     for chunk in chunks:
         for p in chunk.parameters():
             if p.dim() == 1:
-                g = torch.Generator().manual_seed(seed + sum(map(ord, p.logical_name)))
-                full = 0.1 * torch.randn(p.shard.global_shape, generator=g)
+                g = torch.Generator().manual_seed(seed + sum(map(ord, p.meta.logical_name)))
+                full = 0.1 * torch.randn(p.meta.shard.global_shape, generator=g)
                 with torch.no_grad():
-                    p.add_(full[p.shard.slices()].to(p.dtype))
+                    p.add_(full[p.meta.shard.slices()].to(p.dtype))
 
 
 def train_for_parity(cfg: Config, ctx, steps: int, seed: int = 50, prepare=None) -> dict:
@@ -81,7 +81,7 @@ def train_for_parity(cfg: Config, ctx, steps: int, seed: int = 50, prepare=None)
     with ddp.full_params():
         for c in chunks:
             for p in c.parameters():
-                params[p.logical_name] = (p.shard.valid(p).detach().clone(), p.shard.slices())
+                params[p.meta.logical_name] = (p.meta.shard.valid(p).detach().clone(), p.meta.shard.slices())
     return {"params": params, "losses": losses}
 
 

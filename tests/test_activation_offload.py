@@ -76,7 +76,7 @@ def _grads(chunks) -> dict:
     out = {}
     for c in chunks:
         for n, p in c.named_parameters():
-            g = getattr(p, "main_grad", None)
+            g = p.meta.main_grad
             g = p.grad if g is None else g
             out[n] = g.elem.clone() if isinstance(g, AuditTensor) else g.clone()
     return out

@@ -67,7 +67,7 @@ def test_load_model_into_reshards_and_keeps_padding(tmp_path):
             module = torch.nn.Module()
             module.w = p
             load_model_into(tmp_path / "ck", [module])
-            n = p.shard.local_shape[0]
+            n = p.meta.shard.local_shape[0]
             assert torch.equal(p.data[:n], full[start:start + n]), layout
             assert torch.all(p.data[n:] == -1.0), "padding rows must be left as they were"
             start += n

@@ -105,7 +105,7 @@ def test_kill_during_save_leaves_previous_latest_loadable(tmp_path):
     chunks = _model(cfg, seed=9)
     extra = CheckpointManager(cfg.checkpoint, ParallelContext.single(), cfg).load(chunks, None, None)
     assert extra == {"iteration": 2}
-    assert all(torch.all(p.shard.valid(p) == 2.0) for c in chunks for p in c.parameters())
+    assert all(torch.all(p.meta.shard.valid(p) == 2.0) for c in chunks for p in c.parameters())
     # The next successful save clears the leftover.
     cfg.checkpoint.save = root
     mgr = CheckpointManager(cfg.checkpoint, ParallelContext.single(), cfg)
@@ -216,7 +216,7 @@ def test_load_step_picks_an_older_checkpoint(tmp_path):
     cfg.checkpoint.load, cfg.checkpoint.load_step = str(tmp_path / "ck"), 1
     fresh = _model(cfg, seed=5)
     assert CheckpointManager(cfg.checkpoint, ParallelContext.single(), cfg).load(fresh, None, None) == {"iteration": 1}
-    assert all(torch.all(p.shard.valid(p) == 1.0) for c in fresh for p in c.parameters())
+    assert all(torch.all(p.meta.shard.valid(p) == 1.0) for c in fresh for p in c.parameters())
     cfg.checkpoint.load_step = 7
     with pytest.raises(CheckpointError, match="no checkpoint for step 7"):
         CheckpointManager(cfg.checkpoint, ParallelContext.single(), cfg).load(fresh, None, None)

@@ -38,7 +38,7 @@ def build(cfg, ctx, *, zero: bool, seed: int, virtual: int = 1, precision: str =
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
     chunks = build_model_chunks(cfg.model, ctx, seed=seed, virtual_pipeline=virtual, params_dtype=dtype)
     # Small buckets: ZeRO shard boundaries fall inside parameters (the embedding included).
-    ddp = DistributedDataParallel(chunks, ctx, bucket_size_mb=0.002, use_distributed_optimizer=zero)
+    ddp = DistributedDataParallel(chunks, ctx, bucket_size_mb=0.002, zero=int(zero))
     opt = build_optimizer(chunks, ctx, cfg.optimizer, ddp, precision=precision)
     sched = build_lr_scheduler(cfg.optimizer, 100, opt)
     return chunks, opt, sched
@@ -243,7 +243,7 @@ def _moe_ep1_to_ep2(root):
     for ep, zero in ((2, True), (4, False)):
         ctx_b = ParallelContext.build(ep=ep)
         chunks_b, opt_b, sched_b = build(cfg, ctx_b, zero=zero, seed=2)
-        assert any(getattr(p, "is_expert", False) for c in chunks_b for p in c.parameters())
+        assert any(p.meta.is_expert for c in chunks_b for p in c.parameters())
         CheckpointManager(CheckpointConfig(load=root), ctx_b, cfg).load(chunks_b, opt_b, sched_b)
         check_params(chunks_b, full)
         counts[ep] = check_state(opt_b, st)

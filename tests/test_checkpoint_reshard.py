@@ -30,8 +30,8 @@ def targets(cfg: Config) -> dict[str, torch.Tensor]:
     out = {}
     for c in ref:
         for p in c.parameters():
-            g = torch.Generator().manual_seed(zlib.crc32(p.logical_name.encode()))
-            out[p.logical_name] = torch.randn(p.shard.global_shape, generator=g)
+            g = torch.Generator().manual_seed(zlib.crc32(p.meta.logical_name.encode()))
+            out[p.meta.logical_name] = torch.randn(p.meta.shard.global_shape, generator=g)
     return out
 
 
@@ -39,8 +39,8 @@ def check_params(chunks, full) -> int:
     n = 0
     for c in chunks:
         for p in c.parameters():
-            want = full[p.logical_name][p.shard.slices()]
-            assert torch.equal(p.shard.valid(p.detach()), want), p.logical_name
+            want = full[p.meta.logical_name][p.meta.shard.slices()]
+            assert torch.equal(p.meta.shard.valid(p.detach()), want), p.meta.logical_name
             n += 1
     return n
 

@@ -56,7 +56,7 @@ def _batch(step: int):
 
 
 def _snapshot(chunks) -> dict[str, tuple[torch.Tensor, tuple]]:
-    return {p.logical_name: (p.shard.valid(p).detach().clone(), p.shard.slices())
+    return {p.meta.logical_name: (p.meta.shard.valid(p).detach().clone(), p.meta.shard.slices())
             for c in chunks for p in c.parameters()}
 
 

@@ -75,7 +75,7 @@ def _train(cfg: Config, ctx, prefix: str) -> dict:
         out = run_global_batch(cfg, ctx, chunks, mbs, forward_only=False, ddp=ddp)
         res = optimizer.step()
         history.append((out.loss, res.grad_norm, out.num_tokens))
-    params = {p.logical_name: (p.shard.valid(p).detach().clone(), p.shard.slices())
+    params = {p.meta.logical_name: (p.meta.shard.valid(p).detach().clone(), p.meta.shard.slices())
               for c in chunks for p in c.parameters()}
     return {"history": history, "rows": rows, "params": params}
 

@@ -143,8 +143,8 @@ def _train_converted(path, pp: int, ep: int) -> list[tuple[float, float]]:
     ctx = ParallelContext.build(pp=pp, ep=ep) if pp * ep > 1 else ParallelContext.single()
     chunks, ddp, optimizer, _ = build_model_and_optimizer(cfg, ctx)
     for p in unique_params(chunks):
-        if p.logical_name in tensors:  # the MTP module keeps its own draw
-            load_full_(p, tensors[p.logical_name])
+        if p.meta.logical_name in tensors:  # the MTP module keeps its own draw
+            load_full_(p, tensors[p.meta.logical_name])
     optimizer.copy_params_into_main(iter_params(chunks))
     prepare, rows = microbatch_preparer(cfg, ctx, eod=0), 4 // ctx.dp.size
     ids = torch.randint(0, VOCAB, (4, SEQ + 1), generator=torch.Generator().manual_seed(5))

@@ -90,7 +90,7 @@ def test_sliced_load_equals_the_converter(hf_dirs, family):
     (chunk,) = build_model_chunks(cfg, ParallelContext.single(), seed=0)
     stats = load_hf_slices([chunk], path, cfg)
     for p in chunk.parameters():
-        assert torch.equal(p.shard.valid(p), tensors[p.logical_name]), p.logical_name
+        assert torch.equal(p.meta.shard.valid(p), tensors[p.meta.logical_name]), p.meta.logical_name
     assert stats.read == stats.params == sum(t.numel() * t.element_size() for t in tensors.values())
     ids = _ids(cfg.vocab_size)
     with torch.no_grad():
@@ -107,7 +107,7 @@ def test_sharded_folder_loads_the_same(hf_dirs, tmp_path):
     (chunk,) = build_model_chunks(cfg, ParallelContext.single(), seed=0)
     load_hf_slices([chunk], tmp_path, cfg)
     for p in chunk.parameters():
-        assert torch.equal(p.shard.valid(p), tensors[p.logical_name]), p.logical_name
+        assert torch.equal(p.meta.shard.valid(p), tensors[p.meta.logical_name]), p.meta.logical_name
 
 
 # ---- through the run's model builder, at several layouts ----------------------------------

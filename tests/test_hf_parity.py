@@ -127,7 +127,7 @@ def test_pipeline_split_load(hf_model):
     load_full_state([first, last], tensors)
     if kind == "gpt2":
         assert last.output_weight() is not first.embedding.word_embeddings.weight
-        assert last.output_weight().shared_embedding and first.embedding.word_embeddings.weight.shared_embedding
+        assert last.output_weight().meta.shared_embedding and first.embedding.word_embeddings.weight.meta.shared_embedding
     ids = _ids()
     with torch.no_grad():
         logits = full_logits(last.eval()(first.eval()(ids)), ctx, cfg.vocab_size)

@@ -37,12 +37,12 @@ def full_tensors(cfg: ModelConfig, tp: int, pp: int) -> dict[str, torch.Tensor]:
     for s in range(pp):
         for r in range(tp):
             for p in unique_params(build_model_chunks(cfg, rank_view(tp, r, pp, s), seed=5)):
-                spec = p.shard
-                full = out.setdefault(p.logical_name, torch.full(spec.global_shape, float("nan")))
+                spec = p.meta.shard
+                full = out.setdefault(p.meta.logical_name, torch.full(spec.global_shape, float("nan")))
                 seen = full[spec.slices()]
                 mine = spec.valid(p.detach())
                 # a copy held twice (a tied embedding on both end stages) must agree
-                assert torch.equal(seen[~seen.isnan()], mine[~seen.isnan()]), p.logical_name
+                assert torch.equal(seen[~seen.isnan()], mine[~seen.isnan()]), p.meta.logical_name
                 full[spec.slices()] = mine
     return out
 

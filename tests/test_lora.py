@@ -58,7 +58,7 @@ def _initial_base(cfg: Config, ctx) -> dict[str, torch.Tensor]:
     chunks, ddp, _, _ = build_model_and_optimizer(cfg, ctx)
     with ddp.full_params():
         perturb_1d_params_(chunks)
-    return {p.logical_name: p.shard.valid(p).detach().clone() for c in chunks for p in c.parameters()
+    return {p.meta.logical_name: p.meta.shard.valid(p).detach().clone() for c in chunks for p in c.parameters()
             if not p.requires_grad}
 
 
@@ -104,9 +104,9 @@ def test_only_adapters_have_grads_and_optimizer_state():
     cfg = _config()
     chunks, ddp, optimizer, _ = build_model_and_optimizer(cfg, ParallelContext.single())
     params = [p for c in chunks for p in c.parameters()]
-    trainable = {p.logical_name for p in params if p.requires_grad}
-    assert trainable == {p.logical_name for p in params if is_adapter_name(p.logical_name)}
-    assert {p.logical_name for p in ddp.params} == trainable
+    trainable = {p.meta.logical_name for p in params if p.requires_grad}
+    assert trainable == {p.meta.logical_name for p in params if is_adapter_name(p.meta.logical_name)}
+    assert {p.meta.logical_name for p in ddp.params} == trainable
     kinds = {k.split("/", 2)[1] for k in optimizer.sharded_state_dict()}
     assert kinds == {"main_param", "exp_avg", "exp_avg_sq"}
     assert {k.split("/", 2)[2] for k in optimizer.sharded_state_dict()} == trainable
@@ -252,9 +252,9 @@ def test_adapter_only_checkpoints(tmp_path):
     chunks, optimizer, scheduler, manager, extra = _lora_run(tmp_path, pretrained_checkpoint=tmp_path / "base",
                                                              save=tmp_path / "ckpt")
     assert extra is None
-    params = {p.logical_name: p for c in chunks for p in c.parameters()}
+    params = {p.meta.logical_name: p for c in chunks for p in c.parameters()}
     for name, t in base.items():
-        assert torch.equal(params[name].shard.valid(params[name]), t), f"{name} not loaded from the base"
+        assert torch.equal(params[name].meta.shard.valid(params[name]), t), f"{name} not loaded from the base"
     g = torch.Generator().manual_seed(9)
     with torch.no_grad():
         for name, p in params.items():
@@ -270,8 +270,8 @@ def test_adapter_only_checkpoints(tmp_path):
     chunks2, optimizer2, _, _, extra = _lora_run(tmp_path, pretrained_checkpoint=tmp_path / "base",
                                                  load=tmp_path / "ckpt")
     assert extra == {"iteration": 3}
-    for name, p in ((p.logical_name, p) for c in chunks2 for p in c.parameters()):
-        assert torch.equal(p.shard.valid(p), p.shard.valid(params[name]).detach()), name
+    for name, p in ((p.meta.logical_name, p) for c in chunks2 for p in c.parameters()):
+        assert torch.equal(p.meta.shard.valid(p), p.meta.shard.valid(params[name]).detach()), name
     for key, pieces in optimizer2.sharded_state_dict().items():
         for (got, _), (want, _) in zip(pieces, optimizer.sharded_state_dict()[key]):
             assert torch.equal(got, want), key
@@ -282,14 +282,14 @@ def test_adapter_only_checkpoints(tmp_path):
 
     _, one = load_single_process_model(str(tmp_path / "ckpt"))
     for p in one.parameters():
-        assert torch.equal(p.shard.valid(p), p.shard.valid(params[p.logical_name]).detach()), p.logical_name
+        assert torch.equal(p.meta.shard.valid(p), p.meta.shard.valid(params[p.meta.logical_name]).detach()), p.meta.logical_name
     _convert("lora-merge", tmp_path / "ckpt", tmp_path / "merged")  # no --base needed either
     # A full checkpoint as checkpoint.load is the base of a new fine-tune: step 0, fresh adapters.
     chunks3, _, _, _, extra = _lora_run(tmp_path, load=tmp_path / "base")
     assert extra is None
     for p in (p for c in chunks3 for p in c.parameters()):
-        if not is_adapter_name(p.logical_name):
-            assert torch.equal(p.shard.valid(p), base[p.logical_name]), p.logical_name
+        if not is_adapter_name(p.meta.logical_name):
+            assert torch.equal(p.meta.shard.valid(p), base[p.meta.logical_name]), p.meta.logical_name
 
 
 def test_lora_dropout_is_on_the_adapter_input_only():

@@ -82,12 +82,13 @@ def _train(cfg: Config, ctx, steps: int = STEPS, grads: bool = False) -> dict:
         optimizer.zero_grad()
         out = run_global_batch(cfg, ctx, chunks, mbs, forward_only=False, loss_scale=optimizer.loss_scale, ddp=ddp)
         if grads and step == 0:
-            grad = {p.logical_name: (p.shard.valid(getattr(p, "main_grad", p.grad)).detach().clone(), p.shard.slices())
+            grad = {p.meta.logical_name: (p.meta.shard.valid(p.grad if p.meta.main_grad is None else p.meta.main_grad)
+                                          .detach().clone(), p.meta.shard.slices())
                     for c in chunks for p in c.parameters() if p.requires_grad}
         res = optimizer.step()
         history.append((out.loss, out.mtp_loss, res.grad_norm))
     with ddp.param_shards.gathered() if ddp.param_shards is not None else contextlib.nullcontext():
-        params = {p.logical_name: (p.shard.valid(p).detach().clone(), p.shard.slices())
+        params = {p.meta.logical_name: (p.meta.shard.valid(p).detach().clone(), p.meta.shard.slices())
                   for c in chunks for p in c.parameters()}
     return {"params": params, "history": history, "grads": grad}
 

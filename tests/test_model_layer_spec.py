@@ -89,8 +89,8 @@ def test_plugin_swaps_only_the_attention_through_a_spec():
                                         ParallelContext.single(), seed=2)
     finally:
         BLOCKS.unregister("test-no-attention")
-    base_params = {p.logical_name: p for p in base.parameters()}
-    swapped_params = {p.logical_name: p for p in swapped.parameters()}
+    base_params = {p.meta.logical_name: p for p in base.parameters()}
+    swapped_params = {p.meta.logical_name: p for p in swapped.parameters()}
     # Only the attention's parameters are gone; every other submodule is the default, same init.
     assert set(base_params) - set(swapped_params) == {n for n in base_params if ".attention." in n}
     assert all(torch.equal(p, base_params[n]) for n, p in swapped_params.items())

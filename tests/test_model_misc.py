@@ -30,7 +30,7 @@ def _loss_and_grads(dtype: torch.dtype, kind: str):
     loss.backward()
     for p in model.parameters():
         assert p.dtype == dtype and p.grad is not None and p.grad.dtype == dtype
-        assert torch.isfinite(p.grad.float()).all(), p.logical_name
+        assert torch.isfinite(p.grad.float()).all(), p.meta.logical_name
     return loss.item()
 
 
@@ -130,7 +130,7 @@ def test_moe_hook_places_moe_layers_by_frequency():
     assert kinds == [MoELayer, MLP, MoELayer, MLP]
     ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(4))
     model(ids, ids).mean().backward()
-    names = {p.logical_name for p in model.parameters() if p.grad is not None}
+    names = {p.meta.logical_name for p in model.parameters() if p.grad is not None}
     assert any(n.startswith("layers.0.mlp.") for n in names)
     assert "layers.1.mlp.fc2.weight" in names
 
@@ -161,7 +161,7 @@ def test_block_registry_selects_the_layer_class():
     (b,) = build_model_chunks(custom, ParallelContext.single(), seed=2)
     assert all(isinstance(layer, _ScaledResidualBlock) for layer in b.layers.values())
     # Same parameters (same logical names and seeds), different computation.
-    assert {p.logical_name for p in a.parameters()} == {p.logical_name for p in b.parameters()}
+    assert {p.meta.logical_name for p in a.parameters()} == {p.meta.logical_name for p in b.parameters()}
     assert not torch.allclose(a(ids, ids), b(ids, ids))
     with pytest.raises(ConfigError, match="model.block='transformr'.*did you mean 'transformer'"):
         build_model_chunks(dataclasses.replace(base, block="transformr"), ParallelContext.single(), seed=2)

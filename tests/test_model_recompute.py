@@ -38,7 +38,7 @@ def _step(recompute: str, ctx, sp: bool = False, data_seed: int = 0, **kw):
     losses.mean().backward()
     params = list(model.parameters())
     allreduce_sequence_parallel_grads(params, ctx)
-    return losses.detach(), {p.logical_name: p.grad.clone() for p in params}
+    return losses.detach(), {p.meta.logical_name: p.grad.clone() for p in params}
 
 
 def _assert_bitwise(a, b):

@@ -57,7 +57,7 @@ def _run(kind: str, tp: int, sp: bool):
     allreduce_sequence_parallel_grads(params, ctx)
     grads = {}
     for p in params:
-        grads[p.logical_name] = gather_full(p.grad, p, ctx.tp).clone()
+        grads[p.meta.logical_name] = gather_full(p.grad, p, ctx.tp).clone()
     return losses.detach(), grads
 
 
@@ -88,14 +88,14 @@ def _pp_rank(kind):
     (chunk,) = chunks
     return {
         "pre": chunk.pre_process, "post": chunk.post_process, "layers": list(chunk.layer_ids),
-        "params": {p.logical_name: (p.detach().clone(), p.shared_embedding) for p in chunk.parameters()},
+        "params": {p.meta.logical_name: (p.detach().clone(), p.meta.shared_embedding) for p in chunk.parameters()},
     }
 
 
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
 def test_two_stage_layout_builds_the_same_parameters(kind):
     (single,) = build_model_chunks(_cfg(kind), ParallelContext.single(), seed=5)
-    ref = {p.logical_name: p.detach() for p in single.parameters()}
+    ref = {p.meta.logical_name: p.detach() for p in single.parameters()}
     first, last = run_ranks(_pp_rank, 2, kind, timeout=240)
     assert (first["pre"], first["post"], first["layers"]) == (True, False, [0])
     assert (last["pre"], last["post"], last["layers"]) == (False, True, [1])
@@ -131,7 +131,7 @@ def test_zbv_like_placement_on_one_rank_shares_tied_embedding():
     assert [c.pre_process for c in chunks] == [True, False]
     assert [c.post_process for c in chunks] == [False, True]
     emb = chunks[0].embedding.word_embeddings.weight
-    assert chunks[1].output_weight() is emb and not emb.shared_embedding
+    assert chunks[1].output_weight() is emb and not emb.meta.shared_embedding
     (whole,) = build_model_chunks(cfg, ctx, seed=5)
     ids, labels = _batch()
     assert torch.equal(chunks[1](chunks[0](ids), labels), whole(ids, labels))

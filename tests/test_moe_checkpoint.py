@@ -27,8 +27,8 @@ def targets(cfg: Config) -> dict[str, torch.Tensor]:
     out = {}
     for c in build_model_chunks(cfg.model, ParallelContext.single(), seed=7):
         for p in c.parameters():
-            g = torch.Generator().manual_seed(zlib.crc32(p.logical_name.encode()))
-            out[p.logical_name] = torch.randn(p.shard.global_shape, generator=g)
+            g = torch.Generator().manual_seed(zlib.crc32(p.meta.logical_name.encode()))
+            out[p.meta.logical_name] = torch.randn(p.meta.shard.global_shape, generator=g)
     return out
 
 
@@ -51,9 +51,9 @@ def _save_then_load(root):
         names = []
         for c in chunks_b:
             for p in c.parameters():
-                assert torch.equal(p.shard.valid(p.detach()), full[p.logical_name][p.shard.slices()]), \
-                    f"{lay}: {p.logical_name}"
-                names.append(p.logical_name)
+                assert torch.equal(p.meta.shard.valid(p.detach()), full[p.meta.logical_name][p.meta.shard.slices()]), \
+                    f"{lay}: {p.meta.logical_name}"
+                names.append(p.meta.logical_name)
         checked[str(lay)] = sorted(n for n in names if ".experts." in n)
     return checked
 

@@ -178,7 +178,7 @@ def test_moe_layer_computes_transformers_deepseek_v3_moe():
         gate, up = hf.experts.gate_up_proj[e].chunk(2)
         full.update({f"experts.{e}.gate.weight": gate, f"experts.{e}.up.weight": up,
                      f"experts.{e}.fc2.weight": hf.experts.down_proj[e]})
-    params = {p.logical_name.removeprefix("layers.0.mlp."): p for p in layer.parameters()}
+    params = {p.meta.logical_name.removeprefix("layers.0.mlp."): p for p in layer.parameters()}
     assert params.keys() == full.keys()
     for name, p in params.items():
         load_full_(p, full[name].detach())

@@ -49,7 +49,7 @@ def _snapshot(chunks, ddp) -> dict[str, tuple[torch.Tensor, tuple]]:
     with ddp.full_params():  # ZeRO-3 keeps only param shards between uses
         for c in chunks:
             for p in c.parameters():
-                out[p.logical_name] = (p.shard.valid(p).detach().clone(), p.shard.slices())
+                out[p.meta.logical_name] = (p.meta.shard.valid(p).detach().clone(), p.meta.shard.slices())
     return out
 
 
@@ -100,7 +100,7 @@ LAYOUTS = {
     "ep2-pp2": (4, dict(ep=2, pp=2)),
     "ep2-dp4-zero1": (4, dict(ep=2, zero=1)),
     "ep2-allgather": (2, dict(ep=2, dispatcher="allgather")),
-    # Experts run once per token chunk: DDP must wait for every chunk's grad (param.grad_uses).
+    # Experts run once per token chunk: DDP must wait for every chunk's grad (param.meta.grad_uses).
     "ep2-chunked": (2, dict(ep=2, dispatcher="alltoall_chunked")),
     "ep2-pp2-chunked": (4, dict(ep=2, pp=2, dispatcher="alltoall_chunked")),
     "ep2-recompute": (2, dict(ep=2, recompute="full")),
@@ -154,7 +154,7 @@ def test_aux_loss_grad_scale_in_training_step():
     microbatches = [{"tokens": tokens[i:i + 1], "labels": labels[i:i + 1]} for i in range(GBS)]
     optimizer.zero_grad()
     run_global_batch(cfg, ctx, chunks, microbatches, forward_only=False, loss_scale=1.0, ddp=ddp)
-    got = {p.logical_name: p.main_grad.clone() for c in chunks for p in c.parameters()}
+    got = {p.meta.logical_name: p.meta.main_grad.clone() for c in chunks for p in c.parameters()}
 
     ref_cfg = _config(aux=0.0)
     ref_cfg.model.moe_z_loss_coeff = 0.0
@@ -169,5 +169,5 @@ def test_aux_loss_grad_scale_in_training_step():
     assert len(terms) == GBS * cfg.model.num_layers
     (total + sum(terms) / GBS).backward()
     for p in ref.parameters():
-        torch.testing.assert_close(got[p.logical_name], p.grad, rtol=1e-5, atol=1e-6,
-                                   msg=lambda m: f"{p.logical_name}: {m}")
+        torch.testing.assert_close(got[p.meta.logical_name], p.grad, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"{p.meta.logical_name}: {m}")

@@ -78,15 +78,15 @@ def _train(ctx, cfg, steps, *, sp, mbs, num_mb, lr=0.1, data=None, force=False):
             out["aux"].append((float(layer.last_aux_loss), float(layer.last_z_loss)))
         allreduce_sequence_parallel_grads(params, ctx)
         for p in params:
-            assert p.grad is not None, f"{p.logical_name} has no grad"
-            (ctx.expert_dp if p.is_expert else ctx.dp).all_reduce(p.grad)
-        out["grads"].append({p.logical_name: p.grad.clone() for p in params})
+            assert p.grad is not None, f"{p.meta.logical_name} has no grad"
+            (ctx.expert_dp if p.meta.is_expert else ctx.dp).all_reduce(p.grad)
+        out["grads"].append({p.meta.logical_name: p.grad.clone() for p in params})
         with torch.no_grad():
             for p in params:
                 p -= lr * p.grad
-    out["params"] = {p.logical_name: p.detach().clone() for p in params}
-    out["slices"] = {p.logical_name: p.shard.slices() for p in params}  # TP-split shared expert
-    out["router_sp"] = layer.router.weight.sequence_parallel
+    out["params"] = {p.meta.logical_name: p.detach().clone() for p in params}
+    out["slices"] = {p.meta.logical_name: p.meta.shard.slices() for p in params}  # TP-split shared expert
+    out["router_sp"] = layer.router.weight.meta.sequence_parallel
     return out
 
 
@@ -283,7 +283,7 @@ def test_capacity_padding_without_overflow_equals_dropless():
         layer = _layer(**kw)
         y = layer(x)
         y.square().sum().backward()
-        outs.append((y.detach(), float(layer.last_aux_loss), {p.logical_name: p.grad for p in layer.parameters()}))
+        outs.append((y.detach(), float(layer.last_aux_loss), {p.meta.logical_name: p.grad for p in layer.parameters()}))
     (y0, a0, g0), (y1, a1, g1) = outs
     torch.testing.assert_close(y1, y0, rtol=1e-6, atol=1e-6)
     assert a1 == pytest.approx(a0, abs=1e-6)
@@ -310,7 +310,7 @@ def test_sigmoid_router_and_swiglu_run():
     x = torch.randn(S, B, H)
     layer(x).sum().backward()
     assert layer.router.weight.grad.norm() > 0  # top-1 keeps the raw score, so the router learns
-    names = {p.logical_name for p in layer.parameters()}
+    names = {p.meta.logical_name for p in layer.parameters()}
     assert "layers.0.mlp.experts.3.gate.weight" in names and "layers.0.mlp.experts.3.up.weight" in names
 
 

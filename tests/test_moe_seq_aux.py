@@ -102,7 +102,7 @@ def _step_router_grad(mbs: int, cp: int = 1):
     opt.zero_grad()
     run_global_batch(cfg, ctx, chunks, micro, forward_only=False, ddp=ddp)
     (layer,) = moe_layers(chunks[0])
-    return layer.router.weight.main_grad.clone()  # final: summed over DP x CP by the step
+    return layer.router.weight.meta.main_grad.clone()  # final: summed over DP x CP by the step
 
 
 def _step_rank():

@@ -60,7 +60,7 @@ class _Probe:
                 probe.action = None
 
         def grad_ready(ddp, p):
-            if ".experts." in p.logical_name:
+            if ".experts." in p.meta.logical_name:
                 probe.expert_grads[probe.action] += 1
             saved[1](ddp, p)
 

@@ -100,8 +100,8 @@ def opt_cfg(**kw) -> OptimizerConfig:
 def torch_adamw(ref: nn.Module, marked: nn.Module, cfg: OptimizerConfig) -> torch.optim.AdamW:
     """``torch.optim.AdamW`` over ``ref``'s params as ``cfg`` says, without weight decay for the
     params that ``marked`` (a Toy with the same names) marks ``no_weight_decay``."""
-    decay = [p for n, p in ref.named_parameters() if not getattr(marked, n).no_weight_decay]
-    nodecay = [p for n, p in ref.named_parameters() if getattr(marked, n).no_weight_decay]
+    decay = [p for n, p in ref.named_parameters() if not getattr(marked, n).meta.no_weight_decay]
+    nodecay = [p for n, p in ref.named_parameters() if getattr(marked, n).meta.no_weight_decay]
     return torch.optim.AdamW([{"params": decay}, {"params": nodecay, "weight_decay": 0.0}], lr=cfg.lr,
                              betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
                              weight_decay=cfg.weight_decay)
@@ -110,8 +110,8 @@ def torch_adamw(ref: nn.Module, marked: nn.Module, cfg: OptimizerConfig) -> torc
 def reference(steps: int, cfg: OptimizerConfig, batches=None):
     """Single-process torch run: params, grad norms per step."""
     model = Toy()
-    decay = [p for p in model.parameters() if not p.no_weight_decay]
-    no_decay = [p for p in model.parameters() if p.no_weight_decay]
+    decay = [p for p in model.parameters() if not p.meta.no_weight_decay]
+    no_decay = [p for p in model.parameters() if p.meta.no_weight_decay]
     if cfg.name == "adamw":
         opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                                  {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr,
@@ -146,7 +146,7 @@ def train_dp(ctx, cfg, *, steps, zero, overlap, microbatches=2, bucket_mb=0.0005
     """
     model = Toy(dtype=precision_dtype(precision), **(model_kw or {}))
     ddp = DistributedDataParallel([model], ctx, bucket_size_mb=bucket_mb,
-                                  overlap_grad_reduce=overlap, use_distributed_optimizer=zero)
+                                  overlap_grad_reduce=overlap, zero=int(zero))
     opt = build_optimizer([model], ctx, cfg, ddp, precision=precision)
     results = []
     dp, r = ctx.dp.size, ctx.dp.rank
@@ -240,7 +240,7 @@ def _rank_uneven(zero):
     ctx = ParallelContext.build()
     data = _uneven_batches()
     model = Toy()
-    ddp = DistributedDataParallel([model], ctx, bucket_size_mb=0.0005, use_distributed_optimizer=zero)
+    ddp = DistributedDataParallel([model], ctx, bucket_size_mb=0.0005, zero=int(zero))
     # SGD with lr 1 and no decay: the update is exactly minus the gradient.
     opt = build_optimizer([model], ctx, opt_cfg(name="sgd", lr=1.0, weight_decay=0.0), ddp)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -251,7 +251,7 @@ def _rank_uneven(zero):
     finalize_grads([model], ctx, ddp)
     grads = None
     if not zero:
-        grads = {n: p.main_grad.clone() for n, p in model.named_parameters()}
+        grads = {n: p.meta.main_grad.clone() for n, p in model.named_parameters()}
     opt.step()
     update = {n: before[n] - p.detach() for n, p in model.named_parameters()}
     return denom, grads, update
@@ -364,7 +364,7 @@ def _rank_gated(overlap):
                 (model(t, lab).sum() / denom).backward()
         launched.append(ddp.num_launched())
         finalize_grads([model], ctx, ddp)
-        grads.append({n: p.main_grad.clone() for n, p in model.named_parameters()})
+        grads.append({n: p.meta.main_grad.clone() for n, p in model.named_parameters()})
         opt.step()
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     return grads, params, launched, sum(len(b.buckets) for b in ddp.buffers)
@@ -396,7 +396,7 @@ def test_params_used_unevenly_across_steps_overlap_bitwise():
 def _rank_ledger(zero):
     ctx = ParallelContext.build()
     model = Toy()
-    ddp = DistributedDataParallel([model], ctx, bucket_size_mb=0.0005, use_distributed_optimizer=zero)
+    ddp = DistributedDataParallel([model], ctx, bucket_size_mb=0.0005, zero=int(zero))
     opt = build_optimizer([model], ctx, opt_cfg(), ddp)
     tokens, labels = batch(0)
     opt.zero_grad()
@@ -436,7 +436,7 @@ def _rank_memory(precision):
     ctx = ParallelContext.build()
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     model = Toy(dtype=dtype)
-    ddp = DistributedDataParallel([model], ctx, bucket_size_mb=0.0005, use_distributed_optimizer=True)
+    ddp = DistributedDataParallel([model], ctx, bucket_size_mb=0.0005, zero=1)
     return build_optimizer([model], ctx, opt_cfg(), ddp, precision=precision).state_bytes()
 
 

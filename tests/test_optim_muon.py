@@ -85,7 +85,7 @@ def test_scale_modes_and_param_rule():
     with pytest.raises(ValueError, match="muon_scale_mode"):
         scale_factor(4, 4, "bogus")
     (model,) = build_model_chunks(_cfg(), ParallelContext.single(), seed=SEED)
-    muon = {p.logical_name for p in model.parameters() if uses_muon(p)}
+    muon = {p.meta.logical_name for p in model.parameters() if uses_muon(p)}
     assert muon == {f"layers.{i}.{n}.weight" for i in range(LAYERS)
                     for n in ("attention.qkv", "attention.proj", "mlp.fc1", "mlp.fc2")}
 
@@ -108,10 +108,10 @@ def _reference_muon_step(p, buf, cfg) -> None:
     g = p.grad
     buf.lerp_(g, 1 - cfg.muon_momentum)
     u = g.lerp(buf, cfg.muon_momentum)
-    parts = _logical(p.logical_name, u)
+    parts = _logical(p.meta.logical_name, u)
     outs = [newton_schulz(m.reshape(-1, m.shape[-1])).view(m.shape)
             * 0.2 * math.sqrt(max(m.reshape(-1, m.shape[-1]).shape)) for m in parts]
-    o = torch.cat(outs, dim=1).view(u.shape) if p.logical_name.endswith("qkv.weight") else torch.cat(outs)
+    o = torch.cat(outs, dim=1).view(u.shape) if p.meta.logical_name.endswith("qkv.weight") else torch.cat(outs)
     with torch.no_grad():
         p.mul_(1 - cfg.lr * cfg.weight_decay)
         p.add_(o, alpha=-cfg.lr)
@@ -125,10 +125,10 @@ def reference(batches) -> dict[str, torch.Tensor]:
     perturb_1d_params_([model])
     cfg = _opt()
     params = list(model.parameters())
-    matrices = [p for p in params if p.dim() == 2 and not p.logical_name.startswith(("embedding.", "output_layer."))]
+    matrices = [p for p in params if p.dim() == 2 and not p.meta.logical_name.startswith(("embedding.", "output_layer."))]
     rest = [p for p in params if all(p is not m for m in matrices)]
-    adam = torch.optim.AdamW([{"params": [p for p in rest if not p.no_weight_decay]},
-                              {"params": [p for p in rest if p.no_weight_decay], "weight_decay": 0.0}],
+    adam = torch.optim.AdamW([{"params": [p for p in rest if not p.meta.no_weight_decay]},
+                              {"params": [p for p in rest if p.meta.no_weight_decay], "weight_decay": 0.0}],
                              lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
                              weight_decay=cfg.weight_decay)
     bufs = [torch.zeros_like(p) for p in matrices]
@@ -219,7 +219,7 @@ def test_muon_single_process_matches_reference_and_moves_every_matrix():
     (init,) = build_model_chunks(_cfg(), ctx, seed=SEED)
     for p in init.parameters():
         if uses_muon(p):
-            assert not torch.allclose(full[p.logical_name], p.detach(), atol=1e-3), p.logical_name
+            assert not torch.allclose(full[p.meta.logical_name], p.detach(), atol=1e-3), p.meta.logical_name
     for name, t in ref.items():
         torch.testing.assert_close(full[name], t, rtol=1e-5, atol=1e-5, msg=lambda msg: f"{name}: {msg}")
 

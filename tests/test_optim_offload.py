@@ -45,7 +45,7 @@ def _rank_offload():
             places = {seg.main.device.type for seg in opt.segments}
             for step in range(2):
                 train_batch(cfg, ctx, chunks, ddp, opt, sched, _microbatches(cfg, ctx, step), timer=timer)
-            params = {p.logical_name: p.detach().elem.clone() for c in chunks for p in c.parameters()}
+            params = {p.meta.logical_name: p.detach().elem.clone() for c in chunks for p in c.parameters()}
             state = {k: [t.elem.clone() if t.device.type != "cpu" else t.clone() for t, _ in v]
                      for k, v in opt.sharded_state_dict().items()}
         out[name] = {"places": places, "bytes": _device_bytes(opt), "params": params, "state": state,

@@ -52,8 +52,8 @@ def reference(clip: float, batches, num_layers: int = LAYERS):
     perturb_1d_params_([model])
     params = list(model.parameters())
     cfg = _opt(clip)
-    opt = torch.optim.AdamW([{"params": [p for p in params if not p.no_weight_decay]},
-                             {"params": [p for p in params if p.no_weight_decay], "weight_decay": 0.0}],
+    opt = torch.optim.AdamW([{"params": [p for p in params if not p.meta.no_weight_decay]},
+                             {"params": [p for p in params if p.meta.no_weight_decay], "weight_decay": 0.0}],
                             lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
                             weight_decay=cfg.weight_decay)
     norms = []
@@ -137,7 +137,7 @@ def train(ctx, *, zero, clip, schedule="1f1b", v=1, m=2, sp=False, precision="fp
 def _rank_state(chunks, opt) -> dict:
     """This rank's params and optimizer state, cloned (for bitwise comparisons)."""
     out = {"step_count": opt.step_count}
-    out.update({f"param/{p.logical_name}": p.detach().clone() for c in chunks for p in c.parameters()})
+    out.update({f"param/{p.meta.logical_name}": p.detach().clone() for c in chunks for p in c.parameters()})
     for key, views in opt.sharded_state_dict().items():
         out[key] = [t.clone() for t, _ in views]
     return out
@@ -357,7 +357,7 @@ def _moe_cfg() -> ModelConfig:
 def _own_params(chunks) -> dict[str, torch.Tensor]:
     """Every param of these chunks by logical name (TP=1: dense params are whole; each expert's
     params are whole on the ranks of its EP rank)."""
-    return {p.logical_name: p.detach().float().clone() for c in chunks for p in c.parameters()}
+    return {p.meta.logical_name: p.detach().float().clone() for c in chunks for p in c.parameters()}
 
 
 def _train_moe(ctx, zero, clip, batches, m=2):
@@ -366,8 +366,8 @@ def _train_moe(ctx, zero, clip, batches, m=2):
     if ctx.world_size == 1:
         params = list(chunks[0].parameters())
         c = _opt(clip)
-        opt = torch.optim.AdamW([{"params": [p for p in params if not p.no_weight_decay]},
-                                 {"params": [p for p in params if p.no_weight_decay], "weight_decay": 0.0}],
+        opt = torch.optim.AdamW([{"params": [p for p in params if not p.meta.no_weight_decay]},
+                                 {"params": [p for p in params if p.meta.no_weight_decay], "weight_decay": 0.0}],
                                 lr=c.lr, betas=(c.adam_beta1, c.adam_beta2), eps=c.adam_eps,
                                 weight_decay=c.weight_decay)
         norms = []

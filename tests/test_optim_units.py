@@ -134,7 +134,7 @@ def test_bf16_params_with_fp32_main_weights_match_torch_adamw():
         tref.step()
     sd = opt.sharded_state_dict()
     for n, q in ref.named_parameters():
-        main = _assemble([sd], f"optimizer/main_param/{getattr(model, n).logical_name}")
+        main = _assemble([sd], f"optimizer/main_param/{getattr(model, n).meta.logical_name}")
         full = q.detach()[: main.shape[0]] if n == "emb" else q.detach().reshape(main.shape)
         torch.testing.assert_close(main, full.reshape(main.shape), rtol=1e-6, atol=1e-6)
         p = getattr(model, n)
@@ -245,8 +245,8 @@ def test_sharded_state_dict_matches_torch_state(zero):
     outs = run_ranks(_rank_state, 2, zero, timeout=180)
     sds = [o[1] for o in outs]
     ref_model = Toy(pad_rows=3)
-    decay = [p for p in ref_model.parameters() if not p.no_weight_decay]
-    nodecay = [p for p in ref_model.parameters() if p.no_weight_decay]
+    decay = [p for p in ref_model.parameters() if not p.meta.no_weight_decay]
+    nodecay = [p for p in ref_model.parameters() if p.meta.no_weight_decay]
     cfg = opt_cfg()
     topt = torch.optim.AdamW([{"params": decay}, {"params": nodecay, "weight_decay": 0.0}], lr=cfg.lr,
                              betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
@@ -257,14 +257,14 @@ def test_sharded_state_dict_matches_torch_state(zero):
         (ref_model(tokens, labels).sum() / (labels != IGNORE).sum()).backward()
         topt.step()
     for n, p in ref_model.named_parameters():
-        name = p.logical_name
-        valid = p.detach()[: p.shard.local_shape[0]] if n == "emb" else p.detach()
+        name = p.meta.logical_name
+        valid = p.detach()[: p.meta.shard.local_shape[0]] if n == "emb" else p.detach()
         two_d = valid.reshape(1, -1) if valid.dim() == 1 else valid
         torch.testing.assert_close(_assemble(sds, f"optimizer/main_param/{name}"), two_d,
                                    rtol=1e-5, atol=1e-5)
         st = topt.state[p]
         for kind in ("exp_avg", "exp_avg_sq"):
-            ref = st[kind][: p.shard.local_shape[0]] if n == "emb" else st[kind]
+            ref = st[kind][: p.meta.shard.local_shape[0]] if n == "emb" else st[kind]
             torch.testing.assert_close(_assemble(sds, f"optimizer/{kind}/{name}"),
                                        ref.reshape(two_d.shape), rtol=1e-5, atol=1e-6)
         for params, _, doubled in outs:

@@ -17,6 +17,7 @@ import torch
 from paratron.config import ModelConfig
 from paratron.models.gpt import build_model_chunks
 from paratron.optim import DistributedDataParallel, build_optimizer, finalize_grads
+from paratron.optim.reducers import AllReduceBuckets, ReduceScatterBuckets, StagedShards
 from paratron.optim.zero import model_state_bytes_per_rank, storage_bytes
 from paratron.parallel.context import ParallelContext
 from paratron.pipeline.registry import build_schedule
@@ -24,7 +25,7 @@ from paratron.pipeline.runtime import run_pipeline
 from paratron.local_ranks import run_ranks
 
 from helpers import gpt2_config
-from test_optim_dp import _wire_bytes
+from test_optim_dp import Toy, _wire_bytes
 from test_optim_parallel import (GLOBAL_B, HID, IGNORE, SEED, SEQ, VOCAB, _batch, _check_layouts, _L, _opt,
                                  _rank_layouts, train)
 
@@ -242,3 +243,16 @@ def test_analytic_bytes_formula():
     with pytest.raises(ValueError, match="parallel.zero=4"):
         model_state_bytes_per_rank(psi, zero=4, dp=n)
     assert math.isclose(model_state_bytes_per_rank(psi, zero=0, dp=1, optimizer="sgd")["total"], 12 * psi)
+
+
+# ---- one reducer per stage -----------------------------------------------------------------------
+def test_ddp_picks_one_reducer_per_stage():
+    ctx = ParallelContext.single()
+    kinds = [AllReduceBuckets, ReduceScatterBuckets, StagedShards, StagedShards]
+    for zero, kind in enumerate(kinds):
+        ddp = DistributedDataParallel([Toy()], ctx, zero=zero)
+        assert type(ddp.reducer) is kind and ddp.reducer.stage == zero
+        assert (ddp.param_shards is not None) == (zero == 3)
+        assert all((b.grad_data is not None) == (zero < 2) for b in ddp.buffers)
+    with pytest.raises(ValueError, match="parallel.zero=4"):
+        DistributedDataParallel([Toy()], ctx, zero=4)

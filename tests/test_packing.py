@@ -55,7 +55,7 @@ def _reference(rope: bool):
             part.sum().backward()
             losses[row, start:start + n] = part[:, 0].detach()
             start += n
-    return losses, {p.logical_name: p.grad.clone() for p in model.parameters()}
+    return losses, {p.meta.logical_name: p.grad.clone() for p in model.parameters()}
 
 
 def _packed_run(rope: bool, algorithm: str, ctx):
@@ -68,7 +68,7 @@ def _packed_run(rope: bool, algorithm: str, ctx):
     for p in model.parameters():
         g = p.grad.clone()
         ctx.cp.all_reduce(g)
-        grads[p.logical_name] = g
+        grads[p.meta.logical_name] = g
     pos = shard_microbatch({"tokens": torch.arange(SEQ).expand(len(DOCS), -1)}, ctx.cp.rank, ctx.cp.size,
                            algorithm)["tokens"]
     return pos, losses.t().detach(), grads

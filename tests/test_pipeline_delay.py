@@ -44,7 +44,7 @@ def _run(p, m):
                               (SEQ, mbs, HIDDEN), torch.float32)
         elapsed = time.perf_counter() - start
         finalize_grads(chunks, ctx)
-        out[name] = ([x.item() for x in losses], {q.logical_name: q.grad.clone() for c in chunks for q in c.parameters()},
+        out[name] = ([x.item() for x in losses], {q.meta.logical_name: q.grad.clone() for c in chunks for q in c.parameters()},
                      elapsed)
     return out
 

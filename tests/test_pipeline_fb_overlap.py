@@ -167,7 +167,7 @@ def _train(cfg: Config, ctx, actions, timeline=None) -> dict:
         losses.append(out.loss)
     # Evaluation runs the same list forward-only (an FB keeps its forward half).
     losses.append(run_global_batch(cfg, ctx, chunks, mbs, forward_only=True, actions=actions).loss)
-    params = {p.logical_name: p.detach().clone() for c in chunks for p in c.parameters()}
+    params = {p.meta.logical_name: p.detach().clone() for c in chunks for p in c.parameters()}
     return {"losses": losses, "params": params}
 
 

@@ -52,7 +52,7 @@ def _run(p, combos, dropout):
             losses = run_pipeline(lists[ctx.pp.rank], chunks, ctx, micro, _forward_step(total),
                                   (SEQ, mbs, HIDDEN), torch.float32)
             finalize_grads(chunks, ctx)
-            grads = {q.logical_name: q.grad.clone() for c in chunks for q in c.parameters()}
+            grads = {q.meta.logical_name: q.grad.clone() for c in chunks for q in c.parameters()}
             out.append(((schedule, m, v, name), [x.item() for x in losses], grads))
     return out
 

@@ -65,11 +65,11 @@ def _reference(num_layers=LAYERS, steps=1, lr=0.0):
         token_losses = model(ids, labels)  # [s, b]
         total = (labels != -100).sum()
         (token_losses.sum() / total).backward()
-        history.append((token_losses.detach() / total, {p.logical_name: p.grad.clone() for p in model.parameters()}))
+        history.append((token_losses.detach() / total, {p.meta.logical_name: p.grad.clone() for p in model.parameters()}))
         with torch.no_grad():
             for p in model.parameters():
                 p.sub_(lr * p.grad)
-    return history, {p.logical_name: p.detach().clone() for p in model.parameters()}
+    return history, {p.meta.logical_name: p.detach().clone() for p in model.parameters()}
 
 
 def _pipeline_step(ctx, chunks, schedule, m, v, step=0, forward_only=False, timeline=None):
@@ -92,8 +92,8 @@ def _build(ctx, schedule, v, layout=None, num_layers=LAYERS):
 def _grads_by_name(chunks):
     out = {}
     for p in unique_params(chunks):
-        assert p.grad is not None, f"{p.logical_name} has no grad at the optimizer step"
-        out[p.logical_name] = p.grad.clone()
+        assert p.grad is not None, f"{p.meta.logical_name} has no grad at the optimizer step"
+        out[p.meta.logical_name] = p.grad.clone()
     return out
 
 
@@ -172,7 +172,7 @@ def _train_two_steps(p, schedule, v, layout):
         with torch.no_grad():
             for q in params:
                 q.sub_(0.5 * q.grad)
-    return layer_counts, losses, {q.logical_name: q.detach().clone() for q in params}
+    return layer_counts, losses, {q.meta.logical_name: q.detach().clone() for q in params}
 
 
 @pytest.mark.parametrize("p,schedule,v,layout", [
@@ -284,8 +284,8 @@ def test_b_defers_weight_grads_and_missing_w_is_an_error():
     with pytest.raises(RuntimeError, match="deferred weight-grad groups are still queued"):
         run_pipeline([F(0, 0), Action("B", 0, 0)], chunks, ctx, [(ids, labels)], step, shape, torch.float32)
     # The B computed the norms' grads at once but left every linear weight without a grad.
-    linear = [p for p in unique_params(chunks) if p.logical_name.endswith("fc1.weight")]
-    norms = [p for p in unique_params(chunks) if "norm" in p.logical_name]
+    linear = [p for p in unique_params(chunks) if p.meta.logical_name.endswith("fc1.weight")]
+    norms = [p for p in unique_params(chunks) if "norm" in p.meta.logical_name]
     assert linear and all(p.grad is None for p in linear)
     assert norms and all(p.grad is not None for p in norms)
 

@@ -38,7 +38,7 @@ def test_qk_norm_normalises_each_head_before_rope():
     cfg = _model(False, num_layers=1)
     (chunk,) = build_model_chunks(cfg, ParallelContext.single(), seed=0)
     attn = chunk.layers["0"].attention
-    assert attn.q_norm.weight.shape == (8,) and attn.k_norm.weight.logical_name == "layers.0.attention.k_norm.weight"
+    assert attn.q_norm.weight.shape == (8,) and attn.k_norm.weight.meta.logical_name == "layers.0.attention.k_norm.weight"
     assert attn.qkv.weight.shape == ((4 + 2 * 2) * 8, 16) and attn.proj.weight.shape == (16, 32)
     x = torch.randn(8, 2, 16, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

@@ -87,6 +87,58 @@ def test_mappings_are_identity_on_one_rank():
         assert fn(x, g) is x
 
 
+# ---- the dim-parameterised pairs, the uneven all-to-all and the Ulysses exchange -----------
+def _grad_of(fn, x, grad):
+    x = x.clone().requires_grad_(True)
+    y = fn(x)
+    y.backward(grad)
+    return y.detach(), x.grad
+
+
+def _dim_pairs_rank(c):
+    ctx = ParallelContext.build(tp=c)
+    g, r = ctx.tp, ctx.tp.rank
+    each = lambda name, shape: [_t(f"{name}.{i}", shape) for i in range(c)]  # noqa: E731
+    out = {}
+    xs, gs = each("x", (3, 2 * c, 5)), each("g", (3, 2 * c, 5))
+    small = each("s", (3, 2, 5))
+    out["gather_dim1"] = (_grad_of(lambda v: M.gather_along_dim(v, g, 1), small[r], gs[r]),
+                          (torch.cat(small, dim=1), sum(gs)[:, 2 * r:2 * r + 2]))
+    out["reduce_scatter_dim1"] = (_grad_of(lambda v: M.reduce_scatter_along_dim(v, g, 1), xs[r], small[r]),
+                                  (sum(xs)[:, 2 * r:2 * r + 2], torch.cat(small, dim=1)))
+    out["split_dim1"] = (_grad_of(lambda v: M.split_along_dim(v, g, 1), xs[0], small[r]),
+                         (xs[0][:, 2 * r:2 * r + 2], torch.cat(small, dim=1)))
+    # Uneven all-to-all: rank i sends f(i, j) = i + 2j + 1 rows to rank j (asymmetric splits).
+    f = lambda i, j: i + 2 * j + 1  # noqa: E731
+    sends = [_t(f"a.{i}", (sum(f(i, j) for j in range(c)), 4)) for i in range(c)]
+    backs = [_t(f"ab.{j}", (sum(f(q, j) for q in range(c)), 4)) for j in range(c)]
+    sent_at = lambda i, j: sum(f(i, q) for q in range(j))  # noqa: E731   where i's rows for j start
+    got_at = lambda j, i: sum(f(q, j) for q in range(i))  # noqa: E731    where j's rows from i start
+    want = torch.cat([sends[j][sent_at(j, r):sent_at(j, r) + f(j, r)] for j in range(c)])
+    want_grad = torch.cat([backs[j][got_at(j, r):got_at(j, r) + f(r, j)] for j in range(c)])
+    out["all_to_all"] = (_grad_of(lambda v: M.all_to_all(v, g, [f(j, r) for j in range(c)],
+                                                         [f(r, j) for j in range(c)]), sends[r], backs[r]),
+                         (want, want_grad))
+    # Ulysses: [s/C, b, n, d] sequence shards -> [s, b, n/C, d] head shards, and back.
+    n = 2 * c
+    q, gq = each("q", (3, 2, n, 4)), each("gq", (3 * c, 2, 2, 4))
+    full, full_grad = torch.cat(q), torch.cat(gq, dim=2)
+    out["seq_to_heads"] = (_grad_of(lambda v: M.all_to_all_seq_to_heads(v, g), q[r], gq[r]),
+                           (full[:, :, 2 * r:2 * r + 2], full_grad[3 * r:3 * r + 3]))
+    out["heads_to_seq"] = (_grad_of(lambda v: M.all_to_all_heads_to_seq(v, g), full[:, :, 2 * r:2 * r + 2],
+                                    q[r]),
+                           (q[r], torch.cat(q)[:, :, 2 * r:2 * r + 2]))
+    return out
+
+
+@pytest.mark.parametrize("c", [2, 3])
+def test_dim_pairs_all_to_all_and_ulysses_forward_and_backward(c):
+    for rank, res in enumerate(run_ranks(_dim_pairs_rank, c, c, timeout=180)):
+        for key, ((y, dx), (want_y, want_dx)) in res.items():
+            torch.testing.assert_close(y, want_y, rtol=1e-6, atol=1e-6, msg=f"{key} fwd rank {rank}")
+            torch.testing.assert_close(dx, want_dx, rtol=1e-6, atol=1e-6, msg=f"{key} bwd rank {rank}")
+
+
 # ---- sequence not divisible by TP: a clear error before any collective --------------------
 def _indivisible_rank():
     ctx = ParallelContext.build(tp=2)
@@ -130,7 +182,7 @@ def _build(ctx):
 
 def _init_rank():
     ctx = ParallelContext.build(tp=4)
-    params = {p.logical_name: (p.detach().clone(), p.shard) for m in _build(ctx) for p in m.parameters()}
+    params = {p.meta.logical_name: (p.detach().clone(), p.meta.shard) for m in _build(ctx) for p in m.parameters()}
     errors = []
     for bad in (lambda: ColumnParallelLinear(16, 30, ctx, logical_name="bad", seed=5),
                 lambda: RowParallelLinear(30, 16, ctx, logical_name="bad", seed=5)):
@@ -142,7 +194,7 @@ def _init_rank():
 
 
 def test_tp4_starts_from_the_tp1_weights():
-    single = {p.logical_name: p.detach() for m in _build(ParallelContext.single()) for p in m.parameters()}
+    single = {p.meta.logical_name: p.detach() for m in _build(ParallelContext.single()) for p in m.parameters()}
     results = run_ranks(_init_rank, 4, timeout=180)
     for params, errors, seed in results:
         assert seed == seed_for(5, "c.weight"), "the init seed must not depend on the process"
@@ -217,7 +269,7 @@ def _sp_grads_rank():
     ctx = ParallelContext.build(tp=2)
     r = float(ctx.tp.rank + 1)
     a = mark(torch.nn.Parameter(torch.zeros(3)), "a", sequence_parallel=True)
-    a.main_grad = torch.full((3,), r)  # DDP's fp32 main grad takes precedence over .grad
+    a.meta.main_grad = torch.full((3,), r)  # DDP's fp32 main grad takes precedence over .grad
     a.grad = torch.full((3,), 100.0)
     b = mark(torch.nn.Parameter(torch.zeros(2, 2, dtype=torch.bfloat16)), "b", sequence_parallel=True)
     b.grad = torch.full((2, 2), r, dtype=torch.bfloat16)
@@ -226,7 +278,7 @@ def _sp_grads_rank():
     with ctx.ledger.recording():
         allreduce_sequence_parallel_grads([a, b, c], ctx)
         calls = ctx.ledger.total("all_reduce", "tp").calls
-    return a.main_grad, a.grad, b.grad, c.grad, calls
+    return a.meta.main_grad, a.grad, b.grad, c.grad, calls
 
 
 def test_allreduce_sequence_parallel_grads():

@@ -78,7 +78,7 @@ def _run(model, ctx, sp):
     (out * w).sum().backward()
     if sp:
         allreduce_sequence_parallel_grads(model.parameters(), ctx)
-    grads = {p.logical_name: (p.grad.detach().clone(), p.shard) for p in model.parameters()}
+    grads = {p.meta.logical_name: (p.grad.detach().clone(), p.meta.shard) for p in model.parameters()}
     return {"out": out.detach(), "dx": x.grad.detach(), "grads": grads}
 
 
@@ -197,7 +197,7 @@ def _sp_steps_rank(opt_name):
         (model(x[lo:hi] * (step + 1)) * w[lo:hi]).sum().backward()
         allreduce_sequence_parallel_grads(model.parameters(), ctx)
         opt.step()
-    return {p.logical_name: p.detach().clone() for p in model.parameters() if p.sequence_parallel}
+    return {p.meta.logical_name: p.detach().clone() for p in model.parameters() if p.meta.sequence_parallel}
 
 
 def _warm_optimizer_imports():
@@ -242,7 +242,7 @@ def _deferred_rank(sp):
     store.assert_empty()
     if sp:
         allreduce_sequence_parallel_grads(model.parameters(), ctx)
-    grads = {p.logical_name: (p.grad.detach().clone(), p.shard) for p in model.parameters()}
+    grads = {p.meta.logical_name: (p.grad.detach().clone(), p.meta.shard) for p in model.parameters()}
     return {"before": before, "out": x.new_zeros(0), "dx": x.grad, "grads": grads}
 
 

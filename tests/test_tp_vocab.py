@@ -127,8 +127,8 @@ def _lm(ctx, sp, tied):
     weight = emb.weight if tied else head.weight
     return {"loss": loss.detach(), "padded": emb.padded_vocab_size,
             "pad_logit_grad": logits.grad[..., max(0, V - emb.vocab_start):],
-            "weight_grad": weight.grad, "weight_shard": weight.shard,
-            "emb_grad": emb.weight.grad, "emb_shard": emb.weight.shard}
+            "weight_grad": weight.grad, "weight_shard": weight.meta.shard,
+            "emb_grad": emb.weight.grad, "emb_shard": emb.weight.meta.shard}
 
 
 VOCAB_CASES = [(sp, tied) for sp in (False, True) for tied in (True, False)]
@@ -176,7 +176,7 @@ def test_padded_rows_are_zero_and_outside_the_shard():
     emb = VocabParallelEmbedding(300, 4, ParallelContext.single(), logical_name="e", seed=1,
                                  make_vocab_size_divisible_by=128)
     assert emb.padded_vocab_size == 384 and emb.weight.shape == (384, 4)
-    assert emb.weight.shard.local_shape == (300, 4) and emb.weight.shard.global_shape == (300, 4)
+    assert emb.weight.meta.shard.local_shape == (300, 4) and emb.weight.meta.shard.global_shape == (300, 4)
     assert torch.count_nonzero(emb.weight[300:]) == 0
     assert torch.equal(emb.weight[:300], full_init((300, 4), 1, "e.weight", 0.02))
 

@@ -12,10 +12,10 @@ import torch
 
 from paratron.checkpoint.io import save_model_full
 from paratron.checkpoint.manager import CheckpointManager, full_params
-from paratron.optim.state_chunks import copy_aliased_
 from paratron.config import CheckpointConfig
 from paratron.models.gpt import build_model_chunks
 from paratron.optim import DistributedDataParallel, build_optimizer, precision_dtype
+from paratron.optim.state_chunks import copy_aliased_
 from paratron.parallel.context import ParallelContext
 from paratron.local_ranks import run_ranks
 from test_checkpoint_reshard import targets, tiny_config
@@ -48,8 +48,8 @@ def _load_case(root: str, precision: str, zero: int) -> dict:
     with full_params(opt):
         for c in chunks:
             for p in c.parameters():
-                assert torch.equal(p.shard.valid(p.detach()), want[p.logical_name][p.shard.slices()]), \
-                    (precision, zero, p.logical_name)
+                assert torch.equal(p.meta.shard.valid(p.detach()), want[p.meta.logical_name][p.meta.shard.slices()]), \
+                    (precision, zero, p.meta.logical_name)
                 params += 1
     pieces = part_rows = 0
     for key, chunk_views in opt.sharded_state_dict().items():

@@ -3,20 +3,20 @@
 Save: :class:`ChecksummingWriter` is DCP's ``FileSystemWriter`` with one change, the stream each
 payload file (``__<r>_<i>.distcp``) is written through: it passes every buffer on to the file and
 feeds the same memory to a :class:`~paratron.checkpoint.integrity.BlockCrc` (the CRC of each
-``integrity.BLOCK``-byte block, by ``integrity.CURRENT``). So the checksums cost one pass over bytes already in memory, not
-a second read of the file, and the writer hands the manifest entries back (:attr:`sums`). The
-same stream asks the kernel every 16 MiB to start writing the bytes so far out to disk (Linux
-``sync_file_range``), so the disk works while the CPU serialises and checksums the rest instead
-of all of it waiting for DCP's closing fsync. While it writes, ``torch.save``'s own CRC-32 of each zip record is switched off
-(:func:`no_record_crc32`): ``torch.load`` never checks it, so it was a second checksum pass over
-the same bytes that protected nothing; ours covers every byte of the file.
+``integrity.BLOCK``-byte block, by ``integrity.CURRENT``). So the checksums cost one pass over
+bytes already in memory, not a second read of the file, and the writer hands the manifest entries
+back (:attr:`sums`). While it writes, ``torch.save``'s own CRC-32 of each zip record is switched
+off (:func:`no_record_crc32`): ``torch.load`` never checks it, so it was a second checksum pass
+over the same bytes that protected nothing; ours covers every byte of the file.
 
-Load: :class:`BlockReader` reads a payload file by blocks with ``os.preadv`` and checks each block
-it reads against its save-time CRC (by the manifest's algorithm) before the bytes are used (whole blocks straight into the
-caller's buffer; the partial blocks at a range's edges through a small cache). DCP reads each
-saved chunk through a :class:`VerifiedRange` over it (``SafeFileSystemReader._slice_file``), so a
-rank reads, and verifies, only the saved chunks its own chunks overlap, each byte once, plus at
-most the rest of the two edge blocks of each range.
+Load, the usual case (:class:`StreamedFile`): each saved chunk's data is read straight into the
+tensor being loaded; every block the rank needs is read once with one ``preadv`` scattering its
+bytes into their destinations, and verified against its save-time CRC (by the manifest's
+algorithm) while in cache, on reader threads. Where the wanted part of a chunk is not contiguous
+in the file or its destination not a contiguous CPU tensor of its dtype, DCP's ``torch.load``
+reads the chunk through a :class:`VerifiedRange` over a :class:`BlockReader`, which verifies each
+block before its bytes are used. Either way a rank reads, and verifies, only the saved chunks its
+own chunks overlap, each byte once, plus at most the rest of the two edge blocks of each range.
 
 Why a writer subclass and a view rather than DCP's stream-transform extensions: an extension is
 recorded in the metadata by name and must be registered with every reader, and it sees neither the
@@ -25,12 +25,16 @@ file offsets nor the reads' positions that block checksums need.
 
 from __future__ import annotations
 
+import bisect
 import io
 import os
+import sys
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import MetadataIndex
@@ -57,42 +61,20 @@ def no_record_crc32():
         torch.serialization.set_crc32_options(before)
 
 
-def _start_writeback_function():
-    """``fn(fd, offset, nbytes)`` that asks the kernel to start writing a file range to disk
-    without waiting (Linux ``sync_file_range(SYNC_FILE_RANGE_WRITE)``, through ctypes: Python's
-    ``os`` lacks it); None where unavailable."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        fn = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True).sync_file_range
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    return lambda fd, offset, nbytes: fn(fd, offset, nbytes, 2)  # 2: SYNC_FILE_RANGE_WRITE
-
-
 class _PayloadStream:
-    """A payload file being written: its bytes also go through a :class:`BlockCrc`, and every
-    ``WRITEBACK`` bytes the kernel is asked to start writing them out, so that the disk works
-    while the CPU checksums and serialises the rest and the closing fsync has little left to wait
-    for (a plain write leaves all of it to the fsync)."""
+    """A payload file being written: its bytes also go through a :class:`BlockCrc`.
 
-    WRITEBACK = 16 << 20
+    No ``sync_file_range`` writeback requests while writing: on this project's shared disk they
+    blocked the writer on the device queue and made the save slower, not faster (paired runs in
+    ``benchmarks/README.md``, Checkpoints); the closing fsync writes everything once."""
 
-    def __init__(self, file, block: int, start_writeback=None) -> None:
+    def __init__(self, file, block: int) -> None:
         self._file = file
         self.crc = integrity.BlockCrc(block)
-        self._start_writeback = start_writeback
-        self._written_back = 0
 
     def write(self, data) -> int:
         n = self._file.write(data)
         self.crc.update(data)
-        if self._start_writeback is not None and self.crc.size - self._written_back >= self.WRITEBACK:
-            self._file.flush()
-            self._start_writeback(self._file.fileno(), self._written_back, self.crc.size - self._written_back)
-            self._written_back = self.crc.size
         return n
 
     def tell(self) -> int:
@@ -115,7 +97,6 @@ class _ChecksumFileSystem(FileSystem):
     def __init__(self, sums: dict[str, list], block: int) -> None:
         super().__init__()
         self._sums, self._block = sums, block
-        self._start_writeback = _start_writeback_function()
 
     @contextmanager
     def create_stream(self, path, mode: str):
@@ -124,7 +105,7 @@ class _ChecksumFileSystem(FileSystem):
                 yield stream
             return
         with super().create_stream(path, mode) as stream:
-            out = _PayloadStream(stream, self._block, self._start_writeback)
+            out = _PayloadStream(stream, self._block)
             yield out
         self._sums[Path(path).name] = out.crc.entry()  # only once the file is complete and closed
 
@@ -264,13 +245,13 @@ class BlockReader:
         raise self.failure
 
 
-class VerifiedRange(io.RawIOBase):
-    """A read-only, seekable window ``[offset, offset + length)`` of a file read through a
-    :class:`BlockReader` (what DCP's ``torch.load`` of one saved chunk reads)."""
+class _Window(io.RawIOBase):
+    """A read-only, seekable window ``[offset, offset + length)`` of a file; subclasses say how
+    its bytes are read (:meth:`_fill`)."""
 
-    def __init__(self, reader: BlockReader, offset: int, length: int) -> None:
+    def __init__(self, offset: int, length: int) -> None:
         super().__init__()
-        self._reader, self._offset, self._length, self._pos = reader, offset, length, 0
+        self._offset, self._length, self._pos = offset, length, 0
 
     def readable(self) -> bool:
         return True
@@ -289,6 +270,247 @@ class VerifiedRange(io.RawIOBase):
     def readinto(self, b) -> int:
         n = max(0, min(len(b), self._length - self._pos))
         if n:
-            self._reader.read_into(self._offset + self._pos, memoryview(b).cast("B")[:n])
+            n = self._fill(self._offset + self._pos, memoryview(b).cast("B")[:n])
             self._pos += n
         return n
+
+    def _fill(self, at: int, out: memoryview) -> int:
+        raise NotImplementedError
+
+
+class VerifiedRange(_Window):
+    """A window of a file read through a :class:`BlockReader`, every block verified (what DCP's
+    ``torch.load`` of one saved chunk reads)."""
+
+    def __init__(self, reader: BlockReader, offset: int, length: int) -> None:
+        super().__init__(offset, length)
+        self._reader = reader
+
+    def _fill(self, at: int, out: memoryview) -> int:
+        self._reader.read_into(at, out)
+        return len(out)
+
+
+# ---- the direct, streamed load -------------------------------------------------------------
+IOV_MAX = 1024  # the most buffers one preadv takes (Linux)
+
+
+class _RawRange(_Window):
+    """An unverified window of a file descriptor, for parsing a saved chunk's zip directory and
+    pickle (the few hundred bytes that say where its tensor data lies); the bytes themselves are
+    verified by the streamed read that follows."""
+
+    def __init__(self, fd: int, offset: int, length: int) -> None:
+        super().__init__(offset, length)
+        self._fd = fd
+
+    def _fill(self, at: int, out: memoryview) -> int:
+        return os.preadv(self._fd, [out], at)
+
+
+def tensor_data_range(fd: int, offset: int, length: int) -> tuple[int, torch.Tensor]:
+    """Where the tensor of the saved chunk ``[offset, offset + length)`` of a payload file keeps
+    its data: ``(file offset of its storage's first byte, the tensor on the meta device)``.
+
+    ``torch.load`` onto the meta device reads only the chunk's zip directory and pickle (with
+    ``weights_only``) and records each storage's offset in the zip (``_checkpoint_offset``), so
+    the data can then be read straight into its destination instead of into a fresh tensor.
+
+    Raises:
+        ValueError: the data does not lie inside the chunk (its directory is corrupt).
+        Exception: whatever ``torch.load`` raises on a malformed chunk.
+    """
+    meta = torch.load(_RawRange(fd, offset, length), map_location="meta", weights_only=True)
+    storage = meta.untyped_storage()
+    start = int(storage._checkpoint_offset)
+    if not 0 <= start <= start + storage.nbytes() <= length:
+        raise ValueError(f"storage at {start} of {storage.nbytes()} bytes lies outside a chunk of {length}")
+    return offset + start, meta
+
+
+class ChunkLayouts:
+    """Where the tensor data of saved chunks lies, parsed with :func:`tensor_data_range` once per
+    distinct chunk: a chunk whose bytes around its data (zip headers, pickle, zip directory) equal
+    those of a chunk already parsed, and whose length is the same, is the same tensor layout at the
+    same place (``torch.save`` of tensors of one dtype, shape and strides writes the same bytes
+    there), so a model's many same-shaped chunks cost one parse each shape, not one each."""
+
+    KEEP = 4  # layouts remembered per chunk length
+
+    def __init__(self) -> None:
+        self._known: dict[int, list[tuple[bytes, bytes, int, torch.Tensor]]] = {}
+
+    def find(self, fd: int, offset: int, length: int) -> tuple[int, torch.Tensor]:
+        """As :func:`tensor_data_range`."""
+        for head, tail, start, meta in self._known.get(length, ()):
+            if os.pread(fd, len(head), offset) == head and os.pread(fd, len(tail), offset + length - len(tail)) == tail:
+                return offset + start, meta
+        at, meta = tensor_data_range(fd, offset, length)
+        start = at - offset
+        end = start + meta.untyped_storage().nbytes()
+        known = self._known.setdefault(length, [])
+        if len(known) < self.KEEP:
+            known.append((os.pread(fd, start, offset), os.pread(fd, length - end, offset + end), start, meta))
+        return at, meta
+
+
+def direct_destination(layouts: ChunkLayouts, fd: int, sinfo, req, planner) -> tuple[int, memoryview, torch.Tensor, object] | None:
+    """``(file offset, destination bytes, destination tensor, req)`` when DCP's read item ``req``
+    of the saved chunk ``sinfo`` (its ``_StorageInfo``) can be read straight into its destination:
+    the wanted sub-box is contiguous in the file and the destination a contiguous CPU tensor of
+    the same dtype and shape. None otherwise, and for a chunk whose directory cannot be parsed
+    (DCP's ``torch.load`` then reads it through a :class:`VerifiedRange`, which reports a corrupt
+    block). Assumes little-endian payloads, as ``torch.save`` writes them on little-endian hosts."""
+    try:
+        start, meta = layouts.find(fd, sinfo.offset, sinfo.length)
+    except Exception:  # noqa: BLE001 - the verified path reads this chunk and names what is wrong
+        return None
+    src = narrow_tensor_by_index(meta, req.storage_offsets, req.lengths)
+    tensor = planner.resolve_tensor(req).detach()
+    if (sys.byteorder != "little" or tensor.device.type != "cpu" or tensor.dtype != src.dtype
+            or tensor.shape != src.shape or tensor.numel() == 0 or not src.is_contiguous()
+            or not tensor.is_contiguous()):
+        return None
+    dest = memoryview(tensor.reshape(-1).view(torch.uint8).numpy()).cast("B")
+    return start + src.storage_offset() * src.element_size(), dest, tensor, req
+
+
+def _preadv_all(fd: int, buffers: list[memoryview], at: int, fail) -> None:
+    """Fill ``buffers`` in order from the file's bytes at ``at`` (short reads resumed, at most
+    ``IOV_MAX`` buffers a call); ``fail(offset)`` when the file ends first."""
+    i, skip = 0, 0
+    while i < len(buffers):
+        batch = [buffers[i][skip:]] + buffers[i + 1:i + IOV_MAX]
+        n = os.preadv(fd, batch, at)
+        if n == 0:
+            fail(at)
+        at += n
+        while i < len(buffers) and n >= len(buffers[i]) - skip:
+            n -= len(buffers[i]) - skip
+            i, skip = i + 1, 0
+        skip += n
+
+
+class StreamedFile:
+    """One payload file read for a load: every block overlapping the wanted byte ranges is read
+    once, its bytes scattered straight into their destinations (the tensors being loaded) with
+    one ``preadv`` and the bytes nobody wants into a scratch buffer, then verified against its
+    save-time CRC while still in cache (:meth:`read_blocks`). No intermediate tensor, no copy.
+    The bytes land before their block is verified, so a load that fails verification leaves its
+    destinations partly overwritten: it raises, and nothing goes on with those tensors (a failed
+    load ends the run on every rank, :meth:`CheckpointManager.load_everywhere`).
+
+    Args:
+        path, entry, rank, algorithm: as :class:`BlockReader`.
+
+    Raises (from the constructor):
+        CheckpointError: the file is missing, or of another size than at save time.
+    """
+
+    def __init__(self, path: Path, entry: list, rank: int, algorithm: integrity.Algorithm) -> None:
+        integrity.check_size(path, int(entry[1]), rank)
+        self.path, self.size, self.rank, self.algorithm = path, int(entry[1]), rank, algorithm
+        self.block, self.crcs = integrity.entry_blocks(entry)
+        self.fd = os.open(path, os.O_RDONLY)
+        self._targets: list[tuple[int, memoryview]] = []  # (file offset, destination bytes), sorted
+        self._reads: list[tuple] = []  # (DCP read item, its destination tensor), to commit
+        self._blocks: set[int] = set()
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+    def want(self, lo: int, hi: int) -> None:
+        """Read and verify bytes ``[lo, hi)`` (every block they touch)."""
+        if hi > self.size:
+            self._fail(f"a read of bytes {lo:,}-{hi:,} goes past its end ({self.size:,} bytes; read by rank "
+                       f"{self.rank}); the checkpoint's metadata does not match it")
+        self._blocks.update(range(lo // self.block, (hi - 1) // self.block + 1) if hi > lo else ())
+
+    def target(self, at: int, dest: memoryview, tensor: torch.Tensor, req) -> bool:
+        """Deliver the file's bytes ``[at, at + len(dest))`` into ``dest`` (the bytes of
+        ``tensor``, the destination of DCP's read item ``req``); False (nothing planned) where
+        they overlap bytes already planned for another destination."""
+        k = bisect.bisect_right([o for o, _ in self._targets], at)
+        before = k > 0 and self._targets[k - 1][0] + len(self._targets[k - 1][1]) > at
+        after = k < len(self._targets) and self._targets[k][0] < at + len(dest)
+        if before or after:
+            return False
+        self._targets.insert(k, (at, dest))
+        self._reads.append((req, tensor))
+        self.want(at, at + len(dest))
+        return True
+
+    def commit(self, planner) -> None:
+        """Tell DCP's planner that every planned destination is filled (after :func:`read_streamed`)."""
+        for req, tensor in self._reads:
+            planner.commit_tensor(req, tensor)
+
+    def runs(self, per_task: int) -> list[list[int]]:
+        """The wanted blocks in order, in runs of at most ``per_task`` (one thread's work each)."""
+        blocks = sorted(self._blocks)
+        return [blocks[i:i + per_task] for i in range(0, len(blocks), per_task)]
+
+    def read_blocks(self, blocks: list[int]) -> None:
+        """Read and verify ``blocks`` (called from a reader thread; they share nothing with other
+        calls but the file descriptor, which ``preadv`` does not move).
+
+        Raises:
+            CheckpointError: a block's CRC differs from the one at save time, or the file ends early.
+        """
+        starts = [o for o, _ in self._targets]
+        for k in blocks:
+            lo, hi = k * self.block, min((k + 1) * self.block, self.size)
+            pieces = self._pieces(lo, hi, starts)
+            _preadv_all(self.fd, pieces, lo, lambda at: self._fail(
+                f"ended at byte {at:,} while reading (read by rank {self.rank}); the file is truncated"))
+            crc = 0
+            for p in pieces:
+                crc = self.algorithm.extend(crc, p)
+            if k >= len(self.crcs) or crc != self.crcs[k]:
+                self._fail(f"checksum mismatch in bytes {lo:,}-{hi:,} (read by rank {self.rank}); the file "
+                           "is corrupt")
+
+    def _pieces(self, lo: int, hi: int, starts: list[int]) -> list[memoryview]:
+        """The buffers, in file order, that bytes ``[lo, hi)`` are read into: slices of the
+        destinations, and for the bytes nobody wants (zip headers, chunks of other ranks) one
+        scratch buffer of just their size."""
+        pieces: list = []
+        gaps, cursor = [], lo
+        i = max(0, bisect.bisect_right(starts, lo) - 1)
+        while i < len(self._targets) and self._targets[i][0] < hi:
+            at, dest = self._targets[i]
+            a, b = max(lo, at), min(hi, at + len(dest))
+            if b > a:
+                if a > cursor:
+                    gaps.append(len(pieces))
+                    pieces.append(a - cursor)
+                pieces.append(dest[a - at:b - at])
+                cursor = b
+            i += 1
+        if cursor < hi:
+            gaps.append(len(pieces))
+            pieces.append(hi - cursor)
+        scratch, used = memoryview(bytearray(sum(pieces[g] for g in gaps))), 0
+        for g in gaps:
+            pieces[g], used = scratch[used:used + pieces[g]], used + pieces[g]
+        return pieces
+
+    def _fail(self, what: str) -> None:
+        raise CheckpointError(f"{self.path}: {what}")
+
+
+def read_streamed(files: list[StreamedFile], threads: int, per_task: int = 4) -> None:
+    """Read every planned block of ``files`` on ``threads`` threads (``preadv`` releases the GIL,
+    so one thread's reads overlap another's checksums; google-crc32c itself holds it).
+
+    Raises:
+        CheckpointError: the first failure, in file and block order.
+    """
+    tasks = [(f, run) for f in files for run in f.runs(per_task)]
+    if threads <= 1 or len(tasks) <= 1:
+        for f, run in tasks:
+            f.read_blocks(run)
+        return
+    with ThreadPoolExecutor(min(threads, len(tasks))) as pool:
+        for done in [pool.submit(f.read_blocks, run) for f, run in tasks]:
+            done.result()

@@ -83,11 +83,11 @@ def single_process_model(model_cfg, tensors: Tensors, seed: int = 0):
         ValueError: a parameter has no tensor (the first few named).
     """
     (chunk,) = build_model_chunks(model_cfg, ParallelContext.single(), seed=seed, sequence_parallel=False)
-    missing = [p.logical_name for p in chunk.parameters() if p.logical_name not in tensors]
+    missing = [p.meta.logical_name for p in chunk.parameters() if p.meta.logical_name not in tensors]
     if missing:
         raise ValueError(f"model tensors missing: {missing[:5]}")
     for p in chunk.parameters():
-        load_full_(p, tensors[p.logical_name].to(p.dtype))
+        load_full_(p, tensors[p.meta.logical_name].to(p.dtype))
     return chunk.eval()
 
 

@@ -161,8 +161,8 @@ def load_hf_slices(chunks, hf_dir: str | Path, model_cfg) -> LoadStats:
             raise ValueError(f"{where}: tensors not mapped to paratron names: {left[:8]}"
                              f"{' ...' if len(left) > 8 else ''}")
         for p in unique_params(chunks):
-            if p.logical_name in recipes:
-                _load_param(p, recipes[p.logical_name], st, names, stats, where)
+            if p.meta.logical_name in recipes:
+                _load_param(p, recipes[p.meta.logical_name], st, names, stats, where)
     return stats
 
 
@@ -176,13 +176,13 @@ def _source_shapes(recipe: Recipe, st: SafetensorsFolder, names: dict, where: st
 
 def _load_param(p: torch.Tensor, recipe: Recipe, st: SafetensorsFolder, names: dict, stats: LoadStats,
                 where: str) -> None:
-    spec = p.shard
+    spec = p.meta.shard
     shapes = _source_shapes(recipe, st, names, where)
     full = (sum(s[0] for s in shapes),) + shapes[0][1:]
     if recipe.expect is not None and full != recipe.expect:
         raise ValueError(f"{recipe.sources[0]} has shape {full}; {recipe.rule}")
     if full != tuple(spec.global_shape):
-        raise ValueError(f"{where}: {p.logical_name} from {list(recipe.sources)} has shape {full}; the model "
+        raise ValueError(f"{where}: {p.meta.logical_name} from {list(recipe.sources)} has shape {full}; the model "
                          f"config gives {tuple(spec.global_shape)}")
     which, row = recipe.row_origins([s[0] for s in shapes])
     index = spec.slices()

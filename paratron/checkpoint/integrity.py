@@ -12,7 +12,8 @@ plain JSON; the manifest is a few kB, so its own checksum's speed does not matte
 
 On load, :func:`check_manifest` verifies the manifest's own bytes and :func:`verify_files` the
 small shared files; payload bytes are verified block by block as they are read
-(:class:`paratron.checkpoint.checksummed.BlockReader`), by the ranks that read them. New saves
+(:class:`paratron.checkpoint.checksummed.StreamedFile`, or ``BlockReader`` for the reads DCP
+reshapes), by the ranks that read them. New saves
 use CRC-32C (the Castagnoli polynomial, computed by the ``google-crc32c`` library's C extension
 with the CPU's CRC instructions where it has them): 2-3× zlib's CRC-32 on this machine, with the
 same kind of guarantees (every 1-bit error and every burst of up to 32 bits is caught). A CRC is
@@ -65,7 +66,8 @@ def _zlib_crc32(crc: int, data) -> int:
 def _crc32c(crc: int, data) -> int:
     """CRC-32C by google-crc32c's C extension. It parses its argument as ``y#``, which refuses
     memoryviews and bytearrays; a numpy view of the same memory passes without a copy (bytes pass
-    as they are, and only they let it release the GIL, which the file readers' threads use)."""
+    as they are). It holds the GIL while it runs (its C source has no ``Py_BEGIN_ALLOW_THREADS``);
+    reader threads overlap their reads, which release it, with one another's checksums."""
     import google_crc32c
 
     if google_crc32c.implementation != "c":
@@ -106,8 +108,8 @@ def file_crc32(path: str | os.PathLike, threads: int | None = None,
 
 def file_checksum(path: str | os.PathLike, threads: int | None = None, algorithm: Algorithm = CURRENT) -> list:
     """The manifest entry ``[checksum hex, size, block, block checksums]`` of a file (see
-    :func:`block_entry`), read in ``BLOCK``-byte blocks on ``threads`` threads (both CRCs release
-    the GIL on the ``bytes`` read here; default: half the usable CPUs, 1 to 4, since the ranks of
+    :func:`block_entry`), read in ``BLOCK``-byte blocks on ``threads`` threads (the reads release
+    the GIL, and zlib's CRC-32 too; default: half the usable CPUs, 1 to 4, since the ranks of
     a node share them)."""
     size = os.path.getsize(path)
     starts = range(0, size, BLOCK)

@@ -150,10 +150,11 @@ def read_items(directory: str | os.PathLike, items: StateItems, manifest: dict |
     directory = Path(directory)
     if manifest is None:
         manifest = verify_directory(directory)
-    items = adapt_items(items, set(saved_tensors(directory, verified=True)))
+    md = read_metadata_safely(directory / METADATA_FILE)  # read once: for the keys, and by DCP
+    items = adapt_items(items, set(tensor_entries(md)))
     reader = SafeFileSystemReader(str(directory), checksums=manifest.get(integrity.CHECKSUMS),
                                   rank=integrity.reading_rank(),
-                                  algorithm=integrity.manifest_algorithm(manifest, directory / MANIFEST))
+                                  algorithm=integrity.manifest_algorithm(manifest, directory / MANIFEST), metadata=md)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
@@ -167,7 +168,11 @@ def saved_tensors(directory: str | os.PathLike, *, verified: bool = False) -> di
     first unless the caller just did (``verified``)."""
     if not verified:
         verify_directory(directory)
-    md = read_metadata_safely(Path(directory) / METADATA_FILE)
+    return tensor_entries(read_metadata_safely(Path(directory) / METADATA_FILE))
+
+
+def tensor_entries(md) -> dict[str, TensorStorageMetadata]:
+    """The tensor entries of DCP metadata ``md``, by key."""
     return {k: v for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
 
 

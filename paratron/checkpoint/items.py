@@ -16,6 +16,8 @@ from typing import Iterable, Iterator
 
 import torch
 
+from paratron.parallel.params import is_marked, meta_of
+
 MODEL_PREFIX = "model/"
 OPTIMIZER_PREFIX = "optimizer/"
 
@@ -80,12 +82,12 @@ def chunks_from_param(param: torch.Tensor) -> list[SavedChunk]:
     one per block of a strided shard (:meth:`~paratron.parallel.params.ShardSpec.blocks`).
 
     Raises:
-        CheckpointError: the parameter was never marked (no ``shard``/``logical_name``).
+        CheckpointError: the parameter was never marked (no ``meta``).
     """
-    spec = getattr(param, "shard", None)
-    if spec is None or not hasattr(param, "logical_name"):
+    if not is_marked(param):
         raise CheckpointError("a parameter without paratron.parallel.params.mark attributes "
                               f"(shape {tuple(param.shape)}) cannot be checkpointed")
+    spec = param.meta.shard
     valid = spec.valid(param.detach())
     return [SavedChunk(valid[first:first + block.local_shape[0]] if spec.stride > 1 else valid,
                        tuple(block.offsets), tuple(block.global_shape))
@@ -119,9 +121,9 @@ def model_items(chunks, *, is_first_stage: bool = True, for_save: bool = True) -
     """
     out: StateItems = {}
     for p in iter_params(chunks):
-        if for_save and getattr(p, "shared_embedding", False) and not is_first_stage:
+        if for_save and meta_of(p).shared_embedding and not is_first_stage:
             continue
-        key = MODEL_PREFIX + p.logical_name
+        key = MODEL_PREFIX + meta_of(p).logical_name
         mine = out.setdefault(key, [])
         for c in chunks_from_param(p):
             if for_save and any(o.offsets == c.offsets for o in mine):
@@ -132,7 +134,7 @@ def model_items(chunks, *, is_first_stage: bool = True, for_save: bool = True) -
 
 def shared_embedding_names(chunks) -> set[str]:
     """Logical names of tied-embedding parameters (first and last stage hold a copy each)."""
-    return {p.logical_name for p in iter_params(chunks) if getattr(p, "shared_embedding", False)}
+    return {p.meta.logical_name for p in iter_params(chunks) if meta_of(p).shared_embedding}
 
 
 def optimizer_items(optimizer, *, skip_names: set[str] = frozenset()) -> StateItems:

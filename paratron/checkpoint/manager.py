@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from paratron.parallel.comm import Group
 
+from paratron.parallel.context import ParallelContext
 from . import integrity, rng, storage
 from .adapters import base_weights, lora_on, only_adapters
 from .async_save import BackgroundWriter, Staging
@@ -99,7 +100,7 @@ class CheckpointManager:
         CheckpointError: a rule of :func:`check_checkpoint_config`.
     """
 
-    def __init__(self, ckpt_cfg, ctx, config) -> None:
+    def __init__(self, ckpt_cfg, ctx: ParallelContext, config) -> None:
         check_checkpoint_config(ckpt_cfg)
         self.cfg, self.ctx, self.config = ckpt_cfg, ctx, config
         self.on_phase: Callable[[str, Path], None] | None = None
@@ -113,7 +114,7 @@ class CheckpointManager:
             storage.remove_stale_temporaries(ckpt_cfg.save)
 
     @staticmethod
-    def _checkpoint_group(ctx):
+    def _checkpoint_group(ctx: ParallelContext):
         world = ctx.world_size
         if world == 1:
             return Group("checkpoint", [0], 0, None, ctx.ledger)

@@ -24,8 +24,10 @@ import torch
 
 from paratron.parallel.random import RNGStatesTracker
 
+from paratron.parallel.context import ParallelContext
 
-def layout_signature(ctx, config=None) -> dict:
+
+def layout_signature(ctx: ParallelContext, config=None) -> dict:
     """The rank-grid description that decides whether saved per-rank states still apply."""
     g = ctx.grid
     sig = {"world": g.world, "tp": g.tp, "cp": g.cp, "ep": g.ep, "pp": g.pp, "dp": g.dp,
@@ -35,7 +37,7 @@ def layout_signature(ctx, config=None) -> dict:
     return sig
 
 
-def rank_coordinates(ctx) -> dict:
+def rank_coordinates(ctx: ParallelContext) -> dict:
     """This rank's index in each group (what the RNG streams are seeded from)."""
     return {k: ctx.group(k).rank for k in ("tp", "cp", "ep", "pp", "dp", "expert_tp", "expert_dp")}
 
@@ -83,7 +85,7 @@ def derived_seed(seed: int, step: int) -> int:
     return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
 
 
-def rederive(chunks, ctx, seed: int, step: int) -> int:
+def rederive(chunks, ctx: ParallelContext, seed: int, step: int) -> int:
     """Re-seed the global generators and every tracker stream from ``derived_seed(seed, step)``
     and this rank's coordinates (see the module docstring). Returns the derived seed."""
     new_seed = derived_seed(seed, step)

@@ -24,10 +24,13 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import LoadPlan
+from torch.futures import Future
 
 from paratron.config import ModelConfig
 
 from .checksummed import BlockReader, VerifiedRange
+from .checksummed import BlockReader, ChunkLayouts, StreamedFile, VerifiedRange, direct_destination, read_streamed
 from .integrity import Algorithm, entry_blocks, listed, verify_files
 from .items import CheckpointError
 
@@ -132,10 +135,14 @@ class SafeFileSystemReader(FileSystemReader):
     """DCP's file reader with the metadata read replaced by :func:`read_metadata_safely`, and
     every payload byte it reads verified against its save-time checksums.
 
-    Tensor payloads are still read by DCP with ``torch.load(weights_only=True)``. Payloads with
-    block checksums are read through :class:`~paratron.checkpoint.checksummed.BlockReader` (each
-    block read once and verified, only the saved chunks this rank's chunks overlap); payloads of
-    checkpoints written before block checksums are verified whole before they are read.
+    Payloads with block checksums are read straight into the destination tensors where the
+    wanted bytes are contiguous on both sides (:class:`~paratron.checkpoint.checksummed.StreamedFile`:
+    one ``preadv`` per block, verified as read, on reader threads; each chunk's layout from a
+    ``weights_only`` ``torch.load`` onto the meta device), otherwise by DCP's
+    ``torch.load(weights_only=True)`` through a :class:`~paratron.checkpoint.checksummed.BlockReader`;
+    either way each block is read once and verified, only for the saved chunks this rank's chunks
+    overlap. Payloads of checkpoints written before block checksums are verified whole before
+    DCP reads them.
 
     Args:
         path: the checkpoint directory.
@@ -144,46 +151,86 @@ class SafeFileSystemReader(FileSystemReader):
         rank: the reading rank, named in errors.
         algorithm: the CRC of ``checksums`` (:func:`~paratron.checkpoint.integrity.manifest_algorithm`);
             required with them.
+        metadata: the directory's ``.metadata`` when the caller just read it
+            (:func:`read_metadata_safely`); read here otherwise.
 
     Raises:
         ValueError: ``checksums`` without ``algorithm``.
     """
 
     def __init__(self, path: str | os.PathLike, checksums: dict | None = None, rank: int = 0,
-                 algorithm: Algorithm | None = None) -> None:
+                 algorithm: Algorithm | None = None, metadata: Metadata | None = None) -> None:
         super().__init__(path)
+        self._metadata = metadata
         if checksums is not None and algorithm is None:
             raise ValueError("SafeFileSystemReader: checksums need the algorithm they were computed with")
         self._checksums, self._algorithm = checksums, algorithm
         self._rank = rank
         self._verified: set[str] = set()
         self._readers: dict[str, BlockReader] = {}
+        self._layouts = ChunkLayouts()
 
     def read_data(self, plan, planner):
-        files = sorted({self.storage_data[item.storage_index].relative_path for item in plan.items})
         if self._checksums is None:
             return super().read_data(plan, planner)
-        whole = []
+        per_file: dict[str, list] = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        whole, rest, streamed = [], [], []
         try:
-            for name in files:
+            for name, reqs in sorted(per_file.items()):
                 entry = listed(self._checksums, Path(self.path) / name, self._rank)
-                if entry_blocks(entry) is None:
+                if entry_blocks(entry) is None:  # an old checkpoint: verified whole, read by DCP
                     whole.append(name)
-                else:
-                    self._readers[name] = BlockReader(Path(self.path) / name, entry, self._rank, self._algorithm)
+                    rest += reqs
+                    continue
+                streamed.append(StreamedFile(Path(self.path) / name, entry, self._rank, self._algorithm))
+                rest += self._plan_direct(streamed[-1], reqs, planner)
+            read_streamed(streamed, self._threads(sum(len(f.runs(1)) for f in streamed)))
+            for f in streamed:
+                f.commit(planner)
             verify_files(self.path, self._checksums, [n for n in whole if n not in self._verified], self._rank,
                          self._algorithm)
             self._verified |= set(whole)
-            return super().read_data(plan, planner)
+            if rest:  # reads DCP must reshape (resharding, strided views): through verified ranges
+                self._readers = {f.path.name: BlockReader(f.path, self._checksums[f.path.name], self._rank,
+                                                          self._algorithm) for f in streamed}
+                return super().read_data(LoadPlan(rest), planner)
+            done: Future = Future()
+            done.set_result(None)
+            return done
         except Exception:
             failed = next((r.failure for r in self._readers.values() if r.failure is not None), None)
             if failed is not None:
                 raise failed from None
             raise
         finally:
+            for f in streamed:
+                f.close()
             for reader in self._readers.values():
                 reader.close()
             self._readers.clear()
+
+    def _plan_direct(self, f: StreamedFile, reqs: list, planner) -> list:
+        """Plan the reads of ``reqs`` from ``f`` whose bytes go straight into their destination
+        (the saved chunk's sub-box is contiguous in the file, the destination a contiguous CPU
+        tensor of the same dtype); return the others. Every byte of each saved chunk is verified."""
+        rest = []
+        for req in reqs:
+            sinfo = self.storage_data[req.storage_index]
+            dest = direct_destination(self._layouts, f.fd, sinfo, req, planner)
+            if dest is None or not f.target(*dest):
+                rest.append(req)
+            else:
+                f.want(sinfo.offset, sinfo.offset + sinfo.length)
+        return rest
+
+    @staticmethod
+    def _threads(blocks: int) -> int:
+        """Reader threads: the usable CPUs shared among this node's ranks (``LOCAL_WORLD_SIZE``,
+        else ``WORLD_SIZE``), 1-4, and at most one per 4 blocks."""
+        ranks = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("WORLD_SIZE") or 1)
+        return max(1, min(4, len(os.sched_getaffinity(0)) // max(1, ranks), blocks // 4))
 
     def _slice_file(self, file, sinfo):
         reader = self._readers.get(sinfo.relative_path)
@@ -193,7 +240,8 @@ class SafeFileSystemReader(FileSystemReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")
-        md = read_metadata_safely(self._get_metadata_path(rank))
+        md = self._metadata if self._metadata is not None and rank is None else \
+            read_metadata_safely(self._get_metadata_path(rank))
         if getattr(md, "storage_meta", None) is None:
             md.storage_meta = StorageMeta()
         md.storage_meta.load_id = self.load_id

@@ -59,9 +59,9 @@ class SavedBytes:
     the scope that set it and the microbatches whose activations were alive then.
     """
 
-    def __init__(self, scope, param_storages=()) -> None:
+    def __init__(self, scope, param_tensors=()) -> None:
         self.scope = scope
-        self.params = {storage_key(t) for t in param_storages}  # views of params are not activations
+        self.params = list(param_tensors)  # views of their storage now are not activations
         self.live = 0
         self.peak = 0
         self.peak_scope = None
@@ -72,7 +72,7 @@ class SavedBytes:
         if isinstance(t, nn.Parameter) or t.numel() == 0:
             return t
         key = storage_key(t)
-        if key in self.params:
+        if key in self._param_keys():
             return t
         ref = self._refs.get(key)
         if ref is None:
@@ -83,6 +83,13 @@ class SavedBytes:
                 self.peak_holders = sorted({tuple(r[2]) for r in self._refs.values() if r[2] is not None})
         ref[0] += 1
         return _Held(t, key, self)
+
+    def _param_keys(self) -> set[int]:
+        """The storages the params use *now*. Read at each pack, not once: ZeRO-3 points a
+        param's ``.data`` at a new storage on every gather and free, and the address of a freed
+        storage is reused by later tensors, so a key kept from before would hide activations
+        (a different set on each run, as the allocator reuses different addresses)."""
+        return {storage_key(t) for t in self.params}
 
     @staticmethod
     def unpack(held):

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ..parallel.comm import Group
+from ..parallel.context import ParallelContext
 
 __all__ = ["vocab_parallel_cross_entropy"]
 
@@ -76,7 +77,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return full, None, None, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ctx, vocab_size: int,
+def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ctx: ParallelContext, vocab_size: int,
                                  ignore_index: int = -100, label_smoothing: float = 0.0) -> torch.Tensor:
     """Per-token cross-entropy of vocab-parallel logits, computed in fp32.
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..parallel.context import ParallelContext
 from ..parallel.mappings import (check_sequence_divisible, copy_to_tp_region,
                                  gather_from_sequence_parallel_region, reduce_from_tp_region,
                                  reduce_scatter_to_sequence_parallel_region)
@@ -44,7 +45,7 @@ def vocab_range(padded_vocab_size: int, tp: int, tp_rank: int) -> tuple[int, int
     return tp_rank * per, (tp_rank + 1) * per
 
 
-def _make_vocab_weight(module: nn.Module, vocab_size, hidden_size, ctx, logical_name, seed,
+def _make_vocab_weight(module: nn.Module, vocab_size, hidden_size, ctx: ParallelContext, logical_name, seed,
                        make_vocab_size_divisible_by, init_method, params_dtype) -> None:
     """Create ``module.weight`` ``[V_pad/tp, h]`` holding this rank's rows (zero padding)."""
     tp, r = ctx.tp.size, ctx.tp.rank
@@ -88,7 +89,7 @@ class VocabParallelEmbedding(nn.Module):
         ValueError: ids out of range; with SP, ``s`` not divisible by ``parallel.tensor``.
     """
 
-    def __init__(self, vocab_size: int, hidden_size: int, ctx, *, logical_name: str, seed: int,
+    def __init__(self, vocab_size: int, hidden_size: int, ctx: ParallelContext, *, logical_name: str, seed: int,
                  make_vocab_size_divisible_by: int = 128, sequence_parallel: bool = False,
                  init_method: InitMethod | None = None, params_dtype: torch.dtype = torch.float32):
         super().__init__()
@@ -123,7 +124,7 @@ class VocabParallelEmbedding(nn.Module):
                 f"rows [{self.vocab_start}, {self.vocab_end}), sp={self.sequence_parallel}")
 
 
-def vocab_parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, ctx,
+def vocab_parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, ctx: ParallelContext,
                           sequence_parallel: bool = False, *, owner: nn.Module | None = None
                           ) -> torch.Tensor:
     """Logits over this rank's slice of the padded vocabulary: ``X W^T`` with ``W`` split along
@@ -166,7 +167,7 @@ class ParallelLMHead(nn.Module):
     ``weight_grad_store.deferring`` is True at backward time.
     """
 
-    def __init__(self, vocab_size: int, hidden_size: int, ctx, *, logical_name: str, seed: int,
+    def __init__(self, vocab_size: int, hidden_size: int, ctx: ParallelContext, *, logical_name: str, seed: int,
                  make_vocab_size_divisible_by: int = 128, sequence_parallel: bool = False,
                  init_method: InitMethod | None = None, params_dtype: torch.dtype = torch.float32):
         super().__init__()

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ..parallel.comm import Group
+from ..parallel.context import ParallelContext
 from ..parallel.grads import accumulate_grad, run_or_defer
 from ..parallel.mappings import check_sequence_divisible, gather_from_tp_region, scatter_to_tp_region
 from ..parallel.params import ShardSpec, mark
@@ -209,7 +210,7 @@ class ColumnParallelLinear(nn.Module):
             width.
     """
 
-    def __init__(self, in_features: int, out_features: int, ctx, *, logical_name: str, seed: int,
+    def __init__(self, in_features: int, out_features: int, ctx: ParallelContext, *, logical_name: str, seed: int,
                  bias: bool = True, gather_output: bool = False, sequence_parallel: bool = False,
                  init_method: InitMethod | None = None, params_dtype: torch.dtype = torch.float32,
                  skip_bias_add: bool = False, stride: int = 1, block_names: tuple[str, ...] | None = None):
@@ -283,7 +284,7 @@ class RowParallelLinear(nn.Module):
             length not divisible by ``parallel.tensor`` (before any collective).
     """
 
-    def __init__(self, in_features: int, out_features: int, ctx, *, logical_name: str, seed: int,
+    def __init__(self, in_features: int, out_features: int, ctx: ParallelContext, *, logical_name: str, seed: int,
                  bias: bool = True, input_is_parallel: bool = True, sequence_parallel: bool = False,
                  init_method: InitMethod | None = None, params_dtype: torch.dtype = torch.float32,
                  skip_bias_add: bool = False):

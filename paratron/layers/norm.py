@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..parallel.context import ParallelContext
 from ..parallel.params import mark
 
 __all__ = ["LayerNorm", "RMSNorm"]
@@ -33,7 +34,7 @@ class LayerNorm(nn.Module):
     returns the same shape and dtype.
     """
 
-    def __init__(self, hidden: int, ctx, *, logical_name: str, eps: float = 1e-5,
+    def __init__(self, hidden: int, ctx: ParallelContext, *, logical_name: str, eps: float = 1e-5,
                  sequence_parallel: bool = False, params_dtype: torch.dtype = torch.float32,
                  bias: bool = True):
         super().__init__()
@@ -62,7 +63,7 @@ class RMSNorm(nn.Module):
     ``forward(x)``: ``[s, b, h]`` (or ``[s/tp, b, h]``); fp32 inside; same shape and dtype out.
     """
 
-    def __init__(self, hidden: int, ctx, *, logical_name: str, eps: float = 1e-5,
+    def __init__(self, hidden: int, ctx: ParallelContext, *, logical_name: str, eps: float = 1e-5,
                  sequence_parallel: bool = False, params_dtype: torch.dtype = torch.float32):
         super().__init__()
         _init_norm(self, hidden, ctx, logical_name, eps, sequence_parallel, params_dtype)
@@ -76,7 +77,8 @@ class RMSNorm(nn.Module):
         return f"{self.hidden}, eps={self.eps}"
 
 
-def _init_norm(norm: nn.Module, hidden: int, ctx, logical_name: str, eps: float, sequence_parallel: bool,
+def _init_norm(norm: nn.Module, hidden: int, ctx: ParallelContext, logical_name: str, eps: float,
+               sequence_parallel: bool,
                params_dtype: torch.dtype) -> None:
     """Shared set-up of both norms: checks, and a weight of ones marked replicated over TP (and
     sequence_parallel under SP, so its grads are summed over TP) with no weight decay."""

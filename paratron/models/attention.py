@@ -29,6 +29,7 @@ from paratron.config import ModelConfig, model_shape
 from paratron.layers import ColumnParallelLinear, RowParallelLinear
 from paratron.layers.dropout import rng_fork
 from paratron.layers.init import normal_
+from paratron.parallel.context import ParallelContext
 
 from .context_parallel import context_attention
 from .norms import make_norm
@@ -81,7 +82,8 @@ class SelfAttention(nn.Module):
     ``k_norm.weight`` ``[d]`` under QK-norm.
     """
 
-    def __init__(self, cfg: ModelConfig, ctx, *, layer_number: int, seed: int, sequence_parallel: bool,
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, *, layer_number: int, seed: int,
+                 sequence_parallel: bool,
                  params_dtype: torch.dtype, rng_tracker=None, output_init=None):
         super().__init__()
         tp = ctx.tp.size
@@ -98,7 +100,7 @@ class SelfAttention(nn.Module):
             seed=seed, bias=model_shape.qkv_bias(cfg), sequence_parallel=sequence_parallel,
             init_method=normal_(cfg.init_method_std), params_dtype=params_dtype)
         # Which rows are Q, K and V (per KV group), for optimizers that treat them as matrices.
-        self.qkv.weight.qkv_split = (groups, (self.q_per_group * self.head_dim, self.head_dim, self.head_dim))
+        self.qkv.weight.meta.qkv_split = (groups, (self.q_per_group * self.head_dim, self.head_dim, self.head_dim))
         self.proj = RowParallelLinear(
             heads * self.head_dim, cfg.hidden_size, ctx, logical_name=f"{prefix}.proj", seed=seed,
             bias=cfg.add_bias_linear, input_is_parallel=True, sequence_parallel=sequence_parallel,

@@ -20,6 +20,7 @@ from typing import Callable
 
 from torch import nn
 
+from paratron.parallel.context import ParallelContext
 from paratron.registry import Registry
 
 from .layer import TransformerLayer
@@ -27,7 +28,7 @@ from .layer import TransformerLayer
 BlockFactory = Callable[..., nn.Module]
 
 
-def _transformer(cfg, ctx, **kw) -> nn.Module:
+def _transformer(cfg, ctx: ParallelContext, **kw) -> nn.Module:
     return TransformerLayer(cfg, ctx, **kw)
 
 

@@ -12,6 +12,7 @@ from paratron.config import ModelConfig, model_shape
 from paratron.layers import VocabParallelEmbedding
 from paratron.layers.dropout import dropout
 from paratron.layers.init import init_shard_, normal_
+from paratron.parallel.context import ParallelContext
 from paratron.parallel.params import ShardSpec, mark
 
 WORD_EMBEDDINGS = "embedding.word_embeddings"
@@ -28,7 +29,8 @@ class Embedding(nn.Module):
     over TP).
     """
 
-    def __init__(self, cfg: ModelConfig, ctx, *, seed: int, sequence_parallel: bool, params_dtype: torch.dtype,
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, *, seed: int, sequence_parallel: bool,
+                 params_dtype: torch.dtype,
                  rng_tracker=None):
         super().__init__()
         self.tp = ctx.tp

@@ -24,6 +24,7 @@ from paratron.pipeline import partition
 from paratron.layers import (ParallelLMHead, VocabParallelEmbedding, vocab_parallel_cross_entropy,
                              vocab_parallel_logits)
 from paratron.layers.init import normal_
+from paratron.parallel.context import ParallelContext
 from paratron.parallel.grads import attach_weight_grad_store
 from paratron.parallel.random import RNGStatesTracker
 
@@ -76,7 +77,7 @@ class GPTChunk(nn.Module):
     The layers are built by the block registered as ``model.block`` (:mod:`paratron.models.blocks`).
     """
 
-    def __init__(self, cfg: ModelConfig, ctx, *, seed: int, layer_ids: range, pre_process: bool,
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, *, seed: int, layer_ids: range, pre_process: bool,
                  post_process: bool, sequence_parallel: bool = False, params_dtype: torch.dtype = torch.float32,
                  rng_tracker=None, embedding_weight: nn.Parameter | None = None, context_algorithm: str = "ring",
                  embedding_module: nn.Module | None = None):
@@ -118,9 +119,9 @@ class GPTChunk(nn.Module):
         self.mtp = (self._build_mtp(cfg, ctx, seed, params_dtype, embedding_module)
                     if post_process and cfg.mtp_num_layers else None)
         if (cfg.tie_embeddings or cfg.mtp_num_layers) and pre_process and not post_process:
-            self.embedding.word_embeddings.weight.shared_embedding = True
+            self.embedding.word_embeddings.weight.meta.shared_embedding = True
 
-    def _build_output(self, cfg, ctx, seed, params_dtype, embedding_weight):
+    def _build_output(self, cfg, ctx: ParallelContext, seed, params_dtype, embedding_weight):
         if not cfg.tie_embeddings:
             self.output_layer = ParallelLMHead(
                 cfg.vocab_size, cfg.hidden_size, ctx, logical_name="output_layer", seed=seed,
@@ -134,11 +135,11 @@ class GPTChunk(nn.Module):
                 make_vocab_size_divisible_by=cfg.make_vocab_size_divisible_by,
                 sequence_parallel=self.sequence_parallel, init_method=normal_(cfg.init_method_std),
                 params_dtype=params_dtype)
-            self.output_layer.weight.shared_embedding = True
+            self.output_layer.weight.meta.shared_embedding = True
         else:
             self._tied_weight = [embedding_weight]  # a list: not registered twice as a parameter
 
-    def _build_mtp(self, cfg, ctx, seed, params_dtype, embedding_module):
+    def _build_mtp(self, cfg, ctx: ParallelContext, seed, params_dtype, embedding_module):
         """The MTP modules (:mod:`paratron.models.mtp`), with the word embedding they share: this
         chunk's, the given one (same rank), or a copy drawn from the same full tensor (its own
         ``shared_embedding`` parameter, or the tied output layer's)."""
@@ -151,9 +152,9 @@ class GPTChunk(nn.Module):
                 params_dtype=params_dtype)
             if self.output_layer is not None and cfg.tie_embeddings:
                 shared.weight = self.output_layer.weight  # one copy on this stage, already shared
-            shared.weight.shared_embedding = True
+            shared.weight.meta.shared_embedding = True
         head = self.output_weight()  # applied once more per MTP module in each forward (DDP's grad_uses)
-        head.grad_uses = getattr(head, "grad_uses", 1) + cfg.mtp_num_layers
+        head.meta.grad_uses += cfg.mtp_num_layers
         return MultiTokenPrediction(cfg, ctx, seed=seed, sequence_parallel=self.sequence_parallel,
                                     params_dtype=params_dtype, rng_tracker=self.rng_tracker, embedding=shared,
                                     owned=shared is not embedding_module and not self.pre_process)
@@ -289,7 +290,7 @@ def model_order(stage_layers: StageLayers, num_layers: int) -> list[tuple[int, i
     return order
 
 
-def build_model_chunks(cfg: ModelConfig, ctx, *, seed: int, sequence_parallel: bool = False,
+def build_model_chunks(cfg: ModelConfig, ctx: ParallelContext, *, seed: int, sequence_parallel: bool = False,
                        params_dtype: torch.dtype = torch.float32, stage_layers: StageLayers | None = None,
                        virtual_pipeline: int = 1, rng_tracker=None, context_algorithm: str = "ring"
                        ) -> list[GPTChunk]:
@@ -344,12 +345,12 @@ def build_model_chunks(cfg: ModelConfig, ctx, *, seed: int, sequence_parallel: b
         chunks.append(chunk)
     if first_embedding is not None and any(c.post_process for c in chunks):
         # Both ends on one rank share one tensor: nothing to keep in sync across stages.
-        first_embedding.shared_embedding = False
+        first_embedding.meta.shared_embedding = False
     apply_lora(chunks, cfg, ctx, seed=seed, rng_tracker=rng_tracker)  # model.lora_rank > 0 only
     return chunks
 
 
-def full_logits(logits: torch.Tensor, ctx, vocab_size: int) -> torch.Tensor:
+def full_logits(logits: torch.Tensor, ctx: ParallelContext, vocab_size: int) -> torch.Tensor:
     """Gather vocab-parallel logits ``[s, b, V_pad/tp]`` over TP and drop the padding: ``[b, s, V]``.
 
     For evaluation and tests (not differentiable across ranks).

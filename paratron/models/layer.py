@@ -18,6 +18,7 @@ from torch import nn
 
 from paratron.config import ModelConfig, model_shape
 from paratron.layers.dropout import dropout
+from paratron.parallel.context import ParallelContext
 
 from .layer_spec import LayerInputs, TransformerLayerSpec
 
@@ -30,7 +31,8 @@ class TransformerLayer(nn.Module):
     the submodules (default: :class:`TransformerLayerSpec` ``()``).
     """
 
-    def __init__(self, cfg: ModelConfig, ctx, *, layer_number: int, seed: int, sequence_parallel: bool,
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, *, layer_number: int, seed: int,
+                 sequence_parallel: bool,
                  params_dtype: torch.dtype, rng_tracker=None, spec: TransformerLayerSpec | None = None):
         super().__init__()
         spec = spec or TransformerLayerSpec()

@@ -45,6 +45,7 @@ from paratron.config import ModelConfig
 from paratron.layers import ColumnParallelLinear, RowParallelLinear
 from paratron.layers.dropout import dropout
 from paratron.layers.init import init_shard_, normal_
+from paratron.parallel.context import ParallelContext
 from paratron.parallel.mappings import (copy_to_tp_region, gather_from_sequence_parallel_region,
                                         reduce_from_tp_region, reduce_scatter_to_sequence_parallel_region)
 from paratron.config.model_shape import check_lora
@@ -79,7 +80,8 @@ class LoRAAdapter(nn.Module):
         ValueError: a base of another type, or with ``gather_output``.
     """
 
-    def __init__(self, base: nn.Module, ctx, *, rank: int, alpha: float, p_dropout: float, seed: int,
+    def __init__(self, base: nn.Module, ctx: ParallelContext, *, rank: int, alpha: float, p_dropout: float,
+                 seed: int,
                  rng_tracker=None) -> None:
         super().__init__()
         self.column = isinstance(base, ColumnParallelLinear)
@@ -93,7 +95,7 @@ class LoRAAdapter(nn.Module):
         dev, dtype = w.device, w.dtype
         if self.column:
             a_spec, a_dim = ShardSpec.replicated((rank, base.in_features)), -1
-            ws = w.shard
+            ws = w.meta.shard
             b_spec, b_dim = ShardSpec((ws.global_shape[0], rank), (ws.offsets[0], 0), (ws.local_shape[0], rank),
                                       ws.stride), 0
         else:
@@ -135,7 +137,7 @@ def _add_adapter(module: nn.Module, inputs: tuple, output):
     return output + delta
 
 
-def apply_lora(chunks, cfg: ModelConfig, ctx, *, seed: int, rng_tracker=None) -> list[str]:
+def apply_lora(chunks, cfg: ModelConfig, ctx: ParallelContext, *, seed: int, rng_tracker=None) -> list[str]:
     """Freeze every param of ``chunks`` and add an adapter to each target linear.
 
     A target is a :class:`ColumnParallelLinear` / :class:`RowParallelLinear` whose logical name

@@ -44,6 +44,7 @@ from paratron.config import ModelConfig, model_shape
 from paratron.layers import ColumnParallelLinear, RMSNorm, RowParallelLinear
 from paratron.layers.init import init_shard_, normal_
 from paratron.layers.linear import local_linear
+from paratron.parallel.context import ParallelContext
 from paratron.parallel.mappings import copy_to_tp_region, gather_from_sequence_parallel_region
 from paratron.parallel.params import ShardSpec, mark
 
@@ -62,7 +63,7 @@ class ReplicatedLinear(nn.Module):
     action through ``weight_grad_store``).
     """
 
-    def __init__(self, in_features: int, out_features: int, ctx, *, logical_name: str, seed: int,
+    def __init__(self, in_features: int, out_features: int, ctx: ParallelContext, *, logical_name: str, seed: int,
                  sequence_parallel: bool, init_method, params_dtype: torch.dtype):
         super().__init__()
         name = f"{logical_name}.weight"
@@ -87,7 +88,8 @@ class LatentAttention(nn.Module):
     ...) are checked before, once, by the config rules and :func:`~paratron.models.gpt.build_model_chunks`.
     """
 
-    def __init__(self, cfg: ModelConfig, ctx, *, layer_number: int, seed: int, sequence_parallel: bool,
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, *, layer_number: int, seed: int,
+                 sequence_parallel: bool,
                  params_dtype: torch.dtype, rng_tracker=None, output_init=None):
         super().__init__()
         tp = ctx.tp.size

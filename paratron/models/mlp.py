@@ -19,6 +19,7 @@ from torch import nn
 from paratron.config import ModelConfig
 from paratron.layers import ColumnParallelLinear, RowParallelLinear
 from paratron.layers.init import normal_
+from paratron.parallel.context import ParallelContext
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -55,7 +56,7 @@ class MLP(nn.Module):
     ``[gate; up]`` (SwiGLU), ``fc2.weight`` ``[h, f]``; biases when ``add_bias_linear``.
     """
 
-    def __init__(self, cfg: ModelConfig, ctx, *, logical_name: str, ffn: int, seed: int,
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, *, logical_name: str, ffn: int, seed: int,
                  sequence_parallel: bool, params_dtype: torch.dtype, output_init=None):
         super().__init__()
         self.activation = cfg.activation

@@ -40,6 +40,7 @@ from torch import nn
 
 from paratron.config import ModelConfig
 from paratron.layers.init import normal_
+from paratron.parallel.context import ParallelContext
 
 from .blocks import BLOCKS
 from .norms import make_norm
@@ -75,7 +76,7 @@ def add_mtp_targets(mb: dict[str, torch.Tensor], depth: int) -> dict[str, torch.
     return {**mb, "mtp_tokens": torch.stack(toks, dim=-1), "mtp_labels": torch.stack(labs, dim=-1)}
 
 
-def count_mtp_tokens(microbatches: list[dict], ctx) -> torch.Tensor:
+def count_mtp_tokens(microbatches: list[dict], ctx: ParallelContext) -> torch.Tensor:
     """Valid MTP targets per module over this rank's microbatches, summed over DP x CP: fp64
     ``[D]`` on ``ctx.device`` (each at least 1, so an all-ignored module gives loss 0)."""
     local = torch.stack([(mb["mtp_labels"] != IGNORE_INDEX).sum(dim=(0, 1)) for mb in microbatches]).sum(0)
@@ -95,7 +96,7 @@ class MTPModule(nn.Module):
     hidden ``[s, b, h]`` (``[s/tp, b, h]`` under SP) and this depth's input ids / labels ``[b, s]``
     to ``(its hidden, per-token losses [s, b])``."""
 
-    def __init__(self, cfg: ModelConfig, ctx, *, depth: int, seed: int, sequence_parallel: bool,
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, *, depth: int, seed: int, sequence_parallel: bool,
                  params_dtype: torch.dtype, rng_tracker=None):
         super().__init__()
         number = cfg.num_layers + depth
@@ -133,7 +134,8 @@ class MultiTokenPrediction(nn.Module):
     losses of every module, ``[D, s, b]`` fp32.
     """
 
-    def __init__(self, cfg: ModelConfig, ctx, *, seed: int, sequence_parallel: bool, params_dtype: torch.dtype,
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, *, seed: int, sequence_parallel: bool,
+                 params_dtype: torch.dtype,
                  rng_tracker=None, embedding: nn.Module, owned: bool):
         super().__init__()
         self.depths = nn.ModuleList([

@@ -8,9 +8,11 @@ from torch import nn
 
 from paratron.config import ModelConfig
 from paratron.layers import LayerNorm, RMSNorm
+from paratron.parallel.context import ParallelContext
 
 
-def make_norm(cfg: ModelConfig, ctx, logical_name: str, sequence_parallel: bool, params_dtype: torch.dtype,
+def make_norm(cfg: ModelConfig, ctx: ParallelContext, logical_name: str, sequence_parallel: bool,
+              params_dtype: torch.dtype,
               width: int | None = None) -> nn.Module:
     """LayerNorm or RMSNorm over h (or ``width``), per ``model.normalization`` (weights named
     ``{logical_name}.weight``)."""

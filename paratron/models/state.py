@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import torch
 
+from paratron.parallel.context import ParallelContext
 from paratron.parallel.params import gather_full, load_full_, unique_params
+from paratron.parallel.params import gather_full, unique_params
 
 
 def load_full_state(chunks, tensors: dict[str, torch.Tensor]) -> set[str]:
-    """Copy each parameter's slice of the full tensor ``tensors[param.logical_name]`` into it
+    """Copy each parameter's slice of the full tensor ``tensors[param.meta.logical_name]`` into it
     (``params.load_full_``; any TP/PP layout, padding rows left as they are).
 
     Returns: the logical names used (a pipeline stage uses only its own).
@@ -21,14 +23,15 @@ def load_full_state(chunks, tensors: dict[str, torch.Tensor]) -> set[str]:
     """
     used = set()
     for p in unique_params(chunks):
-        if p.logical_name not in tensors:
-            raise KeyError(f"no tensor for parameter {p.logical_name!r}")
-        load_full_(p, tensors[p.logical_name])
-        used.add(p.logical_name)
+        name = p.meta.logical_name
+        if name not in tensors:
+            raise KeyError(f"no tensor for parameter {name!r}")
+        load_full_(p, tensors[name])
+        used.add(name)
     return used
 
 
-def gather_full_state(chunks, ctx) -> dict[str, torch.Tensor]:
+def gather_full_state(chunks, ctx: ParallelContext) -> dict[str, torch.Tensor]:
     """The full logical tensors of these chunks' dense parameters, gathered over TP (vocab padding
     dropped): ``{logical name: tensor}``. Every TP rank of the stage must call it (all-gathers in
     parameter order). Each pipeline stage returns only its own parameters.
@@ -38,7 +41,7 @@ def gather_full_state(chunks, ctx) -> dict[str, torch.Tensor]:
     """
     out: dict[str, torch.Tensor] = {}
     for p in unique_params(chunks):
-        if getattr(p, "is_expert", False):
-            raise NotImplementedError(f"{p.logical_name}: gathering expert parameters is not supported here")
-        out[p.logical_name] = gather_full(p.detach(), p, ctx.tp).clone()
+        if p.meta.is_expert:
+            raise NotImplementedError(f"{p.meta.logical_name}: gathering expert parameters is not supported here")
+        out[p.meta.logical_name] = gather_full(p.detach(), p, ctx.tp).clone()
     return out

@@ -15,10 +15,11 @@ import math
 
 import torch
 
-from ..parallel.params import is_replica_owner
+from ..parallel.context import ParallelContext
+from ..parallel.params import is_replica_owner, meta_of
 
 
-def owns_for_norm(param, ctx, *, dp_rank: int, sharded: bool) -> bool:
+def owns_for_norm(param, ctx: ParallelContext, *, dp_rank: int, sharded: bool) -> bool:
     """Whether this rank counts ``param``'s (owned) grad elements in the global norm.
 
     Args:
@@ -27,7 +28,7 @@ def owns_for_norm(param, ctx, *, dp_rank: int, sharded: bool) -> bool:
         dp_rank: this rank's index in the param's DP group (``dp_cp`` or ``expert_dp``).
         sharded: ZeRO-1 is on (ranks own disjoint slices, so every DP rank counts its slice).
     """
-    tp_rank = ctx.expert_tp.rank if getattr(param, "is_expert", False) else ctx.tp.rank
+    tp_rank = ctx.expert_tp.rank if meta_of(param).is_expert else ctx.tp.rank
     if not is_replica_owner(param, tp_rank, ctx.is_first_stage):
         return False
     return sharded or dp_rank == 0

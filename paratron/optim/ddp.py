@@ -5,7 +5,7 @@
 then listens for grads:
 
 * linear weights report through :func:`paratron.parallel.grads.accumulate_grad`, which adds into
-  ``main_grad`` and calls ``param.grad_ready_hook``;
+  ``param.meta.main_grad`` and calls ``param.meta.grad_ready_hook``;
 * every other param gets an autograd ``.grad``; a post-accumulate hook moves it into
   ``main_grad`` and reports it the same way.
 
@@ -15,7 +15,7 @@ guesses that from grad counts. Whoever runs the backward passes declares the *la
 each model chunk in the step with :meth:`last_backward` (the pipeline runtime does it for the
 last ``B``/``W``/``BW`` action of each stage in its action list; a plain loop wraps the backward of
 its last microbatch). Inside that block, the first grad a param receives makes it *ready* (the
-usual case: one grad per param per backward pass; a param that declares ``grad_uses = n``, see
+usual case: one grad per param per backward pass; a param that declares ``meta.grad_uses = n``, see
 below, at its n-th); when the block ends every param of the chunk is ready, including params
 that received no grad at all this step. A bucket's reduction starts
 (an async work handle) once all its params are ready. Params that get no grad in some steps, get
@@ -26,7 +26,7 @@ every bucket is reduced in :meth:`finish_grad_sync`.
 The one thing the block cannot see: a param that receives a *second* grad inside the last
 backward pass of its chunk (a linear module applied twice in one forward) after its bucket was
 launched. That raises, naming the param, rather than reducing a partial sum. A param whose module
-is applied a known ``n`` times per forward declares it as ``param.grad_uses = n`` (default 1): it
+is applied a known ``n`` times per forward declares it as ``param.meta.grad_uses = n`` (default 1): it
 becomes ready at its ``n``-th grad inside the block (the MoE layer does so for its experts under
 the chunked dispatcher, which runs them once per token chunk). Declaring more uses than happen
 only delays the param to the end of the block.
@@ -45,13 +45,16 @@ Reduction is a plain SUM over the DP group: the training step divides the loss b
 number of valid tokens before backward, so summed grads equal the single-device token mean.
 Dense params reduce over ``ctx.dp_cp`` (``ctx.dp`` without context parallelism: CP ranks see
 different tokens of the same sequences), expert params over ``ctx.expert_dp``. With
-``use_distributed_optimizer`` (ZeRO-1) a bucket is reduce-scattered instead of all-reduced: rank
+``zero=1`` (ZeRO-1, the distributed optimizer) a bucket is reduce-scattered instead of all-reduced: rank
 ``r`` receives the summed grads of shard ``r`` of every bucket (Rajbhandari et al. 2020, section
 5.1).
 
 A rank may hold no trainable param at all (an empty pipeline stage): it then has no buffer and
 no bucket, and its DP reductions are empty.
 
+What a bucket's reduction is, is chosen once from the ZeRO stage: a reducer of
+:mod:`paratron.optim.reducers` (all-reduce buckets, reduce-scatter buckets, staged shards), to
+which DDP delegates; DDP keeps the buffers and the schedule bookkeeping above.
 ZeRO stages 2 and 3 (``zero=2|3``) keep no full-size grad buffer: grads are staged per bucket and
 reduce-scattered during backward by :class:`~paratron.optim.zero.ShardedGrads` whenever every
 param of a bucket has a grad (a rule that needs no last-backward block), which also holds the
@@ -66,11 +69,11 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from paratron.parallel.params import unique_params
+from paratron.parallel.context import ParallelContext
+from paratron.parallel.params import is_marked, unique_params
 
 from .grad_buffer import Bucket, GradBuffer
-from .param_gather import ParamShards, unit_ids
-from .zero import ShardedGrads, check_zero_level
+from .reducers import reducer_class
 
 
 def chunk_params(chunks) -> list[nn.Parameter]:
@@ -80,7 +83,7 @@ def chunk_params(chunks) -> list[nn.Parameter]:
 
 
 def _needs_model_parallel_reduction(p) -> bool:
-    return bool(getattr(p, "shared_embedding", False) or getattr(p, "sequence_parallel", False))
+    return p.meta.shared_embedding or p.meta.sequence_parallel
 
 
 class _BucketState:
@@ -115,47 +118,47 @@ class DistributedDataParallel:
     Args:
         chunks: the model chunks (``nn.Module`` or list: one per virtual pipeline stage) of this
             rank. Every trainable param must carry :func:`paratron.parallel.params.mark`'s
-            attributes. A chunk may have no param (an empty pipeline stage).
+            ``meta``. A chunk may have no param (an empty pipeline stage).
         ctx: the :class:`~paratron.parallel.context.ParallelContext`.
         grad_dtype: dtype of the main grads (fp32).
         bucket_size_mb: MiB of grads per bucket (in ``grad_dtype``); <= 0: one bucket.
         overlap_grad_reduce: start each bucket's reduction during the last backward as soon as it
             is ready; else reduce everything in :meth:`finish_grad_sync`.
-        use_distributed_optimizer: ZeRO-1: reduce-scatter grads (each DP rank keeps the summed
-            grads of its shard of every bucket, in :attr:`shard_grads`).
-        zero: the ZeRO stage 0-3 (overrides ``use_distributed_optimizer``; stage 1 is the same).
+        zero: the ZeRO stage 0-3, which picks the reducer (:mod:`paratron.optim.reducers`):
+            0 all-reduces buckets; 1 (the distributed optimizer) reduce-scatters them, each DP
+            rank keeping the summed grads of its shard of every bucket in :attr:`shard_grads`;
+            2 and 3 stage grads per bucket, 3 also shards the params.
         zero3_reshard_after_forward: stage 3: free a unit's params after its forward.
         zero3_prefetch: stage 3: all-gather the next unit's params ahead of use.
 
     Raises:
-        ValueError: a param was not marked (no ``logical_name``), or ``zero`` is not 0..3.
+        ValueError: a param was not marked (no ``meta``), or ``zero`` is not 0..3.
     """
 
-    def __init__(self, chunks, ctx, *, grad_dtype: torch.dtype = torch.float32,
-                 bucket_size_mb: float = 40.0, overlap_grad_reduce: bool = True,
-                 use_distributed_optimizer: bool = False, zero: int | None = None,
+    def __init__(self, chunks, ctx: ParallelContext, *, grad_dtype: torch.dtype = torch.float32,
+                 bucket_size_mb: float = 40.0, overlap_grad_reduce: bool = True, zero: int = 0,
                  zero3_reshard_after_forward: bool = True, zero3_prefetch: bool = True) -> None:
         self.chunks = [chunks] if isinstance(chunks, nn.Module) else list(chunks)
         self.ctx = ctx
         self.grad_dtype = grad_dtype
         self.overlap_grad_reduce = bool(overlap_grad_reduce)
-        self.zero = int(zero) if zero is not None else int(bool(use_distributed_optimizer))
-        check_zero_level(self.zero)
-        self.use_distributed_optimizer = self.zero >= 1
+        self.zero = int(zero)
+        reducer = reducer_class(self.zero)  # raises on a bad stage, before any buffer
         params = chunk_params(self.chunks)
         for p in params:
-            if not hasattr(p, "logical_name"):
-                raise ValueError(f"a param of shape {tuple(p.shape)} has no logical_name: every "
-                                 "param must be marked with paratron.parallel.params.mark")
-        self.buffers = self._build_buffers(params, bucket_size_mb)
+            if not is_marked(p):
+                raise ValueError(f"a param of shape {tuple(p.shape)} has no meta: every param must "
+                                 "be marked with paratron.parallel.params.mark")
+        self.buffers = self._build_buffers(params, bucket_size_mb, reducer)
         self.params = params
 
-        # ZeRO: the summed grads of this rank's shard of each bucket land in shard_grads.
-        self.sharded = ShardedGrads(self.buffers, self.zero, grad_dtype) if self.zero else None
-        self.shard_grads = self.sharded.shard_grads if self.sharded else [[] for _ in self.buffers]
-        self.param_shards = (ParamShards(self.buffers, self.chunks, prefetch=zero3_prefetch,
-                                         reshard_after_forward=zero3_reshard_after_forward)
-                             if self.zero == 3 else None)
+        # The one choice per stage: what a bucket's reduction is and where the sums land.
+        self.reducer = reducer(self.buffers, grad_dtype, stage=self.zero, chunks=self.chunks,
+                               prefetch=zero3_prefetch, reshard_after_forward=zero3_reshard_after_forward)
+        self.shard_grads = self.reducer.shard_grads
+        self.param_shards = self.reducer.param_shards
+        # The schedule launches buckets only for a reducer that reduces whole buckets.
+        self._schedules_launches = self.overlap_grad_reduce and self.reducer.launches_buckets
 
         self._where = {id(p): (i, b.index) for i, buf in enumerate(self.buffers)
                        for b in buf.buckets for p in b.params}
@@ -173,32 +176,30 @@ class DistributedDataParallel:
         self._uses: dict[int, int] = {}     # grads seen inside the last backward, per param id
         self.finalized = False
         for p in params:
-            p.grad_ready_hook = self._grad_ready
-            if self.zero >= 2:
-                p.acquire_main_grad = self.sharded.acquire
+            p.meta.grad_ready_hook = self._grad_ready
+            p.meta.acquire_main_grad = self.reducer.acquire  # None with a full grad buffer
             p.register_post_accumulate_grad_hook(self._autograd_grad_ready)
         self._reset_step()
 
-    def _build_buffers(self, params, bucket_size_mb: float) -> list[GradBuffer]:
+    def _build_buffers(self, params, bucket_size_mb: float, reducer) -> list[GradBuffer]:
         bucket_numel = int(bucket_size_mb * 2**20) // torch.empty((), dtype=self.grad_dtype).element_size()
         # Reverse registration order approximates the order in which backward produces grads.
         kinds: dict[tuple[torch.dtype, bool], list] = {}
         for p in reversed(params):
-            kinds.setdefault((p.dtype, bool(getattr(p, "is_expert", False))), []).append(p)
-        units = unit_ids(self.chunks, params) if self.zero == 3 else {}
+            kinds.setdefault((p.dtype, p.meta.is_expert), []).append(p)
+        units = reducer.bucket_units(self.chunks, params)
         return [GradBuffer.build(ps, [_needs_model_parallel_reduction(p) for p in ps],
                                  group=self.ctx.expert_dp if is_expert else self.ctx.dp_cp,
                                  is_expert=is_expert, grad_dtype=self.grad_dtype,
                                  bucket_numel=bucket_numel, units=[units.get(id(p), 0) for p in ps],
-                                 allocate_grads=self.zero < 2)
+                                 allocate_grads=reducer.allocates_grads)
                 for (_, is_expert), ps in kinds.items()]
 
     # ---- the per-step cycle ------------------------------------------------------------------
     def zero_grad_buffer(self) -> None:
         """Zero every main grad and start a new step (call before the first microbatch)."""
         self._reset_step()  # first: it waits for reductions still in flight on these buffers
-        if self.sharded is not None:
-            self.sharded.start_step()
+        self.reducer.start_step()
         for buf in self.buffers:
             if buf.grad_data is not None:
                 buf.grad_data.zero_()
@@ -247,43 +248,40 @@ class DistributedDataParallel:
         the same step does nothing."""
         if self.finalized:
             return
-        if self.param_shards is not None:
-            self.param_shards.release_all()
-        if self.zero >= 2:
-            self.sharded.finish()
-        else:
+        self.reducer.finish()
+        if self.reducer.launches_buckets:
             self.start_deferred()
-            for states in self._states:
-                for st in states:
-                    if st.handle is not None:
-                        st.wait()
+        for states in self._states:
+            for st in states:
+                if st.handle is not None:
+                    st.wait()
         self.finalized = True
 
     # ---- grad events -------------------------------------------------------------------------
     def _autograd_grad_ready(self, p: torch.Tensor) -> None:
         if p.grad is None:
             return
-        main = p.main_grad if getattr(p, "main_grad", None) is not None else self.sharded.acquire(p)
+        meta = p.meta
+        main = meta.main_grad if meta.main_grad is not None else meta.acquire_main_grad(p)
         main.add_(p.grad.view_as(main))
         p.grad = None
-        self._grad_ready(p)
+        meta.grad_ready_hook(p)
 
     def _grad_ready(self, p: torch.Tensor) -> None:
-        if self.zero >= 2:
-            self.sharded.grad_event(p)
+        if self.reducer.grad_event(p):  # a staged reducer takes the event itself
             return
         i, k = self._where[id(p)]
         if self._states[i][k].launched:
             raise RuntimeError(
-                f"{p.logical_name} received a grad after its bucket's DP reduction started: the "
+                f"{p.meta.logical_name} received a grad after its bucket's DP reduction started: the "
                 "backward that produced it came after the one declared the last of its chunk "
                 "(DistributedDataParallel.last_backward), or the param got more grads inside that "
                 "last backward pass than its grad_uses (a module applied twice in one forward: "
-                "declare param.grad_uses, or set parallel.overlap_grad_reduce=false)")
+                "declare param.meta.grad_uses, or set parallel.overlap_grad_reduce=false)")
         if self._closing and id(p) not in self._ready:
             if all(o in self._closing or o in self._closed for o in self._owners[id(p)]):
                 uses = self._uses[id(p)] = self._uses.get(id(p), 0) + 1
-                if uses >= getattr(p, "grad_uses", 1):
+                if uses >= p.meta.grad_uses:
                     self._mark_ready(p)
                     self._launch_ready(i)
 
@@ -296,7 +294,7 @@ class DistributedDataParallel:
 
     def _launch_ready(self, i: int) -> None:
         buf, states = self.buffers[i], self._states[i]
-        if not self.overlap_grad_reduce or self.zero >= 2:
+        if not self._schedules_launches:
             return
         n = self._next[i]
         while n < len(buf.buckets) and states[n].pending == 0 and not buf.buckets[n].deferred:
@@ -313,12 +311,7 @@ class DistributedDataParallel:
     def _launch(self, i: int, bucket: Bucket) -> None:
         buf = self.buffers[i]
         st = self._states[i][bucket.index]
-        flat = buf.grad_data[bucket.start:bucket.end]
-        if self.use_distributed_optimizer:
-            st.handle = buf.group.reduce_scatter_into(self.shard_grads[i][bucket.index], flat,
-                                                      async_op=True)
-        else:
-            st.handle = buf.group.all_reduce(flat, async_op=True)
+        st.handle = self.reducer.launch(i, bucket)
         st.launched = True
         rec = self.ctx.ledger.intervals
         if rec is not None and st.handle is not None:  # recorded for a step's timeline
@@ -344,12 +337,7 @@ class DistributedDataParallel:
         whole buffer without ZeRO, its shard of every bucket with ZeRO-1. ``grads`` is the
         ``[end - start]`` tensor that holds the DP-summed grads of the range after
         :meth:`finish_grad_sync`."""
-        buf = self.buffers[i]
-        if not self.use_distributed_optimizer:
-            return [(0, buf.numel, buf.grad_data)]
-        g = buf.group
-        return [(*b.shard_range(max(g.rank, 0), g.size), self.shard_grads[i][b.index])
-                for b in buf.buckets]
+        return self.reducer.owned_ranges(i)
 
     @contextmanager
     def full_params(self, writeback: bool = False):
@@ -374,12 +362,9 @@ class DistributedDataParallel:
         params = (self.param_shards.param_tensors() if self.param_shards is not None
                   else [b.param_data for b in self.buffers])
         grads = [b.grad_data for b in self.buffers if b.grad_data is not None]
-        if self.sharded is not None:
-            grads += self.sharded.grad_tensors()
+        grads += self.reducer.grad_tensors()
         return {"params": params, "grads": grads}
 
     def num_launched(self) -> int:
         """Buckets whose reduction has started this step (for tests and logging)."""
-        if self.zero >= 2:
-            return self.sharded.flushes
-        return sum(st.launched for states in self._states for st in states)
+        return self.reducer.launches

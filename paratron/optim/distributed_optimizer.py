@@ -19,7 +19,7 @@ def gather_params(ddp) -> None:
 
     Args:
         ddp: a :class:`~paratron.optim.ddp.DistributedDataParallel` built with
-            ``use_distributed_optimizer=True`` whose owned slices already hold the new params.
+            ``zero=1`` (or above) whose owned slices already hold the new params.
     """
     handles = []
     for buf in ddp.buffers:

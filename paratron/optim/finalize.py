@@ -14,11 +14,12 @@ and every reduction is waited for.
 
 from __future__ import annotations
 
+from ..parallel.context import ParallelContext
 from ..parallel.grads import allreduce_embedding_grads, allreduce_sequence_parallel_grads
-from ..parallel.params import unique_params
+from ..parallel.params import meta_of, unique_params
 
 
-def finalize_grads(chunks, ctx, ddp=None) -> None:
+def finalize_grads(chunks, ctx: ParallelContext, ddp=None) -> None:
     """Model-parallel grad all-reduces, then DP: afterwards the main grads (or ZeRO-1 shard
     grads) of every param are the sums over every rank that computed a part of them.
 
@@ -39,7 +40,7 @@ def finalize_grads(chunks, ctx, ddp=None) -> None:
     if ddp is not None and ddp.finalized:
         return
     params = ddp.params if ddp is not None else unique_params(chunks, trainable_only=True)
-    if ddp is None and any(getattr(p, "main_grad", None) is not None for p in params):
+    if ddp is None and any(meta_of(p).main_grad is not None for p in params):
         raise ValueError("finalize_grads: these chunks are wrapped by DistributedDataParallel; "
                          "pass it as ddp= (its buffers hold the grads)")
     allreduce_sequence_parallel_grads(params, ctx)

@@ -149,7 +149,7 @@ class GradBuffer:
         dtype, device = params[0].dtype, params[0].device
         for p in params:
             if p.dtype != dtype or p.device != device:
-                raise ValueError(f"{p.logical_name}: dtype {p.dtype} on {p.device} differs from the "
+                raise ValueError(f"{p.meta.logical_name}: dtype {p.dtype} on {p.device} differs from the "
                                  f"buffer's {dtype} on {device}")
         pad = max(group.size, 1)
         limit = bucket_numel if bucket_numel > 0 else float("inf")
@@ -170,6 +170,6 @@ class GradBuffer:
                 view.copy_(p.data)
             p.data = view
             if grad_data is not None:
-                p.main_grad = grad_data[s:e].view_as(p)
+                p.meta.main_grad = grad_data[s:e].view_as(p)
         return cls(group, is_expert, param_data, grad_data, buckets, index, ordered,
                    {id(p): p.shape for p in ordered}, dtype, grad_dtype, device)

@@ -24,7 +24,7 @@ stepped by AdamW, as both papers prescribe.
 
 **Logical matrices.** A fused weight holds several matrices that act independently, so each is
 orthogonalised on its own (with its own scale): SwiGLU's ``fc1 = [gate; up]`` (a strided shard)
-always, and the fused QKV (``param.qkv_split``: per KV group ``[q rows; k row block; v row
+always, and the fused QKV (``param.meta.qkv_split``: per KV group ``[q rows; k row block; v row
 block]``) as Q, K and V when ``optimizer.muon_split_qkv`` (Megatron's default). Orthogonalising
 the fused weight whole would couple matrices that merely share a GEMM.
 
@@ -72,9 +72,9 @@ ADAMW_PREFIXES = ("embedding.", "output_layer.")
 
 def uses_muon(p: torch.Tensor) -> bool:
     """Whether Muon steps ``p``: a 2-D weight outside the embeddings and the output head."""
-    if len(p.shard.global_shape) != 2 or getattr(p, "shared_embedding", False):
+    if len(p.meta.shard.global_shape) != 2 or p.meta.shared_embedding:
         return False
-    return not p.logical_name.startswith(ADAMW_PREFIXES)
+    return not p.meta.logical_name.startswith(ADAMW_PREFIXES)
 
 
 def newton_schulz(g: torch.Tensor, steps: int = 5, coefficients=NS_COEFFICIENTS,
@@ -129,19 +129,19 @@ def scale_factor(rows: int, cols: int, mode: str = "spectral", extra: float = 1.
 def split_logical(full: torch.Tensor, p, split_qkv: bool = True) -> list[torch.Tensor]:
     """The logical matrices inside the full 2-D tensor of ``p`` (module docstring): Q, K, V of a
     grouped fused QKV, the ``stride`` blocks of a strided weight, else the tensor itself."""
-    qkv = getattr(p, "qkv_split", None)
+    qkv = p.meta.qkv_split
     if qkv is not None and split_qkv:
         groups, rows = qkv
         grouped = full.reshape(groups, sum(rows), full.shape[-1])
         return [t.reshape(-1, full.shape[-1]) for t in grouped.split(list(rows), dim=1)]
-    if p.shard.stride > 1:
-        return list(full.chunk(p.shard.stride, dim=0))
+    if p.meta.shard.stride > 1:
+        return list(full.chunk(p.meta.shard.stride, dim=0))
     return [full]
 
 
 def join_logical(parts: list[torch.Tensor], p, split_qkv: bool = True) -> torch.Tensor:
     """The inverse of :func:`split_logical`."""
-    qkv = getattr(p, "qkv_split", None)
+    qkv = p.meta.qkv_split
     if qkv is not None and split_qkv:
         groups, _ = qkv
         cols = parts[0].shape[-1]
@@ -181,7 +181,7 @@ class MuonStep:
         out = []
         for si, seg in enumerate(opt.segments):
             buf = ddp.buffers[seg.buffer]
-            if ddp.use_distributed_optimizer and buf.group.size > 1:
+            if ddp.zero >= 1 and buf.group.size > 1:
                 bucket = next(b for b in buf.buckets if b.start <= seg.start < b.end)
                 params = [p for p in bucket.params if uses_muon(p)]
             else:
@@ -206,7 +206,7 @@ class MuonStep:
                 s, e = buf.index[id(p)]
                 local = region[s - base:e - base].view(buf.shapes[id(p)])
                 full = orthogonalised_update(self._gather_tp(local, p), p, c)
-                out[s - base:e - base] = full[p.shard.slices()].reshape(-1)
+                out[s - base:e - base] = full[p.meta.shard.slices()].reshape(-1)
             self._apply(si, self._share(si, bucket, out), lr, float(c.weight_decay))
 
     def _assigned(self, params: list, buf) -> list:
@@ -219,7 +219,7 @@ class MuonStep:
         load = [0] * g.size
         mine = []
         for p in params:
-            shape = p.shard.global_shape
+            shape = p.meta.shard.global_shape
             r = min(range(g.size), key=lambda k: (load[k], k))
             load[r] += shape[0] * shape[1] * min(shape)
             if r == max(g.rank, 0):
@@ -270,7 +270,7 @@ class MuonStep:
 
     def _gather_tp(self, local: torch.Tensor, p) -> torch.Tensor:
         ctx = self.opt.ctx
-        group = ctx.expert_tp if getattr(p, "is_expert", False) else ctx.tp
+        group = ctx.expert_tp if p.meta.is_expert else ctx.tp
         return gather_full(local, p, group)
 
     def _apply(self, si: int, update: torch.Tensor, lr: float, wd: float) -> None:

@@ -30,6 +30,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from ..parallel.context import ParallelContext
 from .clip import clip_coefficient, owns_for_norm, sum_of_squares
 from .ddp import DistributedDataParallel
 from .distributed_optimizer import gather_params
@@ -102,7 +103,7 @@ class Optimizer:
 
     Args:
         ddp: the :class:`DistributedDataParallel` whose buffers hold the params and grads;
-            ZeRO-1 when it was built with ``use_distributed_optimizer=True``.
+            ZeRO-1 when it was built with ``zero=1``.
         ctx: the parallel context.
         cfg: :class:`paratron.config.OptimizerConfig` (name, lr, weight_decay, betas, eps,
             sgd_momentum, clip_grad, loss-scale fields).
@@ -112,7 +113,8 @@ class Optimizer:
         ValueError: unknown optimizer name or precision.
     """
 
-    def __init__(self, ddp: DistributedDataParallel, ctx, cfg, *, precision: str = "fp32") -> None:
+    def __init__(self, ddp: DistributedDataParallel, ctx: ParallelContext, cfg, *,
+                 precision: str = "fp32") -> None:
         precision_dtype(precision)  # validates the name
         if cfg.name not in ("adamw", "sgd", "muon"):
             raise ValueError(f"optimizer.name={cfg.name!r} must be 'adamw', 'sgd' or 'muon'")
@@ -234,7 +236,7 @@ class Optimizer:
         return [tuple(r) for r in runs]
 
     def _build_views(self) -> None:
-        zero = self.ddp.use_distributed_optimizer
+        zero = self.ddp.zero >= 1
         groups = {i: buf.group for i, buf in enumerate(self.ddp.buffers)}
         seg_of = self.segments
 
@@ -244,7 +246,7 @@ class Optimizer:
 
         self._buffer_of = {id(pc.param): seg_of[pc.segment].buffer for pc in self.pieces}
         self._norm_views = [seg_of[s].grad[a:b] for s, a, b in self._runs(owner)]
-        decay_runs = self._runs(lambda p: not getattr(p, "no_weight_decay", False))
+        decay_runs = self._runs(lambda p: not p.meta.no_weight_decay)
         self._decay_main = [seg_of[s].main[a:b] for s, a, b in decay_runs]
         self._grads = [s.grad for s in self.segments]
         self._places = self._place_views(decay_runs)
@@ -275,7 +277,7 @@ class Optimizer:
         self._adam_lists = ([seg_of[s].main[a:b] for s, a, b, _ in runs["exp_avg"]],
                             [seg_of[s].grad[a:b] for s, a, b, _ in runs["exp_avg"]],
                             [v for *_, v in runs["exp_avg"]], [v for *_, v in runs["exp_avg_sq"]])
-        decay = self._runs(lambda p: not uses_muon(p) and not getattr(p, "no_weight_decay", False))
+        decay = self._runs(lambda p: not uses_muon(p) and not p.meta.no_weight_decay)
         self._decay_main = [seg_of[s].main[a:b] for s, a, b in decay]
 
     def _use_fused(self) -> bool:
@@ -288,7 +290,7 @@ class Optimizer:
     def _fused_groups(self, decay_runs) -> list:
         """``(mains, grads, exp_avgs, exp_avg_sqs, weight_decay)`` views of the decay and the
         no-decay runs, for :func:`~paratron.optim.update_rules.fused_adamw_step`."""
-        plain_runs = self._runs(lambda p: getattr(p, "no_weight_decay", False))
+        plain_runs = self._runs(lambda p: p.meta.no_weight_decay)
         self._step_t = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
         out = []
         for runs, wd in ((decay_runs, float(self.cfg.weight_decay)), (plain_runs, 0.0)):
@@ -387,7 +389,7 @@ class Optimizer:
         for pc in self.pieces:
             g = self.segments[pc.segment].grad[pc.at:pc.at + pc.hi - pc.lo]
             if not bool(torch.isfinite(g).all()):
-                return pc.param.logical_name
+                return pc.param.meta.logical_name
         return None
 
     def _low_precision_state(self) -> bool:
@@ -461,12 +463,12 @@ class Optimizer:
         out: dict[str, list] = {}
         for pc, kinds in zip(self.pieces, self._piece_state):
             p = pc.param
-            rects = rectangles(pc.shape, p.shard, pc.lo, pc.hi, p.logical_name)
+            rects = rectangles(pc.shape, p.meta.shard, pc.lo, pc.hi, p.meta.logical_name)
             if not rects:
                 continue
             for kind, flat in kinds.items():
                 views = chunk_views(flat, pc.lo, rects)
-                out.setdefault(f"optimizer/{kind}/{p.logical_name}", []).extend(views)
+                out.setdefault(f"optimizer/{kind}/{p.meta.logical_name}", []).extend(views)
         return out
 
     def copy_params_into_main(self, params) -> None:
@@ -478,7 +480,7 @@ class Optimizer:
         :meth:`sharded_state_dict` (``optimizer/main_param/<logical_name>``) is a rectangle of the
         param's 2-D view ``[prod(shape[:-1]), shape[-1]]`` (:mod:`paratron.optim.state_chunks`).
         """
-        by_name = {p.logical_name: p for p in params}
+        by_name = {p.meta.logical_name: p for p in params}
         prefix = "optimizer/main_param/"
         for key, views in self.sharded_state_dict().items():
             if key.startswith(prefix):
@@ -538,10 +540,10 @@ def _state_kinds(cfg) -> dict:
     return {"exp_avg": adam, "exp_avg_sq": adam, "momentum": uses_muon}
 
 
-def build_optimizer(chunks, ctx, opt_cfg, ddp: DistributedDataParallel | None = None, *,
+def build_optimizer(chunks, ctx: ParallelContext, opt_cfg, ddp: DistributedDataParallel | None = None, *,
                     precision: str = "fp32") -> Optimizer:
     """The optimizer for ``chunks``: AdamW or SGD (``opt_cfg.name``), ZeRO-1 when ``ddp`` was
-    built with ``use_distributed_optimizer=True``.
+    built with ``zero=1``.
 
     Args:
         chunks: the model chunks ``ddp`` wraps (a plain DDP with default settings is built when
@@ -562,6 +564,6 @@ def build_optimizer(chunks, ctx, opt_cfg, ddp: DistributedDataParallel | None = 
                          "fp32 main grads (grad_dtype=torch.float32)")
     for p in ddp.params:
         if p.dtype not in (want, torch.float32):
-            raise ValueError(f"{p.logical_name}: dtype {p.dtype} does not match "
+            raise ValueError(f"{p.meta.logical_name}: dtype {p.dtype} does not match "
                              f"train.precision={precision!r}")
     return Optimizer(ddp, ctx, opt_cfg, precision=precision)

@@ -103,7 +103,7 @@ def units_of(chunk: nn.Module) -> list[Unit]:
     covered = {id(p) for u in units for p in u.params}
     rest = [p for p in unique_params(chunk, trainable_only=True) if id(p) not in covered]
     if rest:
-        raise ValueError(f"ZeRO-3: params {[p.logical_name for p in rest]} belong to no unit of the chunk")
+        raise ValueError(f"ZeRO-3: params {[p.meta.logical_name for p in rest]} belong to no unit of the chunk")
     # Frozen params (a LoRA base) are never sharded: a unit of only frozen params gathers nothing.
     return [u for u in units if u.params]
 

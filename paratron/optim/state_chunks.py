@@ -151,7 +151,7 @@ def _same_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _param_blocks_2d(p) -> list[tuple[torch.Tensor, int, int]]:
     """The valid part of ``p`` as 2-D views, one per contiguous block of its shard, each with
     its row/column offset in the full 2-D view."""
-    spec = p.shard
+    spec = p.meta.shard
     valid = spec.valid(p.detach())
     out = []
     for first, block in spec.blocks():

@@ -7,9 +7,9 @@ per bucket, this rank's fp32 ``[bucket.numel / N_d]`` shard of the DP-summed gra
 optimizer updates from. What differs between stages is only where the full-size tensors live:
 
 * stage 1 (P_os): DDP keeps the full ``grad_data`` buffer and reduce-scatters a bucket into its
-  shard once per step (:mod:`paratron.optim.ddp`);
+  shard once per step (:class:`~paratron.optim.reducers.ReduceScatterBuckets`);
 * stage 2 (P_os+g): there is no full grad buffer. The first grad of a bucket allocates a
-  bucket-sized staging tensor and attaches ``main_grad`` views into it; once every param of the
+  bucket-sized staging tensor and attaches ``meta.main_grad`` views into it; once every param of the
   bucket has had a grad since the last flush, the staging tensor is reduce-scattered (async) and
   the result added into the shard, then the staging tensor is dropped. With gradient
   accumulation that is once per microbatch (the price of not keeping full grads, as in
@@ -69,12 +69,12 @@ class ShardedGrads:
 
     # ---- stage >= 2: staging and flushing --------------------------------------------------
     def acquire(self, p: torch.Tensor) -> torch.Tensor:
-        """The ``main_grad`` of ``p``: a view into its bucket's staging tensor (allocated, zeroed,
+        """The ``meta.main_grad`` of ``p``: a view into its bucket's staging tensor (allocated, zeroed,
         on the first grad of the bucket since its last flush)."""
         i, k = self._where[id(p)]
         if self._staging[i][k] is None:
             self._stage(i, k)
-        return p.main_grad
+        return p.meta.main_grad
 
     def _stage(self, i: int, k: int) -> None:
         buf = self.buffers[i]
@@ -83,10 +83,10 @@ class ShardedGrads:
         self._staging[i][k] = flat
         for p in b.params:
             s, e = buf.index[id(p)]
-            p.main_grad = flat[s - b.start:e - b.start].view(buf.shapes[id(p)])
+            p.meta.main_grad = flat[s - b.start:e - b.start].view(buf.shapes[id(p)])
 
     def grad_event(self, p: torch.Tensor) -> None:
-        """``p``'s ``main_grad`` just received a grad: flush its bucket once every param of the
+        """``p``'s ``meta.main_grad`` just received a grad: flush its bucket once every param of the
         bucket has one (not for deferred buckets, nor while sync is held)."""
         i, k = self._where[id(p)]
         seen = self._seen[i][k]
@@ -107,7 +107,7 @@ class ShardedGrads:
         self._staging[i][k] = None
         self._seen[i][k].clear()
         for p in b.params:
-            p.main_grad = None
+            p.meta.main_grad = None
         self.flushes += 1
 
     def _drain(self) -> None:
@@ -141,7 +141,7 @@ class ShardedGrads:
                 self._seen[i][b.index].clear()
                 self._staging[i][b.index] = None
                 for p in b.params:
-                    p.main_grad = None
+                    p.meta.main_grad = None
                 if b.deferred:
                     self._stage(i, b.index)
 
@@ -160,8 +160,8 @@ ZERO_LEVELS = (0, 1, 2, 3)
 
 def check_zero_level(zero: int) -> None:
     """The rule of ``parallel.zero``; pure, so the config validator runs it before any process
-    group exists, and :class:`~paratron.optim.ddp.DistributedDataParallel` and
-    :func:`model_state_bytes_per_rank` run it again.
+    group exists, and :func:`~paratron.optim.reducers.reducer_class` (which
+    :class:`~paratron.optim.ddp.DistributedDataParallel` calls) and :func:`model_state_bytes_per_rank` run it again.
 
     Raises:
         ValueError: ``zero`` not in :data:`ZERO_LEVELS`.

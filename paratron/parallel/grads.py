@@ -5,9 +5,9 @@ once in their backward or later, when a zero-bubble schedule runs the deferred W
 layer then pushes a closure into its :class:`WeightGradStore` (Qi et al. 2023, section 2: the
 backward is split into B, the input grad, and W, the weight grad).
 
-:func:`accumulate_grad` adds into ``param.main_grad`` when DDP has attached one (an fp32 view into
-its grad buffer; with ZeRO-2/3 ``param.acquire_main_grad(param)`` returns one, staged on demand),
-else into ``param.grad``, then calls ``param.grad_ready_hook(param)`` if DDP set
+:func:`accumulate_grad` adds into ``param.meta.main_grad`` when DDP has attached one (an fp32 view
+into its grad buffer; with ZeRO-2/3 ``param.meta.acquire_main_grad(param)`` returns one, staged on
+demand), else into ``param.grad``, then calls ``param.meta.grad_ready_hook(param)`` if DDP set
 one, so that bucket reductions can start (overlap).
 """
 
@@ -18,6 +18,9 @@ from typing import Callable
 
 import torch
 
+from .context import ParallelContext
+from .params import meta_of
+
 
 @torch.no_grad()
 def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
@@ -25,18 +28,18 @@ def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
 
     Runs without autograd: a deferred W action executes outside the backward pass, where its
     inputs may still require grad."""
-    main = getattr(param, "main_grad", None)
-    if main is None and hasattr(param, "acquire_main_grad"):
-        main = param.acquire_main_grad(param)
+    meta = meta_of(param)
+    main = meta.main_grad
+    if main is None and meta.acquire_main_grad is not None:
+        main = meta.acquire_main_grad(param)
     if main is not None:
         main.add_(grad.view_as(main))
     elif param.grad is None:
         param.grad = grad.detach().to(param.dtype).clone()
     else:
         param.grad.add_(grad.to(param.grad.dtype))
-    hook = getattr(param, "grad_ready_hook", None)
-    if hook is not None:
-        hook(param)
+    if meta.grad_ready_hook is not None:
+        meta.grad_ready_hook(param)
 
 
 def run_or_defer(owner, compute: Callable[[], None]) -> None:
@@ -101,11 +104,11 @@ class WeightGradStore:
 
 
 def _grad_of(param: torch.Tensor) -> torch.Tensor | None:
-    main = getattr(param, "main_grad", None)
+    main = meta_of(param).main_grad
     return main if main is not None else param.grad
 
 
-def allreduce_embedding_grads(params, ctx) -> None:
+def allreduce_embedding_grads(params, ctx: ParallelContext) -> None:
     """Sum the grads of tied-embedding copies (``shared_embedding=True``) over ``ctx.embedding``.
 
     With pipeline parallelism the first stage owns the input embedding and the last stage a copy
@@ -117,7 +120,7 @@ def allreduce_embedding_grads(params, ctx) -> None:
     if not group.is_member or group.size == 1:
         return
     for p in params:
-        if getattr(p, "shared_embedding", False):
+        if meta_of(p).shared_embedding:
             g = _grad_of(p)
             if g is None:
                 g = torch.zeros_like(p)
@@ -125,7 +128,7 @@ def allreduce_embedding_grads(params, ctx) -> None:
             group.all_reduce(g)
 
 
-def allreduce_sequence_parallel_grads(params, ctx) -> None:
+def allreduce_sequence_parallel_grads(params, ctx: ParallelContext) -> None:
     """Sum over ``ctx.tp`` the grads of replicated params fed sequence-sharded activations.
 
     Under sequence parallelism each TP rank sees ``s/tp`` positions, so the grads of norm weights
@@ -139,7 +142,7 @@ def allreduce_sequence_parallel_grads(params, ctx) -> None:
         return
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for p in params:
-        if getattr(p, "sequence_parallel", False):
+        if meta_of(p).sequence_parallel:
             g = _grad_of(p)
             if g is not None:
                 by_dtype.setdefault(g.dtype, []).append(g)

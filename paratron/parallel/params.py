@@ -1,12 +1,15 @@
 """What every parameter carries, so that optimizers, clipping and checkpoints need no model knowledge.
 
-Layers call :func:`mark` on each parameter they create. The attributes:
+Layers call :func:`mark` on each parameter they create; it attaches one typed
+:class:`ParamMeta` as ``param.meta`` (the only attribute paratron puts on a parameter). Its fields:
 
 =======================  ==================================================================
+``logical_name``         the layout-independent name, e.g. ``layers.3.mlp.fc1.weight``; used to
+                         seed initialisation and to key checkpoints.
 ``shard``                :class:`ShardSpec`: the full (logical, unpadded) tensor's shape and this
                          rank's slice of it. Checkpoints save by it; clipping and ZeRO use it.
-``tensor_parallel``      True when the tensor is split over the (expert-)TP group.
-``partition_dim``        the dim split over TP (-1 when replicated).
+``partition_dim``        the dim split over TP (-1 when replicated); ``tensor_parallel`` (a
+                         property) is True when it is split over the (expert-)TP group.
 ``sequence_parallel``    replicated over TP but fed sequence-sharded activations: its grads are
                          all-reduced over TP (Korthikanti et al. 2022, section 4.2.2).
 ``is_expert``            an expert's param: grads reduce over ``expert_dp``, not ``dp``.
@@ -14,20 +17,29 @@ Layers call :func:`mark` on each parameter they create. The attributes:
                          pipeline stage: grads are all-reduced over the ``embedding`` group, and
                          norms count only the first stage's copy.
 ``no_weight_decay``      biases and norm weights.
-``grad_uses``            optional (default 1): how many grads one backward pass gives the param
-                         (an expert run once per dispatch chunk); DDP starts the param's bucket
-                         reduction during the last backward only after that many.
-``qkv_split``            optional, on a fused QKV weight: ``(groups, (q_rows, k_rows, v_rows))``:
-                         dim 0 of the full tensor is ``groups`` row blocks ``[q; k; v]`` (Muon
+``grad_uses``            how many grads one backward pass gives the param (default 1; an expert
+                         run once per dispatch chunk); DDP starts the param's bucket reduction
+                         during the last backward only after that many.
+``qkv_split``            on a fused QKV weight: ``(groups, (q_rows, k_rows, v_rows))``: dim 0 of
+                         the full tensor is ``groups`` row blocks ``[q; k; v]`` (Muon
                          orthogonalises Q, K and V separately, :mod:`paratron.optim.muon`).
-``logical_name``         the layout-independent name, e.g. ``layers.3.mlp.fc1.weight``; used to
-                         seed initialisation and to key checkpoints.
 =======================  ==================================================================
+
+Set by :class:`~paratron.optim.ddp.DistributedDataParallel` (None until then): ``main_grad``
+(the fp32 view into the grad buffer that linears accumulate into; under ZeRO-2/3 attached while
+its bucket is staged), ``grad_ready_hook(param)`` (called after each grad lands) and
+``acquire_main_grad(param)`` (ZeRO-2/3: stage the bucket and return ``main_grad``). ``main_grad``
+lives in the meta like the rest: the hot path (:func:`paratron.parallel.grads.accumulate_grad`)
+pays one attribute lookup more, and nothing outside paratron reads it.
+
+:func:`meta_of` reads the meta of a parameter that may be unmarked (a frozen or foreign
+parameter): it then returns the defaults, as if the parameter were replicated and plain.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -89,6 +101,31 @@ class ShardSpec:
         return local[tuple(slice(0, n) for n in self.local_shape)]
 
 
+@dataclass(eq=False)
+class ParamMeta:
+    """The metadata :func:`mark` attaches to a parameter as ``param.meta`` (fields: see the
+    module docstring). Mutable: DDP sets the last three; models set ``shared_embedding``,
+    ``grad_uses`` and ``qkv_split`` after marking."""
+
+    logical_name: str
+    shard: ShardSpec
+    partition_dim: int = -1
+    sequence_parallel: bool = False
+    is_expert: bool = False
+    shared_embedding: bool = False
+    no_weight_decay: bool = False
+    grad_uses: int = 1
+    qkv_split: tuple[int, tuple[int, int, int]] | None = None
+    main_grad: torch.Tensor | None = None
+    grad_ready_hook: Callable[[torch.Tensor], None] | None = None
+    acquire_main_grad: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    @property
+    def tensor_parallel(self) -> bool:
+        """True when the tensor is split over the (expert-)TP group."""
+        return self.partition_dim >= 0
+
+
 def mark(
     param: torch.Tensor,
     logical_name: str,
@@ -99,16 +136,22 @@ def mark(
     shared_embedding: bool = False,
     no_weight_decay: bool = False,
 ) -> torch.Tensor:
-    """Attach the attributes above to ``param`` (in place) and return it."""
-    param.logical_name = logical_name
-    param.shard = shard if shard is not None else ShardSpec.replicated(param.shape)
-    param.partition_dim = partition_dim
-    param.tensor_parallel = partition_dim >= 0
-    param.sequence_parallel = sequence_parallel
-    param.is_expert = is_expert
-    param.shared_embedding = shared_embedding
-    param.no_weight_decay = no_weight_decay
+    """Attach a :class:`ParamMeta` as ``param.meta`` (in place) and return ``param``."""
+    param.meta = ParamMeta(logical_name, shard if shard is not None else ShardSpec.replicated(param.shape),
+                           partition_dim, sequence_parallel, is_expert, shared_embedding, no_weight_decay)
     return param
+
+
+def is_marked(param: torch.Tensor) -> bool:
+    """True when :func:`mark` has given ``param`` its :class:`ParamMeta`."""
+    return isinstance(getattr(param, "meta", None), ParamMeta)
+
+
+def meta_of(param: torch.Tensor) -> ParamMeta:
+    """``param.meta``, or for an unmarked param a fresh default (replicated, plain, no name):
+    for reads that must tolerate params :func:`mark` never saw."""
+    meta = getattr(param, "meta", None)
+    return meta if isinstance(meta, ParamMeta) else ParamMeta("", ShardSpec.replicated(param.shape))
 
 
 def is_replica_owner(param: torch.Tensor, tp_rank: int, is_first_stage: bool) -> bool:
@@ -118,9 +161,10 @@ def is_replica_owner(param: torch.Tensor, tp_rank: int, is_first_stage: bool) ->
     TP rank (each rank owns a disjoint slice), replicated params only on TP rank 0, and tied
     embedding copies only on the first pipeline stage.
     """
-    if getattr(param, "shared_embedding", False) and not is_first_stage:
+    meta = meta_of(param)
+    if meta.shared_embedding and not is_first_stage:
         return False
-    return getattr(param, "tensor_parallel", False) or tp_rank == 0
+    return meta.tensor_parallel or tp_rank == 0
 
 
 def load_full_(param: torch.Tensor, full: torch.Tensor) -> None:
@@ -129,9 +173,9 @@ def load_full_(param: torch.Tensor, full: torch.Tensor) -> None:
     Raises:
         ValueError: ``full`` does not have the param's global shape.
     """
-    spec: ShardSpec = param.shard
+    spec: ShardSpec = param.meta.shard
     if tuple(full.shape) != tuple(spec.global_shape):
-        raise ValueError(f"{param.logical_name}: full tensor has shape {tuple(full.shape)}, "
+        raise ValueError(f"{param.meta.logical_name}: full tensor has shape {tuple(full.shape)}, "
                          f"expected {tuple(spec.global_shape)}")
     with torch.no_grad():
         spec.valid(param).copy_(full[spec.slices()])
@@ -142,9 +186,9 @@ def gather_full(local: torch.Tensor, param: torch.Tensor, group) -> torch.Tensor
     ``group`` (the TP group ``param`` is split over; every rank of it must call this), without
     vocab padding. A strided shard's pieces are put back block by block.
     """
-    spec: ShardSpec = param.shard
-    if getattr(param, "tensor_parallel", False):
-        local = group.all_gather(local.contiguous(), dim=param.partition_dim)
+    spec: ShardSpec = param.meta.shard
+    if param.meta.tensor_parallel:
+        local = group.all_gather(local.contiguous(), dim=param.meta.partition_dim)
         if spec.stride > 1:  # [r0: b0 b1 | r1: b0 b1] -> [b0: r0 r1 | b1: r0 r1]
             shape = local.shape
             local = local.reshape(group.size, spec.stride, -1, *shape[1:]).transpose(0, 1).reshape(shape)

@@ -15,6 +15,8 @@ from contextlib import contextmanager
 
 import torch
 
+from .context import ParallelContext
+
 __all__ = ["RNGStatesTracker", "MODEL_PARALLEL_RNG", "MODEL_PARALLEL_SEED_OFFSET"]
 
 MODEL_PARALLEL_RNG = "model-parallel"
@@ -66,7 +68,7 @@ class RNGStatesTracker:
         ValueError: :meth:`add` of an existing name; :meth:`fork` of an unknown name.
     """
 
-    def __init__(self, seed: int, ctx):
+    def __init__(self, seed: int, ctx: ParallelContext):
         self.base_seed = int(seed) + PIPELINE_SEED_STRIDE * max(ctx.pp.rank, 0)
         self.tp_rank = max(ctx.tp.rank, 0)
         self._states: dict[str, dict[str, torch.Tensor]] = {}

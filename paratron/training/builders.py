@@ -133,7 +133,7 @@ def build_checkpoint_manager(cfg: Config, ctx):
 
 def count_params(chunks, ctx) -> int:
     """Logical parameter count of the whole model: each logical tensor once, at its full shape."""
-    local = {p.logical_name: math.prod(p.shard.global_shape) for c in chunks for p in c.parameters()}
+    local = {p.meta.logical_name: math.prod(p.meta.shard.global_shape) for c in chunks for p in c.parameters()}
     merged: dict[str, int] = {}
     for d in ctx.world.all_gather_object(local):
         merged.update(d)

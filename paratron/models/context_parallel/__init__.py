@@ -4,7 +4,8 @@
   per-document pieces of work, and :class:`SeqLayout`, which the model hands to every layer.
 * :mod:`.kernels`: block attention with log-sum-exp, forward and backward, in fp32.
 * :mod:`.ring`: ring attention (Liu et al. 2023), also used on one rank for packed documents.
-* :mod:`.ulysses`: the all-to-all head/sequence exchange of DeepSpeed-Ulysses (Jacobs et al. 2023).
+* all2all (DeepSpeed-Ulysses, Jacobs et al. 2023, section 3): the head/sequence all-to-all
+  exchange is :func:`paratron.parallel.mappings.all_to_all_seq_to_heads` and its inverse.
 
 :func:`context_attention` is the one entry point the attention module calls.
 """
@@ -17,11 +18,11 @@ from typing import Callable
 import torch
 
 from paratron.parallel.comm import Group
+from paratron.parallel.mappings import all_to_all_heads_to_seq, all_to_all_seq_to_heads
 
 from .layout import (ALGORITHMS, SeqLayout, attention_flops_per_rank, chunk_ids, local_positions, sequence_layout,
                      shard_microbatch, shard_sequence)
 from .ring import RingAttention
-from .ulysses import HeadsToSeq, SeqToHeads
 
 __all__ = ["ALGORITHMS", "SeqLayout", "context_attention", "attention_flops_per_rank", "chunk_ids",
            "local_positions", "sequence_layout", "shard_microbatch", "shard_sequence"]
@@ -58,9 +59,9 @@ def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout:
     if n_q % c or k.shape[2] % c:
         raise ValueError(f"all2all context parallelism splits the {n_q} query and {k.shape[2]} key/value "
                          f"heads of a TP rank over parallel.context={c}; they must divide")
-    qh, kh, vh = (SeqToHeads.apply(t, layout.cp) for t in (q, k, v))
+    qh, kh, vh = (all_to_all_seq_to_heads(t, layout.cp) for t in (q, k, v))
     if layout.cu_seqlens is None:
         out = dense_core(qh, kh, vh).view(c * s, b, n_q // c, d)
     else:
         out = RingAttention.apply(qh, kh, vh, _local(layout), scale)
-    return HeadsToSeq.apply(out, layout.cp).reshape(s, b, n_q * d)
+    return all_to_all_heads_to_seq(out, layout.cp).reshape(s, b, n_q * d)

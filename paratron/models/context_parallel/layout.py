@@ -24,6 +24,8 @@ from typing import Iterator
 
 import torch
 
+from paratron.parallel.context import ParallelContext
+
 ALGORITHMS = ("ring", "all2all")
 
 
@@ -188,7 +190,8 @@ class SeqLayout:
         return ids, lengths[nonempty]
 
 
-def sequence_layout(ctx, algorithm: str, batch: int, local_len: int, position_ids: torch.Tensor | None,
+def sequence_layout(ctx: ParallelContext, algorithm: str, batch: int, local_len: int,
+                    position_ids: torch.Tensor | None,
                     cu_seqlens: torch.Tensor | None, device=None) -> tuple[SeqLayout, torch.Tensor | None]:
     """The :class:`SeqLayout` of a microbatch and the positions of this rank's tokens.
 

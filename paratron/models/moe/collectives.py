@@ -1,14 +1,13 @@
-"""Autograd-aware collectives used by the MoE token dispatchers.
+"""The in-flight all-to-all of the overlapped MoE dispatchers: launched asynchronously, with a
+backward split over two autograd nodes so that other work runs while it is on the wire.
 
-Each function is a forward collective paired with the collective that is its exact adjoint, so
-gradients stay correct across ranks. Every call goes through a :class:`~paratron.parallel.comm.Group`
-method, so the comm ledger counts calls and bytes (docs/DESIGN.md principle 8).
+The synchronous collectives and their adjoints (the uneven all-to-all, the row all-gather and
+reduce-scatter) live in :mod:`paratron.parallel.mappings`; this module keeps only what overlapping
+needs. Every call goes through a :class:`~paratron.parallel.comm.Group` method, so the comm ledger
+counts calls and bytes (docs/DESIGN.md principle 8).
 
-Tokens are rows: tensors here are ``[n, h]`` (or ``[n, ...]``), split and gathered along dim 0.
-
-Sources: the all-to-all dispatch/combine pair of GShard (Lepikhin et al. 2020, section 2.2) and
-the all-gather/reduce-scatter conjugate pair of Megatron's sequence parallelism (Korthikanti et al.
-2022, section 4.2.2).
+Tokens are rows: tensors here are ``[n, h]`` (or ``[n, ...]``), exchanged along dim 0
+(GShard's dispatch/combine, Lepikhin et al. 2020, section 2.2).
 """
 
 from __future__ import annotations
@@ -20,50 +19,6 @@ from paratron.parallel.comm import Group
 
 def _rows_like(t: torch.Tensor, n: int) -> torch.Tensor:
     return t.new_empty((n,) + tuple(t.shape[1:]))
-
-
-def _exchange(group: Group, out: torch.Tensor, x: torch.Tensor, out_splits, in_splits, kind: str) -> None:
-    """Synchronous all-to-all, recorded as one comm interval when ``ledger.intervals`` is set."""
-    rec = group.ledger.intervals
-    iv = None if rec is None else rec.open(kind, comm=True)
-    group.all_to_all(out, x, out_splits, in_splits)
-    if iv is not None:
-        rec.close(iv)
-
-
-class _AllToAll(torch.autograd.Function):
-    @staticmethod
-    def forward(fctx, x, group: Group, out_splits: list[int], in_splits: list[int], kind: str):
-        fctx.group, fctx.out_splits, fctx.in_splits, fctx.kind = group, out_splits, in_splits, kind
-        out = _rows_like(x, sum(out_splits))
-        _exchange(group, out, x.contiguous(), out_splits, in_splits, kind)
-        return out
-
-    @staticmethod
-    def backward(fctx, grad):
-        # The adjoint of an all-to-all is the all-to-all with the splits swapped.
-        back = _rows_like(grad, sum(fctx.in_splits))
-        _exchange(fctx.group, back, grad.contiguous(), fctx.in_splits, fctx.out_splits, fctx.kind + "_grad")
-        return back, None, None, None, None
-
-
-def all_to_all(x: torch.Tensor, group: Group, out_splits: list[int], in_splits: list[int],
-               kind: str = "all_to_all") -> torch.Tensor:
-    """Exchange rows of ``x`` [n, ...] over ``group`` with uneven splits (differentiable).
-
-    Args:
-        x: rows to send, ``in_splits[j]`` consecutive rows to group rank ``j``.
-        out_splits: rows received from each group rank, in group order.
-        in_splits: rows sent to each group rank; ``sum(in_splits) == x.shape[0]``.
-        kind: the name of the forward interval in ``ledger.intervals`` (backward: ``kind + "_grad"``).
-
-    Returns:
-        ``[sum(out_splits), ...]``, rows ordered by source rank. Backward runs the swapped
-        all-to-all, so every rank of ``group`` must run the backward.
-    """
-    if sum(in_splits) != x.shape[0]:
-        raise ValueError(f"all_to_all: in_splits sum to {sum(in_splits)}, but x has {x.shape[0]} rows")
-    return _AllToAll.apply(x, group, list(out_splits), list(in_splits), kind)
 
 
 class InFlight:
@@ -148,9 +103,10 @@ class _Landed(torch.autograd.Function):
 
 def start_all_to_all(x: torch.Tensor, group: Group, out_splits: list[int], in_splits: list[int], *,
                      kind: str = "all_to_all", chunk: int | None = None) -> InFlight:
-    """Launch the all-to-all of :func:`all_to_all` asynchronously (``async_op``); the rows are
-    usable, with their gradient, after :func:`finish_all_to_all`. ``kind``/``chunk`` name its
-    interval in ``ledger.intervals`` (the backward's: ``kind + "_grad"``).
+    """Launch the all-to-all of :func:`paratron.parallel.mappings.all_to_all` asynchronously
+    (``async_op``); the rows are usable, with their gradient, after :func:`finish_all_to_all`.
+    ``kind``/``chunk`` name its interval in ``ledger.intervals`` (the backward's:
+    ``kind + "_grad"``).
 
     Backward is asynchronous too: the backward of :func:`finish_all_to_all` launches the swapped
     all-to-all and the gradient of ``x`` waits for it only when autograd reaches the node put on
@@ -176,84 +132,3 @@ def finish_all_to_all(flight: InFlight) -> torch.Tensor:
     :func:`start_all_to_all`)."""
     src, flight.src = flight.src, None  # the graph holds it now; a flight holding it would make a cycle
     return _Landed.apply(src, flight)
-
-
-class _GatherRows(torch.autograd.Function):
-    @staticmethod
-    def forward(fctx, x, group: Group, grad_is_partial: bool):
-        fctx.group, fctx.partial = group, grad_is_partial
-        return group.all_gather(x.contiguous(), 0)
-
-    @staticmethod
-    def backward(fctx, grad):
-        g = fctx.group
-        if fctx.partial:
-            return g.reduce_scatter(grad.contiguous(), 0), None, None
-        n = grad.shape[0] // g.size
-        return grad[g.rank * n:(g.rank + 1) * n].contiguous(), None, None
-
-
-def gather_rows(x: torch.Tensor, group: Group, grad_is_partial: bool) -> torch.Tensor:
-    """All-gather ``x`` [n, ...] along dim 0 over ``group`` -> ``[size * n, ...]`` (differentiable).
-
-    Args:
-        grad_is_partial: True when each rank's use of the gathered rows yields a *partial* grad
-            (each rank used different parts), so backward sums them with a reduce-scatter; False
-            when every rank computes the same function of the gathered rows (replicated
-            consumers, e.g. the TP ranks without sequence parallelism), so backward keeps this
-            rank's slice of the identical grad.
-    """
-    if group.size == 1:
-        return x
-    return _GatherRows.apply(x, group, grad_is_partial)
-
-
-class _ReduceScatterRows(torch.autograd.Function):
-    @staticmethod
-    def forward(fctx, x, group: Group):
-        fctx.group = group
-        return group.reduce_scatter(x.contiguous(), 0)
-
-    @staticmethod
-    def backward(fctx, grad):
-        return fctx.group.all_gather(grad.contiguous(), 0), None
-
-
-def reduce_scatter_rows(x: torch.Tensor, group: Group) -> torch.Tensor:
-    """Sum ``x`` [size * n, ...] over ``group`` and keep this rank's ``[n, ...]`` rows
-    (differentiable: backward is an all-gather)."""
-    if x.shape[0] % group.size:
-        raise ValueError(f"reduce_scatter_rows: {x.shape[0]} rows are not divisible by the "
-                         f"{group.name} group size {group.size}")
-    if group.size == 1:
-        return x
-    return _ReduceScatterRows.apply(x, group)
-
-
-class _SplitRows(torch.autograd.Function):
-    @staticmethod
-    def forward(fctx, x, group: Group):
-        fctx.group = group
-        n = x.shape[0] // group.size
-        return x[group.rank * n:(group.rank + 1) * n].contiguous()
-
-    @staticmethod
-    def backward(fctx, grad):
-        return fctx.group.all_gather(grad.contiguous(), 0), None
-
-
-def split_rows(x: torch.Tensor, group: Group) -> torch.Tensor:
-    """Keep this rank's 1/size of the rows of a replicated ``x`` [n, ...] (differentiable).
-
-    Backward all-gathers, so the grad of ``x`` is again the full, identical grad on every rank
-    (Megatron's scatter-to-sequence-parallel-region, Korthikanti et al. 2022, section 4.2.2).
-
-    Raises:
-        ValueError: the row count is not divisible by the group size.
-    """
-    if x.shape[0] % group.size:
-        raise ValueError(f"split_rows: {x.shape[0]} rows are not divisible by the {group.name} "
-                         f"group size {group.size}")
-    if group.size == 1:
-        return x
-    return _SplitRows.apply(x, group)

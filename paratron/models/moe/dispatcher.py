@@ -27,11 +27,13 @@ from typing import Callable
 import torch
 
 from paratron.config.errors import ConfigError
+from paratron.parallel.context import ParallelContext
 from paratron.parallel.intervals import timed
+from paratron.parallel.mappings import all_to_all, gather_along_dim, reduce_scatter_along_dim
 from paratron.registry import Registry
 
 from . import prefetch
-from .collectives import all_to_all, finish_all_to_all, gather_rows, reduce_scatter_rows, start_all_to_all
+from .collectives import finish_all_to_all, start_all_to_all
 
 
 def _expert_major(indices: torch.Tensor, lo: int, hi: int):
@@ -81,7 +83,8 @@ class TokenDispatcher(ABC):
     """True for a dispatcher whose all-to-alls call ``while_in_flight`` (config validation
     refuses ``parallel.overlap_moe_expert_parallel_comm`` with any other)."""
 
-    def __init__(self, ctx, num_experts: int, *, capacity: int | None = None, pad_to_capacity: bool = False):
+    def __init__(self, ctx: ParallelContext, num_experts: int, *, capacity: int | None = None,
+                 pad_to_capacity: bool = False):
         ep = ctx.ep.size
         self.ctx, self.group = ctx, ctx.ep
         self.num_experts, self.num_local = num_experts, num_experts // ep
@@ -116,7 +119,7 @@ class TokenDispatcher(ABC):
     @classmethod
     def expert_calls(cls, cfg) -> int:
         """How many times :meth:`run` calls the experts per forward (each call gives every local
-        expert weight one grad event in backward; DDP is told through ``param.grad_uses``)."""
+        expert weight one grad event in backward; DDP is told through ``param.meta.grad_uses``)."""
         return 1
 
     @classmethod
@@ -306,7 +309,7 @@ class AllGatherDispatcher(TokenDispatcher):
     def dispatch(self, tokens: torch.Tensor, indices: torch.Tensor):
         T, k = indices.shape
         lo, hi = self.first_expert, self.first_expert + self.num_local
-        all_tokens = gather_rows(tokens, self.group, grad_is_partial=True)  # [ep*T, h]
+        all_tokens = gather_along_dim(tokens, self.group, 0, grad_is_partial=True)  # [ep*T, h]
         all_indices = self.group.all_gather(indices.contiguous(), 0)        # [ep*T, k]
         slot_ids, experts = _expert_major(all_indices, lo, hi)
         counts = torch.bincount(experts - lo, minlength=self.num_local)
@@ -316,7 +319,7 @@ class AllGatherDispatcher(TokenDispatcher):
     def combine(self, expert_output: torch.Tensor, plan: _AllGatherPlan) -> torch.Tensor:
         h = expert_output.shape[-1]
         slots = expert_output.new_zeros(plan.num_slots, h).index_copy(0, plan.row_slots, expert_output)
-        mine = reduce_scatter_rows(slots, self.group)
+        mine = reduce_scatter_along_dim(slots, self.group, 0)
         return mine.view(mine.shape[0] // plan.k, plan.k, h)
 
 
@@ -352,7 +355,8 @@ class ChunkedAllToAllDispatcher(AllToAllDispatcher):
 
     overlaps_microbatches = False  # its own run() launches and waits; it never calls the hook
 
-    def __init__(self, ctx, num_experts: int, *, capacity: int | None = None, pad_to_capacity: bool = False,
+    def __init__(self, ctx: ParallelContext, num_experts: int, *, capacity: int | None = None,
+                 pad_to_capacity: bool = False,
                  num_chunks: int = 2):
         self._check(pad_to_capacity, num_chunks)
         super().__init__(ctx, num_experts, capacity=capacity, pad_to_capacity=False)

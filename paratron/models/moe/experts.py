@@ -45,11 +45,12 @@ from paratron.config import ModelConfig, model_shape
 from paratron.layers.init import InitMethod, init_shard_, normal_, scaled_normal_
 from paratron.layers.linear import local_linear
 from paratron.parallel.comm import Group
+from paratron.parallel.context import ParallelContext
 from paratron.parallel.grads import accumulate_grad, run_or_defer
+from paratron.parallel.mappings import all_to_all
 from paratron.parallel.params import ShardSpec, mark
 
 from ..mlp import gelu, swiglu
-from .collectives import all_to_all
 from .dispatcher import source_to_expert_major
 from .grouped_gemm import METHODS, RowBias, grouped_linear
 
@@ -95,7 +96,7 @@ class _Proj(nn.Module):
     split over the expert-TP group along ``split`` ("out": rows of the weight, "in": columns,
     None: whole)."""
 
-    def __init__(self, in_f: int, out_f: int, ctx, *, logical_name: str, seed: int, bias: bool,
+    def __init__(self, in_f: int, out_f: int, ctx: ParallelContext, *, logical_name: str, seed: int, bias: bool,
                  init: InitMethod, params_dtype: torch.dtype, split: str | None = None):
         super().__init__()
         etp, r = ctx.expert_tp.size, ctx.expert_tp.rank
@@ -141,7 +142,8 @@ class ExpertMLP(nn.Module):
         params_dtype: parameter dtype.
     """
 
-    def __init__(self, cfg: ModelConfig, ctx, *, logical_name: str, seed: int, params_dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, *, logical_name: str, seed: int,
+                 params_dtype: torch.dtype):
         super().__init__()
         h, f = cfg.hidden_size, model_shape.expert_ffn_size(cfg)
         self.activation = cfg.activation
@@ -191,7 +193,8 @@ class LocalExperts(nn.Module):
             unknown ``gemm``.
     """
 
-    def __init__(self, cfg: ModelConfig, ctx, *, prefix: str, seed: int, first_expert: int, num_local: int,
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, *, prefix: str, seed: int, first_expert: int,
+                 num_local: int,
                  params_dtype: torch.dtype, gemm: str = "auto"):
         super().__init__()
         if gemm not in METHODS:

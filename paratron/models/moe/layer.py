@@ -38,10 +38,11 @@ from torch import nn
 
 from paratron.config import ModelConfig, model_shape
 from paratron.layers.init import init_shard_, normal_, scaled_normal_
+from paratron.parallel.context import ParallelContext
+from paratron.parallel.mappings import gather_along_dim, split_along_dim
 from paratron.parallel.params import ShardSpec, mark
 
 from ..mlp import MLP
-from .collectives import gather_rows, split_rows
 from .dispatcher import check_dispatcher_config, get_dispatcher
 from .experts import LocalExperts
 from .router import TopKRouter, drop_by_score, drop_over_capacity, expert_capacity
@@ -96,7 +97,8 @@ class MoELayer(nn.Module):
             (:func:`.dispatcher.check_dispatcher_config`).
     """
 
-    def __init__(self, cfg: ModelConfig, ctx, *, layer_number: int, seed: int, sequence_parallel: bool,
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, *, layer_number: int, seed: int,
+                 sequence_parallel: bool,
                  params_dtype: torch.dtype = torch.float32):
         super().__init__()
         E, ep = cfg.num_experts, ctx.ep.size
@@ -124,8 +126,8 @@ class MoELayer(nn.Module):
         calls = getattr(self.dispatcher_cls, "expert_calls", lambda cfg: 1)(cfg)
         for p in self.experts.parameters():
             # The experts' weights get one grad per call in backward: DDP waits for all of them
-            # before reducing inside the last backward (paratron.optim.ddp, grad_uses).
-            p.grad_uses = calls
+            # before reducing inside the last backward (paratron.optim.ddp, meta.grad_uses).
+            p.meta.grad_uses = calls
         self.shared_expert = None
         if cfg.moe_shared_expert_ffn_hidden_size:
             # DeepSpeed-MoE's residual expert (Rajbhandari et al. 2022, section 4.1): a dense MLP
@@ -209,7 +211,7 @@ class MoELayer(nn.Module):
                 raise ValueError(f"MoE without sequence parallelism splits the s*b={s * b} tokens of a "
                                  f"microbatch over parallel.tensor={tp.size}; they must divide")
             n = s * b // tp.size
-            d_tokens, d_indices = split_rows(tokens, tp), indices[tp.rank * n:(tp.rank + 1) * n]
+            d_tokens, d_indices = split_along_dim(tokens, tp, 0), indices[tp.rank * n:(tp.rank + 1) * n]
         else:
             d_tokens, d_indices = tokens, indices
 
@@ -217,7 +219,7 @@ class MoELayer(nn.Module):
         dispatcher.while_in_flight = self.while_in_flight
         slots = dispatcher.run(d_tokens, d_indices, self.experts)  # [T_d, k, h]
         if replicated:
-            slots = gather_rows(slots, tp, grad_is_partial=False)
+            slots = gather_along_dim(slots, tp, 0, grad_is_partial=False)
         y = (slots.float() * routing.probs.unsqueeze(-1)).sum(dim=1).to(x.dtype)
 
         self.last_aux_loss, self.last_z_loss = routing.aux_value, routing.z_value
@@ -274,7 +276,7 @@ def aux_losses(module: nn.Module) -> dict[str, float]:
             "moe_z_loss": float(torch.stack([m.last_z_loss for m in ran]).mean())}
 
 
-def update_expert_bias(module: nn.Module, ctx) -> None:
+def update_expert_bias(module: nn.Module, ctx: ParallelContext) -> None:
     """After a training step: move every router's expert bias (``model.moe_router_enable_expert_bias``)
     against its load error over the global batch. The per-expert loads of all MoE layers of this
     rank are summed in one all-reduce over ``ctx.dp_cp`` (and TP under sequence parallelism, where

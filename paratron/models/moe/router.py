@@ -40,6 +40,7 @@ from torch import nn
 from paratron.config import ModelConfig
 from paratron.layers.init import init_shard_, normal_
 from paratron.parallel.comm import Group
+from paratron.parallel.context import ParallelContext
 from paratron.parallel.params import ShardSpec, mark
 
 from .seq_aux import sequence_balance_loss
@@ -124,7 +125,8 @@ class TopKRouter(nn.Module):
         params_dtype: parameter dtype.
     """
 
-    def __init__(self, cfg: ModelConfig, ctx, *, logical_name: str, seed: int, sequence_parallel: bool,
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, *, logical_name: str, seed: int,
+                 sequence_parallel: bool,
                  params_dtype: torch.dtype = torch.float32):
         super().__init__()
         self.num_experts, self.k, self.score = cfg.num_experts, cfg.moe_top_k, cfg.moe_router_score

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from paratron.parallel.context import ParallelContext
+
 
 def sequence_balance_loss(balance_probs: torch.Tensor, indices: torch.Tensor, segment_ids: torch.Tensor,
                           lengths: torch.Tensor, stats_group=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,7 +56,7 @@ def count_sequences(mb: dict) -> int:
     return int(((cu[:, 1:] - cu[:, :-1]) > 0).sum())
 
 
-def count_global_sequences(microbatches: list[dict], ctx) -> float:
+def count_global_sequences(microbatches: list[dict], ctx: ParallelContext) -> float:
     """Sequences in the global batch: this rank's microbatches summed over DP (CP ranks hold parts
     of the same sequences, so not over CP). Counted from host metadata and summed on the host
     side of the DP group: no device work and no device sync."""
