@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT))
 
 from pairing import MIN_TIMED_STEPS, load, summarize, time_paired  # noqa: E402
-from paratron.config import load_config  # noqa: E402
+from paratron.rules import load_config  # noqa: E402
 from paratron.config.model_shape import ffn_size, head_dim, query_groups  # noqa: E402
 from paratron.parallel.context import ParallelContext  # noqa: E402
 from paratron.training.builders import build_model_and_optimizer  # noqa: E402
