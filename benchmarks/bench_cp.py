@@ -3,9 +3,11 @@ all2all) against CP=1 (the same 2 ranks as DP=2), and torch's own context parall
 
 Usage::
 
-    .venv/bin/python benchmarks/bench_cp.py [--steps 4] [--seq 2048]
+    .venv/bin/python benchmarks/bench_cp.py [--size small|large] [--steps 30] [--seq 2048]
 
-Model: Llama-style, 2 layers, h=128, 8 heads / 4 KV groups, SwiGLU 352, vocab 512, fp32, AdamW.
+Model (``--size small``, the default and the size of every earlier table): Llama-style, 2 layers,
+h=128, 8 heads / 4 KV groups, SwiGLU 352, vocab 512, fp32, AdamW (0.4M params in the layers).
+``--size large``: h=512, SwiGLU 1408 (6.3M, 16x), the same heads and groups.
 Global batch 2 sequences of ``--seq`` tokens, microbatches of 1 sequence, so every layout gives each
 rank the same number of tokens per step:
 
@@ -14,9 +16,10 @@ rank the same number of tokens per step:
 
 All three layouts live in the same forked pair of gloo ranks (one thread each; CP=1 is the DP=2
 layout of the same world) and train through the real stack (``build_model_and_optimizer``, the
-data loader's CP split, ``run_global_batch``, the optimizer step), taking their steps in turn so
-that machine load hits them alike. Step time: median over ``--steps`` after one warm-up, the
-slower rank's. Peak memory: the
+data loader's CP split, ``run_global_batch``, the optimizer step), taking their steps in turn (``pairing.time_paired``: order reversed every other step, one
+warm-up) so that machine load hits them alike. Step time: median over ``--steps`` of the slower
+rank's, and the paired ratio of each CP=2 layout against ``cp1-dp2`` (median of per-step ratios,
+interquartile range, min-max); load average before and after. Peak memory: the
 largest live CPU bytes of one step seen by the profiler (op granularity) on each rank, minus the
 bytes live before it. The losses of the layouts are printed side by side (they must agree).
 
@@ -30,12 +33,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
 
 import torch  # noqa: E402
 
@@ -43,12 +46,16 @@ from paratron.config import Config
 from paratron.rules import validate  # noqa: E402
 from paratron.parallel.context import ParallelContext  # noqa: E402
 from paratron.local_ranks import run_ranks  # noqa: E402
+from pairing import MIN_TIMED_STEPS, add_size_arg, load, summarize, time_paired  # noqa: E402
+
+SIZES = {"small": {"hidden_size": 128, "ffn_hidden_size": 352}, "large": {"hidden_size": 512, "ffn_hidden_size": 1408}}
 
 
-def _config(seq: int, cp: int, algorithm: str) -> Config:
+def _config(seq: int, cp: int, algorithm: str, size: str) -> Config:
     cfg = Config()
     m, p, t = cfg.model, cfg.parallel, cfg.train
-    m.num_layers, m.hidden_size, m.num_attention_heads, m.num_query_groups, m.ffn_hidden_size = 2, 128, 8, 4, 352
+    m.num_layers, m.num_attention_heads, m.num_query_groups = 2, 8, 4
+    m.hidden_size, m.ffn_hidden_size = SIZES[size]["hidden_size"], SIZES[size]["ffn_hidden_size"]
     m.vocab_size, m.seq_length, m.normalization, m.position_embedding_type = 512, seq, "rmsnorm", "rope"
     m.activation, m.add_bias_linear, m.tie_embeddings = "swiglu", False, False
     p.context, p.context_algorithm = cp, algorithm
@@ -71,13 +78,13 @@ def _peak_bytes(fn) -> int:
 LAYOUTS = (("cp1-dp2", 1, "ring"), ("cp2-ring", 2, "ring"), ("cp2-all2all", 2, "all2all"))
 
 
-def _layout_step(seq: int, cp: int, algorithm: str):
+def _layout_step(seq: int, cp: int, algorithm: str, size: str):
     """One layout's model, optimizer and microbatches on this rank: a function running one step."""
     from paratron.training.data_iter import microbatch_preparer
     from paratron.training.builders import build_model_and_optimizer
     from paratron.training.step import run_global_batch
 
-    cfg = _config(seq, cp, algorithm)
+    cfg = _config(seq, cp, algorithm, size)
     ctx = ParallelContext.build(cp=cp)
     torch.manual_seed(0)
     chunks, ddp, opt, _ = build_model_and_optimizer(cfg, ctx)
@@ -95,16 +102,12 @@ def _layout_step(seq: int, cp: int, algorithm: str):
     return ctx, step
 
 
-def _rank(seq: int, steps: int) -> dict:
+def _rank(seq: int, steps: int, size: str) -> dict:
     """Every layout on the same 2 ranks, steps taken in turn (machine load hits them alike)."""
-    runs = {name: _layout_step(seq, cp, algorithm) for name, cp, algorithm in LAYOUTS}
-    out = {name: {"losses": [step()], "times": []} for name, (_, step) in runs.items()}
-    for _ in range(steps):
-        for name, (ctx, step) in runs.items():
-            ctx.world.barrier()
-            t0 = time.perf_counter()
-            out[name]["losses"].append(step())
-            out[name]["times"].append(time.perf_counter() - t0)
+    runs = {name: _layout_step(seq, cp, algorithm, size) for name, cp, algorithm in LAYOUTS}
+    losses = {name: [] for name in runs}
+    times = time_paired(list(runs), steps, lambda name, _i: losses[name].append(runs[name][1]()), warmup=1)
+    out = {name: {"losses": losses[name], "times": times[name]} for name in runs}
     for name, (_, step) in runs.items():
         out[name]["peak"] = _peak_bytes(step)
     return out
@@ -129,26 +132,21 @@ def _torch_cp(seq: int) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=4)
+    add_size_arg(ap)
+    ap.add_argument("--steps", type=int, default=MIN_TIMED_STEPS)
     ap.add_argument("--seq", type=int, default=2048)
     a = ap.parse_args()
-    report = {"load_average_before": os.getloadavg()}
-    res = run_ranks(_rank, 2, a.seq, a.steps, timeout=3000)
-    base = None
+    report = {"config": vars(a), "load_before": load()}
+    res = run_ranks(_rank, 2, a.seq, a.steps, a.size, timeout=3000)
+    # time_paired reports the slower rank's time, so rank 0's lists stand for both.
+    report |= summarize({name: res[0][name]["times"] for name, _, _ in LAYOUTS})
+    base = max(r["cp1-dp2"]["peak"] for r in res)
     for name, _, _ in LAYOUTS:
-        step = statistics.median(max(r[name]["times"][i] for r in res) for i in range(a.steps))
-        peak = max(r[name]["peak"] for r in res) / 2**20
-        row = {"step_s": round(step, 3), "peak_MiB_per_rank": round(peak, 1),
-               "losses": [round(x, 5) for x in res[0][name]["losses"]]}
-        if base is None:
-            base = row
-        else:
-            row |= {"step_ratio_vs_cp1": round(step / base["step_s"], 3),
-                    "peak_ratio_vs_cp1": round(peak / base["peak_MiB_per_rank"], 3)}
-        report[name] = row
-        print(name, json.dumps(row), flush=True)
+        peak = max(r[name]["peak"] for r in res)
+        report[name] = {"peak_MiB_per_rank": round(peak / 2**20, 1), "peak_ratio_vs_cp1": round(peak / base, 3),
+                        "losses": [round(x, 5) for x in res[0][name]["losses"][-3:]]}
     report["torch_context_parallel"] = run_ranks(_torch_cp, 2, a.seq, timeout=600)[0]
-    report["load_average_after"] = os.getloadavg()
+    report["load_after"] = load()
     print(json.dumps(report, indent=1))
 
 

@@ -1,16 +1,19 @@
-"""MoE benchmark: step time of a tiny MoE GPT at EP=2 (2 ranks) against EP=1 (1 rank), the
+"""MoE benchmark: step time of a tiny MoE GPT at EP=2 against EP=1 on the same 2 ranks, the
 all-to-all token dispatcher against the all-gather one and against the chunked, overlapped
-all-to-all (``alltoall_chunked``; all at EP=2).
+all-to-all (``alltoall_chunked``).
 
-Model: 2 layers, h=128, 4 heads, 8 SwiGLU experts of width 256, top-2, MoE in every layer,
-seq 128, vocab 512; global batch 8 samples in microbatches of 2 (fp32, SGD through paratron's DDP
-and optimizer). EP=2 runs DP=2 with 4 experts per rank, so each rank does half the tokens of the
-EP=1 run: the ideal ratio EP=2 / EP=1 is 0.5. Step = forward + backward of every microbatch of
-the rank's share + the optimizer step. Each measurement: 2 warm-up steps, then the median of
-``--steps`` steps on the slowest rank; configurations alternate for ``--rounds`` rounds and the
-median and best over rounds are reported, so background load hits all of them alike. The CPU time
-(``time.process_time``) of the busiest rank is reported too: on a shared machine it tracks the
-work per rank better than wall time (it leaves out time spent waiting).
+Model (``--size small``, the default and the size of every earlier table): 2 layers, h=128, 4
+heads, 8 SwiGLU experts of width 256, top-2, MoE in every layer, seq 128, vocab 512; global batch
+8 samples in microbatches of 2 (fp32, SGD through paratron's DDP and optimizer). ``--size large``:
+h=512, experts of width 1024 (16x the params). Part ``steps`` (the default): four models on the
+same 2 gloo ranks, ``ep1-dp2`` (EP=1, DP=2: 8 experts per rank, no EP all-to-all),
+``ep2-alltoall``, ``ep2-allgather`` and ``ep2-chunked`` (EP=2, DP=2: 4 experts per rank); every
+rank does the same tokens in each, so the ideal EP=2 / EP=1 ratio is 1.0 (the cost of expert
+parallelism's communication). Step = forward + backward of every microbatch of the rank's share +
+the optimizer step, timed with ``pairing.time_paired`` (order reversed every other step, 2
+warm-up, ``--steps`` >= 30, the slower rank's time); printed as JSON: median ms and paired ratios
+(median of per-step ratios, interquartile range, min-max) against ``ep1-dp2`` and of all-to-all
+/ all-gather and chunked / all-to-all, the EP-group bytes of one step, load before and after.
 
 Part ``experts`` (``--part experts``): the expert compute alone (forward + backward of
 :class:`~paratron.models.moe.experts.LocalExperts`, SwiGLU h=128, f=256, ``--rows`` expert-major
@@ -26,7 +29,7 @@ forward and backward) hidden behind expert compute, measured from the intervals 
 completion, each expert forward / backward; ``hidden_fraction``), against FarSkip-Collective's
 reported 88.4 %. ``--png`` draws the last recorded step.
 
-Run: ``.venv/bin/python benchmarks/bench_moe.py [--rounds 3] [--steps 6]``;
+Run: ``.venv/bin/python benchmarks/bench_moe.py [--size small|large] [--steps 30]``;
 ``.venv/bin/python benchmarks/bench_moe.py --part overlap [--rounds 3] [--steps 4] [--png /tmp/o.png]``;
 ``.venv/bin/python benchmarks/bench_moe.py --part experts [--rows 4096] [--iters 20]``.
 """
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import statistics
 import sys
@@ -45,26 +49,32 @@ import torch  # noqa: E402
 
 torch.set_num_threads(1)
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
 
 from paratron.config import Config
 from paratron.rules import validate  # noqa: E402
 from paratron.parallel.context import ParallelContext  # noqa: E402
 from paratron.local_ranks import run_ranks  # noqa: E402
+from pairing import MIN_TIMED_STEPS, add_size_arg, load, summarize, time_paired  # noqa: E402
 
 GBS, MBS, SEQ, VOCAB = 8, 2, 128, 512
+SIZES = {"small": (128, 256), "large": (512, 1024)}  # (hidden, expert width): 16x the params
+STEP_VARIANTS = (("ep1-dp2", 1, "alltoall"), ("ep2-alltoall", 2, "alltoall"), ("ep2-allgather", 2, "allgather"),
+                 ("ep2-chunked", 2, "alltoall_chunked"))
 
 
-def _config(ep: int, dispatcher: str, world: int) -> Config:
+def _config(ep: int, dispatcher: str, world: int, size: str = "small") -> Config:
     """``dispatcher``: a registry name, ``alltoall_chunked:K`` for K token chunks."""
     dispatcher, _, chunks = dispatcher.partition(":")
     cfg = Config()
     if chunks:
         cfg.model.moe_dispatch_chunks = int(chunks)
     m, p, t, o = cfg.model, cfg.parallel, cfg.train, cfg.optimizer
-    m.num_layers, m.hidden_size, m.num_attention_heads = 2, 128, 4
+    m.num_layers, m.num_attention_heads = 2, 4
+    m.hidden_size, m.moe_ffn_hidden_size = SIZES[size]
     m.vocab_size, m.seq_length, m.activation, m.add_bias_linear = VOCAB, SEQ, "swiglu", False
     m.normalization, m.position_embedding_type, m.tie_embeddings = "rmsnorm", "rope", False
-    m.num_experts, m.moe_top_k, m.moe_ffn_hidden_size = 8, 2, 256
+    m.num_experts, m.moe_top_k = 8, 2
     m.moe_aux_loss_coeff, m.moe_z_loss_coeff, m.moe_token_dispatcher = 0.01, 0.001, dispatcher
     p.expert = ep
     t.micro_batch_size, t.global_batch_size = MBS, GBS
@@ -72,15 +82,13 @@ def _config(ep: int, dispatcher: str, world: int) -> Config:
     return validate(cfg, world)
 
 
-def _step_times(ep: int, dispatcher: str, world: int, steps: int, intervals: bool = False):
-    """Runs on every rank: median step seconds, median CPU seconds, the ledger's EP bytes per step
-    and, with ``intervals``, the intervals recorded in ``steps`` more steps (else None)."""
+def _one_step(ep: int, dispatcher: str, world: int, size: str = "small"):
+    """This rank's model at ``ep`` and a function that runs one training step: (ctx, step)."""
     from paratron.models.moe.layer import set_aux_loss_scale
     from paratron.optim import finalize_grads
-    from paratron.parallel.intervals import recording
     from paratron.training.builders import build_model_and_optimizer
 
-    cfg = _config(ep, dispatcher, world)
+    cfg = _config(ep, dispatcher, world, size)
     ctx = ParallelContext.build(ep=ep) if world > 1 else ParallelContext.single()
     chunks, _, optimizer, _ = build_model_and_optimizer(cfg, ctx)
     (chunk,) = chunks
@@ -99,6 +107,22 @@ def _step_times(ep: int, dispatcher: str, world: int, steps: int, intervals: boo
         finalize_grads(chunks, ctx, optimizer.ddp)
         optimizer.step()
 
+    return ctx, one_step
+
+
+def _ep_bytes(ctx, one_step) -> dict:
+    """The ledger's EP-group bytes of one step on this rank."""
+    with ctx.ledger.recording():
+        one_step()
+        return {k: v["bytes"] for k, v in ctx.ledger.summary().items() if k.endswith("@ep")}
+
+
+def _step_times(ep: int, dispatcher: str, world: int, steps: int, intervals: bool = False):
+    """Runs on every rank: median step seconds, median CPU seconds, the ledger's EP bytes per step
+    and, with ``intervals``, the intervals recorded in ``steps`` more steps (else None)."""
+    from paratron.parallel.intervals import recording
+
+    ctx, one_step = _one_step(ep, dispatcher, world)
     times, cpu, nbytes = [], [], {}
     for step in range(steps + 2):
         record = step == steps + 1
@@ -242,37 +266,34 @@ def main() -> None:
     ap.add_argument("--png", default=None, help="--part overlap: draw the first chunked run's recorded step here")
     ap.add_argument("--chunks", type=int, nargs="+", default=[2, 4], help="--part overlap: chunk counts k")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=None,
+                    help=f"timed steps (default {MIN_TIMED_STEPS} for --part steps, 6 for overlap)")
+    add_size_arg(ap)
     ap.add_argument("--rows", type=int, default=4096)
     ap.add_argument("--iters", type=int, default=20)
     args = ap.parse_args()
+    args.steps = args.steps or (MIN_TIMED_STEPS if args.part == "steps" else None)
     if args.part == "experts":
         main_experts(args.rows, args.iters)
         return
     if args.part == "overlap":
-        main_overlap(args.rounds, args.steps, args.png, args.chunks)
+        main_overlap(args.rounds, args.steps or 6, args.png, args.chunks)
         return
-    configs = [("ep1", 1, "alltoall"), ("ep2-alltoall", 2, "alltoall"), ("ep2-allgather", 2, "allgather"),
-               ("ep2-chunked", 2, "alltoall_chunked")]
-    wall: dict[str, list[float]] = {c[0]: [] for c in configs}
-    cpu: dict[str, list[float]] = {c[0]: [] for c in configs}
-    for r in range(args.rounds):
-        for name, ep, disp in configs:
-            t, c, nbytes, _ = measure(ep, disp, args.steps)
-            wall[name].append(t)
-            cpu[name].append(c)
-            print(f"round {r}: {name}: wall {t * 1e3:.1f} ms/step, cpu {c * 1e3:.1f} ms/step, "
-                  f"EP-group bytes/step (rank 0): {nbytes}", flush=True)
-    rows = {"wall, median of rounds": {k: statistics.median(v) for k, v in wall.items()},
-            "wall, best round": {k: min(v) for k, v in wall.items()},
-            "CPU of the busiest rank, median": {k: statistics.median(v) for k, v in cpu.items()}}
-    print("\n| measure | " + " | ".join(f"{k} (ms)" for k in wall)
-          + " | EP=2/EP=1 | all-to-all/all-gather | chunked/all-to-all |")
-    print("|---" * (len(wall) + 4) + "|")
-    for label, d in rows.items():
-        cells = " | ".join(f"{d[k] * 1e3:.1f}" for k in wall)
-        print(f"| {label} | {cells} | **{d['ep2-alltoall'] / d['ep1']:.2f}** | "
-              f"**{d['ep2-alltoall'] / d['ep2-allgather']:.2f}** | **{d['ep2-chunked'] / d['ep2-alltoall']:.2f}** |")
+    before = load()
+    res = run_ranks(_paired_steps, 2, args.size, args.steps, timeout=3000)[0]
+    print(json.dumps({"config": vars(args), "load_before": before, "load_after": load(),
+                      "ep_bytes_per_step_rank0": res["bytes"],
+                      **summarize(res["times"], pairs=[("ep2-alltoall", "ep2-allgather"),
+                                                       ("ep2-chunked", "ep2-alltoall")])}, indent=1))
+
+
+def _paired_steps(size: str, steps: int) -> dict:
+    """Every ``STEP_VARIANTS`` model on the same 2 ranks (EP=1 is DP=2 without expert
+    parallelism: the same tokens per rank, no EP all-to-all), steps taken in turn."""
+    runs = {name: _one_step(ep, disp, 2, size) for name, ep, disp in STEP_VARIANTS}
+    nbytes = {name: _ep_bytes(*run) for name, run in runs.items()}
+    times = time_paired(list(runs), steps, lambda name, _i: runs[name][1](), warmup=2)
+    return {"times": times, "bytes": nbytes}
 
 
 if __name__ == "__main__":

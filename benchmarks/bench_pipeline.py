@@ -6,9 +6,14 @@ The model is a GPT built from paratron's layers (untied embeddings, fp32), split
 ranks (gloo, one thread each, forked by ``paratron.local_ranks.run_ranks``). Both frameworks run the
 same ``GPTChunk`` modules and the same vocab-parallel cross-entropy; torch's schedules get
 ``scale_grads=False`` because the loss is already divided by the global token count, like ours.
-Step time: from a barrier to the end of the slowest rank's schedule, median over the measured
-steps; the two frameworks take turns, and which one goes first alternates from step to step. The
-ratio is the median over steps of paratron's time / torch's time in the same step.
+Step time: from a barrier to the end of the slowest rank's schedule (``pairing.time_paired``: the
+two frameworks take turns, which one goes first reversed every other step, ``--steps`` >= 30 timed
+after ``--warmup``); the ratio is the paired median of paratron's time / torch's time in the same
+step, with its interquartile range, and the load average before and after.
+
+Sizes (``--size``): ``small`` (the default, the size every earlier table used) is 8 layers, h=128,
+s=128, microbatch 4 (1.6M params in the layers); ``large`` is 8 layers at h=512 (25.2M, 16x),
+s=128, microbatch 1 so that a step still fits a loaded 2-core machine. Flags override.
 
 Prediction: the mean F and BW duration of every stage, measured by paratron's recorded timeline
 in the same steps, and a p2p latency from a ping-pong of one activation, are fed to
@@ -16,8 +21,8 @@ in the same steps, and a p2p latency from a ping-pong of one activation, are fed
 
 Usage::
 
-    .venv/bin/python benchmarks/bench_pipeline.py [--ranks 4 --layers 8 --hidden 128 --seq 128 --mbs 4 \\
-        --microbatches 8 --steps 16 --out benchmarks]
+    .venv/bin/python benchmarks/bench_pipeline.py [--size small|large] [--ranks 4 --microbatches 8 \\
+        --steps 30 --out benchmarks]
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import torch.distributed as dist  # noqa: E402
 torch.set_num_threads(1)
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from paratron.config import ModelConfig  # noqa: E402
 from paratron.layers import vocab_parallel_cross_entropy  # noqa: E402
@@ -48,8 +54,11 @@ from paratron.pipeline.runtime import run_pipeline  # noqa: E402
 from paratron.pipeline.simulator import simulate  # noqa: E402
 from paratron.pipeline.timeline import TraceEvent, draw_png, from_spans  # noqa: E402
 from paratron.local_ranks import run_ranks  # noqa: E402
+from pairing import MIN_TIMED_STEPS, add_size_arg, fmt_ratio, load, paired_ratio, time_paired  # noqa: E402
 
 VOCAB = 512
+SIZES = {"small": {"layers": 8, "hidden": 128, "seq": 128, "mbs": 4},
+         "large": {"layers": 8, "hidden": 512, "seq": 128, "mbs": 1}}
 
 
 def _cfg(a) -> ModelConfig:
@@ -72,15 +81,6 @@ class _TorchStage(torch.nn.Module):
 
     def forward(self, x):
         return self.chunk(x)
-
-
-def _synced_time(ctx, fn):
-    ctx.world.barrier()
-    t0 = time.perf_counter()
-    fn()
-    elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-    ctx.world.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return elapsed.item()
 
 
 def _latency(ctx, shape, rounds=20):
@@ -147,24 +147,23 @@ def _rank(a, schedule, v):
         else:
             torch_sched.step()
 
-    times = defaultdict(list)
     events: list[TraceEvent] = []
-    for step in range(a.warmup + a.steps):
-        for chunk in ours + theirs:
+    costs = defaultdict(list)
+
+    def run(name, step):
+        for chunk in ours if name == "paratron" else theirs:
             chunk.zero_grad(set_to_none=True)
+        if name == "torch":
+            return torch_step(step)
         timeline = [] if step >= a.warmup else None
-        if step % 2:  # alternate who goes first, so neither always runs on a warmer cache
-            t_torch = _synced_time(ctx, lambda: torch_step(step))
-            t_ours = _synced_time(ctx, lambda: ours_step(step, timeline))
-        else:
-            t_ours = _synced_time(ctx, lambda: ours_step(step, timeline))
-            t_torch = _synced_time(ctx, lambda: torch_step(step))
-        if step >= a.warmup:
-            times["paratron"].append(t_ours)
-            times["torch"].append(t_torch)
-            events.extend(timeline if step == a.warmup + a.steps - 1 else [])
+        ours_step(step, timeline)
+        if timeline:
+            events[:] = timeline  # the last timed step's timeline is drawn
             for e in timeline:
-                times[(e.kind, e.stage)].append(e.end - e.start)
+                costs[(e.kind, e.stage)].append(e.end - e.start)
+
+    times = time_paired(["paratron", "torch"], a.steps, run, warmup=a.warmup)
+    times.update(costs)
     latency = _latency(ctx, shape)
     return dict(times), events, latency
 
@@ -172,19 +171,23 @@ def _rank(a, schedule, v):
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", type=int, default=4)
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--hidden", type=int, default=128)
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--mbs", type=int, default=4)
+    add_size_arg(ap)
+    for flag in ("--layers", "--hidden", "--seq", "--mbs"):
+        ap.add_argument(flag, type=int, default=None)
     ap.add_argument("--microbatches", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=MIN_TIMED_STEPS)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--out", default=os.path.dirname(os.path.abspath(__file__)))
     a = ap.parse_args()
+    for k, v in SIZES[a.size].items():
+        if getattr(a, k) is None:
+            setattr(a, k, v)
     p = a.ranks
+    print(f"load before: {load()}")
     print(f"model: {a.layers} layers, h={a.hidden}, s={a.seq}, microbatch {a.mbs}, m={a.microbatches}, "
           f"{p} ranks x 1 thread, {os.cpu_count()} cores")
-    print("| schedule | paratron step (s) | torch step (s) | paratron / torch | predicted (s) | measured / predicted |")
+    print("| schedule | paratron step (s) | torch step (s) | paratron / torch, paired [IQR] | predicted (s) "
+          "| measured / predicted |")
     print("|---|---|---|---|---|---|")
     for schedule, v in (("1f1b", 1), ("interleaved", 2)):
         results = run_ranks(_rank, p, a, schedule, v, timeout=1800)
@@ -201,8 +204,9 @@ def main() -> int:
         ours, theirs = statistics.median(times["paratron"]), statistics.median(times["torch"])
         # Steps run in pairs under the same machine load: the median of the per-pair ratios is
         # steadier than the ratio of the medians on a shared machine.
-        ratio = statistics.median(o / t for o, t in zip(times["paratron"], times["torch"]))
-        print(f"| {schedule} | {ours:.3f} | {theirs:.3f} | **{ratio:.2f}** | {sim.makespan:.3f} | "
+        ratio = paired_ratio(times["paratron"], times["torch"])
+        print(f"| {schedule} | {ours:.3f} | {theirs:.3f} | **{fmt_ratio(ratio)}** (min-max {ratio['min']:.2f}-"
+              f"{ratio['max']:.2f}) | {sim.makespan:.3f} | "
               f"**{ours / sim.makespan:.2f}** |")
         sys.stdout.flush()
         title = f"{schedule}, {p} ranks, m={a.microbatches}, v={v}"
@@ -212,6 +216,7 @@ def main() -> int:
                  title=f"simulated from measured costs: {title}", unit="s")
         print(f"  p2p latency {latency * 1e3:.3f} ms; mean F/BW per stage (ms): " + ", ".join(
             f"s{s}: {mean[('F', s)] * 1e3:.1f}/{mean[('BW', s)] * 1e3:.1f}" for s in range(p * v)))
+    print(f"load after: {load()}")
     return 0
 
 

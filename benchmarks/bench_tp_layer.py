@@ -7,14 +7,19 @@ Both layers are the same pre-norm block (LayerNorm, fused QKV column-parallel li
 SDPA on the local heads, row-parallel output projection, LayerNorm, column fc1, GELU, row fc2),
 built from each framework's ColumnParallelLinear/RowParallelLinear with biases; megatron-core
 uses ``use_cpu_initialization=True``. Two gloo ranks, one thread each (forked by
-``paratron.local_ranks.run_ranks``). Iterations alternate paratron / megatron-core so that load from
-other processes hits both alike; printed: the ratio of median times, of minimum times, and the
-median of per-iteration ratios (each pair ran back to back, so it is the least disturbed by load).
+``paratron.local_ranks.run_ranks``). Timed with ``pairing.time_paired`` (the order reversed every
+other iteration, the slower rank's time, ``--iters`` >= 30 timed after ``--warmup``); printed as
+JSON: median ms per variant and the paired ratio (median of per-iteration ratios, interquartile
+range, min-max), load average before and after.
+
+Sizes (``--size``): ``large`` (the default, the size every earlier table used) is s=256, b=4,
+h=512, 8 heads, ffn 2048 (3.15M params in the layer; h >= 512, the GEMMs dominate); ``small`` is
+h=128, 4 heads, ffn 512 (0.20M params, 1/16: overhead-bound). ``--hidden`` etc. override.
 
 megatron-core allocates SP buffers with ``torch.cuda.current_device()``; on a CPU-only torch this
 script points that at ``"cpu"`` (benchmark only) so that the SP path can run too.
 
-Usage: .venv/bin/python benchmarks/bench_tp_layer.py [--seq 256 --batch 4 --hidden 512 --iters 20]
+Usage: .venv/bin/python benchmarks/bench_tp_layer.py [--size small|large] [--iters 30]
        .venv/bin/python benchmarks/bench_tp_layer.py --compare gate-up
 Needs (``--compare megatron`` only): pip install megatron-core --no-deps (torch stays pinned).
 """
@@ -22,10 +27,9 @@ Needs (``--compare megatron`` only): pip install megatron-core --no-deps (torch 
 from __future__ import annotations
 
 import argparse
+import json
 import os
-import statistics
 import sys
-import time
 import warnings
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -34,11 +38,15 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
 
 from paratron.layers import ColumnParallelLinear, LayerNorm, RowParallelLinear  # noqa: E402
 from paratron.parallel.context import ParallelContext  # noqa: E402
 from paratron.parallel.grads import allreduce_sequence_parallel_grads  # noqa: E402
 from paratron.local_ranks import run_ranks  # noqa: E402
+from pairing import MIN_TIMED_STEPS, add_size_arg, load, summarize, time_paired  # noqa: E402
+
+SIZES = {"small": {"hidden": 128, "heads": 4, "ffn": 512}, "large": {"hidden": 512, "heads": 8, "ffn": 2048}}
 
 
 class _Block(nn.Module):
@@ -137,21 +145,14 @@ def _bench_rank(args_dict):
             if sp:
                 _megatron_sp_grads(theirs, mtp_group)
 
-        times = {"paratron": [], "megatron": []}
-        for i in range(args.warmup + args.iters):
-            for name, fn in (("paratron", step_ours), ("megatron", step_theirs)) if i % 2 == 0 else \
-                    (("megatron", step_theirs), ("paratron", step_ours)):
-                ctx.tp.barrier()
-                t0 = time.perf_counter()
-                fn()
-                dt = time.perf_counter() - t0
-                if i >= args.warmup:
-                    times[name].append(dt)
-            for m in (ours, theirs):
-                m.zero_grad(set_to_none=True)
-        out[sp] = {k: (statistics.median(v), min(v)) for k, v in times.items()}
-        # Each iteration runs both back to back, so their ratio sees nearly the same load.
-        out[sp]["paired"] = [a / b for a, b in zip(times["paratron"], times["megatron"])]
+        fns = {"megatron": step_theirs, "paratron": step_ours}
+
+        def run(name, _step):
+            fns[name]()
+            (ours if name == "paratron" else theirs).zero_grad(set_to_none=True)
+
+        sync = ctx.tp.barrier
+        out[sp] = time_paired(list(fns), args.iters, run, warmup=args.warmup, sync=sync)
     parallel_state.destroy_model_parallel()
     return out
 
@@ -193,55 +194,50 @@ def _gate_up_rank(args_dict):
         with ctx.ledger.recording():
             step(name)
             out["gathers"][name] = ctx.ledger.total("all_gather", "tp").calls
-    for i in range(args.warmup + args.iters):
-        for name in (("separate", "fused") if i % 2 == 0 else ("fused", "separate")):
-            ctx.tp.barrier()
-            t0 = time.perf_counter()
-            step(name)
-            if i >= args.warmup:
-                out["times"][name].append(time.perf_counter() - t0)
+    out["times"] = time_paired(list(models), args.iters, lambda name, _i: step(name), warmup=args.warmup,
+                               sync=ctx.tp.barrier)
     return out
 
 
-def _report_gate_up(args, res) -> None:
+def _report_gate_up(args, res, before) -> None:
     print(f"SwiGLU MLP fwd+bwd, fp32, TP={args.tp} with SP, s={args.seq} b={args.batch} h={args.hidden} "
-          f"ffn={args.ffn}, {args.iters} iters, per rank, slower rank:")
-    for name in ("separate", "fused"):
-        med = max(statistics.median(r["times"][name]) for r in res)
-        print(f"  {name:8s} gate/up: all-gathers per step {res[0]['gathers'][name]}, median {med * 1e3:8.2f} ms")
-    paired = statistics.median([f / s for r in res for f, s in zip(r["times"]["fused"], r["times"]["separate"])])
-    print(f"  fused / separate: median of per-iteration ratios (both ranks) {paired:.3f}")
+          f"ffn={args.ffn}, per rank, slower rank:")
+    print(json.dumps({"config": vars(args), "load_before": before, "load_after": load(),
+                      "all_gathers_per_step": res[0]["gathers"], **summarize(res[0]["times"], base="separate")},
+                     indent=1))
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--ffn", type=int, default=2048)
+    add_size_arg(p, default="large")
+    p.add_argument("--hidden", type=int, default=None)
+    p.add_argument("--heads", type=int, default=None)
+    p.add_argument("--ffn", type=int, default=None)
     p.add_argument("--tp", type=int, default=2)
-    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--iters", type=int, default=MIN_TIMED_STEPS)
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--sp", choices=("both", "off", "on"), default="both",
                    help="sequence parallelism modes to run (megatron-core needs TP > 1 for SP)")
     p.add_argument("--compare", choices=("megatron", "gate-up"), default="megatron")
     args = p.parse_args(argv)
+    for k, v in SIZES[args.size].items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
     torch.set_num_threads(1)
+    before = load()
     if args.compare == "gate-up":
-        _report_gate_up(args, run_ranks(_gate_up_rank, args.tp, vars(args), timeout=1800))
+        _report_gate_up(args, run_ranks(_gate_up_rank, args.tp, vars(args), timeout=1800), before)
         return 0
     res = run_ranks(_bench_rank, args.tp, vars(args), timeout=1800)
-    print(f"one transformer layer fwd+bwd, fp32, TP={args.tp}, s={args.seq} b={args.batch} "
-          f"h={args.hidden} ffn={args.ffn}, {args.iters} iters, per rank, slower rank (ms):")
+    report = {"config": vars(args), "load_before": before, "load_after": load()}
     for sp in _sp_modes(args):
-        for i, stat in enumerate(("median", "min")):
-            ours = max(r[sp]["paratron"][i] for r in res)
-            theirs = max(r[sp]["megatron"][i] for r in res)
-            print(f"  sp={str(sp):5s} {stat:6s} paratron {ours * 1e3:8.2f}  megatron-core {theirs * 1e3:8.2f}  "
-                  f"ratio {ours / theirs:.3f}")
-        paired = statistics.median([q for r in res for q in r[sp]["paired"]])
-        print(f"  sp={str(sp):5s} median of per-iteration ratios (both ranks): {paired:.3f}")
+        # time_paired already reports the slower rank, so rank 0's lists stand for both.
+        report[f"sp={sp}"] = summarize(res[0][sp], base="megatron")
+    print(f"one transformer layer fwd+bwd, fp32, TP={args.tp}, s={args.seq} b={args.batch} "
+          f"h={args.hidden} ffn={args.ffn}, per rank, slower rank:")
+    print(json.dumps(report, indent=1))
     return 0
 
 

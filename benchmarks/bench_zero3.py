@@ -37,7 +37,8 @@ implicit prefetch only. (Two DeepSpeed stage-3 engines in one process hang, henc
 AdamW (lr 1e-3, weight decay 0.1 on matrices), clipping at 1.0; one step = ``--microbatches``
 forward/backward passes of ``--micro-batch`` samples per rank and one optimizer step. Reported:
 median ms per variant and the paired ratio (median of per-step ratios, interquartile range,
-min-max) of every variant against ``paratron``, ``--steps`` timed steps after 3 warm-up, load
+min-max) of every variant against ``paratron``, ``--variants`` picks the copies timed (paratron and
+fsdp2 always: the large size with all four takes long on a loaded machine), ``--steps`` timed steps after 3 warm-up, load
 average before and after. Memory is the bytes of each rank's params, grads and optimizer state
 alive right after the optimizer step, summed from the tensors themselves (local shards for FSDP2;
 for DeepSpeed every tensor its ZeRO optimizer holds, see ``_deepspeed_bytes``); for paratron
@@ -151,8 +152,9 @@ def _variants(args, kw, cfg, ctx, stage: int) -> dict:
     ddp = DistributedDataParallel([model], ctx, bucket_size_mb=40.0 if fair else args.bucket_mb, zero=stage)
     runs["paratron"] = ("paratron", model, build_optimizer([model], ctx, cfg, ddp))
     runs["fsdp2"] = ("fsdp", *_fsdp(kw, cfg, stage == 3, fair=fair))
-    runs["deepspeed"] = ("deepspeed", deepspeed_engine(args, kw, cfg, stage=stage, fair=fair), None)
-    return runs
+    if "deepspeed" in args.variants:
+        runs["deepspeed"] = ("deepspeed", deepspeed_engine(args, kw, cfg, stage=stage, fair=fair), None)
+    return {n: r for n, r in runs.items() if n in args.variants or n in ("paratron", "fsdp2")}
 
 
 def _rank(args):
@@ -204,19 +206,22 @@ def _rank(args):
 
 
 SIZES = {"small": {"hidden": 128}, "large": {"hidden": 512}}
+VARIANTS = ("single", "paratron", "fsdp2", "deepspeed")
 
 
 def main():
     args = parse_args(__doc__.split("\n")[0], layers=4, steps=MIN_TIMED_STEPS,
                       extra=lambda ap: (add_size_arg(ap), ap.add_argument("--stage", type=int, choices=(2, 3), default=3),
-                                        ap.add_argument("--peers", choices=("fair", "matched"), default="fair")))
+                                        ap.add_argument("--peers", choices=("fair", "matched"), default="fair"),
+                                        ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS,
+                                                        help="which copies to time (paratron and fsdp2 always)")))
     for k, v in SIZES[args.size].items():
         setattr(args, k, v)
     torch.set_num_threads(1)
     before = load()
     out = run_ranks(_rank, 2, args, timeout=3600)[0]
     times = out["times"]
-    summary = summarize(times, base="paratron", pairs=[("paratron", "single")])
+    summary = summarize(times, base="paratron", pairs=[("paratron", "single")] if "single" in times else [])
     mem = out["memory"]
     result = {
         "config": vars(args), "params": out["params"], "load_before": before, "load_after": load(),
