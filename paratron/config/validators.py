@@ -234,8 +234,11 @@ def _experts(cfg: Config, world: int | None) -> None:
     if cfg.model.num_experts:
         # The token dispatcher's own rules (e.g. alltoall_chunked refuses padding to capacity).
         from paratron.models.moe.dispatcher import check_dispatcher_config
+        from paratron.models.moe.prefetch import check_expert_tensor
 
         check_dispatcher_config(cfg.model)
+        if cfg.model.moe_token_dispatcher == "prefetch":
+            check_expert_tensor(p.expert_tensor)
 
 
 def _moe_fb_overlap(cfg: Config, world: int | None) -> None:
