@@ -22,9 +22,9 @@ import csv
 import time
 from pathlib import Path
 
+from paratron.rules import build_config, validate
 import dataclasses
 
-from paratron.config import build_config, validate
 from paratron.dryrun.run import dry_run
 from paratron.dryrun.verify import plan_config
 from paratron.planner.estimate import Problem

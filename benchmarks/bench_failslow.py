@@ -70,7 +70,7 @@ def _rank(overrides: list[str], run_dir: str, slow: str):
     import contextlib
     import io
 
-    from paratron.config import load_config
+    from paratron.rules import load_config
     from paratron.launch.runner import run_training
 
     os.environ["PARATRON_SLOW_RANK"] = slow

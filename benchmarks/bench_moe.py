@@ -46,7 +46,8 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from paratron.config import Config, validate  # noqa: E402
+from paratron.config import Config
+from paratron.rules import validate  # noqa: E402
 from paratron.parallel.context import ParallelContext  # noqa: E402
 from paratron.local_ranks import run_ranks  # noqa: E402
 

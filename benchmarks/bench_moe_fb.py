@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
 from bench_moe import FARSKIP_OVERLAP, FORWARD, GBS, SEQ, VOCAB, _config, _hidden  # noqa: E402
-from paratron.config import validate  # noqa: E402
+from paratron.rules import validate  # noqa: E402
 from paratron.parallel.context import ParallelContext  # noqa: E402
 from paratron.local_ranks import run_ranks  # noqa: E402
 

@@ -50,7 +50,8 @@ def train_losses(name: str, iters: int, tmp: str) -> dict:
 
 
 def step_times(rounds: int) -> dict:
-    from paratron.config import OptimizerConfig, load_config
+    from paratron.config import OptimizerConfig
+    from paratron.rules import load_config
     from paratron.models.gpt import build_model_chunks
     from paratron.optim import DistributedDataParallel, build_optimizer, finalize_grads
     from paratron.parallel.context import ParallelContext

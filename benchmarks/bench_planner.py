@@ -24,9 +24,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from paratron.config import load_config, to_toml
+from paratron.config import to_toml
+from paratron.rules import load_config
 from paratron.planner.calibrate import calibrate
-from paratron.planner.command import model_with_vocab
+from paratron.dryrun.plan_command import model_with_vocab
 from paratron.planner.estimate import Problem, estimate
 from paratron.planner.hardware import Cluster, device
 from paratron.planner.layout import Layout, to_config

@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
 from bench_moe import SEQ, VOCAB, _config  # noqa: E402
-from paratron.config import validate  # noqa: E402
+from paratron.rules import validate  # noqa: E402
 from paratron.parallel.context import ParallelContext  # noqa: E402
 from paratron.local_ranks import run_ranks  # noqa: E402
 

@@ -120,7 +120,7 @@ def group_creation(repeats: int) -> dict:
     seconds, median over ``repeats``."""
     import torch
 
-    from paratron.config import load_config
+    from paratron.rules import load_config
     from paratron.local_ranks import run_ranks
     from paratron.training.groups import groups_used
 

@@ -8,7 +8,13 @@
    AdamW) against a plain PyTorch loop (the reference model of ``bench_model.py``, same weights,
    ``torch.optim.AdamW``), same shapes, fp32, one process, interleaved rounds.
 
-    .venv/bin/python benchmarks/bench_train.py [--iters 12] [--rounds 5]
+3. The GEMM share of that step (``--part gemm``): the step's matmuls at the model's own shapes
+   (every linear's forward ``x W^T`` and its two backward products ``dY W`` and ``dY^T x``, the
+   output layer's included, per layer and microbatch) timed alone with ``torch.mm`` on
+   preallocated operands, over paratron's step time, eager and with ``model.compile = true``
+   (each layer ``torch.compile``-d), measured in turn with ``pairing.time_paired``.
+
+    .venv/bin/python benchmarks/bench_train.py [--part all|overhead|gemm] [--iters 12] [--rounds 5]
 """
 
 from __future__ import annotations
@@ -27,6 +33,14 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT))
+
+from pairing import MIN_TIMED_STEPS, load, summarize, time_paired  # noqa: E402
+from paratron.rules import load_config  # noqa: E402
+from paratron.config.model_shape import ffn_size, head_dim, query_groups  # noqa: E402
+from paratron.parallel.context import ParallelContext  # noqa: E402
+from paratron.training.builders import build_model_and_optimizer  # noqa: E402
+from paratron.training.trainer import train_batch  # noqa: E402
 
 
 def cli_tokens_per_second(extra: list[str], nproc: int, iters: int) -> float:
@@ -45,19 +59,80 @@ def cli_tokens_per_second(extra: list[str], nproc: int, iters: int) -> float:
         return statistics.median(r["tokens_per_second"] for r in recs if "loss" in r and r["iteration"] >= 3)
 
 
+LAYOUT_1 = ["parallel.tensor=1", "parallel.pipeline=1", "parallel.sequence_parallel=false", "model.vocab_size=8192",
+            "model.tie_embeddings=false"]
+
+
+def linear_shapes(cfg) -> list[tuple[int, int]]:
+    """``(in, out)`` of every linear of one microbatch's forward, the output layer last."""
+    m = cfg.model
+    h, d, n, g, f = m.hidden_size, head_dim(m), m.num_attention_heads, query_groups(m), ffn_size(m)
+    up = 2 * f if m.activation == "swiglu" else f
+    layer = [(h, (n + 2 * g) * d), (n * d, h), (h, up), (f, h)]
+    return layer * m.num_layers + [(h, m.vocab_size)]
+
+
+def gemm_seconds(cfg, reps: int) -> float:
+    """Median seconds of the step's matmuls alone (three per linear per microbatch, see the
+    module docstring), ``torch.mm`` on preallocated fp32 operands, one thread."""
+    t_rows = cfg.train.micro_batch_size * cfg.model.seq_length
+    m = cfg.train.global_batch_size // cfg.train.micro_batch_size
+    ops = []
+    for k, n in linear_shapes(cfg):
+        x, w, dy = torch.randn(t_rows, k), torch.randn(n, k), torch.randn(t_rows, n)
+        ops += [(x, w.t()), (dy, w), (dy.t(), x)]
+    outs = [torch.empty(a.shape[0], b.shape[1]) for a, b in ops]
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(m):
+            for (a, b), o in zip(ops, outs):
+                torch.mm(a, b, out=o)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def gemm_share(steps: int) -> dict:
+    """paratron's layout (1) step, eager and compiled, in turn; the GEMMs alone between them."""
+
+    steps_by_name, cfg = {}, None
+    for name, extra in (("eager", []), ("compiled", ["model.compile=true"])):
+        cfg = load_config(ROOT / "configs/default.toml", LAYOUT_1 + extra)
+        ctx = ParallelContext.single()
+        torch.manual_seed(0)
+        chunks, ddp, opt, sched = build_model_and_optimizer(cfg, ctx)
+        mbs = _batches(cfg)
+        steps_by_name[name] = lambda c=cfg, x=ctx, ch=chunks, d=ddp, o=opt, s=sched, b=mbs: train_batch(c, x, ch, d, o, s, b)
+    gemm = []
+
+    def run(name, step):
+        if name == "gemm":
+            gemm.append(gemm_seconds(cfg, 1))
+        else:
+            steps_by_name[name]()
+
+    times = time_paired(["gemm", "eager", "compiled"], steps, run, sync=lambda: None, reduce=lambda t: t, warmup=3)
+    out = summarize(times, base="eager", pairs=[("gemm", "eager"), ("gemm", "compiled")])
+    out["gemm_share_eager"] = out.pop("paired_gemm_vs_eager")
+    out["gemm_share_compiled"] = out.pop("paired_gemm_vs_compiled")
+    out["gemm_flops_per_step"] = 6 * sum(k * n for k, n in linear_shapes(cfg)) * cfg.train.global_batch_size * cfg.model.seq_length
+    return out
+
+
+def _batches(cfg) -> list[dict]:
+    g = torch.Generator().manual_seed(1)
+    m, b, s = cfg.train.global_batch_size // cfg.train.micro_batch_size, cfg.train.micro_batch_size, cfg.model.seq_length
+    v = cfg.model.vocab_size
+    return [{"tokens": torch.randint(0, v, (b, s), generator=g), "labels": torch.randint(0, v, (b, s), generator=g)}
+            for _ in range(m)]
+
+
 def step_overhead(rounds: int, steps: int) -> dict:
     from bench_model import RefModel
 
-    from paratron.config import load_config
     from paratron.models.gpt import gather_full_state
-    from paratron.config.model_shape import ffn_size, query_groups
-    from paratron.parallel.context import ParallelContext
-    from paratron.training.builders import build_model_and_optimizer
-    from paratron.training.trainer import train_batch
 
-    cfg = load_config(ROOT / "configs/default.toml", ["parallel.tensor=1", "parallel.pipeline=1",
-                                                       "parallel.sequence_parallel=false", "model.vocab_size=8192",
-                                                       "model.tie_embeddings=false"])
+    cfg = load_config(ROOT / "configs/default.toml", LAYOUT_1)
     ctx = ParallelContext.single()
     torch.manual_seed(0)
     chunks, ddp, opt, sched = build_model_and_optimizer(cfg, ctx)
@@ -101,11 +176,19 @@ def step_overhead(rounds: int, steps: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--part", choices=("all", "overhead", "gemm"), default="all")
     ap.add_argument("--iters", type=int, default=12)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--gemm-steps", type=int, default=MIN_TIMED_STEPS)
     args = ap.parse_args()
     torch.set_num_threads(1)
+    if args.part in ("all", "gemm"):
+        before = load()
+        share = gemm_share(args.gemm_steps)
+        print(json.dumps({"load_before": before, "load_after": load(), **share}, indent=1), flush=True)
+    if args.part == "gemm":
+        return
     over = step_overhead(args.rounds, args.steps)
     print(f"layout (1) training step: paratron {over['paratron_s']:.3f} s, plain PyTorch {over['reference_s']:.3f} s, "
           f"ratio {over['ratio_median']:.3f}")

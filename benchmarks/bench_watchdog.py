@@ -29,7 +29,7 @@ from paratron.parallel.flight import FlightRecorder  # noqa: E402
 
 
 def _setup(tp: int, pp: int):
-    from paratron.config import load_config
+    from paratron.rules import load_config
     from paratron.parallel.context import ParallelContext
     from paratron.training.builders import build_model_and_optimizer
 

@@ -1,24 +1,31 @@
-"""ZeRO-1 step time at DP=2: paratron against DeepSpeed ZeRO stage 1, and bucket overlap on/off.
+"""ZeRO-1 step time at DP=2: paratron against DeepSpeed ZeRO stage 1, bucket overlap on/off, and
+the share of the DP reduction hidden behind backward.
 
 Usage::
 
-    DS_ACCELERATOR=cpu DS_BUILD_OPS=0 .venv/bin/python benchmarks/bench_zero.py [--steps 10]
+    DS_ACCELERATOR=cpu DS_BUILD_OPS=0 .venv/bin/python benchmarks/bench_zero.py [--size small|large] [--steps 30]
 
-Two gloo ranks (forked, one thread each) hold three copies of the same tiny GPT (plain PyTorch:
+Two gloo ranks (forked, one thread each) hold copies of the same tiny GPT (plain PyTorch:
 embedding, pre-norm blocks of causal SDPA attention and a GELU MLP, tied output layer; every
-param marked with ``paratron.parallel.params.mark``), with the same init:
+param marked with ``paratron.parallel.params.mark``), with the same init; ``--size small`` is
+h=128 (667k params), ``large`` h=512:
 
-* DeepSpeed 0.19 ``deepspeed.initialize`` with ZeRO stage 1, fp32, ``torch.optim.AdamW`` as the
-  client optimizer (no compiled op), gradient clipping 1.0, reduce bucket of ``--bucket-mb``;
-* paratron ``DistributedDataParallel(zero=1)`` + ``build_optimizer``
+* ``deepspeed``: DeepSpeed 0.19 ``deepspeed.initialize`` with ZeRO stage 1, fp32,
+  ``torch.optim.AdamW`` as the client optimizer (no compiled op), gradient clipping 1.0, at its
+  default buckets with ``overlap_comm`` on (as its users run it);
+* ``deepspeed_matched``: the same at ``--bucket-mb`` buckets, ``overlap_comm`` off;
+* ``paratron``: ``DistributedDataParallel(zero=1)`` + ``build_optimizer``
   (AdamW, clip 1.0), bucket of ``--bucket-mb``, overlap on;
-* the same with overlap off.
+* ``paratron_no_overlap``: the same with overlap off.
 
 One step = ``--microbatches`` forward/backward passes of ``--micro-batch`` samples per rank and
-one optimizer step. The three run in turn every iteration (so machine load hits them alike); the
-time of a step is the slower rank's; medians over ``--steps`` after 3 warm-up steps. The script
-also checks that the three models agree after training (max abs param difference), so the
-timings compare runs that compute the same thing.
+one optimizer step. The copies take their steps in turn, the order reversed every other step
+(``pairing.time_paired``); the time of a step is the slower rank's; paired medians with spread
+over ``--steps`` after 3 warm-up steps, load average before and after. Then ``--timeline-steps``
+more paratron steps are recorded (``paratron.parallel.intervals``): each bucket's reduce-scatter
+from issue to completion, and each backward pass; the hidden share is the reduction time during
+which a backward ran. The script also checks that the models agree after training (max abs param
+difference), so the timings compare runs that compute the same thing.
 """
 
 from __future__ import annotations
@@ -27,9 +34,7 @@ import argparse
 import contextlib
 import json
 import os
-import statistics
 import sys
-import time
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("DS_BUILD_OPS", "0")
@@ -44,6 +49,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from paratron.config import OptimizerConfig  # noqa: E402
 from paratron.parallel.params import mark  # noqa: E402
 from paratron.local_ranks import run_ranks  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+from pairing import MIN_TIMED_STEPS, add_size_arg, load, summarize, time_paired  # noqa: E402
+from paratron.parallel.intervals import hidden_fraction, recording  # noqa: E402
 
 
 class Block(nn.Module):
@@ -89,9 +98,12 @@ def _data(args, step, rank):
     return toks[:, :-1], toks[:, 1:]
 
 
-def deepspeed_engine(args, kw: dict, cfg: OptimizerConfig, stage: int):
+def deepspeed_engine(args, kw: dict, cfg: OptimizerConfig, stage: int, fair: bool = False):
     """A fresh ``TinyGPT(**kw)`` wrapped by ``deepspeed.initialize`` at ZeRO ``stage`` (fp32,
-    ``torch.optim.AdamW`` as the client optimizer, clipping and buckets as ``cfg`` / ``args``)."""
+    ``torch.optim.AdamW`` as the client optimizer, clipping as ``cfg``). Matched (``fair=False``):
+    ``args.bucket_mb`` buckets, ``overlap_comm`` off, stage 3 prefetching one bucket with every
+    param partitioned. Fair: DeepSpeed's own defaults for buckets, prefetch and persistence
+    (none set), with ``overlap_comm`` on, as its users run it."""
     import deepspeed
     from deepspeed.utils import logger
 
@@ -105,7 +117,9 @@ def deepspeed_engine(args, kw: dict, cfg: OptimizerConfig, stage: int):
     bucket = int(args.bucket_mb * 2**20 / 4)
     zero = {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket,
             "overlap_comm": False, "contiguous_gradients": True}
-    if stage == 3:  # prefetch one bucket ahead, as paratron's ZeRO-3 prefetches one unit
+    if fair:
+        zero = {"stage": stage, "overlap_comm": True}
+    elif stage == 3:  # prefetch one bucket ahead, as paratron's ZeRO-3 prefetches one unit
         zero.update(stage3_prefetch_bucket_size=bucket, stage3_param_persistence_threshold=0)
     ds_cfg = {
         "train_micro_batch_size_per_gpu": args.micro_batch, "gradient_accumulation_steps": args.microbatches,
@@ -138,9 +152,9 @@ def _rank(args):
     mb, m = args.micro_batch, args.microbatches
     cfg = OptimizerConfig(name="adamw", lr=1e-3, weight_decay=0.1, clip_grad=1.0)
 
-    # DeepSpeed ZeRO-1.
-    engine = deepspeed_engine(args, kw, cfg, stage=1)
-    ds_model = engine.module
+    # DeepSpeed ZeRO-1: as its users run it (default buckets, overlap_comm) and matched.
+    engines = {"deepspeed": deepspeed_engine(args, kw, cfg, stage=1, fair=True),
+               "deepspeed_matched": deepspeed_engine(args, kw, cfg, stage=1)}
 
     # paratron ZeRO-1, overlap on and off.
     ctx = ParallelContext.build()
@@ -154,48 +168,46 @@ def _rank(args):
     def paratron_step(name, step):
         model, opt = runs[name]
         tokens, labels = _data(args, step, rank)
+        rec = ctx.ledger.intervals
         opt.zero_grad()
         for i in range(m):
             # The token mean over the global batch (all tokens valid): each microbatch's mean
             # divided by microbatches x DP ranks, then summed by DDP.
             loss = model(tokens[i * mb:(i + 1) * mb], labels[i * mb:(i + 1) * mb])
             with opt.ddp.last_backward() if i == m - 1 else contextlib.nullcontext():
-                (loss / (m * dp)).backward()
+                with rec.compute("backward") if rec is not None else contextlib.nullcontext():
+                    (loss / (m * dp)).backward()
         finalize_grads([model], ctx, opt.ddp)
         opt.step()
 
-    times = time_in_turn(["deepspeed", "paratron", "paratron_no_overlap"], args.steps,
-                         lambda name, step: deepspeed_step(engine, args, step) if name == "deepspeed"
-                         else paratron_step(name, step))
-    ds_params = dict(engine.module.named_parameters())
+    def run(name, step):
+        return deepspeed_step(engines[name], args, step) if name in engines else paratron_step(name, step)
+
+    times = time_paired(list(engines) + list(runs), args.steps, run)
+    ds_params = dict(engines["deepspeed"].module.named_parameters())
     diffs = {}
     for name, (model, _) in runs.items():
         diffs[name] = max((p.detach() - ds_params[n].detach()).abs().max().item()
                           for n, p in model.named_parameters())
-    n_params = sum(p.numel() for p in ds_model.parameters())
-    return {"times": times, "max_param_diff_vs_deepspeed": diffs, "params": n_params}
+    # The timeline: which part of the DP reduction ran while the backward computed.
+    hidden = total = 0.0
+    with recording(ctx.ledger) as rec:
+        for step in range(args.steps, args.steps + args.timeline_steps):
+            paratron_step("paratron", step)
+            h, t = hidden_fraction(rec.take(), {"bucket_reduce"})
+            hidden, total = hidden + h, total + t
+    n_params = sum(p.numel() for p in ds_params.values())
+    return {"times": times, "max_param_diff_vs_deepspeed": diffs, "params": n_params,
+            "reduce_hidden_s": hidden, "reduce_total_s": total}
 
 
-def time_in_turn(names, steps: int, run_step) -> dict[str, list[float]]:
-    """Run ``run_step(name, step)`` for every name in turn, ``steps`` + 3 warm-up times; returns
-    the slower rank's seconds of each timed step, by name (every rank must call it)."""
-    times = {name: [] for name in names}
-    for step in range(steps + 3):
-        for name in names:
-            torch.distributed.barrier()
-            t0 = time.perf_counter()
-            run_step(name, step)
-            t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-            if step >= 3:
-                times[name].append(t.item())
-    return times
-
-
-def parse_args(description: str, layers: int = 2) -> argparse.Namespace:
-    """The tiny GPT's size, the batch and the bucket size from the command line."""
+def parse_args(description: str, layers: int = 2, steps: int = MIN_TIMED_STEPS, extra=None) -> argparse.Namespace:
+    """The tiny GPT's size, the batch and the bucket size from the command line (``extra(ap)``
+    adds a benchmark's own flags)."""
     ap = argparse.ArgumentParser(description=description)
-    ap.add_argument("--steps", type=int, default=10)
+    if extra is not None:
+        extra(ap)
+    ap.add_argument("--steps", type=int, default=steps)
     ap.add_argument("--vocab", type=int, default=2048)
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--layers", type=int, default=layers)
@@ -207,16 +219,22 @@ def parse_args(description: str, layers: int = 2) -> argparse.Namespace:
     return ap.parse_args()
 
 
+SIZES = {"small": {"hidden": 128}, "large": {"hidden": 512}}
+
+
 def main():
-    args = parse_args(__doc__.split("\n")[0])
+    args = parse_args(__doc__.split("\n")[0], extra=lambda ap: (
+        add_size_arg(ap), ap.add_argument("--timeline-steps", type=int, default=5)))
+    for k, v in SIZES[args.size].items():
+        setattr(args, k, v)
     torch.set_num_threads(1)
+    before = load()
     out = run_ranks(_rank, 2, args, timeout=3600)[0]
-    med = {k: statistics.median(v) * 1e3 for k, v in out["times"].items()}
     result = {
-        "config": vars(args), "params": out["params"],
-        "median_step_ms": {k: round(v, 1) for k, v in med.items()},
-        "ratio_paratron_vs_deepspeed": round(med["paratron"] / med["deepspeed"], 3),
-        "ratio_overlap_on_vs_off": round(med["paratron"] / med["paratron_no_overlap"], 3),
+        "config": vars(args), "params": out["params"], "load_before": before, "load_after": load(),
+        **summarize(out["times"], base="paratron", pairs=[("paratron", "paratron_no_overlap")]),
+        "reduce_hidden_behind_backward": round(out["reduce_hidden_s"] / max(out["reduce_total_s"], 1e-12), 3),
+        "reduce_ms_per_step": round(out["reduce_total_s"] / args.timeline_steps * 1e3, 2),
         "max_param_diff_vs_deepspeed": out["max_param_diff_vs_deepspeed"],
     }
     print(json.dumps(result, indent=2))

@@ -1,36 +1,49 @@
-"""ZeRO-2/3 at DP=2: paratron against DeepSpeed ZeRO stages 2/3 and torch FSDP2 (``fully_shard``),
-and prefetch on against off.
+"""ZeRO-2/3 at DP=2: paratron against torch FSDP2 (``fully_shard``) and DeepSpeed ZeRO stages 2/3,
+each set up as its users would (fair) and at paratron's settings (matched), and against the
+same work with no sharding at all.
 
 Usage::
 
-    DS_ACCELERATOR=cpu DS_BUILD_OPS=0 OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_zero3.py [--steps 10]
+    DS_ACCELERATOR=cpu DS_BUILD_OPS=0 OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_zero3.py \
+        [--size small|large] [--stage 3|2] [--steps 30]
 
 DeepSpeed: ``DS_BUILD_OPS=0 .venv/bin/pip install deepspeed`` (0.19.8 measured; no compiled op is
 needed: the client optimizer is ``torch.optim.AdamW``).
 
-Two gloo ranks (forked, one thread each) hold seven copies of the same tiny GPT of
-``bench_zero.py`` (plain PyTorch, tied output layer), with the same init:
+Sizes (``--size``): ``small`` is the tiny GPT of ``bench_zero.py`` with 4 blocks (h=128, 1.06M
+params: framework overhead dominates); ``large`` the same at h=512 (13.7M params, 12.9x; h >= 512:
+the GEMMs dominate). Two gloo ranks (forked, one thread each) hold these copies of the model, with
+the same init, and take their steps in turn (``pairing.time_paired``: order reversed every other
+step), the slower rank's time per step:
 
-* paratron ZeRO-3 (``DistributedDataParallel(zero=3)``): each block is a unit, the embeddings
-  and final norm a unit spanning the forward; prefetch on;
-* the same with prefetch off;
-* torch FSDP2: ``fully_shard`` on each block and on the root, ``reshard_after_forward=True``
-  (ZeRO-3), ``torch.optim.AdamW``, ``clip_grad_norm_``;
-* paratron ZeRO-2 (``zero=2``);
-* torch FSDP2 with ``reshard_after_forward=False`` on every module (params stay gathered from
-  forward to backward; grads and optimizer state sharded: FSDP's ZeRO-2 mode);
-* DeepSpeed ZeRO stage 3 and stage 2 (``bench_zero.deepspeed_engine``: fp32, ``torch.optim.AdamW``
-  as the client optimizer, 1 MB buckets; stage 3 with every param partitioned
-  (``stage3_param_persistence_threshold=0``) and a prefetch of one bucket).
+* ``single``: each rank trains its own unsharded copy on its share of the batch with
+  ``torch.optim.AdamW(foreach=True)`` and no communication at all: the same work per rank with
+  no ZeRO, the floor the ZeRO step is measured against;
+* ``paratron``: ``DistributedDataParallel(zero=stage)`` (stage 3: each block a unit, the
+  embeddings and final norm a unit spanning the forward; prefetch on);
+* ``fsdp2``: ``fully_shard`` on each block and the root (stage 3: ``reshard_after_forward=True``,
+  stage 2: ``False``);
+* ``deepspeed``: ``deepspeed.initialize`` at the stage.
+
+``--peers fair`` (default) sets each up as its users would: paratron at its default 40 MB
+buckets; FSDP2 with ``torch.optim.AdamW(foreach=True)`` and explicit forward and backward prefetch
+of the neighbouring block (``set_modules_to_forward_prefetch`` / ``..._backward_prefetch``);
+DeepSpeed at its default buckets, prefetch and param persistence, with ``overlap_comm`` on.
+``--peers matched`` uses the settings the earlier tables used: paratron and DeepSpeed at
+``--bucket-mb`` (1 MB) buckets, DeepSpeed with ``overlap_comm`` off and (stage 3) every param
+partitioned and a one-bucket prefetch, FSDP2 with the for-loop AdamW (its CPU default) and
+implicit prefetch only. (Two DeepSpeed stage-3 engines in one process hang, hence one set per run.)
 
 AdamW (lr 1e-3, weight decay 0.1 on matrices), clipping at 1.0; one step = ``--microbatches``
-forward/backward passes of ``--micro-batch`` samples per rank and one optimizer step. The seven run
-in turn every iteration (so machine load hits them alike); the time of a step is the slower rank's;
-medians over ``--steps`` after 3 warm-up steps. Memory is the bytes of each rank's params, grads
-and optimizer state alive right after the optimizer step, summed from the tensors themselves
-(local shards for FSDP2; for DeepSpeed every tensor its ZeRO optimizer holds, see
-``_deepspeed_bytes``); for paratron ZeRO-3 also the most full-param bytes gathered at once.
-The script checks that all seven end with the same params (max abs difference).
+forward/backward passes of ``--micro-batch`` samples per rank and one optimizer step. Reported:
+median ms per variant and the paired ratio (median of per-step ratios, interquartile range,
+min-max) of every variant against ``paratron``, ``--steps`` timed steps after 3 warm-up, load
+average before and after. Memory is the bytes of each rank's params, grads and optimizer state
+alive right after the optimizer step, summed from the tensors themselves (local shards for FSDP2;
+for DeepSpeed every tensor its ZeRO optimizer holds, see ``_deepspeed_bytes``); for paratron
+ZeRO-3 also the most full-param bytes gathered at once. The script checks that every sharded
+copy ends with the same params as ``fsdp2`` (max abs difference; ``single`` trains on its rank's
+data only and is left out).
 """
 
 from __future__ import annotations
@@ -47,12 +60,23 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
-from bench_zero import TinyGPT, _data, deepspeed_engine, deepspeed_step, parse_args, time_in_turn  # noqa: E402
+from bench_zero import TinyGPT, _data, deepspeed_engine, deepspeed_step, parse_args  # noqa: E402
+from pairing import MIN_TIMED_STEPS, add_size_arg, load, summarize, time_paired  # noqa: E402
 from paratron.config import OptimizerConfig  # noqa: E402
 from paratron.local_ranks import run_ranks  # noqa: E402
 
 
-def _fsdp(kw, cfg, reshard: bool):
+def _adamw(params, cfg, foreach: bool | None):
+    decay = [p for p in params if p.dim() > 1]
+    nodecay = [p for p in params if p.dim() == 1]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                              {"params": nodecay, "weight_decay": 0.0}], lr=cfg.lr,
+                             betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, foreach=foreach)
+
+
+def _fsdp(kw, cfg, reshard: bool, fair: bool):
+    """FSDP2 over each block and the root; ``fair``: foreach AdamW and explicit prefetch of the
+    neighbouring block in forward and backward (else the for-loop AdamW, FSDP2's CPU default)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -61,12 +85,14 @@ def _fsdp(kw, cfg, reshard: bool):
     for blk in model.blocks:
         fully_shard(blk, mesh=mesh, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
-    decay = [p for p in model.parameters() if p.dim() > 1]
-    nodecay = [p for p in model.parameters() if p.dim() == 1]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                             {"params": nodecay, "weight_decay": 0.0}], lr=cfg.lr,
-                            betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
-    return model, opt
+    if fair:
+        blocks = list(model.blocks)
+        for i, blk in enumerate(blocks):
+            if i + 1 < len(blocks):
+                blk.set_modules_to_forward_prefetch([blocks[i + 1]])
+            if i > 0:
+                blk.set_modules_to_backward_prefetch([blocks[i - 1]])
+    return model, _adamw(list(model.parameters()), cfg, True if fair else None)
 
 
 def _fsdp_bytes(model, opt) -> int:
@@ -114,8 +140,23 @@ def _deepspeed_full(engine) -> dict[str, torch.Tensor]:
         return {n: p.detach().clone() for n, p in params.items()}
 
 
+def _variants(args, kw, cfg, ctx, stage: int) -> dict:
+    """The copies of the model this run times (see the module docstring), by name."""
+    from paratron.optim import DistributedDataParallel, build_optimizer
+
+    fair = args.peers == "fair"
+    single = TinyGPT(**kw)
+    runs = {"single": ("single", single, _adamw(list(single.parameters()), cfg, True))}
+    model = TinyGPT(**kw)
+    ddp = DistributedDataParallel([model], ctx, bucket_size_mb=40.0 if fair else args.bucket_mb, zero=stage)
+    runs["paratron"] = ("paratron", model, build_optimizer([model], ctx, cfg, ddp))
+    runs["fsdp2"] = ("fsdp", *_fsdp(kw, cfg, stage == 3, fair=fair))
+    runs["deepspeed"] = ("deepspeed", deepspeed_engine(args, kw, cfg, stage=stage, fair=fair), None)
+    return runs
+
+
 def _rank(args):
-    from paratron.optim import DistributedDataParallel, build_optimizer, finalize_grads
+    from paratron.optim import finalize_grads
     from paratron.optim.zero import storage_bytes
     from paratron.parallel.context import ParallelContext
 
@@ -124,18 +165,7 @@ def _rank(args):
     mb, m = args.micro_batch, args.microbatches
     cfg = OptimizerConfig(name="adamw", lr=1e-3, weight_decay=0.1, clip_grad=1.0)
     ctx = ParallelContext.build()
-    runs = {}
-    for name, zero, prefetch in (("paratron_zero3", 3, True), ("paratron_zero3_no_prefetch", 3, False),
-                                 ("paratron_zero2", 2, True)):
-        model = TinyGPT(**kw)
-        ddp = DistributedDataParallel([model], ctx, bucket_size_mb=args.bucket_mb, zero=zero,
-                                      zero3_prefetch=prefetch)
-        runs[name] = ("paratron", model, build_optimizer([model], ctx, cfg, ddp))
-    runs["fsdp2_zero3"] = ("fsdp", *_fsdp(kw, cfg, True))
-    runs["fsdp2_zero2"] = ("fsdp", *_fsdp(kw, cfg, False))
-    for stage in (3, 2):
-        engine = deepspeed_engine(args, kw, cfg, stage=stage)
-        runs[f"deepspeed_zero{stage}"] = ("deepspeed", engine, None)
+    runs = _variants(args, kw, cfg, ctx, args.stage)
 
     def step(name, i):
         kind, model, opt = runs[name]
@@ -149,13 +179,12 @@ def _rank(args):
             (loss / (m * dp) if kind == "paratron" else loss / m).backward()
         if kind == "paratron":
             finalize_grads([model], ctx, opt.ddp)
-            opt.step()
         else:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad)
-            opt.step()
+        opt.step()
 
-    times = time_in_turn(list(runs), args.steps, step)
-    peak = runs["paratron_zero3"][2].ddp.param_shards.peak_gathered_bytes  # before full_params below
+    times = time_paired(list(runs), args.steps, step)
+    peak = runs["paratron"][2].ddp.param_shards.peak_gathered_bytes if args.stage == 3 else None
     memory, full = {}, {}
     for name, (kind, model, opt) in runs.items():
         if kind == "paratron":
@@ -165,35 +194,36 @@ def _rank(args):
                 full[name] = {n: p.detach().clone() for n, p in model.named_parameters()}
         elif kind == "deepspeed":
             memory[name], full[name] = _deepspeed_bytes(model), _deepspeed_full(model)
-        else:
+        elif kind == "fsdp":
             memory[name] = _fsdp_bytes(model, opt)
             full[name] = {n: p.full_tensor().detach() for n, p in model.named_parameters()}
-    ref = full["fsdp2_zero3"]
+    ref = full["fsdp2"]
     diffs = {name: max((t - ref[n]).abs().max().item() for n, t in f.items()) for name, f in full.items()}
     n_params = sum(t.numel() for t in ref.values())
     return {"times": times, "memory": memory, "diff": diffs, "params": n_params, "zero3_peak_gathered": peak}
 
 
+SIZES = {"small": {"hidden": 128}, "large": {"hidden": 512}}
+
+
 def main():
-    args = parse_args(__doc__.split("\n")[0], layers=4)
+    args = parse_args(__doc__.split("\n")[0], layers=4, steps=MIN_TIMED_STEPS,
+                      extra=lambda ap: (add_size_arg(ap), ap.add_argument("--stage", type=int, choices=(2, 3), default=3),
+                                        ap.add_argument("--peers", choices=("fair", "matched"), default="fair")))
+    for k, v in SIZES[args.size].items():
+        setattr(args, k, v)
     torch.set_num_threads(1)
+    before = load()
     out = run_ranks(_rank, 2, args, timeout=3600)[0]
-    med = {k: statistics.median(v) * 1e3 for k, v in out["times"].items()}
+    times = out["times"]
+    summary = summarize(times, base="paratron", pairs=[("paratron", "single")])
     mem = out["memory"]
     result = {
-        "config": vars(args), "params": out["params"], "load_average": os.getloadavg(),
-        "median_step_ms": {k: round(v, 1) for k, v in med.items()},
+        "config": vars(args), "params": out["params"], "load_before": before, "load_after": load(),
+        **summary,
         "model_state_bytes_per_rank": mem,
+        "memory_vs_paratron": {k: round(v / mem["paratron"], 3) for k, v in mem.items()},
         "zero3_peak_gathered_bytes": out["zero3_peak_gathered"],
-        "time_zero3_vs_fsdp2": round(med["paratron_zero3"] / med["fsdp2_zero3"], 3),
-        "time_zero2_vs_fsdp2_zero2": round(med["paratron_zero2"] / med["fsdp2_zero2"], 3),
-        "time_prefetch_on_vs_off": round(med["paratron_zero3"] / med["paratron_zero3_no_prefetch"], 3),
-        "memory_zero3_vs_fsdp2": round(mem["paratron_zero3"] / mem["fsdp2_zero3"], 3),
-        "memory_zero2_vs_fsdp2_zero2": round(mem["paratron_zero2"] / mem["fsdp2_zero2"], 3),
-        "time_zero3_vs_deepspeed3": round(med["paratron_zero3"] / med["deepspeed_zero3"], 3),
-        "time_zero2_vs_deepspeed2": round(med["paratron_zero2"] / med["deepspeed_zero2"], 3),
-        "memory_zero3_vs_deepspeed3": round(mem["paratron_zero3"] / mem["deepspeed_zero3"], 3),
-        "memory_zero2_vs_deepspeed2": round(mem["paratron_zero2"] / mem["deepspeed_zero2"], 3),
         "max_param_diff_vs_fsdp2": out["diff"],
     }
     print(json.dumps(result, indent=2))

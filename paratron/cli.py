@@ -18,10 +18,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "info": ("paratron.launch.info", "show the process groups of a layout (under torchrun too)"),
     "preprocess": ("paratron.data.preprocess", "tokenize a JSONL/text corpus into .bin/.idx files"),
     "generate": ("paratron.training.generate", "sample text from a checkpoint"),
-    "convert": ("paratron.checkpoint.convert", "convert checkpoints to and from Hugging Face"),
+    "convert": ("paratron.convert", "convert checkpoints to and from Hugging Face"),
     "simulate": ("paratron.pipeline.simulate_command", "simulate and draw a pipeline schedule"),
-    "plan": ("paratron.planner.command", "rank parallel layouts with a cost model; write the best as a config"),
-    "config": ("paratron.config.command", "list every config key, or show a config as resolved"),
+    "plan": ("paratron.dryrun.plan_command", "rank parallel layouts with a cost model; write the best as a config"),
+    "config": ("paratron.rules.command", "list every config key, or show a config as resolved"),
     "dryrun": ("paratron.dryrun.command", "rehearse one step of a layout's ranks on one CPU (fake backend, meta tensors)"),
 }
 

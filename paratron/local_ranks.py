@@ -24,6 +24,8 @@ import traceback
 from datetime import timedelta
 from typing import Any, Callable
 
+from paratron.device_audit import audit_device
+
 
 # gloo's full-mesh connect has been seen to fail ("Connection closed by peer") at load average
 # 20-40 on 2 cores, before any test code runs; the launch is then repeated from a fresh store.
@@ -48,8 +50,6 @@ def _child(fn, rank, world, store_path, args, kwargs, conn, pg_timeout_s, pg_bac
     try:
         store = dist.FileStore(store_path, world)
         if "auditgpu" in pg_backend:
-            from paratron.device_audit import audit_device
-
             audit_device()  # the device type must exist before a backend is mapped to it
         try:
             dist.init_process_group(pg_backend, store=store, rank=rank, world_size=world,

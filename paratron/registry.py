@@ -11,7 +11,7 @@ from __future__ import annotations
 import difflib
 from typing import Callable, Generic, TypeVar
 
-from paratron.config.errors import ConfigError
+from paratron.errors import ConfigError
 
 T = TypeVar("T")
 

@@ -12,7 +12,8 @@ import weakref
 import pytest
 import torch
 
-from paratron.config import ConfigError, load_config, validate
+from paratron.config import ConfigError
+from paratron.rules import load_config, validate
 from paratron.device_audit import AUDIT_DEVICE_TYPE, AuditTensor, DeviceAudit, audit_device
 from paratron.local_ranks import run_ranks
 

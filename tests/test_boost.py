@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from paratron.config import Config, ConfigError, ModelConfig, validate
+from paratron.config import Config, ConfigError, ModelConfig
+from paratron.rules import validate
 from paratron.config.low_rank_rules import check_low_rank_model
 from paratron.models.gpt import build_model_chunks
 from paratron.models.rope import rope_tables

@@ -18,9 +18,9 @@ from paratron.checkpoint import storage
 from paratron.checkpoint.io import LATEST, load_model_full, verify_directory
 from paratron.checkpoint.items import CheckpointError
 from paratron.checkpoint.manager import CheckpointManager
+from paratron.local_ranks import run_ranks
 from paratron.models.gpt import build_model_chunks
 from paratron.parallel.context import ParallelContext
-from paratron.local_ranks import run_ranks
 from test_checkpoint_reshard import tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -155,7 +155,7 @@ RUN = ["model.num_layers=2", "model.hidden_size=32", "model.num_attention_heads=
 def _run_with_full_disk_at(overrides: list[str], run_dir: str, fail_at_save: int):
     """One rank of a run whose ``fail_at_save``-th save hits a full disk mid-write (0: never)."""
     import paratron.checkpoint.io as io
-    from paratron.config import load_config
+    from paratron.rules import load_config
     from paratron.launch.runner import run_training
 
     class FillsUp(io.ChecksummingWriter):

@@ -116,7 +116,7 @@ def test_no_optimizer_state_is_refused_before_launch(saved, tmp_path, capsys, la
     """A weights-only checkpoint (as ``paratron convert hf-to-paratron`` writes) under
     ``checkpoint.load_optimizer=true`` (the default); no tensor is read before launch."""
     from paratron.checkpoint.io import save_model_full
-    from paratron.config import load_config
+    from paratron.rules import load_config
 
     cfg = load_config(None, RUN)
     cfg.model.vocab_size = 50257  # the tokenizer's, as the ranks record it
@@ -161,7 +161,7 @@ def test_resumed_from_is_printed_only_after_every_rank_loaded(capsys):
     rank's did not, prints no "resumed from" line before it stops."""
     from types import SimpleNamespace
 
-    from paratron.config import load_config
+    from paratron.rules import load_config
     from paratron.training.trainer import Trainer
 
     class HalfLoaded:

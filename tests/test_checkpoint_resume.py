@@ -67,7 +67,7 @@ def _train(overrides: list[str], run_dir: str, stop_at: int = 0):
     import paratron.training.evaluator as evaluator
     import paratron.launch.runner as runner
     import paratron.training.trainer as trainer
-    from paratron.config import load_config
+    from paratron.rules import load_config
 
     if stop_at:
         os.environ[STOP_AT] = str(stop_at)

@@ -160,7 +160,8 @@ def test_black_box_keeps_the_collectives_and_skips_torn_records(tmp_path):
 
 
 def test_check_collectives_needs_the_flight_recorder():
-    from paratron.config import ConfigError, build_config, validate
+    from paratron.config import ConfigError
+    from paratron.rules import build_config, validate
 
     validate(build_config(None, ["parallel.check_collectives=true"]), 2)
     with pytest.raises(ConfigError, match="parallel.check_collectives=true needs the hang watchdog"):

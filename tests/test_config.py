@@ -6,7 +6,8 @@ import sys
 import pytest
 import torch.distributed as dist
 
-from paratron.config import ConfigError, build_config, load_config, megatron_overrides, to_toml, validate
+from paratron.config import ConfigError, megatron_overrides, to_toml
+from paratron.rules import build_config, load_config, validate
 
 
 def cfg_with(*overrides):

@@ -17,7 +17,8 @@ else:  # pragma: no cover
 
 from paratron import markup
 from paratron.cli import COMMANDS, main
-from paratron.config import SECTIONS, Config, from_dict, load_config
+from paratron.config import SECTIONS, Config, from_dict
+from paratron.rules import load_config
 from paratron.config.reference import MARKDOWN_COMMAND, field_docs, keys, markdown_reference, section_classes
 
 ROOT = Path(__file__).resolve().parents[1]

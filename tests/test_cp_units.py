@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from paratron.config import Config, ConfigError, ModelConfig, validate
+from paratron.config import Config, ConfigError, ModelConfig
+from paratron.rules import validate
 from paratron.models.context_parallel import attention_flops_per_rank
 from paratron.models.gpt import build_model_chunks
 from paratron.parallel.context import ParallelContext

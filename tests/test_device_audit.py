@@ -19,7 +19,7 @@ FRESH = "forkserver"  # ranks forked from a fresh interpreter: autograd's device
 
 
 def _config(precision: str, moe: bool, tp: int = 2, pp: int = 2):
-    from paratron.config import load_config
+    from paratron.rules import load_config
     from tests.conftest import ROOT
 
     over = ["model.num_layers=2", "model.hidden_size=32", "model.num_attention_heads=4",

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from paratron.config import build_config, validate
 from paratron.dryrun.moe_standin import install_balanced_routing
+from paratron.rules import build_config, validate
 from paratron.dryrun.rehearse import DryRunError, build_context, rehearse_rank
 from paratron.dryrun.run import auto_ranks, dry_run
 from paratron.local_ranks import run_ranks

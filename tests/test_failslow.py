@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from paratron.data.sampler import PretrainingSampler
-from paratron.plugins.failslow import balance_microbatches, propose_layout, simulated_step
 from paratron.local_ranks import run_ranks
+from paratron.plugins.failslow import balance_microbatches, propose_layout, simulated_step
 
 TINY = [
     "model.num_layers=2", "model.hidden_size=32", "model.num_attention_heads=4",
@@ -29,8 +29,8 @@ TINY = [
 
 
 def _train(overrides: list[str], run_dir: str, slow: str):
+    from paratron.rules import load_config
     import paratron.launch.runner as runner
-    from paratron.config import load_config
 
     os.environ["PARATRON_SLOW_RANK"] = slow  # this forked rank only
     with contextlib.redirect_stdout(io.StringIO()) as buf:

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from paratron.config import Config, validate
+from paratron.config import Config
+from paratron.rules import validate
 from paratron.parallel.context import ParallelContext
 from paratron.local_ranks import run_ranks
 

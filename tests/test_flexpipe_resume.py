@@ -43,7 +43,7 @@ def _train(overrides: list[str], run_dir: str, stop_at: int):
     import paratron.training.evaluator as evaluator
     import paratron.launch.runner as runner
     import paratron.training.trainer as trainer
-    from paratron.config import load_config
+    from paratron.rules import load_config
 
     os.environ[STOP_AT] = str(stop_at)
     seen = {"train": [], "valid": []}

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from paratron.config import Config, ConfigError, validate
+from paratron.config import Config, ConfigError
+from paratron.rules import validate
 from paratron.config.aliases import megatron_overrides
 from paratron.layers.fp8 import E4M3, E5M2, Fp8Recipe, fp8_matmul, quantize, recipe_of
 from paratron.parallel.context import ParallelContext

@@ -53,7 +53,7 @@ def hf_files(tmp_path_factory):
 
 
 def _data_cfg(hf_files, source, streaming=False):
-    from paratron.config import load_config
+    from paratron.rules import load_config
 
     return load_config(None, [f"data.hf_dataset={source}", f"data.streaming={str(streaming).lower()}",
                               f"data.cache_dir={hf_files / 'cache'}"]).data
@@ -117,7 +117,8 @@ def test_missing_datasets_names_the_extra(monkeypatch):
 
 
 def test_bad_split_and_bad_record_are_named(hf_files):
-    from paratron.config import ConfigError, load_config
+    from paratron.config import ConfigError
+    from paratron.rules import load_config
     from paratron.training.preflight import prepare_data
 
     from paratron.data.hf_datasets import load
@@ -135,7 +136,8 @@ def test_bad_split_and_bad_record_are_named(hf_files):
 def test_chat_records_from_a_dataset(hf_files, tmp_path):
     """data.format=chat over data.hf_dataset with another data.messages_key: each row's tokens and
     mask are the renderer's, and data.split cuts the rows into train and validation."""
-    from paratron.config import ConfigError, load_config, validate
+    from paratron.config import ConfigError
+    from paratron.rules import load_config, validate
     from paratron.data.chat import ChatRenderer, SIMPLE_TEMPLATE
     from paratron.data.records import first_prompt, record_splits
     from paratron.data.tokenizer import from_file
@@ -177,7 +179,8 @@ def _runs(runs: list[tuple[list[str], str, int]]) -> list[dict]:
     per run the exit code, each step's sample ids and spelled rows, and its losses."""
     import torch.distributed as dist
 
-    from paratron.config import load_config
+    from paratron.rules import load_config
+    from paratron.training import runner
     from paratron.launch import runner
     from paratron.training.data_iter import TrainingData
 

@@ -16,11 +16,11 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from paratron.checkpoint.hf import hf_to_paratron, paratron_to_hf  # noqa: E402
-from paratron.config import ConfigError  # noqa: E402
 from paratron.checkpoint.hf_deepseek import deepseek_config  # noqa: E402
+from paratron.config import ConfigError  # noqa: E402
+from paratron.local_ranks import run_ranks  # noqa: E402
 from paratron.models.gpt import build_model_chunks, full_logits, gather_full_state, load_full_state  # noqa: E402
 from paratron.parallel.context import ParallelContext  # noqa: E402
-from paratron.local_ranks import run_ranks  # noqa: E402
 
 TOL = 1e-5
 VOCAB, SEQ, BATCH = 61, 10, 2
@@ -124,8 +124,10 @@ def test_unsupported_named():
 def _train_converted(path, pp: int, ep: int) -> list[tuple[float, float]]:
     """A converted MoE DeepSeek-V3 model with one MTP module added (drawn fresh, layout-free),
     2 AdamW steps on a fixed batch: (LM loss, MTP loss) per step."""
+    from paratron.checkpoint.manager import copy_params_into_main
+    from paratron.config import Config
+    from paratron.rules import validate
     from paratron.checkpoint.items import iter_params
-    from paratron.config import Config, validate
     from paratron.parallel.params import load_full_, unique_params
     from paratron.training.data_iter import microbatch_preparer
     from paratron.training.builders import build_model_and_optimizer

@@ -30,7 +30,8 @@ from helpers import train_for_parity  # noqa: E402
 from paratron.checkpoint.hf import hf_to_paratron  # noqa: E402
 from paratron.checkpoint.hf_load import (SafetensorsFolder, apply_load_hf, load_hf_slices,  # noqa: E402
                                          load_hf_weights)
-from paratron.config import Config, validate  # noqa: E402
+from paratron.config import Config
+from paratron.rules import validate  # noqa: E402
 from paratron.models.gpt import build_model_chunks, full_logits  # noqa: E402
 from paratron.parallel.context import ParallelContext  # noqa: E402
 from paratron.local_ranks import run_ranks  # noqa: E402

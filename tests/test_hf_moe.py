@@ -13,7 +13,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from paratron.checkpoint.hf import hf_to_paratron, paratron_to_hf  # noqa: E402
-from paratron.config import Config, ConfigError, validate  # noqa: E402
+from paratron.config import Config, ConfigError
+from paratron.rules import validate  # noqa: E402
 from paratron.models.gpt import build_model_chunks, full_logits, load_full_state  # noqa: E402
 from paratron.parallel.context import ParallelContext  # noqa: E402
 from paratron.local_ranks import run_ranks  # noqa: E402

@@ -164,7 +164,7 @@ def test_mfu_peak_table_and_override(monkeypatch):
 
 
 def _train_layers(compile: bool, steps: int = 2):
-    from paratron.config import load_config
+    from paratron.rules import load_config
     from paratron.training.builders import build_model_and_optimizer
     from paratron.training.step import run_global_batch
     from tests.conftest import ROOT

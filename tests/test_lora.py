@@ -19,7 +19,8 @@ import dataclasses
 import pytest
 import torch
 
-from paratron.config import Config, ConfigError, ModelConfig, validate
+from paratron.config import Config, ConfigError, ModelConfig
+from paratron.rules import validate
 from paratron.models.gpt import build_model_chunks, full_logits, gather_full_state, load_full_state
 from paratron.models.lora import is_adapter_name, merge_lora_tensors
 from paratron.parallel.context import ParallelContext
@@ -160,7 +161,7 @@ def _ids(vocab=VOCAB, seq=SEQ) -> torch.Tensor:
 
 
 def _convert(direction, src, dst, **kw):
-    from paratron.checkpoint import convert
+    from paratron import convert
 
     p = argparse.ArgumentParser()
     convert.add_arguments(p)

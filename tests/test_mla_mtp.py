@@ -20,7 +20,8 @@ import contextlib
 import pytest
 import torch
 
-from paratron.config import Config, ConfigError, validate
+from paratron.config import Config, ConfigError
+from paratron.rules import validate
 from paratron.parallel.context import ParallelContext
 from paratron.local_ranks import run_ranks
 

@@ -7,7 +7,8 @@ import dataclasses
 import pytest
 import torch
 
-from paratron.config import Config, ConfigError, ModelConfig, load_config, validate
+from paratron.config import Config, ConfigError, ModelConfig
+from paratron.rules import load_config, validate
 from paratron.models.flops import flops_per_token, forward_flops_per_token
 from paratron.models.gpt import build_model_chunks
 from paratron.models.presets import PRESETS, preset

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from paratron.config import ModelConfig
-from paratron.models.gpt import build_model_chunks, default_stage_layers, model_order
+from paratron.models.gpt import build_model_chunks, model_order
+from paratron.pipeline.partition import stage_layers
 from paratron.parallel.context import ParallelContext
 from paratron.parallel.grads import allreduce_sequence_parallel_grads
 from paratron.parallel.params import gather_full
@@ -111,7 +112,7 @@ def test_two_stage_layout_builds_the_same_parameters(kind):
 
 
 def test_stage_layers_order_and_errors():
-    layout = default_stage_layers(8, pp=2, virtual=2)
+    layout = stage_layers(8, 2, 2)
     assert layout == {(0, 0): (0, 2), (1, 0): (2, 2), (0, 1): (4, 2), (1, 1): (6, 2)}
     assert model_order(layout, 8) == [(0, 0), (1, 0), (0, 1), (1, 1)]
     # ZBV-like V placement with an embedding-only first stage and a head-only last stage.
@@ -120,7 +121,7 @@ def test_stage_layers_order_and_errors():
     with pytest.raises(ValueError, match="tile"):
         model_order({(0, 0): (0, 3), (1, 0): (2, 2)}, 4)
     with pytest.raises(Exception, match="model.num_layers=6 is not divisible"):
-        default_stage_layers(6, pp=4)
+        stage_layers(6, 4)
 
 
 def test_zbv_like_placement_on_one_rank_shares_tied_embedding():

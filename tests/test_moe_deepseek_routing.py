@@ -9,8 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from paratron.config import Config, ConfigError, ModelConfig, validate
-from paratron.config.aliases import build_config, megatron_overrides, moe_layer_pattern
+from paratron.config import Config, ConfigError, ModelConfig
+from paratron.rules import validate
+from paratron.config.aliases import megatron_overrides, moe_layer_pattern
+from paratron.rules import build_config
 from paratron.config.model_shape import check_moe, is_moe_layer
 from paratron.models.gpt import build_model_chunks
 from paratron.models.mlp import MLP

@@ -376,7 +376,8 @@ def test_flops_count_active_experts_only():
 
 def test_config_rules_checked_before_any_group():
     """MoE config rules fail in ``validate`` (before process groups), naming field and rule."""
-    from paratron.config import ConfigError, validate
+    from paratron.config import ConfigError
+    from paratron.rules import validate
 
     def cfg(**kw):
         return config_with(model__num_experts=4, **kw)

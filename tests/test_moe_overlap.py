@@ -16,7 +16,8 @@ import dataclasses
 import pytest
 import torch
 
-from paratron.config import ConfigError, ModelConfig, validate
+from paratron.config import ConfigError, ModelConfig
+from paratron.rules import validate
 from paratron.models.moe.layer import MoELayer
 from paratron.parallel.context import ParallelContext
 from paratron.parallel.intervals import Interval, hidden_fraction, overlaps, recording, timed

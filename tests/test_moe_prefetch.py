@@ -18,7 +18,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from paratron.config import ConfigError, ModelConfig, validate
+from paratron.config import ConfigError, ModelConfig
+from paratron.rules import validate
 from paratron.config.aliases import MEGATRON_ALIASES
 from paratron.models.gpt import GPTChunk
 from paratron.models.moe import prefetch

@@ -9,12 +9,12 @@ import torch
 from paratron.checkpoint.manager import CheckpointManager
 from paratron.config import CheckpointConfig, Config, ConfigError, ModelConfig
 from paratron.config.model_shape import check_moe
+from paratron.local_ranks import run_ranks
 from paratron.models.gpt import build_model_chunks
 from paratron.models.moe.layer import MoELayer, moe_layers, update_expert_bias
 from paratron.models.moe.router import TopKRouter, drop_by_score, drop_over_capacity, limit_to_groups
 from paratron.parallel.context import ParallelContext
 from paratron.parallel.params import load_full_
-from paratron.local_ranks import run_ranks
 
 H = 16
 
@@ -192,7 +192,7 @@ def test_routing_config_rules(kw, match):
 def test_training_step_updates_the_expert_bias():
     """The real training step (DDP, pipeline runtime, optimizer) runs with the frozen bias and
     moves it once per global batch."""
-    from paratron.config import validate
+    from paratron.rules import validate
     from paratron.training.builders import build_model_and_optimizer
     from paratron.training.step import run_global_batch
 

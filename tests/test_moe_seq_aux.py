@@ -82,7 +82,8 @@ def test_seq_aux_loss_is_layout_and_microbatch_free():
 
 def _step_router_grad(mbs: int, cp: int = 1):
     """Router grad of one training step (``run_global_batch``: LM loss + seq aux loss)."""
-    from paratron.config import Config, validate
+    from paratron.config import Config
+    from paratron.rules import validate
     from paratron.training.data_iter import microbatch_preparer
     from paratron.training.builders import build_model_and_optimizer
     from paratron.training.step import run_global_batch

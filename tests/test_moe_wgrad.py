@@ -27,7 +27,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from paratron.config import validate
+from paratron.rules import validate
 from paratron.optim.ddp import DistributedDataParallel
 from paratron.optim.zero import ShardedGrads
 from paratron.parallel.context import ParallelContext

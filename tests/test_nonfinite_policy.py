@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from paratron.checkpoint.io import load_tensors_full
-from paratron.config import ConfigError, build_config, validate
+from paratron.config import ConfigError
 from paratron.local_ranks import run_ranks
+from paratron.rules import build_config, validate
 from paratron.training.nonfinite import NonFiniteGuard, NonFiniteStop
 
 TINY = [
@@ -42,7 +43,7 @@ def _train_poisoned(overrides: list[str], run_dir: str, bad_iteration, value: fl
     (so only that rank holds it); returns (exit code, rank 0's output)."""
     import paratron.launch.runner as runner
     import paratron.training.trainer as trainer
-    from paratron.config import load_config
+    from paratron.rules import load_config
 
     real, calls = trainer.run_global_batch, [0]
     bad = {bad_iteration} if isinstance(bad_iteration, int) else set(bad_iteration)

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from paratron.config import ConfigError, build_config, megatron_overrides, validate
+from paratron.config import ConfigError, megatron_overrides
+from paratron.rules import build_config, validate
 from paratron.parallel.context import ParallelContext
 from paratron.parallel.profiling import labelled, profiler_enabled
 from paratron.pipeline.actions import Action

@@ -320,7 +320,8 @@ def test_muon_checkpoint_resumes_bitwise_at_tp2_and_at_dp4(tmp_path):
 
 def test_muon_config_keys_and_megatron_flags():
     """Megatron's flags set the keys; bad values stop before any process group."""
-    from paratron.config import ConfigError, build_config, load_config, megatron_overrides, validate
+    from paratron.config import ConfigError, megatron_overrides
+    from paratron.rules import build_config, load_config, validate
 
     overrides, rest = megatron_overrides(["--optimizer", "muon", "--muon-scale-mode", "unit_rms_norm",
                                           "--muon-momentum", "0.9", "--muon-no-split-qkv",

@@ -212,20 +212,27 @@ def _rank_ledger(zero):
     with ctx.ledger.recording():
         _step(chunks, ctx, opt, step=1)
         padded = sum(b.numel for buf in ddp.buffers for b in buf.buckets) * 4
-        return ctx.ledger.summary(), ctx.dp_cp.size, padded
+        kept = 0  # the unit whose backward runs first stays gathered from its forward on
+        if ddp.param_shards is not None:
+            kept = sum(ddp.buffers[i].buckets[k].numel * 4 for units in ddp.param_shards.chunk_units
+                       for u in units if u.backward_first for i, k in u.buckets)
+        return ctx.ledger.summary(), ctx.dp_cp.size, padded, kept
 
 
 def test_ledger_zero2_and_zero3_against_ddp():
     """One microbatch per step at DP=2: ZeRO-2 moves what DDP's all-reduce moves (reduce-scatter
-    in backward, all-gather after the update) and ZeRO-3 1.5x (all-gather in forward, again in
-    backward, reduce-scatter): ratio 1.00 against those counts of each run's own padded buckets,
-    and against DDP's measured bytes to the padding (< 1e-3)."""
+    in backward, all-gather after the update) and ZeRO-3 1.5x less the unit kept gathered from
+    its forward to its backward (all-gather in forward, again in backward for every other unit,
+    reduce-scatter): ratio 1.00 against those counts of each run's own padded buckets, and
+    against DDP's measured bytes to the padding (< 1e-3)."""
     runs = {z: run_ranks(_rank_ledger, 2, z, timeout=240)[0] for z in (0, 2, 3)}
     n = runs[0][1]
     ddp_bytes = _wire_bytes(runs[0][0], n)
-    for zero, factor in ((2, 1.0), (3, 1.5)):
-        summary, _, padded = runs[zero]
+    for zero in (2, 3):
+        summary, _, padded, kept = runs[zero]
         assert "all_reduce@dp_cp" not in summary
+        assert (kept > 0) == (zero == 3)
+        factor = 1.0 if zero == 2 else 1.5 - kept / (2 * padded)
         moved = _wire_bytes(summary, n)
         assert moved / (factor * 2 * (n - 1) / n * padded) == pytest.approx(1.0, abs=1e-12), summary
         assert moved / ddp_bytes == pytest.approx(factor, rel=1e-3)

@@ -104,7 +104,8 @@ def test_link_delay_counts_from_the_send_not_from_the_receive(monkeypatch):
 
 
 def test_link_latency_config():
-    from paratron.config import Config, ConfigError, apply_overrides, validate
+    from paratron.config import Config, ConfigError, apply_overrides
+    from paratron.rules import validate
     from paratron.pipeline.delay import link_latency_seconds
 
     cfg = Config()
@@ -148,7 +149,8 @@ def test_simulate_command_refuses_non_finite_or_negative_costs(bad, capsys):
 
 
 def _delay_cfg(extra=()):
-    from paratron.config import Config, apply_overrides, validate
+    from paratron.config import Config, apply_overrides
+    from paratron.rules import validate
 
     cfg = Config()
     apply_overrides(cfg, ["parallel.pipeline=4", "parallel.schedule=1f1b-delay", "model.num_layers=4",
@@ -191,7 +193,7 @@ def _train_recording_actions(overrides, run_dir):
     """One rank of ``paratron train``; returns the action list each step ran."""
     import paratron.launch.runner as runner
     import paratron.training.trainer as trainer
-    from paratron.config import load_config
+    from paratron.rules import load_config
 
     real, seen = trainer.run_global_batch, []
 

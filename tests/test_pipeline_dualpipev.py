@@ -129,7 +129,8 @@ def test_timeline_draws_pairs(tmp_path):
 def test_zero3_refused_before_launch():
     """ZeRO-3 frees a layer's params after its forward and backward; DualPipeV's pairs run one
     microbatch's backward inside another's forward, so the config is refused, naming both."""
-    from paratron.config import Config, ConfigError, validate
+    from paratron.config import Config, ConfigError
+    from paratron.rules import validate
 
     cfg = Config()
     cfg.model.num_layers = 4

@@ -14,7 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from paratron.config import Config, validate as validate_config
+from paratron.config import Config
+from paratron.rules import validate as validate_config
 from paratron.parallel.context import ParallelContext
 from paratron.pipeline.actions import BW, FB, Action, F, expand, forward_only
 from paratron.pipeline.overlap import overlap_fb

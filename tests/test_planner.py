@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from paratron.config import Config, ModelConfig, load_config, validate
+from paratron.config import Config, ModelConfig
+from paratron.rules import load_config, validate
 from paratron.planner import memory as planner_memory
-from paratron.planner.command import add_arguments, run as plan_run
+from paratron.dryrun.plan_command import add_arguments, run as plan_run
 from paratron.planner.compute import Work
 from paratron.planner.estimate import Problem, estimate
 from paratron.planner.hardware import Cluster, device

@@ -14,12 +14,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from paratron.config import ModelConfig, validate
+from paratron.config import ModelConfig
+from paratron.local_ranks import run_ranks
 from paratron.models.moe.layer import MoELayer
 from paratron.optim import finalize_grads
 from paratron.parallel.context import ParallelContext
 from paratron.pipeline.registry import build_schedule
-from paratron.local_ranks import run_ranks
+from paratron.rules import validate
 from paratron.training.callbacks import import_callback_module, load_callback
 
 from helpers import config_with

@@ -26,8 +26,8 @@ def _train_counting(overrides: list[str], run_dir: str) -> dict:
     """One rank of a run: its ``new_group`` calls, and the group kinds and rank sets it used."""
     import torch.distributed as dist
 
+    from paratron.rules import load_config
     import paratron.launch.runner as runner
-    from paratron.config import load_config
     from paratron.parallel.context import GROUP_KINDS
 
     calls = []

@@ -54,7 +54,7 @@ def test_bar_only_on_a_terminal_and_not_quiet(monkeypatch):
 
 
 def _plan_args(*argv: str) -> argparse.Namespace:
-    from paratron.planner.command import add_arguments
+    from paratron.dryrun.plan_command import add_arguments
 
     p = argparse.ArgumentParser()
     add_arguments(p)
@@ -66,7 +66,7 @@ def _plan_args(*argv: str) -> argparse.Namespace:
 
 @pytest.mark.parametrize("quiet", [False, True])
 def test_plan_shows_layouts_bounded_simulated_pruned_on_a_terminal(quiet, tmp_path, monkeypatch, capsys):
-    from paratron.planner.command import run
+    from paratron.dryrun.plan_command import run
 
     terminal = _terminal(monkeypatch)
     cal = tmp_path / "cal.json"
@@ -121,7 +121,7 @@ def test_plan_on_cpu_calibrates_first_with_progress(tmp_path):
 
 
 def test_calibration_without_a_terminal_draws_no_bar(tmp_path, capsys):
-    from paratron.planner.command import run
+    from paratron.dryrun.plan_command import run
 
     cal = tmp_path / "cal.json"
     assert run(_plan_args("--calibration", str(cal))) == 0

@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from paratron.config import Config, ConfigError, ModelConfig, validate
+from paratron.config import Config, ConfigError, ModelConfig
+from paratron.rules import validate
 from paratron.models.gpt import build_model_chunks
 from paratron.parallel.context import ParallelContext
 from paratron.local_ranks import run_ranks
@@ -96,7 +97,7 @@ def test_qwen3_parity(name):
 
 
 def test_the_tiny_qwen3_moe_run_config_validates():
-    from paratron.config import load_config
+    from paratron.rules import load_config
     from paratron.config.model_shape import is_moe_layer
 
     cfg = load_config("configs/qwen3-moe-tiny.toml")

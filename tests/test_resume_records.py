@@ -14,10 +14,10 @@ import torch
 
 from paratron.checkpoint.manager import CheckpointManager
 from paratron.config import CheckpointConfig
+from paratron.local_ranks import run_ranks
 from paratron.models.gpt import build_model_chunks
 from paratron.optim import DistributedDataParallel, build_optimizer
 from paratron.parallel.context import ParallelContext
-from paratron.local_ranks import run_ranks
 from paratron.training.metrics import SUPERSEDED, MetricsWriter, plot_losses, read_metrics, split_at_resume
 from test_weights_only_load import weights_config
 
@@ -33,8 +33,8 @@ TINY = [
 
 
 def _train(overrides: list[str], run_dir: str) -> int:
+    from paratron.rules import load_config
     import paratron.launch.runner as runner
-    from paratron.config import load_config
 
     return runner.run_training(load_config(None, overrides), run_dir)
 

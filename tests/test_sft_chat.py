@@ -15,8 +15,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from paratron.config import ConfigError, load_config, validate
-from paratron.config.aliases import build_config, megatron_overrides
+from paratron.config import ConfigError
+from paratron.rules import load_config, validate
+from paratron.config.aliases import megatron_overrides
+from paratron.rules import build_config
 from paratron.data.chat import ChatFormatError, ChatRenderer, SIMPLE_TEMPLATE, conversation, template_source
 from paratron.data.tokenizer import gpt2_bpe
 from paratron.local_ranks import run_ranks

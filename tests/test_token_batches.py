@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from paratron.config import ConfigError, load_config, validate
+from paratron.config import ConfigError
+from paratron.rules import load_config, validate
 from paratron.data.lognormal import lognormal_lengths, write_lognormal_dataset
 from paratron.data.token_batches import (DocumentSource, Piece, TokenBudgetSampler, collate_pieces,
                                          document_pieces, plan_microbatches)

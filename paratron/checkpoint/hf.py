@@ -37,6 +37,8 @@ from paratron.config import ConfigError, ModelConfig, model_shape
 
 from . import hf_qwen3
 from .hf_recipe import Recipe, cat_rows
+from .hf_deepseek import deepseek_config, deepseek_export, deepseek_recipes, is_deepseek_v3
+from .hf_moe import export_family, export_moe, moe_config, moe_family, moe_recipes
 
 Tensors = dict[str, torch.Tensor]
 Recipes = dict[str, Recipe]
@@ -91,9 +93,6 @@ def _read_safetensors(hf_dir: Path) -> Tensors:
 
 
 def _architecture(hf: dict, where: str) -> str:
-    from .hf_deepseek import is_deepseek_v3
-    from .hf_moe import moe_family
-
     kind = hf.get("model_type")
     archs = hf.get("architectures") or []
     if is_deepseek_v3(hf):
@@ -191,8 +190,6 @@ def _llama_recipes(cfg: ModelConfig, family: str = "llama") -> Recipes:
         if cfg.qk_layernorm:
             out.update(hf_qwen3.qk_norm_recipes(cfg, h, p))
         if model_shape.is_moe_layer(cfg, i):
-            from .hf_moe import moe_recipes
-
             out.update(moe_recipes(cfg, family, h, p))
             continue
         for kind in _kinds(cfg.add_bias_linear):  # fc1 is the fused [gate; up] of models.mlp
@@ -232,8 +229,6 @@ def hf_recipes(cfg: ModelConfig, hf: dict, where: str = "config.json") -> Recipe
     ``transformer.`` prefix (:func:`source_names` resolves either spelling)."""
     arch = _architecture(hf, where)
     if arch == "deepseek_v3":
-        from .hf_deepseek import deepseek_recipes
-
         return deepseek_recipes(cfg, hf)
     return _gpt2_recipes(cfg) if arch == "gpt2" else _llama_recipes(cfg, arch)
 
@@ -266,15 +261,12 @@ def hf_config_to_model(hf: dict, where: str = "config.json") -> ModelConfig:
     if arch == "gpt2":
         return _gpt2_config(hf, where)
     if arch == "deepseek_v3":
-        from .hf_deepseek import deepseek_config
-
         return deepseek_config(hf, where)
     cfg = _llama_config(hf, where)
     if arch == "llama":
         return cfg
     if arch in hf_qwen3.FAMILIES:
         return hf_qwen3.qwen3_config(cfg, hf, arch, where)
-    from .hf_moe import moe_config
 
     return moe_config(cfg, hf, arch, where)
 
@@ -330,8 +322,6 @@ def hf_architecture_for(cfg: ModelConfig) -> str:
     if cfg.qk_layernorm:
         return hf_qwen3.export_family(cfg)
     if cfg.num_experts > 0:
-        from .hf_moe import export_family
-
         return export_family(cfg)
     if cfg.add_qkv_bias is not None and cfg.add_qkv_bias != cfg.add_bias_linear:
         raise ConfigError(f"model.add_qkv_bias={cfg.add_qkv_bias} differs from model.add_bias_linear: "
@@ -385,8 +375,6 @@ def _llama_export(cfg: ModelConfig, t: Tensors, family: str = "llama") -> tuple[
         if cfg.qk_layernorm:
             out.update(hf_qwen3.export_qk_norm(t, h, p))
         if model_shape.is_moe_layer(cfg, i):
-            from .hf_moe import export_moe
-
             out.update(export_moe(cfg, family, hf, t, h, p))
             continue
         for kind in _kinds(cfg.add_bias_linear):
@@ -443,8 +431,6 @@ def paratron_to_hf(cfg: ModelConfig, tensors: Tensors, out_dir: str | Path) -> P
     arch = hf_architecture_for(cfg)
     try:
         if arch == "deepseek_v3":
-            from .hf_deepseek import deepseek_export
-
             hf, out = deepseek_export(cfg, tensors)
         else:
             hf, out = _gpt2_export(cfg, tensors) if arch == "gpt2" else _llama_export(cfg, tensors, arch)

@@ -24,6 +24,11 @@ from pathlib import Path
 
 import torch
 
+from paratron.data.prepare import build_tokenizer
+from paratron.models.gpt import build_model_chunks
+from paratron.parallel.context import ParallelContext
+from paratron.parallel.params import load_full_
+
 from .hf import paratron_to_hf
 
 Tensors = dict[str, torch.Tensor]
@@ -53,8 +58,6 @@ def export_hf(cfg, tensors: Tensors, out_dir: str | Path) -> Path:
 def export_tokenizer(cfg, out: Path) -> str | None:
     """Write the run's tokenizer into ``out``; returns None, or why it could not (the export is
     still usable with token ids)."""
-    from paratron.data.prepare import build_tokenizer
-
     src = getattr(cfg.checkpoint, "load_hf", None)
     if src and (Path(src) / "tokenizer.json").is_file():
         for name in TOKENIZER_FILES:
@@ -79,10 +82,6 @@ def single_process_model(model_cfg, tensors: Tensors, seed: int = 0):
     Raises:
         ValueError: a parameter has no tensor (the first few named).
     """
-    from paratron.models.gpt import build_model_chunks
-    from paratron.parallel.context import ParallelContext
-    from paratron.parallel.params import load_full_
-
     (chunk,) = build_model_chunks(model_cfg, ParallelContext.single(), seed=seed, sequence_parallel=False)
     missing = [p.meta.logical_name for p in chunk.parameters() if p.meta.logical_name not in tensors]
     if missing:

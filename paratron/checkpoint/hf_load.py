@@ -25,9 +25,11 @@ from pathlib import Path
 import torch
 
 from paratron.config import ConfigError, apply_overrides
+from paratron.parallel.params import unique_params
 
 from .hf import hf_config_to_model, hf_recipes, source_names, unmapped_sources
 from .hf_recipe import Recipe
+from .manager import full_params
 from .items import iter_params
 
 
@@ -148,8 +150,6 @@ def load_hf_slices(chunks, hf_dir: str | Path, model_cfg) -> LoadStats:
         KeyError: a tensor the mapping needs is missing (named).
         ValueError: a tensor of the wrong shape, or tensors the mapping does not know (named).
     """
-    from paratron.parallel.params import unique_params
-
     hf = read_hf_config(hf_dir)
     where = str(hf_dir)
     recipes = hf_recipes(model_cfg, hf, where)
@@ -210,8 +210,6 @@ def load_hf_weights(cfg, chunks, optimizer) -> LoadStats:
     """:func:`load_hf_slices` from ``checkpoint.load_hf`` into a run's model, then the optimizer's
     fp32 main weights from the params (as a checkpoint load without optimizer state does); under
     ZeRO-3 inside the gathered params. Call on every rank."""
-    from .manager import full_params
-
     with torch.no_grad(), full_params(optimizer, writeback=True):
         stats = load_hf_slices(chunks, cfg.checkpoint.load_hf, cfg.model)
         if optimizer is not None:

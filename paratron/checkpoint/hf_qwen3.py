@@ -20,6 +20,7 @@ import torch
 from paratron.config import ConfigError, ModelConfig, model_shape
 
 from .hf_recipe import Recipe
+from .hf_moe import moe_export_problems
 
 Tensors = dict[str, torch.Tensor]
 FAMILIES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
@@ -87,8 +88,6 @@ def export_family(cfg: ModelConfig) -> str:
     Raises:
         ConfigError: naming each field that no Qwen3 model has.
     """
-    from .hf_moe import moe_export_problems
-
     broken = [] if cfg.normalization == "rmsnorm" else [f"model.normalization={cfg.normalization!r} (rmsnorm)"]
     if cfg.add_bias_linear or model_shape.qkv_bias(cfg):
         broken.append("biases (Qwen3 has none: model.add_bias_linear / add_qkv_bias false)")

@@ -29,6 +29,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from paratron.config import from_dict, to_toml
+
 from . import integrity, storage
 from .checksummed import ChecksummingWriter
 from .items import MODEL_PREFIX, CheckpointError, StateItems, full_items, model_items
@@ -187,8 +189,6 @@ def write_manifest(directory: str | os.PathLike, cfg, checksums: dict | None = N
             here.
         fields: more plain-JSON entries (step, extra, ...).
     """
-    from paratron.config import to_toml
-
     directory = Path(directory)
     write_text_atomic(directory / "config.toml", to_toml(cfg))
     known = dict(checksums or {})
@@ -419,8 +419,6 @@ def load_model_full(directory: str | os.PathLike) -> tuple[Any, dict[str, torch.
     Raises:
         CheckpointError: unsafe or malformed checkpoint.
     """
-    from paratron.config import from_dict
-
     directory = resolve(directory)
     manifest = verify_directory(directory)
     tensors = load_tensors_full(directory, MODEL_PREFIX)

@@ -38,6 +38,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from paratron.parallel.comm import Group
+
 from paratron.parallel.context import ParallelContext
 from . import integrity, rng, storage
 from .adapters import base_weights, lora_on, only_adapters
@@ -57,6 +59,22 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def check_checkpoint_config(ckpt_cfg) -> None:
+    """The rules of :class:`paratron.config.CheckpointConfig` the manager relies on; pure, so the
+    config validator runs it before any process group exists and the constructor runs it again.
+
+    Raises:
+        CheckpointError: ``checkpoint.keep_last`` < 0; ``checkpoint.load_step`` without
+            ``checkpoint.load``.
+    """
+    if int(ckpt_cfg.keep_last) < 0:
+        raise CheckpointError(f"checkpoint.keep_last={ckpt_cfg.keep_last} must be >= 0 "
+                              "(0 keeps every checkpoint)")
+    if ckpt_cfg.load_step is not None and not ckpt_cfg.load:
+        raise CheckpointError(f"checkpoint.load_step={ckpt_cfg.load_step} needs checkpoint.load (the directory "
+                              "holding step_<N>/)")
 
 
 class CheckpointManager:
@@ -79,17 +97,11 @@ class CheckpointManager:
         last_write_s: seconds the last save took from start to commit (async included).
 
     Raises:
-        CheckpointError: ``checkpoint.keep_last`` < 0; ``checkpoint.load_step`` without
-            ``checkpoint.load``.
+        CheckpointError: a rule of :func:`check_checkpoint_config`.
     """
 
     def __init__(self, ckpt_cfg, ctx: ParallelContext, config) -> None:
-        if int(ckpt_cfg.keep_last) < 0:
-            raise CheckpointError(f"checkpoint.keep_last={ckpt_cfg.keep_last} must be >= 0 "
-                                  "(0 keeps every checkpoint)")
-        if ckpt_cfg.load_step is not None and not ckpt_cfg.load:
-            raise CheckpointError(f"checkpoint.load_step={ckpt_cfg.load_step} needs checkpoint.load (the directory "
-                                  "holding step_<N>/)")
+        check_checkpoint_config(ckpt_cfg)
         self.cfg, self.ctx, self.config = ckpt_cfg, ctx, config
         self.on_phase: Callable[[str, Path], None] | None = None
         self.last_stall_s = 0.0
@@ -103,8 +115,6 @@ class CheckpointManager:
 
     @staticmethod
     def _checkpoint_group(ctx: ParallelContext):
-        from paratron.parallel.comm import Group
-
         world = ctx.world_size
         if world == 1:
             return Group("checkpoint", [0], 0, None, ctx.ledger)

@@ -22,6 +22,8 @@ import hashlib
 
 import torch
 
+from paratron.parallel.random import RNGStatesTracker
+
 from paratron.parallel.context import ParallelContext
 
 
@@ -86,8 +88,6 @@ def derived_seed(seed: int, step: int) -> int:
 def rederive(chunks, ctx: ParallelContext, seed: int, step: int) -> int:
     """Re-seed the global generators and every tracker stream from ``derived_seed(seed, step)``
     and this rank's coordinates (see the module docstring). Returns the derived seed."""
-    from paratron.parallel.random import RNGStatesTracker
-
     new_seed = derived_seed(seed, step)
     fresh = RNGStatesTracker(new_seed, ctx)
     tracker = find_tracker(chunks)

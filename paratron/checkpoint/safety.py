@@ -27,6 +27,9 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan
 from torch.futures import Future
 
+from paratron.config import ModelConfig
+
+from .checksummed import BlockReader, VerifiedRange
 from .checksummed import BlockReader, ChunkLayouts, StreamedFile, VerifiedRange, direct_destination, read_streamed
 from .integrity import Algorithm, entry_blocks, listed, verify_files
 from .items import CheckpointError
@@ -255,8 +258,6 @@ EXECUTION_ONLY_MODEL_FIELDS = frozenset({
 
 
 def _model_field_defaults() -> dict[str, Any]:
-    from paratron.config import ModelConfig
-
     return {f.name: f.default for f in dataclasses.fields(ModelConfig)
             if f.default is not dataclasses.MISSING}
 
@@ -316,8 +317,6 @@ def check_same_base(saved: dict, current: dict, where: str) -> None:
     Raises:
         CheckpointError: a weight-relevant base field differs.
     """
-    from paratron.config import ModelConfig
-
     defaults = {f.name: f.default_factory() if f.default is dataclasses.MISSING else f.default
                 for f in dataclasses.fields(ModelConfig) if f.name in LORA_FIELDS}
     check_same_model({**saved, **defaults}, {**current, **defaults}, where)

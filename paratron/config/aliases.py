@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 from pathlib import Path
+from typing import Callable
 
 from .errors import ConfigError
 from .loading import load_config
@@ -243,8 +244,11 @@ def finish_aliases(cfg: Config, overrides: list[str]) -> list[str]:
     return plain
 
 
-def build_config(path: str | Path | None, overrides: list[str]) -> Config:
-    """Load ``path``, apply plain overrides in order, then the derived Megatron aliases."""
-    cfg = load_config(path, [o for o in overrides if not o.startswith("_")])
+def build_config(path: str | Path | None, overrides: list[str], *,
+                 implied: Callable[[Config, set[str]], None] | None = None) -> Config:
+    """Load ``path``, apply plain overrides in order (and ``implied``, as in
+    :func:`~.loading.load_config`), then the derived Megatron aliases. A run builds its config
+    through :func:`paratron.rules.build_config`."""
+    cfg = load_config(path, [o for o in overrides if not o.startswith("_")], implied=implied)
     finish_aliases(cfg, overrides)
     return cfg

@@ -1,5 +1,5 @@
 """Config rules of context parallelism and packed documents, run by
-:func:`paratron.config.validators.validate` before any process group exists.
+:func:`paratron.rules.validate` before any process group exists.
 
 Each rule raises :class:`ConfigError` naming the fields, their values and the rule.
 """
@@ -7,6 +7,7 @@ Each rule raises :class:`ConfigError` naming the fields, their values and the ru
 from __future__ import annotations
 
 from .errors import ConfigError
+from .model_shape import query_groups
 from .sections import Config
 
 
@@ -29,7 +30,7 @@ def _split(cfg: Config) -> None:
 def _heads(cfg: Config) -> None:
     p, m = cfg.parallel, cfg.model
     if p.context > 1 and p.context_algorithm == "all2all":
-        groups = m.num_query_groups or m.num_attention_heads
+        groups = query_groups(m)
         if groups % (p.context * p.tensor):
             raise ConfigError(
                 f"model.num_query_groups={groups} is not divisible by parallel.context*parallel.tensor = "

@@ -1,5 +1,6 @@
-"""The one exception of configuration problems."""
+"""The one exception of configuration problems (defined in :mod:`paratron.errors`, the base
+module every package may import; re-exported here as ``paratron.config.ConfigError``)."""
 
+from paratron.errors import ConfigError
 
-class ConfigError(ValueError):
-    """A configuration value breaks a rule; the message names the field, value and rule."""
+__all__ = ["ConfigError"]

@@ -9,7 +9,7 @@ import sys
 import types
 import typing
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -132,20 +132,6 @@ def _override_keys(overrides: list[str]) -> set[str]:
     return {item.split("=", 1)[0].strip() for item in overrides if "=" in item}
 
 
-def imply_schedule_defaults(cfg: Config, given: set[str]) -> None:
-    """A schedule that always runs a fixed number of chunks per rank (zbv: 2) sets
-    ``parallel.virtual_pipeline`` to it unless that field was given (``given``: the dotted keys
-    set by the file or the overrides); a different given value is refused by validation."""
-    if "parallel.virtual_pipeline" in given:
-        return
-    from paratron.pipeline.registry import SCHEDULES
-
-    if cfg.parallel.schedule in SCHEDULES:
-        fixed = SCHEDULES.get(cfg.parallel.schedule).virtual_stages
-        if fixed is not None:
-            cfg.parallel.virtual_pipeline = fixed
-
-
 def from_dict(data: dict[str, Any], source: str = "<dict>") -> Config:
     """Build a :class:`Config` from nested dicts (as TOML gives). Unknown keys are errors."""
     cfg = Config()
@@ -162,8 +148,12 @@ def from_dict(data: dict[str, Any], source: str = "<dict>") -> Config:
     return cfg
 
 
-def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
-    """Read a TOML file (or the defaults when ``path`` is None) and apply overrides.
+def load_config(path: str | Path | None, overrides: list[str] = (), *,
+                implied: Callable[[Config, set[str]], None] | None = None) -> Config:
+    """Read a TOML file (or the defaults when ``path`` is None) and apply overrides, then
+    ``implied(cfg, given)`` (``given``: the dotted keys the file and the overrides set), which
+    fills defaults that other packages imply. A run loads through :func:`paratron.rules.load_config`,
+    which passes the pipeline schedule's implied chunk count.
 
     Raises:
         ConfigError: a missing or malformed file, an unknown key, a value of the wrong type.
@@ -171,7 +161,8 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
     data = read_toml(path)
     cfg = from_dict(data, str(path) if path else "<defaults>")
     apply_overrides(cfg, list(overrides))
-    imply_schedule_defaults(cfg, given_keys(data, overrides))
+    if implied is not None:
+        implied(cfg, given_keys(data, overrides))
     return cfg
 
 

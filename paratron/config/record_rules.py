@@ -1,6 +1,6 @@
 """Config rules of record-based data: chat / SFT records (``data.format = "chat"``) and Hugging
 Face ``datasets`` input (``data.hf_dataset``), read through :mod:`paratron.data.records`. Run by
-:func:`paratron.config.validators.validate` before any process group exists; each raises
+:func:`paratron.rules.validate` before any process group exists; each raises
 :class:`ConfigError` naming the fields and the rule."""
 
 from __future__ import annotations

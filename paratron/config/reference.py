@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 from paratron import markup
 
-from .aliases import MEGATRON_ALIASES, MEGATRON_SWITCHES, build_config
+from .aliases import MEGATRON_ALIASES, MEGATRON_SWITCHES
 from .loading import _toml_value, given_keys, read_toml
 from .sections import SECTIONS, Config
 
@@ -166,16 +166,15 @@ def _none_meaning(doc: str) -> str:
     return text[at:].split(". ")[0].rstrip(".") if at >= 0 else ""
 
 
-def resolved_toml(path: str | None, overrides: list[str]) -> str:
-    """The config of ``path`` with ``overrides`` as TOML, every key written out and marked:
+def resolved_toml(cfg: Config, path: str | None, overrides: list[str]) -> str:
+    """``cfg``, the config of ``path`` with ``overrides`` (:func:`paratron.rules.build_config`), as TOML, every key written out and marked:
     nothing for a key the file or an override sets, ``# default`` for a default, ``# implied``
     for a value derived from other keys (a schedule's fixed chunk count, a Megatron alias).
     A key left unset (None) is a comment, as TOML has no null, with what None means.
 
     Raises:
-        ConfigError: as :func:`~paratron.config.load_config`.
+        ConfigError: a malformed ``path`` (its keys are read again to mark them).
     """
-    cfg = build_config(path, overrides)
     given = given_keys(read_toml(path), overrides)
     defaults, docs = Config(), {k.dotted: k.doc for k in keys()}
     lines = [f"# paratron config --show: {path or 'the defaults'}" + "".join(f" --set {o}" for o in overrides)]

@@ -1,6 +1,6 @@
 """Config rules of token-balanced variable-length microbatches (``data.microbatch_tokens``,
-:mod:`paratron.data.token_batches`), run by :func:`paratron.config.validators.validate` before
-any process group exists. Each raises :class:`ConfigError` naming the fields and the rule."""
+:mod:`paratron.data.token_batches`), run by :func:`paratron.rules.validate` before any process
+group exists. Each raises :class:`ConfigError` naming the fields and the rule."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def _budget(cfg: Config) -> None:
 
 
 def _incompatible(cfg: Config) -> None:
-    p, m, d = cfg.parallel, cfg.model, cfg.data
+    m, d = cfg.model, cfg.data
     name = f"data.microbatch_tokens={d.microbatch_tokens}"
     if m.attention_dropout > 0:
         raise ConfigError(f"{name} with model.attention_dropout={m.attention_dropout}: packed documents use "
@@ -39,10 +39,6 @@ def _incompatible(cfg: Config) -> None:
                           "its padding segment), which would depend on how documents are grouped and padded, "
                           "i.e. on the DP/TP/CP layout; set both to 0 (model.moe_router_enable_expert_bias "
                           "balances without a loss)")
-    prefixes = [x for x in d.data_path if not _is_number(x)]
-    if len(prefixes) > 1:
-        raise ConfigError(f"{name} with {len(prefixes)} data.data_path prefixes: token-balanced microbatches read "
-                          "whole documents of one dataset; merge them (paratron preprocess) or use one prefix")
 
 
 def row_multiple(p) -> int:
@@ -53,40 +49,11 @@ def row_multiple(p) -> int:
     return split * (p.tensor if p.sequence_parallel else 1)
 
 
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
-
-
-def _schedule(cfg: Config, world: int | None) -> None:
-    """The microbatch count changes from step to step, so the schedule must take any count (from
-    1 to ``2 * p * v``, checked); the global batch must give every DP rank a microbatch."""
-    from paratron.pipeline.registry import get_schedule
-
-    p, t = cfg.parallel, cfg.train
-    spec = get_schedule(p.schedule)
-    for m in range(1, 2 * p.pipeline * p.virtual_pipeline + 1):
-        try:
-            if spec.check is not None:
-                spec.check(p.pipeline, m, p.virtual_pipeline)
-        except ValueError as e:
-            raise ConfigError(f"data.microbatch_tokens={cfg.data.microbatch_tokens} gives a microbatch count that "
-                              f"varies per step, but parallel.schedule={p.schedule!r} (parallel.pipeline="
-                              f"{p.pipeline}, parallel.virtual_pipeline={p.virtual_pipeline}) refuses {m} "
-                              f"microbatches: {e}") from None
-    mp = p.tensor * p.context * p.pipeline
-    if world is not None and world % mp == 0 and t.global_batch_size < world // mp:
-        raise ConfigError(f"train.global_batch_size={t.global_batch_size} documents is below the data-parallel "
-                          f"size {world // mp}: every DP rank needs at least one document per step")
-
-
 def check_microbatch_tokens(cfg: Config, world: int | None) -> None:
     """``data.microbatch_tokens``: a positive integer ``>= model.seq_length``; not with attention
-    dropout, MoE capacity dropping, MoE aux/z losses or a blend of prefixes; a schedule that
-    takes any microbatch count; at least one document per DP rank.
+    dropout, MoE capacity dropping or MoE aux/z losses. The rules that ask other packages (one
+    data prefix, a schedule that takes any microbatch count, a document per DP rank) are
+    :func:`paratron.rules.tokens.check_token_layout`.
 
     Raises:
         ConfigError: the first rule broken.
@@ -95,4 +62,3 @@ def check_microbatch_tokens(cfg: Config, world: int | None) -> None:
         return
     _budget(cfg)
     _incompatible(cfg)
-    _schedule(cfg, world)

@@ -1,15 +1,14 @@
-"""Validation: small named rules, run before any process group exists.
+"""The config's own rules: small named checks that read the config alone, run before any process
+group exists.
 
 Each rule takes ``(cfg, world_size_or_None)`` and raises :class:`ConfigError` naming the field,
 its value and the rule, e.g. ``model.num_attention_heads=6 is not divisible by parallel.tensor=4``.
 
-A rule owned by another module is called, not written again here: the model shape and MoE rules
-(:mod:`.model_shape`, also run by the model constructors), the rank grid
-(:func:`paratron.parallel.grid.check_grid`), the pipeline split
-(:func:`paratron.pipeline.partition.stage_sizes`) and the schedule's own check
-(:func:`paratron.pipeline.registry.build_schedule`), the token dispatcher's
-(:func:`paratron.models.moe.dispatcher.check_dispatcher_config`). Those imports sit inside the rules, so that
-importing the config loads neither numpy nor the pipeline package.
+A rule owned by another module is called, not written again: the model shape and MoE rules
+(:mod:`.model_shape`, also run by the model constructors). Rules that ask a package above the
+config (the rank grid, the pipeline split and schedules, the token dispatchers, the optimizer,
+the checkpoint manager) live in :mod:`paratron.rules`, which runs these and those in one order
+(:data:`paratron.rules.VALIDATORS`); the config imports nothing of those packages.
 """
 
 from __future__ import annotations
@@ -89,19 +88,6 @@ def _nonfinite_policy(cfg: Config, world: int | None) -> None:
         raise ConfigError(f"train.max_consecutive_skips={t.max_consecutive_skips} must be >= 1")
 
 
-def _grid(cfg: Config, world: int | None) -> None:
-    if world is None:
-        return
-    from paratron.parallel.grid import LayoutError, check_grid
-
-    p = cfg.parallel
-    try:  # the grid's rules without its groups: constant time on thousands of ranks
-        check_grid(world, tp=p.tensor, cp=p.context, ep=p.expert, pp=p.pipeline, expert_tp=p.expert_tensor,
-                   order=p.order)
-    except LayoutError as e:
-        raise ConfigError(str(e)) from None
-
-
 def _model(cfg: Config, world: int | None) -> None:
     model_shape.check_shape(cfg.model, cfg.parallel.tensor)
 
@@ -114,7 +100,7 @@ def _activation_offload(cfg: Config, world: int | None) -> None:
         raise ConfigError(err)
 
 
-def _data_parallel_size(cfg: Config, world: int | None) -> int | None:
+def data_parallel_size(cfg: Config, world: int | None) -> int | None:
     """``world / (tp * cp * pp)``, or None without a world size (or when it does not divide)."""
     p = cfg.parallel
     mp = p.tensor * p.context * p.pipeline
@@ -122,7 +108,7 @@ def _data_parallel_size(cfg: Config, world: int | None) -> int | None:
 
 
 def _batch(cfg: Config, world: int | None) -> None:
-    t, dp = cfg.train, _data_parallel_size(cfg, world)
+    t, dp = cfg.train, data_parallel_size(cfg, world)
     if token_balanced(cfg):
         return  # the global batch counts documents (token_rules)
     unit = t.micro_batch_size * (dp or 1)
@@ -137,16 +123,6 @@ def _sequence(cfg: Config, world: int | None) -> None:
     if p.sequence_parallel and s % p.tensor:
         raise ConfigError(f"model.seq_length={s} is not divisible by parallel.tensor={p.tensor}, "
                           "which sequence parallelism needs (parallel.sequence_parallel=true)")
-
-
-def _pipeline_layers(cfg: Config, world: int | None) -> None:
-    from paratron.pipeline.partition import stage_sizes
-
-    p = cfg.parallel
-    try:
-        stage_sizes(cfg.model.num_layers, p.pipeline, p.virtual_pipeline, p.pipeline_layout)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
 
 
 def _mtp_last_stage(cfg: Config, world: int | None) -> None:
@@ -164,54 +140,6 @@ def _mtp_last_stage(cfg: Config, world: int | None) -> None:
                           f"largest other stage ({max(layout[:-1])}); move layers off the last stage")
 
 
-def _unused_schedule_options(p, spec) -> None:
-    """Link costs set for a schedule that takes none would be silently ignored: refuse them."""
-    given = [f"parallel.{f}" for f in ("pipeline_link_latency_ms", "pipeline_microbatch_time_ms")
-             if getattr(p, f) is not None]
-    if given and spec.options is None:
-        raise ConfigError(f"{' and '.join(given)} only shape schedules that take link costs "
-                          f"(1f1b-delay); parallel.schedule={p.schedule!r} would ignore them: "
-                          "unset them or choose such a schedule")
-
-
-def check_schedule(cfg: Config, world: int | None, *, build: bool = True) -> None:
-    """The pipeline schedule rule: the name is registered, the schedule's fixed chunk count (zbv: 2)
-    matches ``parallel.virtual_pipeline``, and (with a world size) the schedule accepts this
-    (p, microbatches, v), checked by building and validating its action lists (``build=True``), or
-    only by the schedule's own ``check`` (``build=False``: fast, for a search over layouts).
-
-    Raises:
-        ConfigError: naming the fields, the microbatch count and the schedule's rule.
-    """
-    from paratron.pipeline.registry import build_schedule, config_options, get_schedule
-
-    p, t = cfg.parallel, cfg.train
-    spec = get_schedule(p.schedule)  # ConfigError with did-you-mean for an unknown name
-    if spec.virtual_stages is not None and p.virtual_pipeline != spec.virtual_stages:
-        raise ConfigError(f"parallel.schedule={p.schedule!r} always runs {spec.virtual_stages} chunks per rank, "
-                          f"but parallel.virtual_pipeline={p.virtual_pipeline} was given: leave it unset "
-                          f"or set parallel.virtual_pipeline={spec.virtual_stages}")
-    _unused_schedule_options(p, spec)
-    dp = _data_parallel_size(cfg, world)
-    if token_balanced(cfg):
-        return  # the microbatch count varies per step: token_rules checks the schedule for every count
-    if dp is None or t.global_batch_size % (t.micro_batch_size * dp):
-        return  # the microbatch count is not known yet
-    m = t.global_batch_size // (t.micro_batch_size * dp)
-    try:
-        if build:
-            options = config_options(p.schedule, p) or {}  # 1f1b-delay: the configured link costs
-            build_schedule(p.schedule, p.pipeline, m, p.virtual_pipeline, **options)
-        elif spec.check is not None:
-            spec.check(p.pipeline, m, p.virtual_pipeline)
-    except ValueError as e:
-        raise ConfigError(
-            f"parallel.schedule={p.schedule!r} with parallel.pipeline={p.pipeline}, "
-            f"parallel.virtual_pipeline={p.virtual_pipeline} and {m} microbatches per step "
-            f"(train.global_batch_size / (train.micro_batch_size * dp) = {t.global_batch_size} / "
-            f"({t.micro_batch_size} * {dp})): {e}") from None
-
-
 def _link_latency(cfg: Config, world: int | None) -> None:
     p = cfg.parallel
     lat = p.pipeline_link_latency_ms
@@ -224,42 +152,9 @@ def _link_latency(cfg: Config, world: int | None) -> None:
                           "to measure it over the first step")
 
 
-def _schedule(cfg: Config, world: int | None) -> None:
-    check_schedule(cfg, world, build=True)
-
-
 def _experts(cfg: Config, world: int | None) -> None:
     p = cfg.parallel
     model_shape.check_moe(cfg.model, tp=p.tensor, ep=p.expert, expert_tp=p.expert_tensor)
-    if cfg.model.num_experts:
-        # The token dispatcher's own rules (e.g. alltoall_chunked refuses padding to capacity).
-        from paratron.models.moe.dispatcher import check_dispatcher_config
-        from paratron.models.moe.prefetch import check_expert_tensor
-
-        check_dispatcher_config(cfg.model)
-        if cfg.model.moe_token_dispatcher == "prefetch":
-            check_expert_tensor(p.expert_tensor)
-
-
-def _moe_fb_overlap(cfg: Config, world: int | None) -> None:
-    if not cfg.parallel.overlap_moe_expert_parallel_comm:
-        return
-    name = cfg.model.moe_token_dispatcher
-    if not cfg.model.num_experts:
-        raise ConfigError("parallel.overlap_moe_expert_parallel_comm=true overlaps one microbatch's MoE "
-                          "all-to-alls with another's backward, but model.num_experts=0 has none")
-    if cfg.parallel.zero == 3:
-        # ZeRO-3 frees a layer's gathered params after its forward and after its backward, which
-        # assumes one microbatch at a time in a layer; a pair runs another's backward mid-forward.
-        raise ConfigError("parallel.overlap_moe_expert_parallel_comm=true runs one microbatch's backward "
-                          "in the middle of another's forward, but parallel.zero=3 frees each layer's "
-                          "params after its forward and backward: use parallel.zero <= 2")
-    from paratron.models.moe.dispatcher import get_dispatcher
-
-    if not getattr(get_dispatcher(name), "overlaps_microbatches", False):
-        raise ConfigError(f"parallel.overlap_moe_expert_parallel_comm=true needs a token dispatcher that runs "
-                          f"the other microbatch's work while its all-to-alls are in flight; "
-                          f"model.moe_token_dispatcher={name!r} does not (use 'alltoall')")
 
 
 def _dualpipev_zero3(cfg: Config, world: int | None) -> None:
@@ -270,12 +165,6 @@ def _dualpipev_zero3(cfg: Config, world: int | None) -> None:
         raise ConfigError("parallel.schedule='dualpipev' runs one microbatch's backward in the middle of "
                           "another's forward (FB pairs), but parallel.zero=3 frees each layer's params after "
                           "its forward and backward: use parallel.zero <= 2 or parallel.schedule='zbv'")
-
-
-def _zero(cfg: Config, world: int | None) -> None:
-    if cfg.parallel.zero not in (0, 1, 2, 3):
-        raise ConfigError(f"parallel.zero={cfg.parallel.zero} must be 0 (DDP), 1 (optimizer state "
-                          "sharded), 2 (also grads) or 3 (also params)")
 
 
 def _split(cfg: Config, world: int | None) -> None:
@@ -294,14 +183,6 @@ def _lr_decay_iters(cfg: Config) -> tuple[str, int]:
     if o.lr_decay_iters is not None:
         return "optimizer.lr_decay_iters", o.lr_decay_iters
     return "train.train_iters", cfg.train.train_iters
-
-
-def _lr_schedule(cfg: Config, world: int | None) -> None:
-    o = cfg.optimizer
-    if o.lr_warmup_iters < 0:
-        raise ConfigError(f"optimizer.lr_warmup_iters={o.lr_warmup_iters} must be >= 0")
-    if o.min_lr > o.lr:
-        raise ConfigError(f"optimizer.min_lr={o.min_lr} must be <= optimizer.lr={o.lr}")
 
 
 def _fp8(cfg: Config, world: int | None) -> None:
@@ -331,22 +212,12 @@ def _save_peft(cfg: Config, world: int | None) -> None:
                           f"model.lora_rank > 0 (is {cfg.model.lora_rank})")
 
 
-VALIDATORS = [_finite, _positive, _nonfinite_policy, _lr_schedule, _grid, _model, _activation_offload, _batch, _sequence, _link_latency, _schedule, _pipeline_layers, _mtp_last_stage,
-              _dualpipev_zero3, _experts, _moe_fb_overlap, _zero, _fp8, _save_peft, _split, check_context, check_microbatch_tokens,
-              check_observability, check_records, check_low_rank]
-"""Every config rule, in order. Each takes ``(cfg, world_size_or_None)`` and raises ConfigError."""
-
-
-def validate(cfg: Config, world_size: int | None = None) -> Config:
-    """Run every validator; call before creating any process group (and after importing the
-    plugins of ``train.callbacks``, whose schedules, dispatchers and blocks are looked up here).
-
-    Raises:
-        ConfigError: the first rule broken, naming field, value and rule.
-    """
-    for rule in VALIDATORS:
-        rule(cfg, world_size)
-    return cfg
+SECTION_RULES = {rule.__name__: rule for rule in (
+    _finite, _positive, _nonfinite_policy, _model, _activation_offload, _batch, _sequence, _link_latency,
+    _mtp_last_stage, _dualpipev_zero3, _experts, _fp8, _save_peft, _split, check_context,
+    check_microbatch_tokens, check_observability, check_records, check_low_rank)}
+"""The rules that read the config alone, by name; :data:`paratron.rules.VALIDATORS` puts them in
+order among the rules that ask the owners (schedules, dispatchers, optimizer, checkpoints)."""
 
 
 def config_warnings(cfg: Config) -> list[str]:

@@ -17,6 +17,8 @@ import argparse
 
 import numpy as np
 
+from paratron.data.indexed import IndexedDataset, IndexedDatasetWriter, optimal_dtype
+
 MEDIAN, SIGMA, MAX_TOKENS = 200, 1.0, 4096
 
 
@@ -35,8 +37,6 @@ def write_lognormal_dataset(prefix: str, num_documents: int, vocab_size: int, eo
     Raises:
         ValueError: ``vocab_size < 2`` or ``eod`` outside ``[0, vocab_size)``.
     """
-    from paratron.data.indexed import IndexedDataset, IndexedDatasetWriter, optimal_dtype
-
     if vocab_size < 2 or not 0 <= eod < vocab_size:
         raise ValueError(f"vocab_size={vocab_size} must be >= 2 and eod={eod} in [0, vocab_size)")
     lengths = lognormal_lengths(num_documents, median=median, sigma=sigma, max_tokens=max_tokens, seed=seed)

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from paratron.data import corpus, indexed, paths, preprocess, provenance, tokenizer
+from paratron.data.split_plan import split_ranges
 
 
 def parse_data_path(data_path: list[str]) -> list[tuple[float, str]]:
@@ -258,8 +259,6 @@ def validation_prompt(pairs: list[tuple[float, str]], split: str, tok: tokenizer
     """The first ``num_tokens`` tokens of the first validation document of the first prefix (of the
     first training document when there is no validation split), decoded: a sample prompt that
     belongs to the corpus. None for an empty dataset."""
-    from paratron.data.split_plan import split_ranges
-
     ds = indexed.IndexedDataset(pairs[0][1])
     if ds.num_documents == 0:
         return None

@@ -47,6 +47,10 @@ from typing import NamedTuple, Sequence
 import numpy as np
 import torch
 
+from paratron.data.indexed import IndexedDataset
+from paratron.data.sampler import PretrainingSampler
+from paratron.data.split_plan import RUN_SPLITS, SplitWarning, plan_splits
+
 IGNORE_INDEX = -100
 
 
@@ -128,8 +132,6 @@ class TokenBudgetSampler:
     def __init__(self, lengths: np.ndarray, global_batch_size: int, microbatch_tokens: int, max_positions: int,
                  data_parallel_rank: int = 0, data_parallel_size: int = 1, seed: int = 0, shuffle: bool = True,
                  stream=None):
-        from paratron.data.sampler import PretrainingSampler
-
         if microbatch_tokens < max_positions or max_positions < 1:
             raise ValueError(f"microbatch_tokens={microbatch_tokens} must be >= max_positions={max_positions} >= 1")
         self.lengths = np.asarray(lengths, dtype=np.int64) if isinstance(lengths, (list, tuple, np.ndarray)) else lengths
@@ -215,9 +217,6 @@ def document_splits(prefix: str, split: str) -> tuple[DocumentSource | None, Doc
     Raises:
         ValueError: a train split with no such document.
     """
-    from paratron.data.indexed import IndexedDataset
-    from paratron.data.split_plan import RUN_SPLITS, SplitWarning, plan_splits
-
     ds = IndexedDataset(prefix)
     plan, notes = plan_splits([(1.0, ds)], split, 0, whole_documents=True, wanted=RUN_SPLITS)
     for note in notes:

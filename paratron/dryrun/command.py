@@ -16,7 +16,12 @@ import json
 import sys
 from pathlib import Path
 
-from paratron.config import ConfigError, build_config, validate
+from paratron.config import ConfigError
+from paratron.rules import build_config, validate
+
+from .plan_command import model_with_vocab
+from paratron.dryrun.rehearse import DryRunError
+from paratron.dryrun.run import dry_run, parse_ranks, table
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -36,17 +41,12 @@ def load_config(path: str | None, overrides: list[str], world_size: int):
     tokenizer's configured size (no corpus is read)."""
     cfg = build_config(path, overrides)
     if cfg.model.vocab_size is None:
-        from paratron.planner.command import model_with_vocab
-
         cfg.model = model_with_vocab(cfg)
     validate(cfg, world_size)
     return cfg
 
 
 def run(args: argparse.Namespace) -> int:
-    from paratron.dryrun.rehearse import DryRunError
-    from paratron.dryrun.run import dry_run, parse_ranks, table
-
     try:
         cfg = load_config(args.config, args.overrides, args.world_size)
         ranks = parse_ranks(args.ranks, cfg, args.world_size)

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from paratron.pipeline.timeline import TraceEvent
+from paratron.training.step import run_global_batch
 
 
 def storage_key(t: torch.Tensor) -> int:
@@ -150,8 +151,6 @@ def _recording_p2p(group, messages: list):
 def measure_step(cfg, ctx, chunks, ddp, optimizer, microbatches: list[dict], actions=None) -> StepMeasure:
     """Run one training step (forward/backward of ``microbatches`` through the pipeline schedule,
     then the optimizer) and return this rank's :class:`StepMeasure`."""
-    from paratron.training.step import run_global_batch
-
     state = model_state(ddp, optimizer)
     timeline: list[TraceEvent] = []  # makes the runtime stamp each action's scope on the ledger
     params = [p for c in chunks for p in c.parameters()] + ddp.model_state_tensors()["params"]

@@ -32,6 +32,11 @@ import torch.distributed as dist
 
 from paratron.dryrun.measure import measure_step, model_state
 from paratron.dryrun.moe_standin import check_supported, install_balanced_routing
+from paratron.parallel.context import ParallelContext
+from paratron.training.builders import build_model_and_optimizer, seed_everything
+from paratron.training.data_iter import microbatch_preparer
+from paratron.training.groups import groups_used
+from paratron.training.step import rank_actions
 
 META = torch.device("meta")
 GB = 1e9
@@ -62,8 +67,6 @@ def _no_host_values(t: torch.Tensor) -> list[float]:
 def synthetic_microbatches(cfg, ctx) -> list[dict]:
     """This DP rank's microbatches of one global batch: zero tokens and labels ``[b, s]`` on meta,
     then this CP rank's share (the data pipeline's own preparer)."""
-    from paratron.training.data_iter import microbatch_preparer
-
     t = cfg.train
     per_dp = t.global_batch_size // ctx.dp.size
     m = per_dp // t.micro_batch_size
@@ -75,8 +78,6 @@ def synthetic_microbatches(cfg, ctx) -> list[dict]:
 
 def build_rank(cfg, ctx):
     """Model chunks, DDP and optimizer of this rank on meta (``paratron train``'s builder)."""
-    from paratron.training.builders import build_model_and_optimizer, seed_everything
-
     seed_everything(cfg.train.seed, ctx)
     with torch.device(META):
         chunks, ddp, optimizer, _ = build_model_and_optimizer(cfg, ctx)
@@ -86,9 +87,6 @@ def build_rank(cfg, ctx):
 
 def build_context(cfg, device):
     """The run's parallel context, with only the groups ``paratron train`` would create."""
-    from paratron.parallel.context import ParallelContext
-    from paratron.training.groups import groups_used
-
     p = cfg.parallel
     return ParallelContext.build(tp=p.tensor, cp=p.context, ep=p.expert, pp=p.pipeline,
                                  expert_tp=p.expert_tensor, order=p.order, kinds=groups_used(cfg),
@@ -125,8 +123,6 @@ def rehearse_rank(cfg, world_size: int, rank: int, memory_gb: float | None = Non
             with ``memory_gb``, a rank that does not fit (:func:`check_memory`; model states are
             checked before the step, with the activations after it).
     """
-    from paratron.training.step import rank_actions
-
     if cfg.model.num_experts > 0 and (why := check_supported(cfg)):
         raise DryRunError(f"rank {rank}: the dry run routes MoE tokens by a balanced stand-in, which cannot "
                           f"serve {why}")

@@ -8,7 +8,7 @@ one step stays short; the planner's figures beside it are for the same cut batch
 
 from __future__ import annotations
 
-from paratron.config import validate
+from paratron.rules import validate
 from paratron.dryrun.run import auto_ranks, dry_run, table
 from paratron.planner.layout import to_config
 

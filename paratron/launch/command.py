@@ -18,8 +18,16 @@ import sys
 from contextlib import contextmanager
 from pathlib import Path
 
-from paratron.config import ConfigError, Config, build_config, megatron_overrides, validate
+from paratron.checkpoint.hf_load import apply_load_hf
+from paratron.config import ConfigError, Config, megatron_overrides
+from paratron.config.validators import config_warnings
+from paratron.rules import build_config, validate
+from paratron.launch import launch  # launch.run_torchrun, looked up at the call (tests replace it)
 from paratron.launch.mode import Mode, started
+from paratron.launch.rankproc import rank_session
+from paratron.launch.runlock import RunLocked, lock_run, stale_note
+from paratron.launch.runner import run_training
+from paratron.training.preflight import apply_data_argument, check_paths, import_plugins, prepare_training
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -83,9 +91,6 @@ def world_size_for(args: argparse.Namespace) -> int:
 
 def load_and_validate(args: argparse.Namespace) -> Config:
     """Config from file + overrides, validated for this world size (no process group yet)."""
-    from paratron.checkpoint.hf_load import apply_load_hf
-    from paratron.training.preflight import apply_data_argument, check_paths, import_plugins
-
     cfg = build_config(args.config, args.overrides)
     apply_data_argument(cfg, getattr(args, "data", None), args.overrides)
     apply_load_hf(cfg, args.overrides)
@@ -102,8 +107,6 @@ def load_and_validate(args: argparse.Namespace) -> Config:
 def print_config_warnings(cfg: Config, launching: bool) -> None:
     """Print :func:`~paratron.config.validators.config_warnings` once per run, one line each: in
     the launcher, or else on rank 0 (a launcher marks its ranks so they stay quiet)."""
-    from paratron.config.validators import config_warnings
-
     if launching:
         os.environ[_WARNED] = "1"  # inherited by the ranks torchrun starts
     elif os.environ.get(_WARNED) or started().rank != 0:
@@ -150,30 +153,24 @@ def launch_or_run(args: argparse.Namespace, command: str, body, prepare=None) ->
         print(f"paratron {command}: config error: {e}{hint}", file=sys.stderr)
         return 2
     if started(args.nproc_per_node).mode is Mode.LAUNCHER:
-        from paratron.launch.launch import run_torchrun
-
         cmd = torchrun_argv(args, ["-m", "paratron", command] + args.argv)
         if command != "train":
-            return run_torchrun(cmd)
+            return launch.run_torchrun(cmd)
         return launch_training(cmd, args, cfg)
     return body(cfg, args)
 
 
 def launch_training(cmd: list[str], args: argparse.Namespace, cfg: Config) -> int:
     """Lock the run (on node 0), run torchrun, print one summary if it fails."""
-    from paratron.launch.launch import run_torchrun
-
     run_dir = Path(args.run_dir or default_run_dir(args.config))
     with run_locks(run_dir, cfg, take=args.node_rank == 0) as refused:
-        return 2 if refused else run_torchrun(cmd, run_dir, args.node_rank)
+        return 2 if refused else launch.run_torchrun(cmd, run_dir, args.node_rank)
 
 
 @contextmanager
 def run_locks(run_dir: Path, cfg: Config, take: bool):
     """Hold the locks of the run directory and ``checkpoint.save`` (:mod:`.runlock`) inside the
     block; yields True (after printing why) when another live job holds one."""
-    from paratron.launch.runlock import RunLocked, lock_run, stale_note
-
     if not take:
         yield False
         return
@@ -199,9 +196,6 @@ def default_run_dir(config_path: str | None) -> str:
 
 def run(args: argparse.Namespace) -> int:
     def body(cfg: Config, a: argparse.Namespace) -> int:
-        from paratron.launch.rankproc import rank_session
-        from paratron.launch.runner import run_training
-
         run_dir = Path(a.run_dir or default_run_dir(a.config))
         # Under the launcher, it holds the locks; under a bare torchrun (or alone), rank 0 does.
         me = started()
@@ -210,8 +204,6 @@ def run(args: argparse.Namespace) -> int:
             return 2 if refused else run_training(cfg, run_dir=str(run_dir))
 
     def prepare(cfg: Config, a: argparse.Namespace) -> None:
-        from paratron.training.preflight import prepare_training
-
         prepare_training(cfg, a.run_dir or default_run_dir(a.config), launching=not started().torchrun)
 
     return launch_or_run(args, "train", body, prepare)

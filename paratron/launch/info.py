@@ -12,8 +12,13 @@ import json
 import os
 import sys
 
+from paratron.config import ConfigError
 from paratron.launch.command import add_arguments as add_train_arguments
 from paratron.launch.mode import Mode, started
+from paratron.parallel.context import ParallelContext, init_distributed
+from paratron.parallel.grid import build_grid
+from paratron.rules import build_config, validate
+from paratron.training.groups import groups_used
 from paratron.launch.command import launch_or_run, parse  # noqa: F401 (parse used by cli)
 
 
@@ -24,9 +29,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _describe_grid(cfg, world: int) -> dict:
-    from paratron.parallel.grid import build_grid
-    from paratron.training.groups import groups_used
-
     p = cfg.parallel
     grid = build_grid(world, tp=p.tensor, cp=p.context, ep=p.expert, pp=p.pipeline,
                       expert_tp=p.expert_tensor, order=p.order)
@@ -52,8 +54,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"paratron info: --world-size={args.world_size} must be a positive integer (ranks)", file=sys.stderr)
         return 2
     if args.world_size and started(args.nproc_per_node).mode is Mode.ALONE:
-        from paratron.config import ConfigError, build_config, validate
-
         try:
             cfg = validate(build_config(args.config, args.overrides), args.world_size)
         except ConfigError as e:
@@ -75,9 +75,6 @@ def run(args: argparse.Namespace) -> int:
 def _body(cfg, args) -> int:
     import torch
     import torch.distributed as dist
-
-    from paratron.parallel.context import ParallelContext, init_distributed
-    from paratron.training.groups import groups_used
 
     init_distributed(cfg.parallel.timeout_s)
     p = cfg.parallel

@@ -28,6 +28,7 @@ import traceback
 from contextlib import contextmanager
 from pathlib import Path
 
+from paratron.checkpoint.io import write_json_atomic
 from paratron.launch.mode import started
 from paratron.where import package_relpath
 
@@ -126,7 +127,6 @@ def write_error_record(log_dir: Path, rank: int, exc: BaseException) -> None:
               "type": type(exc).__name__, "message": message[0] if message else "",
               "where": error_location(exc.__traceback__), "step": getattr(exc, "paratron_step", None),
               "save": getattr(exc, "paratron_save", None)}
-    from paratron.checkpoint.io import write_json_atomic
 
     log_dir.mkdir(parents=True, exist_ok=True)
     write_json_atomic(log_dir / f"rank_{rank}.error.json", record)

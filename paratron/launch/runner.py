@@ -15,17 +15,16 @@ import torch
 import torch.distributed as dist
 
 from paratron.config import Config
+from paratron.launch.rankproc import record_failure
 from paratron.launch.startup import StartupClock
 from paratron.launch.watchdog import HangWatchdog
+from paratron.parallel.context import ParallelContext, init_distributed
+from paratron.training.groups import groups_used
 from paratron.training.step_log import log
-from paratron.launch.rankproc import record_failure
 from paratron.training.trainer import NonFiniteStop, Trainer
 
 
 def build_context(cfg: Config):
-    from paratron.parallel.context import ParallelContext, init_distributed
-    from paratron.training.groups import groups_used
-
     init_distributed(cfg.parallel.timeout_s)
     p = cfg.parallel
     return ParallelContext.build(tp=p.tensor, cp=p.context, ep=p.expert, pp=p.pipeline,

@@ -39,10 +39,11 @@ import time
 from pathlib import Path
 
 from paratron.checkpoint.io import write_json_atomic
+from paratron.launch.hang import diagnose, load_dumps, load_rings
+from paratron.launch.mode import started
 from paratron.parallel.collcheck import CollectiveMismatch
 from paratron.parallel.flight import BlackBox, FlightRecorder
 from paratron.training.callbacks import Callback
-from paratron.launch.mode import started
 
 EXIT_HANG = 124
 """Exit code of a rank ended by the watchdog because of a hang (its own or a peer's)."""
@@ -186,8 +187,6 @@ class HangWatchdog(Callback):
 
     def print_diagnosis(self) -> None:
         """Wait for the peers' dumps, then print the diagnosis to stderr (rank 0, bare torchrun)."""
-        from paratron.launch.hang import diagnose, load_dumps, load_rings
-
         time.sleep(min(2.5 * self.poll_s, 2.5))
         dumps = load_dumps(self.dir)
         text = diagnose(dumps, where=str(self.dir), rings=load_rings(self.dir, dumps))

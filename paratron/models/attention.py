@@ -26,7 +26,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from paratron.config import ModelConfig, model_shape
+from paratron.layers import ColumnParallelLinear, RowParallelLinear
 from paratron.layers.dropout import rng_fork
+from paratron.layers.init import normal_
 from paratron.parallel.context import ParallelContext
 
 from .context_parallel import context_attention
@@ -83,12 +85,8 @@ class SelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, *, layer_number: int, seed: int,
                  sequence_parallel: bool,
                  params_dtype: torch.dtype, rng_tracker=None, output_init=None):
-        from paratron.layers import ColumnParallelLinear, RowParallelLinear
-        from paratron.layers.init import normal_
-
         super().__init__()
         tp = ctx.tp.size
-        model_shape.check_model(cfg, tp)
         self.head_dim = model_shape.head_dim(cfg)
         heads, groups = cfg.num_attention_heads, model_shape.query_groups(cfg)
         self.q_per_group = heads // groups

@@ -23,12 +23,12 @@ from torch import nn
 from paratron.parallel.context import ParallelContext
 from paratron.registry import Registry
 
+from .layer import TransformerLayer
+
 BlockFactory = Callable[..., nn.Module]
 
 
 def _transformer(cfg, ctx: ParallelContext, **kw) -> nn.Module:
-    from .layer import TransformerLayer
-
     return TransformerLayer(cfg, ctx, **kw)
 
 

@@ -9,7 +9,9 @@ import torch
 from torch import nn
 
 from paratron.config import ModelConfig, model_shape
+from paratron.layers import VocabParallelEmbedding
 from paratron.layers.dropout import dropout
+from paratron.layers.init import init_shard_, normal_
 from paratron.parallel.context import ParallelContext
 from paratron.parallel.params import ShardSpec, mark
 
@@ -30,9 +32,6 @@ class Embedding(nn.Module):
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, *, seed: int, sequence_parallel: bool,
                  params_dtype: torch.dtype,
                  rng_tracker=None):
-        from paratron.layers import VocabParallelEmbedding
-        from paratron.layers.init import init_shard_, normal_
-
         super().__init__()
         self.tp = ctx.tp
         self.sequence_parallel = sequence_parallel and ctx.tp.size > 1

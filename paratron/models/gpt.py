@@ -20,8 +20,13 @@ import torch
 from torch import nn
 
 from paratron.config import ConfigError, ModelConfig, model_shape
+from paratron.pipeline import partition
+from paratron.layers import (ParallelLMHead, VocabParallelEmbedding, vocab_parallel_cross_entropy,
+                             vocab_parallel_logits)
+from paratron.layers.init import normal_
 from paratron.parallel.context import ParallelContext
 from paratron.parallel.grads import attach_weight_grad_store
+from paratron.parallel.random import RNGStatesTracker
 
 from .embedding import WORD_EMBEDDINGS, Embedding
 from .lora import apply_lora
@@ -34,8 +39,9 @@ from .recompute import checkpointed
 from .context_parallel import sequence_layout
 from .rope import rope_tables, rope_tables_at
 from .state import gather_full_state, load_full_state
+from .mtp import MultiTokenPrediction
 
-__all__ = ["GPTChunk", "build_model_chunks", "default_stage_layers", "model_order", "full_logits",
+__all__ = ["GPTChunk", "build_model_chunks", "model_order", "full_logits",
            "load_full_state", "gather_full_state", "StageLayers"]
 
 StageLayers = dict[tuple[int, int], tuple[int, int]]
@@ -64,8 +70,9 @@ class GPTChunk(nn.Module):
             ``ctx.cp`` has more than one rank.
 
     Raises:
-        ConfigError: the model does not fit the TP size (see :func:`paratron.config.model_shape.check_model`),
-            or ``model.block`` is not registered; raised before any collective.
+        ConfigError: ``model.block`` is not registered; raised before any collective. The model's
+            shape rules (:func:`paratron.config.model_shape.check_model`) are checked once, by
+            :func:`build_model_chunks` (and before that by the config rules), not per chunk.
 
     The layers are built by the block registered as ``model.block`` (:mod:`paratron.models.blocks`).
     """
@@ -75,7 +82,6 @@ class GPTChunk(nn.Module):
                  rng_tracker=None, embedding_weight: nn.Parameter | None = None, context_algorithm: str = "ring",
                  embedding_module: nn.Module | None = None):
         super().__init__()
-        model_shape.check_model(cfg, ctx.tp.size)
         self.cfg, self.ctx = cfg, ctx
         self.context_algorithm = context_algorithm
         self.layer_ids = range(layer_ids.start, layer_ids.stop) if isinstance(layer_ids, range) else layer_ids
@@ -116,9 +122,6 @@ class GPTChunk(nn.Module):
             self.embedding.word_embeddings.weight.meta.shared_embedding = True
 
     def _build_output(self, cfg, ctx: ParallelContext, seed, params_dtype, embedding_weight):
-        from paratron.layers import ParallelLMHead
-        from paratron.layers.init import normal_
-
         if not cfg.tie_embeddings:
             self.output_layer = ParallelLMHead(
                 cfg.vocab_size, cfg.hidden_size, ctx, logical_name="output_layer", seed=seed,
@@ -140,11 +143,6 @@ class GPTChunk(nn.Module):
         """The MTP modules (:mod:`paratron.models.mtp`), with the word embedding they share: this
         chunk's, the given one (same rank), or a copy drawn from the same full tensor (its own
         ``shared_embedding`` parameter, or the tied output layer's)."""
-        from paratron.layers import VocabParallelEmbedding
-        from paratron.layers.init import normal_
-
-        from .mtp import MultiTokenPrediction
-
         shared = self.embedding.word_embeddings if self.pre_process else embedding_module
         if shared is None:
             shared = VocabParallelEmbedding(
@@ -262,8 +260,6 @@ class GPTChunk(nn.Module):
 
     def _head(self, h: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
         """Logits (or per-token losses against ``labels``) of the normed hidden ``h``."""
-        from paratron.layers import vocab_parallel_cross_entropy, vocab_parallel_logits
-
         if self.output_layer is not None:
             logits = self.output_layer(h)
         else:
@@ -271,21 +267,6 @@ class GPTChunk(nn.Module):
         if labels is None:
             return logits
         return vocab_parallel_cross_entropy(logits, labels.t().contiguous(), self.ctx, self.cfg.vocab_size)
-
-
-def default_stage_layers(num_layers: int, pp: int, virtual: int = 1) -> StageLayers:
-    """Even split in Megatron's interleaved order: virtual stage ``chunk * pp + pp_rank`` holds
-    layers ``[v * n, (v + 1) * n)`` with ``n = num_layers / (pp * virtual)``.
-
-    Raises:
-        ConfigError: ``num_layers`` not divisible by ``pp * virtual``.
-    """
-    stages = pp * virtual
-    if num_layers % stages:
-        raise ConfigError(f"model.num_layers={num_layers} is not divisible by parallel.pipeline*"
-                          f"virtual_pipeline = {pp}*{virtual} = {stages}; pass an explicit layout")
-    n = num_layers // stages
-    return {(r, c): ((c * pp + r) * n, n) for r in range(pp) for c in range(virtual)}
 
 
 def model_order(stage_layers: StageLayers, num_layers: int) -> list[tuple[int, int]]:
@@ -319,7 +300,8 @@ def build_model_chunks(cfg: ModelConfig, ctx: ParallelContext, *, seed: int, seq
         cfg, seed, sequence_parallel, params_dtype, context_algorithm: as in :class:`GPTChunk`.
         ctx: the parallel context (its ``pp`` group gives this rank's stage).
         stage_layers: (pp_rank, chunk) -> (first layer, count), e.g. from
-            ``paratron.pipeline.partition``; default :func:`default_stage_layers`. The first stage in
+            ``paratron.pipeline.partition``; default: its even split
+            (:func:`paratron.pipeline.partition.stage_layers` in the loop placement). The first stage in
             model order holds the embedding, the last the output layer.
         virtual_pipeline: chunks per rank for the default split.
         rng_tracker: shared by all chunks (``chunk.rng_tracker``). Default: when the config has
@@ -334,16 +316,17 @@ def build_model_chunks(cfg: ModelConfig, ctx: ParallelContext, *, seed: int, seq
     """
     model_shape.check_model(cfg, ctx.tp.size)
     pp = ctx.pp.size
-    if stage_layers is None:
-        stage_layers = default_stage_layers(cfg.num_layers, pp, virtual_pipeline)
+    if stage_layers is None:  # the even split, chunk c of rank r holding virtual stage c * pp + r
+        try:
+            stage_layers = partition.stage_layers(cfg.num_layers, pp, virtual_pipeline)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     order = model_order(stage_layers, cfg.num_layers)
     ranks = {k[0] for k in stage_layers}
     if ranks != set(range(pp)):
         raise ValueError(f"stage_layers names pipeline ranks {sorted(ranks)}; the layout has parallel.pipeline={pp}")
     if rng_tracker is None and (cfg.hidden_dropout > 0 or cfg.attention_dropout > 0
                                 or (cfg.lora_rank > 0 and cfg.lora_dropout > 0)):
-        from paratron.parallel.random import RNGStatesTracker
-
         rng_tracker = RNGStatesTracker(seed, ctx)
     mine = sorted(k for k in stage_layers if k[0] == ctx.pp.rank)
     chunks: list[GPTChunk] = []

@@ -26,9 +26,14 @@ import torch
 from torch import nn
 
 from paratron.config import ModelConfig, model_shape
+from paratron.layers.init import scaled_normal_
+from paratron.models.moe.layer import MoELayer
 
 from .low_rank import low_rank_attention, low_rank_mlp, uses_online_norm
 from .norms import make_norm
+from .attention import SelfAttention
+from .mla import latent_attention
+from .mlp import MLP
 
 
 @dataclass(frozen=True)
@@ -50,8 +55,6 @@ class LayerInputs:
 
     def output_init(self):
         """GPT-2's scaled init of the residual-branch outputs: std / sqrt(2 * num_layers)."""
-        from paratron.layers.init import scaled_normal_
-
         return scaled_normal_(self.cfg.init_method_std, max(self.cfg.num_layers, 1))
 
 
@@ -71,13 +74,9 @@ def self_attention(inputs: LayerInputs, name: str) -> nn.Module:
     """:class:`~paratron.models.attention.SelfAttention`, or under ``model.multi_latent_attention``
     :class:`~paratron.models.mla.LatentAttention` (its parameters are named ``{prefix}.attention.*``
     whatever ``name`` is)."""
-    from .attention import SelfAttention
-
     if inputs.cfg.low_rank:  # CoLA / BOOST (paratron/models/low_rank.py)
         return low_rank_attention(inputs, name)
     if inputs.cfg.multi_latent_attention:
-        from .mla import latent_attention
-
         return latent_attention(inputs, name)
 
     return SelfAttention(inputs.cfg, inputs.ctx, layer_number=inputs.layer_number, seed=inputs.seed,
@@ -87,8 +86,6 @@ def self_attention(inputs: LayerInputs, name: str) -> nn.Module:
 
 def dense_mlp(inputs: LayerInputs, name: str) -> nn.Module:
     """:class:`~paratron.models.mlp.MLP` of width :func:`~paratron.config.model_shape.ffn_size`."""
-    from .mlp import MLP
-
     if inputs.cfg.low_rank:  # CoLA / BOOST (paratron/models/low_rank.py)
         return low_rank_mlp(inputs, name)
     return MLP(inputs.cfg, inputs.ctx, logical_name=f"{inputs.prefix}.{name}", ffn=model_shape.ffn_size(inputs.cfg),
@@ -98,8 +95,6 @@ def dense_mlp(inputs: LayerInputs, name: str) -> nn.Module:
 
 def moe_mlp(inputs: LayerInputs, name: str) -> nn.Module:
     """:class:`~paratron.models.moe.layer.MoELayer` (parameters named ``{prefix}.mlp.*``)."""
-    from paratron.models.moe.layer import MoELayer
-
     return MoELayer(inputs.cfg, inputs.ctx, layer_number=inputs.layer_number, seed=inputs.seed,
                     sequence_parallel=inputs.sequence_parallel, params_dtype=inputs.params_dtype)
 

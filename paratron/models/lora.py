@@ -48,6 +48,7 @@ from paratron.layers.init import init_shard_, normal_
 from paratron.parallel.context import ParallelContext
 from paratron.parallel.mappings import (copy_to_tp_region, gather_from_sequence_parallel_region,
                                         reduce_from_tp_region, reduce_scatter_to_sequence_parallel_region)
+from paratron.config.model_shape import check_lora
 from paratron.parallel.params import ShardSpec, mark
 
 __all__ = ["LoRAAdapter", "apply_lora", "adapter_names", "is_adapter_name", "merge_lora_tensors"]
@@ -149,8 +150,6 @@ def apply_lora(chunks, cfg: ModelConfig, ctx: ParallelContext, *, seed: int, rng
     Raises:
         ConfigError: a rule of :func:`paratron.config.model_shape.check_lora`.
     """
-    from paratron.config.model_shape import check_lora
-
     check_lora(cfg)
     if cfg.lora_rank == 0:
         return []

@@ -84,9 +84,8 @@ class LatentAttention(nn.Module):
     ``rope`` the (cos, sin) tables of width ``qk_pos_emb_head_dim`` and ``layout`` as for
     :class:`~paratron.models.attention.SelfAttention`.
 
-    Raises:
-        ConfigError: a rule of :func:`paratron.config.model_shape.check_mla` or heads not
-            divisible by the TP size (before any collective).
+    The rules of :func:`paratron.config.model_shape.check_mla` (heads divisible by the TP size,
+    ...) are checked before, once, by the config rules and :func:`~paratron.models.gpt.build_model_chunks`.
     """
 
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, *, layer_number: int, seed: int,
@@ -94,7 +93,6 @@ class LatentAttention(nn.Module):
                  params_dtype: torch.dtype, rng_tracker=None, output_init=None):
         super().__init__()
         tp = ctx.tp.size
-        model_shape.check_model(cfg, tp)
         self.tp = ctx.tp
         self.sp = sequence_parallel and tp > 1
         self.local_heads = cfg.num_attention_heads // tp

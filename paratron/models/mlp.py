@@ -17,6 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from paratron.config import ModelConfig
+from paratron.layers import ColumnParallelLinear, RowParallelLinear
+from paratron.layers.init import normal_
 from paratron.parallel.context import ParallelContext
 
 
@@ -56,9 +58,6 @@ class MLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, *, logical_name: str, ffn: int, seed: int,
                  sequence_parallel: bool, params_dtype: torch.dtype, output_init=None):
-        from paratron.layers import ColumnParallelLinear, RowParallelLinear
-        from paratron.layers.init import normal_
-
         super().__init__()
         self.activation = cfg.activation
         fused = 2 if cfg.activation == "swiglu" else 1

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from paratron.parallel.context import ParallelContext
+from paratron.parallel.params import gather_full, load_full_, unique_params
 from paratron.parallel.params import gather_full, unique_params
 
 
@@ -20,8 +21,6 @@ def load_full_state(chunks, tensors: dict[str, torch.Tensor]) -> set[str]:
         KeyError: a parameter of these chunks has no tensor (named).
         ValueError: a tensor has the wrong full shape.
     """
-    from paratron.parallel.params import load_full_
-
     used = set()
     for p in unique_params(chunks):
         name = p.meta.logical_name

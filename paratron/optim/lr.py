@@ -24,6 +24,36 @@ import math
 STYLES = ("cosine", "linear", "constant", "wsd")
 
 
+def wsd_iters(decay_iters: int, wsd_decay_iters: int | None) -> int:
+    """``K``: ``wsd_decay_iters``, or 10% of ``decay_iters`` (at least 1) when unset."""
+    return max(1, decay_iters // 10) if wsd_decay_iters is None else wsd_decay_iters
+
+
+def check_lr_schedule(lr: float, min_lr: float, warmup_iters: int, decay_iters: int,
+                      style: str = "cosine", wsd_decay_iters: int | None = None) -> None:
+    """The rules of a schedule (:class:`LRScheduler`'s arguments); pure, so the config validator
+    runs it before any process group exists and the constructor runs it again.
+
+    Raises:
+        ValueError: unknown style, negative lr, min_lr > lr, negative warmup, or (WSD) a decay
+            phase ``K`` outside ``(0, D - W]`` when the warmup ends before ``D``.
+    """
+    if style not in STYLES:
+        raise ValueError(f"optimizer.lr_decay_style={style!r} must be one of {STYLES}")
+    if lr < 0 or min_lr < 0:
+        raise ValueError(f"optimizer.lr={lr} and optimizer.min_lr={min_lr} must be >= 0")
+    if min_lr > lr:
+        raise ValueError(f"optimizer.min_lr={min_lr} must be <= optimizer.lr={lr}")
+    if warmup_iters < 0:
+        raise ValueError(f"optimizer.lr_warmup_iters={warmup_iters} must be >= 0")
+    k = wsd_iters(decay_iters, wsd_decay_iters)
+    # A warmup longer than the decay (a short smoke run of a long config) is allowed, as in
+    # Megatron-LM: the lr rises for the whole run and never decays.
+    if style == "wsd" and warmup_iters < decay_iters and not 0 < k <= decay_iters - warmup_iters:
+        raise ValueError(f"optimizer.lr_wsd_decay_iters={k} must be in "
+                         f"(0, lr_decay_iters - lr_warmup_iters = {decay_iters - warmup_iters}]")
+
+
 class LRScheduler:
     """Computes the lr of each step and, when given an optimizer, sets it.
 
@@ -35,26 +65,13 @@ class LRScheduler:
         optimizer: anything with ``set_lr(lr)``; updated on construction and every :meth:`step`.
 
     Raises:
-        ValueError: unknown style, negative lr, min_lr > lr, negative warmup.
+        ValueError: a rule of :func:`check_lr_schedule`.
     """
 
     def __init__(self, lr: float, min_lr: float, warmup_iters: int, decay_iters: int,
                  style: str = "cosine", wsd_decay_iters: int | None = None, optimizer=None) -> None:
-        if style not in STYLES:
-            raise ValueError(f"optimizer.lr_decay_style={style!r} must be one of {STYLES}")
-        if lr < 0 or min_lr < 0:
-            raise ValueError(f"optimizer.lr={lr} and optimizer.min_lr={min_lr} must be >= 0")
-        if min_lr > lr:
-            raise ValueError(f"optimizer.min_lr={min_lr} must be <= optimizer.lr={lr}")
-        if warmup_iters < 0:
-            raise ValueError(f"optimizer.lr_warmup_iters={warmup_iters} must be >= 0")
-        if wsd_decay_iters is None:
-            wsd_decay_iters = max(1, decay_iters // 10)
-        # A warmup longer than the decay (a short smoke run of a long config) is allowed, as in
-        # Megatron-LM: the lr rises for the whole run and never decays.
-        if style == "wsd" and warmup_iters < decay_iters and not 0 < wsd_decay_iters <= decay_iters - warmup_iters:
-            raise ValueError(f"optimizer.lr_wsd_decay_iters={wsd_decay_iters} must be in "
-                             f"(0, lr_decay_iters - lr_warmup_iters = {decay_iters - warmup_iters}]")
+        check_lr_schedule(lr, min_lr, warmup_iters, decay_iters, style, wsd_decay_iters)
+        wsd_decay_iters = wsd_iters(decay_iters, wsd_decay_iters)
         self.max_lr, self.min_lr = float(lr), float(min_lr)
         self.warmup_iters, self.decay_iters = int(warmup_iters), int(decay_iters)
         self.style, self.wsd_decay_iters = style, int(wsd_decay_iters)
@@ -104,9 +121,25 @@ class LRScheduler:
         self._apply()
 
 
+def schedule_arguments(opt_cfg, train_iters: int) -> tuple:
+    """``(lr, min_lr, warmup_iters, decay_iters, style, wsd_decay_iters)`` of
+    :class:`paratron.config.OptimizerConfig` ``opt_cfg`` for a run of ``train_iters`` steps
+    (``lr_decay_iters`` defaults to it)."""
+    decay = opt_cfg.lr_decay_iters if opt_cfg.lr_decay_iters is not None else train_iters
+    return (opt_cfg.lr, opt_cfg.min_lr, opt_cfg.lr_warmup_iters, decay, opt_cfg.lr_decay_style,
+            opt_cfg.lr_wsd_decay_iters)
+
+
+def check_lr_config(opt_cfg, train_iters: int) -> None:
+    """:func:`check_lr_schedule` of a config's schedule (see :func:`schedule_arguments`).
+
+    Raises:
+        ValueError: as :func:`check_lr_schedule`.
+    """
+    check_lr_schedule(*schedule_arguments(opt_cfg, train_iters))
+
+
 def build_lr_scheduler(opt_cfg, train_iters: int, optimizer=None) -> LRScheduler:
     """The schedule of :class:`paratron.config.OptimizerConfig` ``opt_cfg`` for a run of
-    ``train_iters`` steps (``lr_decay_iters`` defaults to it). See :class:`LRScheduler`."""
-    decay = opt_cfg.lr_decay_iters if opt_cfg.lr_decay_iters is not None else train_iters
-    return LRScheduler(opt_cfg.lr, opt_cfg.min_lr, opt_cfg.lr_warmup_iters, decay,
-                       opt_cfg.lr_decay_style, opt_cfg.lr_wsd_decay_iters, optimizer)
+    ``train_iters`` steps (see :func:`schedule_arguments` and :class:`LRScheduler`)."""
+    return LRScheduler(*schedule_arguments(opt_cfg, train_iters), optimizer=optimizer)

@@ -21,9 +21,12 @@ Hooks on each unit:
 * forward post-hook: hook the unit's output, whose grad arrives just before the unit's backward,
   to free the later units (their backward is complete), gather the unit again and prefetch the
   previous one, so at most two units are gathered at any time; free the unit when
-  ``reshard_after_forward`` (with it false, gathered units stay until :meth:`ParamShards.release_all`
-  at the end of the step's backward: one all-gather per unit and step, kept across the
-  microbatches of a pipeline schedule).
+  ``reshard_after_forward``, except the unit whose backward runs first (the head, or the
+  spanning unit): its backward follows at once, so it stays gathered (as FSDP leaves its root
+  unsharded) unless another forward of the chunk starts first. With ``reshard_after_forward``
+  false, gathered units stay until :meth:`ParamShards.release_all` at the end of the step's
+  backward: one all-gather per unit and step, kept across the microbatches of a pipeline
+  schedule.
 
 Weight grads of paratron's linears need only activations (``dW = dy^T x``), so the deferred W
 actions of zero-bubble schedules run with the unit freed. A forward run again inside backward
@@ -66,6 +69,8 @@ class Unit:
     chunk: int = 0
     pos: int = 0
     backward_next: "Unit | None" = None
+    backward_first: bool = False  # its backward runs first in the chunk: kept after forward
+    kept: bool = False            # held since its forward, waiting for its backward
 
 
 def _generic_units(chunk: nn.Module) -> list[Unit]:
@@ -221,6 +226,7 @@ class ParamShards:
         self._full: list[list[torch.Tensor | None]] = [[None] * len(buf.buckets) for buf in buffers]
         self._pending: list[list[object]] = [[None] * len(buf.buckets) for buf in buffers]
         self._viewed = [[False] * len(buf.buckets) for buf in buffers]  # params point into _full
+        self._layouts: dict[tuple[int, int], tuple] = {}  # see _layout
         self._holders: list[list[set[int]]] = [[set() for _ in buf.buckets] for buf in buffers]
         self.chunk_units = [self._attach(c, chunk, where) for c, chunk in enumerate(chunks)]
         self.gathered_bytes = self.peak_gathered_bytes = 0
@@ -242,6 +248,7 @@ class ParamShards:
             u.chunk, u.pos = c, pos
             j = by_end.index(u)
             u.backward_next = by_end[j - 1] if j > 0 else None
+            u.backward_first = j == len(by_end) - 1
             u.buckets = sorted({where[id(p)] for p in u.params})
             u.start.register_forward_pre_hook(self._pre_forward_hook(u))
             u.end.register_forward_hook(self._post_forward_hook(u))
@@ -305,11 +312,29 @@ class ParamShards:
         if handle is not None:  # None: a group of one copied at once
             handle.wait()
         self._viewed[i][k] = True
-        buf = self.buffers[i]
-        b, full = buf.buckets[k], self._full[i][k]
-        for p in b.params:
-            s, e = buf.index[id(p)]
-            p.data = full[s - b.start:e - b.start].view(buf.shapes[id(p)])
+        sizes, placed = self._layout(i, k)
+        pieces = self._full[i][k].split(sizes)
+        for j, p, shape in placed:
+            p.data = pieces[j].view(shape)
+
+    def _layout(self, i: int, k: int):
+        """Bucket ``(i, k)`` cut into pieces: ``sizes`` (every param and every gap of padding, in
+        flat order) and ``placed``, ``(piece index, param, shape)`` per param. Computed once, so
+        a gather views its params with one ``split``."""
+        if (i, k) not in self._layouts:
+            buf = self.buffers[i]
+            b = buf.buckets[k]
+            sizes, placed, pos = [], [], b.start
+            for s, e, p in sorted(((*buf.index[id(p)], p) for p in b.params), key=lambda t: t[0]):
+                if s > pos:
+                    sizes.append(s - pos)
+                placed.append((len(sizes), p, buf.shapes[id(p)]))
+                sizes.append(e - s)
+                pos = e
+            if b.end > pos:
+                sizes.append(b.end - pos)
+            self._layouts[(i, k)] = (sizes, placed)
+        return self._layouts[(i, k)]
 
     def _free(self, i: int, k: int) -> None:
         full = self._full[i][k]
@@ -347,6 +372,7 @@ class ParamShards:
         """Free every gathered unit (end of the step's backward; before the optimizer step)."""
         for units in self.chunk_units:
             for u in units:
+                u.kept = False
                 self.release(u)
         for i, row in enumerate(self._full):
             for k in range(len(row)):
@@ -364,6 +390,8 @@ class ParamShards:
     # ---- hooks ------------------------------------------------------------------------------
     def _pre_forward_hook(self, u: Unit):
         def hook(module, args):
+            if u.pos == 0 and not _in_backward():
+                self._drop_kept(u.chunk)  # a second forward before the kept unit's backward
             self.hold(u)
             if not _in_backward():
                 self._prefetch(u.chunk, u.pos + 1)
@@ -386,10 +414,22 @@ class ParamShards:
                 for y in _grad_tensors(out):
                     y.register_hook(first)
             if self.reshard and not _in_backward():
-                self.release(u)
+                if u.backward_first and torch.is_grad_enabled():
+                    u.kept = True  # its backward comes next: gathering it again would be waste
+                else:
+                    self.release(u)
         return hook
 
+    def _drop_kept(self, chunk: int) -> None:
+        """Free a unit kept gathered since its forward (a new forward of the chunk starts first:
+        pipeline warm-up, evaluation); its backward will gather it again."""
+        for u in self.chunk_units[chunk]:
+            if u.kept:
+                u.kept = False
+                self.release(u)
+
     def _pre_backward(self, u: Unit) -> None:
+        u.kept = False
         if self.reshard:
             # The grad of u's output is complete, so the backward of every later unit of the
             # chunk is done: free them before gathering u-1 (their input hooks run after this).

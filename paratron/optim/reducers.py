@@ -26,7 +26,7 @@ import torch
 
 from .grad_buffer import Bucket, GradBuffer
 from .param_gather import ParamShards, unit_ids
-from .zero import ShardedGrads
+from .zero import ShardedGrads, check_zero_level
 
 
 def _shard_ranges(buf: GradBuffer, shard_grads: list[torch.Tensor]) -> list[tuple[int, int, torch.Tensor]]:
@@ -184,9 +184,8 @@ def reducer_class(stage: int):
     bucket reducers ignore what they do not use).
 
     Raises:
-        ValueError: ``stage`` is not 0, 1, 2 or 3.
+        ValueError: ``stage`` is not 0, 1, 2 or 3 (:func:`~paratron.optim.zero.check_zero_level`).
     """
-    if stage not in (0, 1, 2, 3):
-        raise ValueError(f"parallel.zero={stage} must be 0, 1, 2 or 3")
+    check_zero_level(stage)
     return (AllReduceBuckets, ReduceScatterBuckets, StagedShards, StagedShards)[stage]
 

@@ -32,6 +32,39 @@ class ConstantLossScaler:
         self.scale = float(d.get("loss_scale", self.scale))
 
 
+def check_loss_scale(initial_scale: float, min_scale: float, growth_interval: int, hysteresis: int,
+                     growth_factor: float = 2.0, backoff_factor: float = 0.5) -> None:
+    """The rules of :class:`DynamicLossScaler`'s arguments; pure, so the config validator runs it
+    (for ``train.precision = "fp16"``, the one precision that builds the scaler) before any
+    process group exists, and the constructor runs it again.
+
+    Raises:
+        ValueError: a non-positive scale, interval or hysteresis, min_scale > initial_scale, or
+            growth/backoff factors outside ``> 1`` / ``(0, 1)``.
+    """
+    for name, v in (("optimizer.initial_loss_scale", initial_scale),
+                    ("optimizer.min_loss_scale", min_scale),
+                    ("optimizer.loss_scale_window", growth_interval),
+                    ("optimizer.hysteresis", hysteresis)):
+        if v <= 0:
+            raise ValueError(f"{name}={v} must be > 0")
+    if min_scale > initial_scale:
+        raise ValueError(f"optimizer.min_loss_scale={min_scale} must be <= "
+                         f"optimizer.initial_loss_scale={initial_scale}")
+    if not (growth_factor > 1.0 and 0.0 < backoff_factor < 1.0):
+        raise ValueError("growth_factor must be > 1 and backoff_factor in (0, 1)")
+
+
+def check_loss_scale_config(opt_cfg) -> None:
+    """:func:`check_loss_scale` of :class:`paratron.config.OptimizerConfig` ``opt_cfg``'s fields.
+
+    Raises:
+        ValueError: as :func:`check_loss_scale`.
+    """
+    check_loss_scale(opt_cfg.initial_loss_scale, opt_cfg.min_loss_scale, opt_cfg.loss_scale_window,
+                     opt_cfg.hysteresis)
+
+
 class DynamicLossScaler:
     """Dynamic loss scale with hysteresis.
 
@@ -45,7 +78,7 @@ class DynamicLossScaler:
         growth_factor, backoff_factor: x2 and x0.5.
 
     Raises:
-        ValueError: a non-positive scale, interval or hysteresis, or min_scale > initial_scale.
+        ValueError: a rule of :func:`check_loss_scale`.
     """
 
     dynamic = True
@@ -53,17 +86,7 @@ class DynamicLossScaler:
     def __init__(self, initial_scale: float = 2.0**16, min_scale: float = 1.0,
                  growth_interval: int = 1000, hysteresis: int = 2, growth_factor: float = 2.0,
                  backoff_factor: float = 0.5) -> None:
-        for name, v in (("optimizer.initial_loss_scale", initial_scale),
-                        ("optimizer.min_loss_scale", min_scale),
-                        ("optimizer.loss_scale_window", growth_interval),
-                        ("optimizer.hysteresis", hysteresis)):
-            if v <= 0:
-                raise ValueError(f"{name}={v} must be > 0")
-        if min_scale > initial_scale:
-            raise ValueError(f"optimizer.min_loss_scale={min_scale} must be <= "
-                             f"optimizer.initial_loss_scale={initial_scale}")
-        if not (growth_factor > 1.0 and 0.0 < backoff_factor < 1.0):
-            raise ValueError("growth_factor must be > 1 and backoff_factor in (0, 1)")
+        check_loss_scale(initial_scale, min_scale, growth_interval, hysteresis, growth_factor, backoff_factor)
         self.scale = float(initial_scale)
         self.min_scale = float(min_scale)
         self.growth_interval = int(growth_interval)

@@ -154,6 +154,23 @@ class ShardedGrads:
         return out
 
 
+ZERO_LEVELS = (0, 1, 2, 3)
+"""``parallel.zero``: 0 (DDP), 1 (optimizer state sharded), 2 (also grads), 3 (also params)."""
+
+
+def check_zero_level(zero: int) -> None:
+    """The rule of ``parallel.zero``; pure, so the config validator runs it before any process
+    group exists, and :func:`~paratron.optim.reducers.reducer_class` (which
+    :class:`~paratron.optim.ddp.DistributedDataParallel` calls) and :func:`model_state_bytes_per_rank` run it again.
+
+    Raises:
+        ValueError: ``zero`` not in :data:`ZERO_LEVELS`.
+    """
+    if zero not in ZERO_LEVELS:
+        raise ValueError(f"parallel.zero={zero} must be 0 (DDP), 1 (optimizer state sharded), 2 (also "
+                         "grads) or 3 (also params)")
+
+
 def storage_bytes(tensors) -> int:
     """Bytes of the distinct storages behind ``tensors`` (views of one storage count once)."""
     seen, total = set(), 0
@@ -181,8 +198,9 @@ def model_state_bytes_per_rank(num_params: int, *, zero: int, dp: int, param_byt
     Raises:
         ValueError: ``zero`` not in 0..3, ``dp < 1`` or an unknown optimizer.
     """
-    if zero not in (0, 1, 2, 3) or dp < 1:
-        raise ValueError(f"parallel.zero={zero} must be 0..3 and dp={dp} >= 1")
+    check_zero_level(zero)
+    if dp < 1:
+        raise ValueError(f"dp={dp} must be >= 1")
     moments = {"adamw": 8, "sgd": 4, "sgd_nomomentum": 0}
     if optimizer not in moments:
         raise ValueError(f"optimizer={optimizer!r} must be one of {sorted(moments)}")

@@ -48,6 +48,18 @@ class ScheduleSpec:
     virtual_stages: int | None = None
     options: Callable[[Any, float | None], dict | None] | None = None
 
+    def accepts(self, p: int, m: int, v: int) -> None:
+        """The one check of ``(p, m, v)``: positive integers, then the schedule's own ``check``.
+
+        Raises:
+            ValueError: the rule broken, naming the schedule.
+        """
+        for field, value in (("pipeline size p", p), ("microbatches m", m), ("virtual stages v", v)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"schedule {self.name!r}: {field}={value!r} must be a positive integer")
+        if self.check is not None:
+            self.check(p, m, v)
+
 
 def _make_spec(name: str, fn: ScheduleFn, *, placement: Placement = loop_placement,
                check: Callable[[int, int, int], None] | None = None,
@@ -111,11 +123,7 @@ def build_schedule(name: str, p: int, m: int, v: int = 1, *, check: bool = True,
             :class:`~paratron.pipeline.validate.ScheduleError` from the validator.
     """
     spec = get_schedule(name)
-    for field, value in (("pipeline size p", p), ("microbatches m", m), ("virtual stages v", v)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"schedule {name!r}: {field}={value!r} must be a positive integer")
-    if spec.check is not None:
-        spec.check(p, m, v)
+    spec.accepts(p, m, v)
     lists = spec.fn(p, m, v, **options)
     expected = spec.placement(p, v)
     if len(lists) != p:

@@ -92,14 +92,8 @@ def _inputs_from_peers(pair: Action, owner: dict[int, int], num_stages: int, r: 
 
 
 # ---- checks shared by the schedules --------------------------------------------------------
-def _check_sizes(name: str, p: int, m: int, v: int) -> None:
-    for field, value in (("pipeline size p", p), ("microbatches m", m), ("virtual stages v", v)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"schedule {name!r}: {field}={value!r} must be a positive integer")
-
-
 def _one_chunk(name: str, p: int, m: int, v: int) -> None:
-    _check_sizes(name, p, m, v)
+    # Sizes are checked once, by ScheduleSpec.accepts (build_schedule and the config rules).
     if v != 1:
         raise ValueError(f"schedule {name!r} runs one model chunk per rank: virtual stages v={v} must be 1 "
                          "(use 'interleaved' or 'zbv' for several chunks)")
@@ -146,7 +140,6 @@ def one_f_one_b_with_warmup(m: int, warmups: list[int]) -> list[list[Action]]:
 
 # ---- interleaved 1F1B --------------------------------------------------------------------
 def check_interleaved(p: int, m: int, v: int) -> None:
-    _check_sizes("interleaved", p, m, v)
     if v < 2:
         raise ValueError(f"schedule 'interleaved' needs virtual stages v >= 2, got v={v} (with one chunk per "
                          "rank use '1f1b')")
@@ -219,7 +212,6 @@ def zb_h1(p: int, m: int, v: int = 1) -> list[list[Action]]:
 
 # ---- ZBV ---------------------------------------------------------------------------------
 def check_zbv(p: int, m: int, v: int) -> None:
-    _check_sizes("zbv", p, m, v)
     if v != 2:
         raise ValueError(f"schedule 'zbv' places exactly 2 chunks per rank in a V (Qi et al. 2023, section 6): "
                          f"virtual stages v={v} must be 2")

@@ -27,6 +27,7 @@ from .registry import SCHEDULES, build_schedule, default_microbatches
 from .simulator import Costs, simulate
 from .timeline import draw_png, from_spans, write_chrome_trace
 from .validate import validate
+from .overlap import overlap_fb
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -110,8 +111,6 @@ def run(args: argparse.Namespace) -> int:
     costs = Costs(F=args.cost_f, B=args.cost_b, W=args.cost_w, latency=args.latency, link_latency=links,
                   comm_F=args.comm_f, comm_B=args.comm_b)
     if args.overlap_fb:
-        from .overlap import overlap_fb
-
         print(f"without FB pairs: makespan {simulate(schedule, costs).makespan:.6g}")
         schedule = overlap_fb(schedule, costs)
         print(f"FB pairs: {sum(a.kind == 'FB' for acts in schedule for a in acts)}")

@@ -5,7 +5,7 @@ Modules: :mod:`.hardware` (device and link figures), :mod:`.shape` (the model's 
 :mod:`.compute` (seconds per microbatch per stage), :mod:`.communication` (bytes per axis, as the
 comm ledger counts them, and their seconds), :mod:`.pipeline` (makespan and in-flight microbatches
 from :mod:`paratron.pipeline.simulator`), :mod:`.memory` (bytes per rank), :mod:`.layouts`
-(enumeration through :func:`paratron.config.validate`), :mod:`.estimate` (one plan's cost),
+(enumeration through :func:`paratron.rules.validate`), :mod:`.estimate` (one plan's cost),
 :mod:`.search` (the ranked plans), :mod:`.calibrate` (CPU figures), :mod:`.report` and
 :mod:`.command` (the CLI).
 """

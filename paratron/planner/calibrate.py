@@ -25,6 +25,7 @@ import statistics
 import time
 from pathlib import Path
 
+from paratron.local_ranks import run_ranks
 from paratron.progress import progress_bar
 
 MEASUREMENTS = ("GEMM", "memory bandwidth", "autograd op overhead", "gloo all-reduce 1 KB",
@@ -89,8 +90,6 @@ def _measure(bar) -> dict:
 def calibrate(nproc: int, quiet: bool = True) -> dict:
     """Medians over ``nproc`` ranks of each figure (module docstring), plus ``nproc``; unless
     ``quiet``, rank 0 draws a progress bar (on a terminal)."""
-    from paratron.local_ranks import run_ranks
-
     per_rank = run_ranks(_rank_measure, nproc, quiet, timeout=600)
     out = {k: statistics.median(r[k] for r in per_rank) for k in per_rank[0]}
     out["cores"] = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()

@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from paratron.models.flops import flops_per_token
+from paratron.pipeline.placement import rank_of_stage
+from paratron.pipeline.registry import get_schedule
 
 from . import communication as comm
 from .compute import Work, stage_works
@@ -90,9 +92,6 @@ def rank_expert_params(shape: Shape, lay: Layout) -> list[float]:
 
 def stage_ranks(lay: Layout) -> list[int]:
     """The pipeline rank of each virtual stage, in model order (the schedule's placement)."""
-    from paratron.pipeline.placement import rank_of_stage
-    from paratron.pipeline.registry import get_schedule
-
     of = rank_of_stage(get_schedule(lay.schedule).placement(lay.pp, lay.vpp))
     return [of[st] for st in range(lay.pp * lay.vpp)]
 

@@ -3,7 +3,7 @@
 The planner has no rules of its own: it proposes each combination of axis sizes (divisors of the
 world size), ZeRO level, registered schedule, virtual stages, microbatch size, recompute mode,
 sequence parallelism and context-parallel algorithm, and keeps those that the rules of
-:data:`paratron.config.VALIDATORS` accept. So a ZeRO level or a context-parallel size becomes
+:data:`paratron.rules.VALIDATORS` accept. So a ZeRO level or a context-parallel size becomes
 plannable the day the validator starts accepting it.
 
 One rule is deferred: the schedule rule builds and proves the schedule's action lists (seconds
@@ -19,14 +19,14 @@ import copy
 import itertools
 from typing import Iterator
 
-from paratron.config import VALIDATORS, Config, ConfigError
-from paratron.config.validators import check_schedule
+from paratron.config import Config, ConfigError
+from paratron.optim.zero import ZERO_LEVELS
 from paratron.pipeline.registry import SCHEDULES
 from paratron.progress import progress_bar
+from paratron.rules import VALIDATORS, check_schedule
 
 from .layout import Layout, apply
 
-ZERO_LEVELS = (0, 1, 2, 3)
 RECOMPUTE = ("none", "selective", "full")
 CONTEXT_ALGORITHMS = ("ring", "all2all")
 CHOICE_FIELDS = ("parallel.virtual_pipeline", "parallel.schedule", "virtual stages", "parallel.zero",

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from paratron.config import Config, validate
+from paratron.config import Config
+from paratron.rules import validate
 from paratron.progress import progress_bar
 
 from .compute import stage_works

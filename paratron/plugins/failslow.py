@@ -43,6 +43,10 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
+from paratron.pipeline.actions import halves
+from paratron.pipeline.partition import chunk_stages, stage_sizes
+from paratron.pipeline.registry import build_schedule, get_schedule
+from paratron.pipeline.simulator import simulate
 from paratron.training.callbacks import Callback, TrainState
 
 
@@ -135,10 +139,6 @@ def balance_microbatches(seconds_per_microbatch: list[float], total: int,
 def simulated_step(sizes: list[int], per_layer: list[float], p: int, v: int, schedule: str, m: int) -> float:
     """The simulator's makespan of one step with ``sizes`` layers per virtual stage, when a layer
     on pipeline rank ``r`` costs ``per_layer[r]`` per microbatch (F = B = W, BW = B + W)."""
-    from paratron.pipeline.actions import halves
-    from paratron.pipeline.registry import build_schedule, get_schedule
-    from paratron.pipeline.simulator import simulate
-
     rank_of = {s: r for r, stages in enumerate(get_schedule(schedule).placement(p, v)) for s in stages}
     weight = {"F": 1.0, "B": 1.0, "W": 1.0, "BW": 2.0}
 
@@ -185,8 +185,6 @@ class FailSlowDetector(Callback):
     mitigate = False
 
     def __init__(self, state: TrainState) -> None:
-        from paratron.pipeline.partition import stage_sizes
-
         cfg, ctx = state.config, state.ctx
         p = cfg.parallel
         self.clock = ComputeClock(state.chunks)
@@ -233,8 +231,6 @@ class FailSlowDetector(Callback):
         return [x / n for x, n in zip(per_mb, layers)]
 
     def stage_layers(self, pp_rank: int) -> int:
-        from paratron.pipeline.partition import chunk_stages
-
         return sum(self.sizes[s] for s in chunk_stages(self.pp_size, self.par.virtual_pipeline,
                                                        self.par.schedule, pp_rank))
 
@@ -319,8 +315,6 @@ class FailSlow(FailSlowDetector):
     def dp_split(self, state: TrainState) -> list[int] | None:
         """Microbatches per DP replica in proportion to speed (a replica is as slow as its slowest
         rank), or None when the schedule cannot run the balanced counts."""
-        from paratron.pipeline.registry import get_schedule
-
         t = self.replica_seconds()
         check = get_schedule(self.par.schedule).check
 

@@ -10,7 +10,21 @@ from pathlib import Path
 
 import torch
 
+from paratron.checkpoint.adapters import merged, with_base
+from paratron.checkpoint.hf_export import export_hf
+from paratron.checkpoint.hf_load import hf_param_names, load_hf_weights
+from paratron.checkpoint.io import load_model_full
+from paratron.checkpoint.manager import CheckpointManager, params_to_load
+from paratron.checkpoint.peft_export import save_peft
 from paratron.config import Config
+from paratron.data.prepare import build_tokenizer
+from paratron.layers.fp8 import enable_fp8, fp8_weights, recipe_of
+from paratron.layers.init import skip_draws
+from paratron.models.gpt import build_model_chunks
+from paratron.models.lora import adapter_names
+from paratron.optim import DistributedDataParallel, build_lr_scheduler, build_optimizer, precision_dtype
+from paratron.pipeline.partition import stage_layers
+from paratron.training.generate import generate_text, hf_export_check
 from paratron.training.step_log import log
 
 
@@ -28,7 +42,6 @@ def print_sample(cfg: Config, ctx, prompt: str) -> None:
     ctx.world.barrier()  # every rank's shards are on disk
     if ctx.rank != 0:
         return
-    from paratron.training.generate import generate_text
 
     text = generate_text(cfg.checkpoint.save, prompt, cfg.train.sample_tokens,
                          temperature=0.8, top_k=40, seed=cfg.train.seed)
@@ -41,11 +54,6 @@ def export_hf_at_end(cfg: Config, ctx, run_dir: Path, prompt: str | None) -> Non
     ctx.world.barrier()  # every rank's shards are on disk
     if ctx.rank != 0:
         return
-    from paratron.checkpoint.adapters import merged, with_base
-    from paratron.checkpoint.hf_export import export_hf
-    from paratron.checkpoint.io import load_model_full
-    from paratron.data.prepare import build_tokenizer
-    from paratron.training.generate import hf_export_check
 
     _, tensors = load_model_full(cfg.checkpoint.save)
     tensors = with_base(cfg, tensors)  # an adapter-only checkpoint onto its base
@@ -62,10 +70,6 @@ def export_peft(cfg: Config, tensors: dict[str, torch.Tensor], out: Path) -> str
     """Write a LoRA run's adapters as a ``peft`` folder ``out`` and its frozen base (the full
     ``tensors`` less the adapters) as a Hugging Face folder ``out/base``, which the adapter config
     names; returns the line to print."""
-    from paratron.checkpoint.hf_export import export_hf
-    from paratron.checkpoint.peft_export import save_peft
-    from paratron.models.lora import adapter_names
-
     adapters = set(adapter_names(tensors))
     base_cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, lora_rank=0))
     base = export_hf(base_cfg, {k: v for k, v in tensors.items() if k not in adapters}, out / "base")
@@ -89,14 +93,6 @@ def warn_if_saving_over(cfg: Config, ctx) -> None:
 
 def build_model_and_optimizer(cfg: Config, ctx):
     """Model chunks of this rank, wrapped for data parallelism, with optimizer and LR schedule."""
-    from paratron.checkpoint.hf_load import hf_param_names
-    from paratron.checkpoint.manager import params_to_load
-    from paratron.layers.fp8 import enable_fp8, fp8_weights, recipe_of
-    from paratron.layers.init import skip_draws
-    from paratron.models.gpt import build_model_chunks
-    from paratron.optim import DistributedDataParallel, build_lr_scheduler, build_optimizer, precision_dtype
-    from paratron.pipeline.partition import stage_layers
-
     p = cfg.parallel
     layout = stage_layers(cfg.model.num_layers, p.pipeline, p.virtual_pipeline, p.pipeline_layout, p.schedule)
     # A param the checkpoint will fill is left uninitialised: no draw to overwrite.
@@ -123,8 +119,6 @@ def build_model_and_optimizer(cfg: Config, ctx):
 
 def load_hf_start(cfg: Config, ctx, chunks, optimizer) -> None:
     """Fill the model from ``checkpoint.load_hf`` (each rank its own slices) and say so."""
-    from paratron.checkpoint.hf_load import load_hf_weights
-
     stats = load_hf_weights(cfg, chunks, optimizer)
     log(ctx, f"loaded {cfg.checkpoint.load_hf} (Hugging Face): rank 0 read {stats.read / 2**20:.1f} MiB "
              f"for {stats.tensors} params, the largest read {stats.largest / 2**20:.1f} MiB")
@@ -133,7 +127,6 @@ def load_hf_start(cfg: Config, ctx, chunks, optimizer) -> None:
 def build_checkpoint_manager(cfg: Config, ctx):
     if not (cfg.checkpoint.save or cfg.checkpoint.load or cfg.checkpoint.pretrained_checkpoint):
         return None
-    from paratron.checkpoint.manager import CheckpointManager
 
     return CheckpointManager(cfg.checkpoint, ctx, cfg)
 

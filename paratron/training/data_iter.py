@@ -18,7 +18,20 @@ from typing import Callable
 
 import numpy as np
 
-from paratron.data.sampler import collate
+from paratron.config.record_rules import record_based
+from paratron.config.token_rules import row_multiple
+from paratron.data.gpt_dataset import build_datasets
+from paratron.data.indexed import IndexedDataset
+from paratron.data.packing import pack_microbatch
+from paratron.data.prepare import build_tokenizer, prepare_run_data, validation_prompt
+from paratron.data.records import PositionSampler, first_prompt, record_splits
+from paratron.data.sampler import PretrainingSampler, collate
+from paratron.data.split_plan import SplitWarning
+from paratron.data.token_batches import TokenBudgetSampler, collate_pieces, document_splits
+from paratron.models.context_parallel import shard_microbatch
+from paratron.models.mtp import add_mtp_targets
+from paratron.training.preflight import SPLITS_CHECKED_ENV
+from paratron.training.step_log import log
 
 
 @dataclass
@@ -63,8 +76,6 @@ class TrainingData:
     each microbatch this rank built last, a debug record (tests compare resumed runs with it)."""
 
     def _microbatches(self, ds, sampler, consumed: int, counts=None) -> list[dict]:
-        from paratron.data.token_batches import TokenBudgetSampler, collate_pieces
-
         ids_of = getattr(ds, "sample_id", None)
         if not isinstance(sampler, TokenBudgetSampler):
             steps = sampler.step(consumed, counts)
@@ -97,11 +108,6 @@ class TrainingData:
     def build(cls, cfg, ctx) -> "TrainingData":
         """Tokenizer and datasets. Rank 0 preprocesses the corpus and builds the index caches
         first; the others wait at a barrier and then reuse them."""
-        from paratron.data.gpt_dataset import build_datasets
-        from paratron.data.sampler import PretrainingSampler
-        from paratron.config.record_rules import record_based
-        from paratron.data.prepare import prepare_run_data, validation_prompt
-
         t = cfg.train
         if record_based(cfg):
             return cls.build_records(cfg, ctx)
@@ -140,10 +146,6 @@ class TrainingData:
     def build_token_balanced(cls, cfg, ctx) -> "TrainingData":
         """Whole documents of the train and valid splits, in token-balanced microbatches
         (``data.microbatch_tokens``; :mod:`paratron.data.token_batches`)."""
-        from paratron.config.token_rules import row_multiple
-        from paratron.data.prepare import prepare_run_data, validation_prompt
-        from paratron.data.token_batches import TokenBudgetSampler, document_splits
-
         t, d = cfg.train, cfg.data
         if ctx.rank == 0:
             prefixes, tok = prepare_run_data(d, progress=cfg.logging.progress)
@@ -169,13 +171,6 @@ class TrainingData:
         """Chat records or a Hugging Face dataset, tokenised on demand (:mod:`paratron.data.records`):
         one document a fixed-length row, or token-balanced packed rows with ``data.microbatch_tokens``.
         Rank 0 loads first (``datasets`` builds its Arrow cache once); the others then reuse it."""
-        from paratron.config.token_rules import row_multiple
-        from paratron.data.prepare import build_tokenizer
-        from paratron.data.records import PositionSampler, first_prompt, record_splits
-        from paratron.data.sampler import PretrainingSampler
-        from paratron.data.token_batches import TokenBudgetSampler
-        from paratron.training.step_log import log
-
         t, d = cfg.train, cfg.data
 
         def make():
@@ -210,9 +205,6 @@ class TrainingData:
 def split_warnings_once():
     """Silence the warnings of splits left out (:class:`~paratron.data.split_plan.SplitWarning`)
     when the check before launch printed them already (:func:`paratron.training.preflight.prepare_data`)."""
-    from paratron.data.split_plan import SplitWarning
-    from paratron.training.preflight import SPLITS_CHECKED_ENV
-
     with warnings.catch_warnings():
         if os.environ.get(SPLITS_CHECKED_ENV):
             warnings.simplefilter("ignore", SplitWarning)
@@ -227,10 +219,6 @@ def microbatch_preparer(cfg, ctx, eod: int) -> Callable[[dict], dict]:
     (:func:`paratron.models.context_parallel.shard_microbatch`; the data loader hands each CP rank
     only its tokens). Token-balanced rows (``data.microbatch_tokens``) already hold their
     positions and segments: only the loss mask and the CP split apply to them."""
-    from paratron.data.packing import pack_microbatch
-    from paratron.models.context_parallel import shard_microbatch
-    from paratron.models.mtp import add_mtp_targets
-
     d, p = cfg.data, cfg.parallel
     fixed = d.microbatch_tokens is None
 
@@ -248,8 +236,6 @@ def unigram_entropy(prefixes: list[tuple[float, str]]) -> float | None:
 
     A model that learned only token frequencies reaches this loss; anything below it used context.
     """
-    from paratron.data.indexed import IndexedDataset
-
     counts = None
     for _, prefix in prefixes:
         ds = IndexedDataset(prefix)

@@ -12,6 +12,11 @@ import sys
 
 import torch
 
+from paratron.checkpoint.adapters import with_base
+from paratron.checkpoint.hf_export import single_process_model, transformers_greedy
+from paratron.checkpoint.io import load_model_full
+from paratron.data.prepare import build_tokenizer
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", required=True, help="checkpoint directory (its latest step, or a step_N dir)")
@@ -59,10 +64,6 @@ def sample(chunk, ids: list[int], *, max_new_tokens: int, temperature: float, to
 
 def load_single_process_model(checkpoint_dir: str):
     """(config, model chunk on one process) from any saved layout."""
-    from paratron.checkpoint.adapters import with_base
-    from paratron.checkpoint.hf_export import single_process_model
-    from paratron.checkpoint.io import load_model_full
-
     cfg, tensors = load_model_full(checkpoint_dir)
     tensors = with_base(cfg, tensors, where=str(checkpoint_dir))  # a LoRA run's adapter-only checkpoint
     try:
@@ -79,8 +80,6 @@ def hf_export_check(model_cfg, tensors: dict, hf_dir, ids: list[int], n: int = H
     exported folder ``hf_dir``) continue ``ids`` with the same ``n`` greedy tokens; when they do
     not, the first differing position and both continuations. Only the last
     ``seq_length - n`` tokens of ``ids`` are used."""
-    from paratron.checkpoint.hf_export import single_process_model, transformers_greedy
-
     # Both sides must see the whole context: :func:`sample` drops tokens past seq_length,
     # transformers does not, so the prompt leaves room for the n new tokens.
     ids = ids[-max(1, model_cfg.seq_length - n):]
@@ -101,8 +100,6 @@ def hf_export_check(model_cfg, tensors: dict, hf_dir, ids: list[int], n: int = H
 def generate_text(checkpoint_dir: str, prompt: str, max_new_tokens: int = 64, temperature: float = 0.8,
                   top_k: int = 40, seed: int = 0) -> str:
     """Load a checkpoint and continue ``prompt``; returns prompt + continuation as text."""
-    from paratron.data.prepare import build_tokenizer
-
     cfg, chunk = load_single_process_model(checkpoint_dir)
     tok = build_tokenizer(cfg.data)
     g = torch.Generator().manual_seed(seed)

@@ -14,7 +14,17 @@ import os
 import sys
 from pathlib import Path
 
+from paratron.checkpoint import storage
+from paratron.checkpoint.io import resume_manifest
+from paratron.checkpoint.items import CheckpointError
 from paratron.config import Config, ConfigError
+from paratron.config import model_shape as spec
+from paratron.config.record_rules import record_based
+from paratron.data import corpus, indexed, paths, prepare, records
+from paratron.data.indexed import IndexedDataset
+from paratron.data.prepare import split_data_argument
+from paratron.data.split_plan import RUN_SPLITS, plan_splits
+from paratron.training.callbacks import import_callback_module
 
 
 def data_prefixes(cfg: Config) -> list[tuple[float, str]]:
@@ -23,8 +33,6 @@ def data_prefixes(cfg: Config) -> list[tuple[float, str]]:
     Raises:
         ConfigError: the rule :func:`paratron.data.prepare.parse_data_path` states.
     """
-    from paratron.data import paths, prepare
-
     try:
         pairs = prepare.parse_data_path(cfg.data.data_path)
     except ValueError as e:
@@ -33,15 +41,11 @@ def data_prefixes(cfg: Config) -> list[tuple[float, str]]:
 
 
 def _missing(value: str) -> bool:
-    from paratron.data import paths
-
     return not paths.locate(value).exists()
 
 
 def check_paths(cfg: Config) -> None:
     """Raise :class:`ConfigError` naming the field and path when an input file is missing."""
-    from paratron.data import indexed
-
     d = cfg.data
     if d.corpus is not None and _missing(d.corpus):
         raise ConfigError(f"data.corpus={d.corpus!r}: no such file or directory")
@@ -65,8 +69,6 @@ def apply_data_argument(cfg: Config, data: str | None, overrides: list[str]) -> 
     data.data_path=...``) without a ``data.corpus`` override drops the config file's corpus;
     ``--set data.hf_dataset=...`` drops the config file's corpus and prefixes alike.
     """
-    from paratron.data.prepare import split_data_argument
-
     if data:
         kind, value = split_data_argument(data)
         cfg.data.corpus = value if kind == "corpus" else None
@@ -98,9 +100,6 @@ def prepare_data(cfg: Config, progress: bool = True):
         ConfigError: bad input (``FILE:LINE: reason``), a tokenizer mismatch (both named), a missing
             file, a malformed or truncated dataset (the file named).
     """
-    from paratron.config.record_rules import record_based
-    from paratron.data import corpus, prepare, records
-
     try:
         if record_based(cfg):  # records are tokenised on demand: check them and the tokenizer
             tok = prepare.build_tokenizer(cfg.data)
@@ -130,9 +129,6 @@ def split_warnings(cfg: Config, pairs: list[tuple[float, str]]) -> list[str]:
     Raises:
         ValueError: a train split too small for one sample (the prefix and its tokens named).
     """
-    from paratron.data.indexed import IndexedDataset
-    from paratron.data.split_plan import RUN_SPLITS, plan_splits
-
     indexed = [(w, IndexedDataset(prefix)) for w, prefix in pairs]
     return plan_splits(indexed, cfg.data.split, cfg.model.seq_length,
                        whole_documents=cfg.data.microbatch_tokens is not None, wanted=RUN_SPLITS)[1]
@@ -145,8 +141,6 @@ def check_dataset_files(prefix: str) -> None:
     Raises:
         ValueError: naming the file and both sizes.
     """
-    from paratron.data.indexed import IndexedDataset
-
     ds = IndexedDataset(prefix)
     want = int(ds.sequence_lengths.sum(dtype="int64")) * ds.dtype.itemsize
     have = os.path.getsize(f"{prefix}.bin")
@@ -174,8 +168,6 @@ def estimated_checkpoint_bytes(cfg: Config, vocab_size: int | None) -> int:
     GELU or SwiGLU MLP (or the experts and the router), norms, biases, the embedding (and an
     untied output layer, a learned position table).
     """
-    from paratron.config import model_shape as spec
-
     m = cfg.model
     h, d, bias = m.hidden_size, spec.head_dim(m), m.add_bias_linear
     q, kv = m.num_attention_heads * d, 2 * spec.query_groups(m) * d
@@ -203,9 +195,6 @@ def check_checkpoint_dir(cfg: Config, vocab_size: int | None = None, room: bool 
     Raises:
         ConfigError: naming the directory, and for space the bytes needed and free.
     """
-    from paratron.checkpoint import storage
-    from paratron.checkpoint.items import CheckpointError
-
     save = cfg.checkpoint.save
     if not save:
         return
@@ -231,9 +220,6 @@ def check_checkpoint_load(cfg: Config, vocab_size: int | None = None) -> None:
     Raises:
         ConfigError: naming the file and the rule, and listing the steps there are.
     """
-    from paratron.checkpoint.io import resume_manifest
-    from paratron.checkpoint.items import CheckpointError
-
     c = cfg.checkpoint
     if not c.load:
         return
@@ -264,8 +250,6 @@ def check_vocab_fits(cfg: Config, tokenizer_vocab: int | None) -> None:
 def import_plugins(cfg: Config) -> None:
     """Import the modules named in ``train.callbacks``, so that the schedules, dispatchers and
     blocks they register exist before the config is checked against the registries."""
-    from paratron.training.callbacks import import_callback_module
-
     for spec in cfg.train.callbacks:
         import_callback_module(spec)
 

@@ -18,6 +18,14 @@ from dataclasses import dataclass
 
 import torch
 
+from paratron.models.moe.layer import set_aux_loss_scale, update_expert_bias
+from paratron.models.moe.seq_aux import count_global_sequences
+from paratron.models.mtp import MTP_KEYS, count_mtp_tokens, mtp_loss
+from paratron.optim import finalize_grads, precision_dtype
+from paratron.pipeline.overlap import overlap_fb
+from paratron.pipeline.registry import build_schedule, config_options
+from paratron.pipeline.runtime import run_pipeline
+
 IGNORE_INDEX = -100
 
 
@@ -91,14 +99,10 @@ def rank_actions(cfg, ctx, num_microbatches: int, microbatch_time: float | None 
     with the keywords the schedule takes from the config (``1f1b-delay``: the link latencies of
     ``parallel.pipeline_link_latency_ms``) and ``microbatch_time`` (s, measured; see
     :func:`paratron.pipeline.registry.config_options`)."""
-    from paratron.pipeline.registry import build_schedule, config_options
-
     p = cfg.parallel
     options = config_options(p.schedule, p, microbatch_time) or {}
     lists = build_schedule(p.schedule, ctx.pp.size, num_microbatches, p.virtual_pipeline, **options)
     if p.overlap_moe_expert_parallel_comm:
-        from paratron.pipeline.overlap import overlap_fb
-
         lists = overlap_fb(lists)  # F/B pairs (DeepSeek-V3 DualPipe overlap of the MoE all-to-alls)
     return lists[ctx.pp.rank]
 
@@ -106,8 +110,6 @@ def rank_actions(cfg, ctx, num_microbatches: int, microbatch_time: float | None 
 def needs_microbatch_time(cfg) -> bool:
     """The configured schedule needs a measured microbatch time (``1f1b-delay`` with link
     latencies but no ``parallel.pipeline_microbatch_time_ms``): the first step is recorded."""
-    from paratron.pipeline.registry import config_options
-
     return config_options(cfg.parallel.schedule, cfg.parallel) is None
 
 
@@ -129,10 +131,6 @@ def run_global_batch(cfg, ctx, chunks, microbatches: list[dict], *, forward_only
 
     Returns: :class:`StepOutput` with the global-batch loss, known on every rank.
     """
-    from paratron.models.moe.layer import update_expert_bias
-    from paratron.optim import finalize_grads, precision_dtype
-    from paratron.pipeline.runtime import run_pipeline
-
     t0 = time.perf_counter()
     global_tokens = count_global_tokens(microbatches, ctx)
     # fp32 0-dim (exact up to 2^24 tokens); an all-ignored batch gives loss 0, not NaN.
@@ -182,21 +180,16 @@ class _MTPLoss:
     microbatch, ``lambda *`` its value added to the LM loss, and the values for the log."""
 
     def __init__(self, cfg, ctx, microbatches: list[dict]):
-        from paratron.models.mtp import count_mtp_tokens
-
         self.depth, self.scale, self.device = cfg.model.mtp_num_layers, cfg.model.mtp_loss_scaling_factor, ctx.device
         self.counts = count_mtp_tokens(microbatches, ctx) if self.depth else None
         self.values: list[torch.Tensor] = []
 
     def inputs(self, mb: dict) -> dict:
-        from paratron.models.mtp import MTP_KEYS
-
         return {k: mb[k].to(self.device) for k in MTP_KEYS if k in mb} if self.depth else {}
 
     def add(self, loss: torch.Tensor, per_token: torch.Tensor | None) -> torch.Tensor:
         if per_token is None:
             return loss
-        from paratron.models.mtp import mtp_loss
 
         value = mtp_loss(per_token, self.counts)
         self.values.append(value.detach())
@@ -214,11 +207,7 @@ def _scale_aux_losses(cfg, ctx, chunks, microbatches: list[dict], loss_scale: fl
     """MoE aux-loss grads: coeff x the mean over every microbatch (or, for the sequence-level
     loss, every sequence) of the global batch, scaled like the LM loss (see
     :mod:`paratron.models.moe.layer`)."""
-    from paratron.models.moe.layer import set_aux_loss_scale
-
     if cfg.model.moe_aux_loss_type == "seq":
-        from paratron.models.moe.seq_aux import count_global_sequences
-
         set_aux_loss_scale(chunks, loss_scale / count_global_sequences(microbatches, ctx))
     else:
         # Every DP rank's count of the global batch (the split may be uneven: TrainState.dp_microbatches).

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 
 from paratron.config.record_rules import record_based
+from paratron.models.flops import flops_per_token
 from paratron.training.metrics import format_log_line, peak_memory_mb
 
 
@@ -42,8 +43,6 @@ class StepLog:
     """
 
     def __init__(self, cfg, ctx, peak: float, peak_source: str, timer=None) -> None:
-        from paratron.models.flops import flops_per_token
-
         self.cfg, self.ctx, self.peak, self.peak_source, self.timer = cfg, ctx, peak, peak_source, timer
         self.flops_per_token = flops_per_token(cfg.model)
         self.skipped = 0

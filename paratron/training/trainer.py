@@ -38,6 +38,7 @@ from paratron.training.profiling import StepObserver
 from paratron.training.builders import (build_checkpoint_manager, build_model_and_optimizer,
                                      count_params, export_hf_at_end, load_hf_start, print_sample,
                                      seed_everything, warn_if_saving_over)
+from paratron.training.data_iter import TrainingData
 from paratron.training.step import needs_microbatch_time, rank_actions, run_global_batch
 from paratron.training.step_log import StepLog, log
 from paratron.training.timers import PhaseTimer
@@ -86,8 +87,6 @@ class Trainer:
     """
 
     def __init__(self, cfg: Config, ctx, run_dir: Path, clock, builtin_callbacks=None) -> None:
-        from paratron.training.data_iter import TrainingData  # builds the data pipeline: lazy
-
         seed_everything(cfg.train.seed, ctx)
         self.cfg, self.ctx, self.run_dir = cfg, ctx, run_dir
         self.clock = clock

@@ -22,7 +22,18 @@ import shlex
 import sys
 from pathlib import Path
 
-from paratron.config import Config, ConfigError, build_config
+from paratron.config import Config, ConfigError
+from paratron.rules import build_config
+
+from .verify import verify
+from paratron.checkpoint.hf import hf_config_to_model
+from paratron.data.tokenizer import from_file
+from paratron.planner import report
+from paratron.planner.calibrate import calibrate, load
+from paratron.planner.estimate import Problem
+from paratron.planner.hardware import Cluster, device
+from paratron.planner.search import plan
+from paratron.planner.shape import Shape
 
 DEFAULT_CALIBRATION = "runs/cpu-calibration.json"
 GPT2_VOCAB = 50257
@@ -59,8 +70,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def base_config(args: argparse.Namespace) -> Config:
     """The model's config, from --config or --hf-config, with vocab_size filled in."""
     if args.hf_config:
-        from paratron.checkpoint.hf import hf_config_to_model
-
         path = Path(args.hf_config)
         if not path.is_file():
             raise ConfigError(f"--hf-config={str(path)!r} does not exist")
@@ -83,8 +92,6 @@ def model_with_vocab(cfg: Config) -> object:
     if cfg.data.tokenizer_type == "GPT2BPETokenizer":
         return dataclasses.replace(m, vocab_size=GPT2_VOCAB)
     if cfg.data.tokenizer_model and Path(cfg.data.tokenizer_model).is_file():
-        from paratron.data.tokenizer import from_file
-
         return dataclasses.replace(m, vocab_size=from_file(cfg.data.tokenizer_model).vocab_size)
     raise ConfigError("model.vocab_size is unset and data.tokenizer_model names no tokenizer file to read it "
                       "from: pass --vocab-size")
@@ -92,11 +99,6 @@ def model_with_vocab(cfg: Config) -> object:
 
 def problem(args: argparse.Namespace, cfg: Config):
     """The :class:`~paratron.planner.estimate.Problem` of these arguments."""
-    from .calibrate import load
-    from .estimate import Problem
-    from .hardware import Cluster, device
-    from .shape import Shape
-
     gpn = (4 if args.gpu == "cpu" else 8) if args.gpus_per_node is None else args.gpus_per_node
     for name, v in (("--nodes", args.nodes), ("--gpus-per-node", gpn), ("--top-k", args.top_k)):
         if v < 1:
@@ -132,8 +134,6 @@ def run(args: argparse.Namespace) -> int:
 def write_calibration(path: str | Path, nproc: int, quiet: bool = False) -> dict:
     """Measure this CPU on ``nproc`` ranks (:func:`.calibrate.calibrate`) and write the figures
     to ``path`` as JSON; returns them."""
-    from .calibrate import calibrate
-
     out = calibrate(nproc, quiet=quiet)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -149,9 +149,6 @@ def _calibrate(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from . import report
-    from .search import plan
-
     cfg = base_config(args)
     prob = problem(args, cfg)
     result = plan(prob, cfg, args.top_k, quiet=args.quiet)
@@ -166,8 +163,6 @@ def _plan(args: argparse.Namespace) -> int:
         print()
         print(report.explain(result.plans[i], prob))
     if args.verify:
-        from paratron.dryrun.verify import verify
-
         print()
         print(verify(cfg, result.plans, prob, args.verify, quiet=args.quiet))
     if args.output:

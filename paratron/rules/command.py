@@ -6,7 +6,8 @@ Usage::
     paratron config --markdown > docs/config.md
     paratron config --show CONFIG [--set section.key=value ...]
 
-The reference is generated from the dataclasses (:mod:`paratron.config.reference`).
+The reference is generated from the dataclasses (:mod:`paratron.config.reference`); ``--show``
+resolves it as a run does (:func:`paratron.rules.build_config`).
 """
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .errors import ConfigError
-from .reference import markdown_reference, resolved_toml, text_reference
-from .sections import SECTIONS
+from paratron.config.reference import markdown_reference, resolved_toml, text_reference
+from paratron.config.sections import SECTIONS
+from paratron.errors import ConfigError
+
+from . import build_config
 
 DEFAULTS = ""
 """``--show`` without a file: the defaults."""
@@ -42,7 +45,8 @@ def run(args: argparse.Namespace) -> int:
         elif args.markdown:
             sys.stdout.write(markdown_reference())
         else:
-            sys.stdout.write(resolved_toml(args.show or None, args.overrides))
+            path = args.show or None
+            sys.stdout.write(resolved_toml(build_config(path, args.overrides), path, args.overrides))
     except KeyError as e:
         print(f"paratron config: {e.args[0]}", file=sys.stderr)
         return 2

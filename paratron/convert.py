@@ -29,7 +29,18 @@ import shutil
 import sys
 from pathlib import Path
 
+from paratron.checkpoint.adapters import with_base
+from paratron.checkpoint.hf import hf_architecture_for, hf_to_paratron, paratron_to_hf
+from paratron.checkpoint.hf_moe import FAMILIES
+from paratron.checkpoint.hf_qwen3 import FAMILIES as QWEN3_FAMILIES
+from paratron.checkpoint.io import load_model_full, resolve, save_model_full
+from paratron.checkpoint.items import CheckpointError
+from paratron.checkpoint.peft_export import save_peft
+from paratron.config import ConfigError, apply_overrides
+from paratron.data.prepare import build_tokenizer
+from paratron.models.lora import adapter_names, merge_lora_tensors
 from paratron.progress import progress_bar
+from paratron.rules import load_config, validate
 
 DIRECTIONS = ("hf-to-paratron", "paratron-to-hf", "lora-merge")
 STAGES = 3
@@ -68,10 +79,6 @@ def _gb(tensors) -> str:
 
 
 def _hf_to_paratron(args, bar) -> str:
-    from paratron.checkpoint.hf import hf_to_paratron
-    from paratron.checkpoint.io import save_model_full
-    from paratron.config import apply_overrides, load_config, validate
-
     shards = sorted(Path(args.src).glob("*.safetensors"))
     _stage(bar, f"reading {len(shards)} safetensors file(s), "
                 f"{sum(f.stat().st_size for f in shards) / 1e9:.2f} GB", done=False)
@@ -99,10 +106,6 @@ def _read_lora_aware(args, bar, merge: bool):
     says ``lora_rank = 0``)."""
     import dataclasses
 
-    from paratron.checkpoint.adapters import with_base
-    from paratron.checkpoint.io import load_model_full, resolve
-    from paratron.models.lora import adapter_names, merge_lora_tensors
-
     _stage(bar, "reading and verifying the checkpoint", done=False)
     cfg, tensors = load_model_full(resolve(args.src, args.step))
     tensors = with_base(cfg, tensors, args.base, where=str(args.src))
@@ -111,8 +114,6 @@ def _read_lora_aware(args, bar, merge: bool):
             raise ValueError(f"{args.src} holds no LoRA adapters (model.lora_rank = {cfg.model.lora_rank})")
         return cfg, tensors
     if args.save_peft:
-        from paratron.checkpoint.peft_export import save_peft
-
         save_peft(cfg.model, tensors, args.save_peft, base_model=str(Path(args.dst).resolve()))
     if merge:
         tensors = merge_lora_tensors(cfg.model, tensors)
@@ -123,8 +124,6 @@ def _read_lora_aware(args, bar, merge: bool):
 
 
 def _lora_merge(args, bar) -> str:
-    from paratron.checkpoint.io import save_model_full
-
     cfg, tensors = _read_lora_aware(args, bar, merge=True)
     _stage(bar, f"writing {len(tensors)} tensors, {_gb(tensors)}")
     save_model_full(args.dst, cfg, tensors)
@@ -138,15 +137,11 @@ def _peft_note(args) -> str:
 
 
 def _paratron_to_hf(args, bar) -> str:
-    from paratron.checkpoint.hf import hf_architecture_for, paratron_to_hf
-
     cfg, tensors = _read_lora_aware(args, bar, merge=not args.save_peft)
     _stage(bar, f"writing {len(tensors)} tensors, {_gb(tensors)}")
     out = paratron_to_hf(cfg.model, tensors, args.dst)
     _stage(bar, "tokenizer")
     _export_tokenizer(cfg, out)
-    from paratron.checkpoint.hf_moe import FAMILIES
-    from paratron.checkpoint.hf_qwen3 import FAMILIES as QWEN3_FAMILIES
 
     arch = {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel", "deepseek_v3": "DeepseekV3ForCausalLM",
             **FAMILIES, **QWEN3_FAMILIES}[hf_architecture_for(cfg.model)]
@@ -160,8 +155,6 @@ def _export_tokenizer(cfg, out: Path) -> None:
     A tokenizer with ids beyond the model's ``vocab_size`` is not the model's (a checkpoint
     imported from a folder without tokenizer.json records the default GPT-2 one): it is left out
     with a warning rather than written beside a model its ids would index past."""
-    from paratron.data.prepare import build_tokenizer
-
     try:
         tok = build_tokenizer(cfg.data)
     except (ValueError, FileNotFoundError) as e:
@@ -177,9 +170,6 @@ def _export_tokenizer(cfg, out: Path) -> None:
 
 def run(args) -> int:
     """Convert; print one summary line. Returns 0, or 1 with the reason on stderr."""
-    from paratron.checkpoint.items import CheckpointError
-    from paratron.config import ConfigError
-
     try:
         with progress_bar(STAGES, "convert", quiet=args.quiet, unit="stage",
                           bar_format="{desc} [{n_fmt}/{total_fmt} stages, {elapsed}]") as bar:
