@@ -17,6 +17,8 @@ from paratron.pipeline.registry import build_schedule
 from paratron.pipeline.simulate_command import add_arguments, run
 from paratron.pipeline.simulator import Costs, simulate
 from paratron.pipeline.validate import ScheduleError, validate
+from paratron.rules import build_config
+from paratron.rules import validate as validate_config
 
 SCHEDULES = [("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zbv", 2)]
 
@@ -154,6 +156,14 @@ def test_encoder_placement_config_key():
     assert cfg.parallel.encoder_placement == "optimus"
     with pytest.raises(ConfigError, match="encoder_placement"):
         set_value(cfg, "parallel.encoder_placement", "stage1")
+
+
+def test_train_refuses_the_optimus_placement_for_text_only_models():
+    """The key would be silently ignored by ``paratron train`` (no vision encoder there)."""
+    cfg = build_config(None, ["parallel.encoder_placement=optimus"])
+    with pytest.raises(ConfigError, match="parallel.encoder_placement='optimus': paratron train builds text-only"):
+        validate_config(cfg, 1)
+    validate_config(build_config(None, []), 1)
 
 
 def test_simulate_command_with_encoder(capsys, tmp_path):

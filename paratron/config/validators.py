@@ -212,10 +212,22 @@ def _save_peft(cfg: Config, world: int | None) -> None:
                           f"model.lora_rank > 0 (is {cfg.model.lora_rank})")
 
 
+def _encoder_placement(cfg: Config, world: int | None) -> None:
+    """``parallel.encoder_placement = "optimus"`` places a vision encoder's work; the models
+    ``paratron train`` builds are text-only, so the key would do nothing there. The
+    vision-language model runs through the pipeline API and ``paratron simulate``
+    (docs/optimus.md)."""
+    if cfg.parallel.encoder_placement != "stage0":
+        raise ConfigError(f"parallel.encoder_placement={cfg.parallel.encoder_placement!r}: paratron train builds "
+                          "text-only models (no vision encoder to place); the Optimus placement runs through "
+                          "the pipeline API (paratron.models.vlm) and paratron simulate --encoder-placement, "
+                          "see docs/optimus.md")
+
+
 SECTION_RULES = {rule.__name__: rule for rule in (
     _finite, _positive, _nonfinite_policy, _model, _activation_offload, _batch, _sequence, _link_latency,
     _mtp_last_stage, _dualpipev_zero3, _experts, _fp8, _save_peft, _split, check_context,
-    check_microbatch_tokens, check_observability, check_records, check_low_rank)}
+    check_microbatch_tokens, check_observability, check_records, check_low_rank, _encoder_placement)}
 """The rules that read the config alone, by name; :data:`paratron.rules.VALIDATORS` puts them in
 order among the rules that ask the owners (schedules, dispatchers, optimizer, checkpoints)."""
 
