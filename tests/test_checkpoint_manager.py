@@ -231,13 +231,15 @@ def test_bad_checkpoint_settings_are_named():
 
 
 def test_every_file_is_durable_before_the_manifest_and_latest(tmp_path, monkeypatch):
-    """The small files are fsynced together, off the payload's path, yet each before the manifest
-    appears, and ``latest`` moves only after the manifest is durable."""
+    """Every file of a checkpoint is fsynced before its manifest appears, and ``latest`` moves only
+    after the manifest and the directory's rename are durable."""
     events = []
     real_fsync, real_replace, real_rename = os.fsync, os.replace, os.rename
 
-    def name(path):  # ".config.toml.tmp.123" (a temp file being fsynced) -> "config.toml"
+    def name(path):  # a temp file being fsynced by its final name: ".config.toml.tmp.123", ".metadata.tmp"
         base = os.path.basename(str(path))
+        if base.endswith(".tmp"):
+            return base[:-len(".tmp")]
         return base[1:base.index(".tmp.")] if ".tmp." in base and base.startswith(".") else base
 
     def fsync(fd):

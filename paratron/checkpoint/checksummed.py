@@ -61,15 +61,6 @@ def no_record_crc32():
         torch.serialization.set_crc32_options(before)
 
 
-def fsync_path(path) -> None:
-    """fsync the file at ``path`` (opened read-only for it)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class _PayloadStream:
     """A payload file being written: its bytes also go through a :class:`BlockCrc`.
 
@@ -141,28 +132,21 @@ class ChecksummingWriter(FileSystemWriter):
 
     SUMS_KEY = "paratron/checksums"
 
-    def __init__(self, path: str | os.PathLike, thread_count: int = 1, other_sums: dict | None = None,
-                 sync_also=()) -> None:
+    def __init__(self, path: str | os.PathLike, thread_count: int = 1, other_sums: dict | None = None) -> None:
         super().__init__(str(path), single_file_per_rank=True, sync_files=True, thread_count=thread_count,
                          overwrite=True)
         self.sums: dict[str, list] = dict(other_sums or {})
-        self._sync_also = list(sync_also)
         self.all_sums: dict[str, list] | None = None
         self.fs = _ChecksumFileSystem(self.sums, integrity.BLOCK)
 
     def write_data(self, plan, planner):
-        with ThreadPoolExecutor(1) as pool, no_record_crc32():
-            # the small files' fsync waits on its own thread while the payload is written
-            synced = pool.submit(lambda: [fsync_path(p) for p in self._sync_also])
+        with no_record_crc32():
             results = super().write_data(plan, planner).value()
-            synced.result()
         done: Future = Future()
         done.set_result(results + [WriteResult(MetadataIndex(self.SUMS_KEY), 0, dict(self.sums))])
         return done
 
     def finish(self, metadata, results) -> None:
-        """DCP's ``finish`` (writes ``.metadata``), without its fsync: the manifest's writer
-        fsyncs ``.metadata`` together with ``config.toml`` (:func:`paratron.checkpoint.io.write_manifest`)."""
         self.all_sums = {}
         kept = []
         for per_rank in results:
@@ -170,11 +154,7 @@ class ChecksummingWriter(FileSystemWriter):
                 if r.index.fqn == self.SUMS_KEY:
                     self.all_sums.update(r.storage_data)
             kept.append([r for r in per_rank if r.index.fqn != self.SUMS_KEY])
-        self.sync_files = False
-        try:
-            super().finish(metadata, kept)
-        finally:
-            self.sync_files = True
+        super().finish(metadata, kept)
 
 
 class BlockReader:

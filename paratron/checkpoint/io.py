@@ -21,7 +21,6 @@ import json
 import os
 import re
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +32,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from paratron.config import from_dict, to_toml
 
 from . import integrity, storage
-from .checksummed import ChecksummingWriter, fsync_path
+from .checksummed import ChecksummingWriter
 from .items import MODEL_PREFIX, CheckpointError, StateItems, full_items, model_items
 from .legacy import adapt_items, fuse_full
 from .dcp_planners import ChunkLoadPlanner, ChunkSavePlanner
@@ -48,36 +47,19 @@ STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
 # ---- plain files ---------------------------------------------------------------------------
-def write_text_atomic(path: str | os.PathLike, text: str | bytes, *, sync: bool = True) -> None:
-    """Write ``text`` to ``path`` through a temp file, fsync and ``os.replace`` (all or nothing).
-
-    ``sync=False`` leaves out the fsync, for a file inside a checkpoint's temporary directory that
-    :func:`fsync_files` makes durable later, with its neighbours, before the directory is committed."""
+def write_text_atomic(path: str | os.PathLike, text: str | bytes) -> None:
+    """Write ``text`` to ``path`` through a temp file, fsync and ``os.replace`` (all or nothing)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
     with open(tmp, "wb") as f:
         f.write(text.encode() if isinstance(text, str) else text)
         f.flush()
-        if sync:
-            os.fsync(f.fileno())
+        os.fsync(f.fileno())
     os.replace(tmp, path)
 
 
-def fsync_files(paths: list[Path]) -> None:
-    """Make the contents of ``paths`` durable, all at once: one fsync each, on as many threads
-    (fsync releases the GIL, and the file system commits fsyncs that wait together in one
-    journal transaction), so a few small files cost about one fsync rather than one each."""
-    if len(paths) <= 1:
-        for path in paths:
-            fsync_path(path)
-        return
-    with ThreadPoolExecutor(len(paths)) as pool:
-        list(pool.map(fsync_path, paths))
-
-
-def write_json_atomic(path: str | os.PathLike, obj: Any, *, sync: bool = True) -> None:
-    """JSON-encode ``obj`` (plain values only) and write it atomically (``sync``: as
-    :func:`write_text_atomic`).
+def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
+    """JSON-encode ``obj`` (plain values only) and write it atomically.
 
     Raises:
         CheckpointError: ``obj`` holds something JSON cannot encode (named in the message).
@@ -86,7 +68,7 @@ def write_json_atomic(path: str | os.PathLike, obj: Any, *, sync: bool = True) -
         text = json.dumps(obj, indent=1, sort_keys=True, allow_nan=True)
     except TypeError as e:
         raise CheckpointError(f"{path}: checkpoint metadata must be plain JSON values: {e}") from None
-    write_text_atomic(path, text, sync=sync)
+    write_text_atomic(path, text)
 
 
 def read_json(path: str | os.PathLike) -> Any:
@@ -102,19 +84,13 @@ def read_json(path: str | os.PathLike) -> Any:
 # ---- tensors through DCP -------------------------------------------------------------------
 def write_items(directory: str | os.PathLike, items: StateItems, *, process_group=None,
                 single_process: bool = False, needed: int | None = None,
-                space_dir: str | os.PathLike | None = None, other_sums: dict | None = None,
-                sync_also: list[Path] = ()) -> dict[str, list]:
+                space_dir: str | os.PathLike | None = None, other_sums: dict | None = None) -> dict[str, list]:
     """Save ``items`` into ``directory`` with DCP (collective over ``process_group`` unless
     ``single_process``). Chunks already on the CPU are written straight from their storage, and
     checksummed as they are written (:class:`~paratron.checkpoint.checksummed.ChecksummingWriter`).
 
-    ``.metadata`` is written without its own fsync: :func:`write_manifest`, which always follows,
-    makes it durable with ``config.toml``, before the manifest exists.
-
     Args:
         other_sums: manifest entries of this rank's other files, gathered with its payloads'.
-        sync_also: this rank's other files written without fsync: made durable while its payload
-            is written, before DCP's closing collective.
 
     Returns:
         ``{name: manifest entry}``: on the coordinator (rank 0 of the group) every rank's payloads
@@ -125,7 +101,7 @@ def write_items(directory: str | os.PathLike, items: StateItems, *, process_grou
             ``needed`` bytes and the bytes free).
         CheckpointError: any other failure, with the first failing rank.
     """
-    writer = ChecksummingWriter(directory, other_sums=other_sums, sync_also=sync_also)
+    writer = ChecksummingWriter(directory, other_sums=other_sums)
     with warnings.catch_warnings():
         # DCP warns that it assumes a single process when asked for no_dist; that is the intent.
         warnings.simplefilter("ignore", UserWarning)
@@ -214,8 +190,7 @@ def write_manifest(directory: str | os.PathLike, cfg, checksums: dict | None = N
         fields: more plain-JSON entries (step, extra, ...).
     """
     directory = Path(directory)
-    write_text_atomic(directory / "config.toml", to_toml(cfg), sync=False)
-    fsync_files([directory / METADATA_FILE, directory / "config.toml"])  # durable before the manifest
+    write_text_atomic(directory / "config.toml", to_toml(cfg))
     known = dict(checksums or {})
     rest = sorted(p.name for p in directory.iterdir() if p.is_file() and p.name != MANIFEST and p.name not in known)
     known.update(integrity.checksum_files(directory, rest))

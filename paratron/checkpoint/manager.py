@@ -262,11 +262,11 @@ class CheckpointManager:
         g = self._group
         tmp.mkdir(parents=True, exist_ok=True)
         state = f"rank_{self.ctx.rank:05d}.json"
-        write_json_atomic(tmp / state, rank_state, sync=False)  # fsynced while the payload is written
+        write_json_atomic(tmp / state, rank_state)
         # DCP's save ends with a collective after every rank's writes, so once it returns on rank 0
         # every rank's files (its rank_<r>.json included) are complete.
         sums = write_items(tmp, items, process_group=g.pg, single_process=g.size == 1, needed=needed,
-                           space_dir=tmp.parent, other_sums=integrity.checksum_files(tmp, [state]), sync_also=[tmp / state])
+                           space_dir=tmp.parent, other_sums=integrity.checksum_files(tmp, [state]))
         self._phase("tensors_written", tmp)
         return sums
 
