@@ -228,3 +228,35 @@ def test_bad_checkpoint_settings_are_named():
         CheckpointManager(CheckpointConfig(keep_last=-1), ParallelContext.single(), cfg)
     with pytest.raises(CheckpointError, match=r"checkpoint.load_step=3 needs checkpoint.load"):
         CheckpointManager(CheckpointConfig(load_step=3), ParallelContext.single(), cfg)
+
+
+def test_every_file_is_durable_before_the_manifest_and_latest(tmp_path, monkeypatch):
+    """Every file of a checkpoint is fsynced before its manifest appears, and ``latest`` moves only
+    after the manifest and the directory's rename are durable."""
+    events = []
+    real_fsync, real_replace, real_rename = os.fsync, os.replace, os.rename
+
+    def name(path):  # a temp file being fsynced by its final name: ".config.toml.tmp.123", ".metadata.tmp"
+        base = os.path.basename(str(path))
+        if base.endswith(".tmp"):
+            return base[:-len(".tmp")]
+        return base[1:base.index(".tmp.")] if ".tmp." in base and base.startswith(".") else base
+
+    def fsync(fd):
+        events.append(("fsync", name(os.readlink(f"/proc/self/fd/{fd}"))))
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("replace", name(b))), real_replace(a, b))[1])
+    monkeypatch.setattr(os, "rename", lambda a, b: (events.append(("rename", name(b))), real_rename(a, b))[1])
+    cfg, mgr = _saver(tmp_path)
+    mgr.save(1, _model(cfg), None, None, {})
+    mgr.wait()
+    files = sorted(os.listdir(tmp_path / "ck" / "step_1"))
+    assert {"__0_0.distcp", ".metadata", "config.toml", "rank_00000.json", MANIFEST} <= set(files)
+    manifest_at = events.index(("replace", MANIFEST))
+    synced_before = {n for kind, n in events[:manifest_at] if kind == "fsync"}
+    assert set(files) - {MANIFEST} <= synced_before, events
+    assert ("fsync", MANIFEST) in events[:manifest_at]
+    latest_at = len(events) - 1 - events[::-1].index(("replace", LATEST))
+    assert events.index(("rename", "step_1")) < latest_at and ("fsync", LATEST) in events[manifest_at:latest_at]

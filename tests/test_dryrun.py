@@ -19,7 +19,9 @@ import pytest
 import torch
 
 from paratron.dryrun.moe_standin import install_balanced_routing
+from paratron.dryrun.predict import predict
 from paratron.rules import build_config, validate
+from paratron.dryrun.predict import predict
 from paratron.dryrun.rehearse import DryRunError, build_context, rehearse_rank
 from paratron.dryrun.run import auto_ranks, dry_run
 from paratron.local_ranks import run_ranks
@@ -167,7 +169,8 @@ MIXTRAL_8X7B = [o for o in LLAMA if "vocab_size" not in o and "seq_length" not i
 def test_mixtral_8x7b_at_ep8_tp2_pp4(tmp_path):
     """EP8 x TP2 x PP4 (64 ranks, DP8, ZeRO-1), routed by the balanced stand-in: the first stage
     and the far corner of the last. Expert state shards over expert_dp (2 ranks), not DP (8): the
-    planner's model-state bytes match the dry run's (they were 3.6x low on the optimizer)."""
+    planner's model-state bytes match the dry run's (they were 3.6x low on the optimizer), and its
+    activation bytes within 10% (they were 35% high)."""
     proc, rep = _cli(tmp_path, MIXTRAL_8X7B + ["parallel.expert=8", "parallel.tensor=2", "parallel.pipeline=4",
                                                "parallel.zero=1", "train.global_batch_size=64"], 64,
                      "--ranks", "0,63")
@@ -180,6 +183,8 @@ def test_mixtral_8x7b_at_ep8_tp2_pp4(tmp_path):
         # forward (dispatch, combine) and backward (their grads).
         assert a2a["calls"] == 8 * 8 * 5 and a2a["bytes"] > 0, a2a
         assert any(k.startswith("reduce_scatter@expert_dp") for k in row["ledger"])  # expert ZeRO-1 shards
+        acts = next(r for r in row["vs_planner"] if r[0] == "activations")
+        assert abs(acts[3] - 1) <= 0.10, acts  # was 0.74: expert rows per rank are T k / tp
     assert _children_peak_gb() < 4.0
 
 
@@ -243,6 +248,16 @@ def test_plan_verify_dry_runs_the_top_plan(capsys):
     assert "plan 1:" in out and "dry run GB" in out and "peak activations set by microbatch" in out
 
 
+def _rank0_activations(overrides: list[str]) -> tuple[int, float]:
+    """(dry-run, planner) saved-activation bytes of rank 0 of 8 for a 2-layer bf16 model of 2,048
+    tokens a microbatch."""
+    cfg = build_config(None, overrides + ["model.num_layers=2", "model.vocab_size=32000", "model.seq_length=2048",
+                                          "train.precision=bf16", "train.micro_batch_size=1",
+                                          "parallel.hang_timeout_s=0"])
+    validate(cfg, 8)
+    return rehearse_rank(cfg, 8, 0)["peak_activations"], predict(cfg, 8, 0)["activations"]
+
+
 @pytest.mark.parametrize("style", [LLAMA[:5], ["model.normalization=layernorm", "model.position_embedding_type=learned",
                                                "model.activation=gelu", "model.tie_embeddings=true"]],
                          ids=["rmsnorm-swiglu-rope", "layernorm-gelu-learned"])
@@ -250,17 +265,37 @@ def test_planner_activation_terms_match_the_dry_run(style):
     """The planner's saved-activation bytes per rank (``held_activation_bytes``) against the dry
     run's count, one TP8 rank of 2 layers: within 3% (the norms' fp32 tensors and the param
     views were the terms found wrong)."""
-    cfg = build_config(None, style + ["model.num_layers=2", "model.hidden_size=4096", "model.num_attention_heads=32",
-                                      "model.vocab_size=32000", "model.seq_length=2048", "train.precision=bf16",
-                                      "parallel.tensor=8", "parallel.sequence_parallel=true",
-                                      "train.micro_batch_size=1", "train.global_batch_size=1",
-                                      "parallel.hang_timeout_s=0"])
-    validate(cfg, 8)
-    from paratron.dryrun.predict import predict
-
-    got = rehearse_rank(cfg, 8, 0)["peak_activations"]
-    want = predict(cfg, 8, 0)["activations"]
+    got, want = _rank0_activations(style + ["model.hidden_size=4096", "model.num_attention_heads=32",
+                                            "parallel.tensor=8", "parallel.sequence_parallel=true",
+                                            "train.global_batch_size=1"])
     assert abs(got / want - 1) <= 0.03, (got, want)
+
+
+MOE_ACTS = {
+    # Mixtral-8x7B's layer at TP2 x EP4 with SP: every TP rank routes its own s/tp tokens.
+    "mixtral-swiglu-sp": LLAMA[:5] + ["model.hidden_size=4096", "model.num_attention_heads=32",
+                                      "model.num_query_groups=8", "model.ffn_hidden_size=14336", "model.num_experts=8",
+                                      "model.moe_top_k=2", "parallel.expert=4", "parallel.sequence_parallel=true"],
+    # A Qwen-MoE-like layer (16 narrow experts, top-4, a gated shared expert) with GELU, without SP:
+    # every TP rank routes all s tokens but dispatches s/tp of them.
+    "shared-gated-gelu-no-sp": ["model.normalization=rmsnorm", "model.position_embedding_type=rope",
+                                "model.activation=gelu", "model.add_bias_linear=false", "model.hidden_size=2048",
+                                "model.num_attention_heads=16", "model.ffn_hidden_size=5632", "model.num_experts=16",
+                                "model.moe_top_k=4", "model.moe_ffn_hidden_size=1408",
+                                "model.moe_shared_expert_ffn_hidden_size=5632", "model.moe_shared_expert_gate=true",
+                                "parallel.expert=8", "parallel.sequence_parallel=false"],
+}
+
+
+@pytest.mark.parametrize("style", list(MOE_ACTS.values()), ids=list(MOE_ACTS))
+def test_planner_moe_activation_terms_match_the_dry_run(style):
+    """The planner's saved-activation bytes of MoE layers (``moe_mlp_bytes``) against the dry run's
+    count under balanced routing, one TP2 rank of 2 layers: within 5% (the planner had counted
+    ``T k`` expert rows per rank instead of ``T k / tp``, and none of the router's, the dispatch's
+    or the fp32 combine's tensors)."""
+    got, want = _rank0_activations(style + ["model.tie_embeddings=false", "parallel.tensor=2",
+                                            "train.global_batch_size=4"])
+    assert abs(got / want - 1) <= 0.05, (got, want)
 
 
 def test_moe_layouts_the_stand_in_cannot_serve_are_refused_naming_the_field():
@@ -274,3 +309,18 @@ def test_moe_layouts_the_stand_in_cannot_serve_are_refused_naming_the_field():
         cfg = build_config(None, base + [extra])
         with pytest.raises(DryRunError, match=rf"^rank 0: .*stand-in.*{field}"):
             rehearse_rank(cfg, 2, 0)
+
+
+def test_deferred_weight_grads_are_counted_until_their_w():
+    """Under ZB-H1 a B queues each layer's weight-grad closure, which holds its ``x`` and ``dy``
+    outside autograd's saved tensors until the W: the dry run counts them (before, the last
+    stage's ZB-H1 peak equalled its 1F1B peak, 0.48 of the planner's, which counts a
+    microbatch's activations until its W)."""
+    peaks = {}
+    for sched in ("1f1b", "zb-h1"):
+        cfg = small_config(f"parallel.schedule={sched}", "train.global_batch_size=16")
+        got = rehearse_rank(cfg, 8, 7)
+        peaks[sched] = got["peak_activations"]
+        want = predict(cfg, 8, got["coords"]["pp"])["activations"]
+        assert 0.85 <= got["peak_activations"] / want <= 1.0, (sched, got["peak_activations"], want)
+    assert peaks["zb-h1"] > 1.5 * peaks["1f1b"], peaks

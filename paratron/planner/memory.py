@@ -19,6 +19,9 @@ Recomputation in Large Transformer Models", section 4: the tensors each op saves
   attention output ``T n d a / tp``, the attention log-sum-exp ``8 T n / tp``, and the MLP
   ``2 T f a / tp`` (GELU: fc1 output and activation) or ``4 T f a / tp`` (SwiGLU: gate, up, silu,
   product);
+* an MoE MLP (:func:`moe_mlp_bytes`) in place of the dense one: the experts' ``T k / tp`` rows per
+  rank, the router's fp32 tensors, the dispatch's index vectors and reorder buffers, the fp32
+  combine (the router keeps its own fp32 copy of the input; no MLP input is gathered);
 * an unfused attention core (Megatron 2021) keeps the ``[b, n/tp, s, s]`` softmax output, and with
   dropout its mask and output: ``T n s a (1 or 2.5) / tp`` (their ``5 a s^2 b`` term);
 * ``selective`` recompute drops the attention core's tensors (the log-sum-exp or the ``s^2`` term);
@@ -94,30 +97,71 @@ def norm_saved_bytes(shape: Shape) -> int:
 
 
 def layer_activation_bytes(shape: Shape, lay: Layout, b: int, a: int, fused: bool) -> tuple[float, float]:
-    """(bytes held per microbatch in flight, bytes of the whole layer's saved tensors) of one layer."""
+    """(bytes held per microbatch in flight, bytes of the whole layer's saved tensors) of one layer;
+    for a model with both dense and MoE layers, of the larger kind (a per-layer bound)."""
     if shape.low_rank:
         whole = low_rank_activation_bytes(shape, lay, b, a)
         stream = shape.h / lay.tp if shape.low_rank_tp == "bottleneck" or lay.sp else shape.h
         return (b * shape.s // lay.cp * stream * a if lay.recompute == "full" else whole), whole
     T, t, h = b * shape.s // lay.cp, lay.tp, shape.h
     hs = h / t if lay.sp else h
-    whole = 2 * hs * norm_saved_bytes(shape) / a + 2 * h
+    whole = 2 * hs * norm_saved_bytes(shape) / a + h  # norms; the QKV linear's gathered input
     whole += (shape.n + 2 * shape.g) * shape.d / t + shape.n * shape.d / t
     if not shape.learned_pos:
         whole += 2 * (shape.n + shape.g) * shape.d / t
     elif shape.g != shape.n:
         whole += shape.n * shape.d / t  # grouped Q heads are reshaped out of the QKV output: a copy
-    f = shape.mlp_activation_width(t)
-    whole += (4 if shape.swiglu else 2) * f
     if shape.dropout:
         whole += 2 * hs / a  # hidden-dropout masks, one byte each
+    mlp = dense_mlp_bytes(shape, t, T, shape.f, a) if shape.has_dense_mlp() else 0.0
+    if shape.experts:
+        mlp = max(mlp, moe_mlp_bytes(shape, lay, T, a))
     core = 8 * shape.n / t / a if fused else shape.n * shape.s / t * (2.5 if shape.dropout else 1.0)
-    whole_bytes = T * (whole + core) * a
+    whole_bytes = T * (whole + core) * a + mlp
     if lay.recompute == "full":
         return T * hs * a, whole_bytes
     if lay.recompute == "selective":
-        return T * whole * a, whole_bytes
+        return T * whole * a + mlp, whole_bytes
     return whole_bytes, whole_bytes
+
+
+def dense_mlp_bytes(shape: Shape, t: int, T: int, f: int, a: int) -> float:
+    """Bytes a TP-split MLP of width ``f`` saves for ``T`` tokens: its first linear's gathered input
+    ``T h a`` and ``4 T f a / t`` (SwiGLU: gate, up, silu, product) or ``2 T f a / t`` (GELU: fc1
+    output and activation)."""
+    return T * (shape.h + (4 if shape.swiglu else 2) * f / t) * a
+
+
+def moe_mlp_bytes(shape: Shape, lay: Layout, T: int, a: int) -> float:
+    """Bytes one MoE MLP (``models/moe/layer.py``, all-to-all dispatcher, softmax router) saves for
+    the ``T`` tokens of a microbatch on one rank, under balanced routing (as ``paratron dryrun``
+    measures them, tensor by tensor):
+
+    * the router, on the rank's ``Tr`` tokens (``T / tp`` under SP, else all ``T``): its fp32 input
+      ``4 h``, the softmax output and the logits kept by the log-sum-exp ``2 x 4 E``, the top-k ids
+      ``8 k``, the chosen probabilities and their sum ``4 k + 4``, the log-sum-exp ``4``; per
+      microbatch the fp32 copy of a bf16 weight ``4 E h`` and the gathered statistics ``4 (2E + 1)``;
+    * the dispatched rows: each TP rank sends its ``T / tp`` tokens' ``R = T k / tp`` pairs, so its
+      experts receive ``R`` rows (balanced); four int64 index vectors ``32 R``, the experts' input
+      and the combine's two reorder buffers ``3 R h a``, and the experts' inner tensors ``4 R f_e a``
+      (SwiGLU) or ``2 R f_e a`` (GELU);
+    * the combine ``(slots.float() * probs)`` on ``Tr`` tokens: fp32 slots ``4 Tr k h`` and probs ``4 Tr k``;
+    * a shared expert: a dense MLP of width ``shared_f`` (:func:`dense_mlp_bytes`); its gate keeps
+      its sigmoid and the shared output ``Tr (h + 1) a`` and, under SP, its own input ``Tr h a``.
+
+    Capacity dropping, padding to capacity and routing imbalance are not modelled.
+    """
+    t, h, E, k = lay.tp, shape.h, shape.experts, shape.top_k
+    sp = lay.sp and t > 1
+    Tr, R = (T / t if sp else T), T * k / t
+    out = Tr * (4 * h + 8 * E + 12 * k + 8) + 4 * (2 * E + 1) + (4 * E * h if a < 4 else 0)
+    out += R * (32 + 3 * h * a + (4 if shape.swiglu else 2) * shape.expert_f * a)
+    out += Tr * k * (4 * h + 4)
+    if shape.shared_f:
+        out += dense_mlp_bytes(shape, t, T, shape.shared_f, a)
+    if shape.shared_f and shape.shared_gate:
+        out += Tr * (h + 1) * a + (Tr * h * a if sp else 0)
+    return out
 
 
 def low_rank_activation_bytes(shape: Shape, lay: Layout, b: int, a: int) -> float:

@@ -37,6 +37,7 @@ class Shape:
     first_dense: int = 0
     qk_norm: bool = False
     shared_f: int = 0
+    shared_gate: bool = False  # Qwen2-MoE's sigmoid gate on the shared expert
     low_rank: int = 0  # CoLA rank r of every attention/MLP projection (0: full rank; docs/boost.md)
     low_rank_tp: str = "naive"
     low_rank_recompute: bool = False
@@ -53,21 +54,16 @@ class Shape:
                    vocab_multiple=m.make_vocab_size_divisible_by,
                    moe_freq=max(m.moe_layer_freq, 1), first_dense=m.first_k_dense_replace,
                    qk_norm=m.qk_layernorm, shared_f=(m.moe_shared_expert_ffn_hidden_size or 0) if m.num_experts else 0,
+                   shared_gate=bool(m.moe_shared_expert_gate) and bool(m.num_experts),
                    low_rank=m.low_rank, low_rank_tp=m.low_rank_tp, low_rank_recompute=m.low_rank_recompute)
 
     def is_moe(self, layer: int) -> bool:
         return spec.moe_at(layer, self.experts, self.moe_freq, self.first_dense)
 
-    def mlp_activation_width(self, tp: int) -> float:
-        """Inner MLP width whose activations one token keeps per layer on one TP rank: the wider
-        of the dense MLP's and the MoE MLP's (``top_k`` experts plus the shared expert), over the
-        kinds of layer the model has (a per-layer memory bound for models mixing both)."""
-        moe = self.expert_f * self.top_k + self.shared_f / tp
-        if self.experts == 0:
-            return self.f / tp
-        # A dense layer exists: layer 0 under first_dense > 0, else layer 1 under moe_freq > 1.
-        has_dense = self.first_dense > 0 or (self.moe_freq > 1 and self.L > 1)
-        return max(moe, self.f / tp) if has_dense else moe
+    def has_dense_mlp(self) -> bool:
+        """Whether some layer runs the dense MLP: every layer of a dense model; in an MoE model,
+        layer 0 under ``first_dense > 0``, else layer 1 under ``moe_freq > 1``."""
+        return self.experts == 0 or self.first_dense > 0 or (self.moe_freq > 1 and self.L > 1)
 
     def padded_vocab(self, tp: int) -> int:
         """The vocabulary padded as the embedding pads it (a multiple of ``tp * vocab_multiple``)."""
