@@ -180,7 +180,6 @@ def _runs(runs: list[tuple[list[str], str, int]]) -> list[dict]:
     import torch.distributed as dist
 
     from paratron.rules import load_config
-    from paratron.training import runner
     from paratron.launch import runner
     from paratron.training.data_iter import TrainingData
 
