@@ -50,6 +50,14 @@ def test_zbv_implies_two_virtual_stages(tmp_path):
     validate(cfg_with("parallel.schedule=zbv", "parallel.pipeline=2", "model.num_layers=4"), 2)
 
 
+def test_finetune_without_a_checkpoint_warns():
+    from paratron.config.validators import config_warnings
+
+    (line,) = config_warnings(cfg_with("checkpoint.finetune=true"))
+    assert "checkpoint.finetune=true without checkpoint.load" in line
+    assert config_warnings(cfg_with("checkpoint.finetune=true", "checkpoint.load=ckpt")) == []
+
+
 def test_warmup_longer_than_the_run_warns_once(capsys, monkeypatch):
     from paratron.config.validators import config_warnings
     from paratron.launch.command import print_config_warnings

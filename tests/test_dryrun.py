@@ -261,3 +261,16 @@ def test_planner_activation_terms_match_the_dry_run(style):
     got = rehearse_rank(cfg, 8, 0)["peak_activations"]
     want = predict(cfg, 8, 0)["activations"]
     assert abs(got / want - 1) <= 0.03, (got, want)
+
+
+def test_moe_layouts_the_stand_in_cannot_serve_are_refused_naming_the_field():
+    """A dispatcher or rule that reads the real routing stops the dry run with one line naming the
+    field (the prefetch dispatcher used to fail on a meta copy, naming nothing)."""
+    base = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4", "model.seq_length=32",
+            "model.vocab_size=256", "model.num_experts=4", "parallel.expert=2", "train.micro_batch_size=1",
+            "train.global_batch_size=2"]
+    for extra, field in [("model.moe_token_dispatcher=prefetch", "moe_token_dispatcher='prefetch'"),
+                         ("model.moe_capacity_factor=1.25", "moe_capacity_factor=1.25")]:
+        cfg = build_config(None, base + [extra])
+        with pytest.raises(DryRunError, match=rf"^rank 0: .*stand-in.*{field}"):
+            rehearse_rank(cfg, 2, 0)

@@ -206,6 +206,14 @@ def test_prefetch_config_rules_and_alias():
             validate(config_with(**base, **extra), 2)
 
 
+def test_prefetch_refuses_expert_tp_in_config_validation():
+    """parallel.expert_tensor > 1 is refused before launch (it used to pass validation and fail on
+    every rank at model build)."""
+    base = dict(model__num_experts=4, parallel__expert=2, parallel__expert_tensor=2)
+    validate(config_with(**base), 4)  # all-to-all takes expert-TP
+    with pytest.raises(ConfigError, match="prefetch.*parallel.expert_tensor=2"):
+        validate(config_with(**base, model__moe_token_dispatcher="prefetch"), 4)
+
 def test_routing_window_predicts_through_the_layer_affinity():
     """Layer 0 expert i always led to layer 1 expert (i + 1) % 4: the prediction follows (expert
     3 of layer 0 was never seen, so its token predicts nothing)."""

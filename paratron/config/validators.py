@@ -240,4 +240,8 @@ def config_warnings(cfg: Config) -> list[str]:
     if o.lr_warmup_iters > decay:
         out.append(f"optimizer.lr_warmup_iters={o.lr_warmup_iters} > {src}={decay}: the warmup will not "
                    f"finish; the lr stays below optimizer.lr={o.lr} for the whole run")
+    c = cfg.checkpoint
+    if c.finetune and not c.load and not c.load_hf:
+        out.append("checkpoint.finetune=true without checkpoint.load: there are no weights to fine-tune "
+                   "from, so the run starts from random weights")
     return out

@@ -73,6 +73,9 @@ def check_supported(cfg) -> str | None:
         return f"model.moe_capacity_factor={m.moe_capacity_factor} (dropping over capacity reads the routing)"
     if p.expert_tensor > 1:
         return f"parallel.expert_tensor={p.expert_tensor} (the expert-TP row exchange reads the counts)"
+    if m.moe_token_dispatcher == "prefetch":
+        return ("model.moe_token_dispatcher='prefetch' (its pull-or-push choice reads the routing "
+                "history; use 'alltoall' for the dry run)")
     if m.moe_top_k > m.num_experts:
         return f"model.moe_top_k={m.moe_top_k} > model.num_experts={m.num_experts}"
     return None

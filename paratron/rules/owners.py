@@ -15,6 +15,7 @@ from paratron.checkpoint.manager import check_checkpoint_config
 from paratron.config.sections import Config
 from paratron.errors import ConfigError
 from paratron.models.moe.dispatcher import check_dispatcher_config, get_dispatcher
+from paratron.models.moe.prefetch import check_expert_tensor
 from paratron.optim.lr import check_lr_config
 from paratron.optim.scaler import check_loss_scale_config
 from paratron.optim.zero import check_zero_level
@@ -51,6 +52,8 @@ def _dispatcher(cfg: Config, world: int | None) -> None:
     if cfg.model.num_experts:
         # The token dispatcher's own rules (e.g. alltoall_chunked refuses padding to capacity).
         check_dispatcher_config(cfg.model)
+        if cfg.model.moe_token_dispatcher == "prefetch":  # its one rule on the parallel section
+            check_expert_tensor(cfg.parallel.expert_tensor)
 
 
 def _moe_fb_overlap(cfg: Config, world: int | None) -> None:

@@ -229,11 +229,21 @@ def new_state(cfg, ctx, experts) -> PrefetchState:
     Raises:
         ConfigError: ``parallel.expert_tensor > 1`` (fetched copies would be slices of experts).
     """
-    if ctx.expert_tp.size > 1:
-        raise ConfigError("model.moe_token_dispatcher=prefetch fetches whole experts; it does not take "
-                          f"parallel.expert_tensor={ctx.expert_tp.size} (use 1)")
+    check_expert_tensor(ctx.expert_tp.size)
     return PrefetchState(ctx, experts, cfg.hidden_size, cfg.moe_prefetch_policy,
                          RoutingWindow(cfg.num_experts, cfg.moe_prefetch_window))
+
+
+def check_expert_tensor(size: int) -> None:
+    """The prefetch dispatcher's rule on ``parallel.expert_tensor`` (checked by config validation
+    before launch and again when a layer builds its state).
+
+    Raises:
+        ConfigError: ``size > 1`` (fetched copies would be slices of experts).
+    """
+    if size > 1:
+        raise ConfigError("model.moe_token_dispatcher=prefetch fetches whole experts; it does not take "
+                          f"parallel.expert_tensor={size} (use 1)")
 
 
 def check_config(cfg) -> None:
