@@ -63,12 +63,12 @@ def _train(overrides: list[str], run_dir: str, plan: dict) -> int:
     return runner.run_training(load_config(None, overrides), run_dir)
 
 
-def _run(tmp_path, name, overrides, plan=None):
+def _run(tmp_path, name, overrides, plan=None, world=2):
     run_dir = tmp_path / name
-    assert run_ranks(_train, 2, overrides, str(run_dir), plan or {}, timeout=300) == [0, 0]
+    assert run_ranks(_train, world, overrides, str(run_dir), plan or {}, timeout=300) == [0] * world
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     losses = {r["iteration"]: r["loss"] for r in records if "loss" in r}
-    probes = [torch.load(run_dir / f"probe_{r}.pt") for r in range(2)]
+    probes = [torch.load(run_dir / f"probe_{r}.pt") for r in range(world)]
     params = {k: v for p in probes for k, v in p["params"].items()}
     return losses, params, [p["seen"] for p in probes]
 
@@ -83,14 +83,22 @@ def _assert_same(a, b, what):
         assert torch.equal(params_a[k], params_b[k]), f"{what}: {k}"
 
 
-def test_relayout_in_memory_is_bitwise(tiny_corpus, tmp_path):
-    base = TINY + tiny_corpus + ["data.split=100,0,0"]
-    even = _run(tmp_path, "even", base + ["parallel.pipeline_layout=2,2"])
-    uneven = _run(tmp_path, "uneven", base + ["parallel.pipeline_layout=1,3"])
+@pytest.mark.parametrize("world, extra", [
+    (2, []),
+    pytest.param(4, ["parallel.zero=1"], marks=pytest.mark.slow, id="dp2-zero1"),  # slices from 2 DP ranks
+])
+def test_relayout_in_memory_is_bitwise(tiny_corpus, tmp_path, world, extra):
+    """Gradient clipping is off: its global norm sums each stage's squares first, so a different
+    split rounds the norm differently and, once clipping is active, the updates differ in the
+    last bits (clip_grad=1.0: [2,2] and [1,3] part at step 4's loss, 6.07082986831665 vs
+    6.070829749107361). The re-layout itself changes nothing else."""
+    base = TINY + tiny_corpus + ["data.split=100,0,0", *extra]
+    even = _run(tmp_path, "even", base + ["parallel.pipeline_layout=2,2"], world=world)
+    uneven = _run(tmp_path, "uneven", base + ["parallel.pipeline_layout=1,3"], world=world)
     _assert_same(even, uneven, "[2,2] vs [1,3] uninterrupted")  # the split does not change the math
     ck = tmp_path / "moved" / "ck"
     moved = _run(tmp_path, "moved", base + ["parallel.pipeline_layout=2,2", f"checkpoint.save={ck}"],
-                 {"refuse_at": 2, "file_at": 3, "layout": [1, 3]})
+                 {"refuse_at": 2, "file_at": 3, "layout": [1, 3]}, world=world)
     _assert_same(even, moved, "[2,2] -> [1,3] after step 3")
     for seen in moved[2]:
         layouts = {s["iteration"]: s["layout"] for s in seen}
@@ -113,9 +121,10 @@ def test_a_layout_that_does_not_fit_is_refused(layout, rule):
     check_request(_cfg(), [1, 3])  # fits: no error
 
 
-def test_zero_above_0_is_refused_for_now():
-    with pytest.raises(RelayoutRefused, match="parallel.zero=1"):
-        check_request(_cfg("parallel.zero=1"), [1, 3])
+def test_zero_above_1_is_refused_for_now():
+    check_request(_cfg("parallel.zero=1"), [1, 3])
+    with pytest.raises(RelayoutRefused, match="parallel.zero=2"):
+        check_request(_cfg("parallel.zero=2"), [1, 3])
 
 
 def test_request_file_is_taken_once_by_rank_0(tmp_path):
