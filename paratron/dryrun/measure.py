@@ -9,6 +9,9 @@ pipeline runtime, then ``Optimizer.step``) and returns this rank's :class:`StepM
   ``torch.autograd.graph.saved_tensors_hooks`` pair): each tensor autograd saves for backward is
   counted while the graph holds it, a storage saved twice counts once, parameters (and views
   of their storage, e.g. a transposed or tied weight) are not activations; with the (microbatch, stage) whose action was running when the peak was set;
+* under zero-bubble schedules, the tensors each deferred weight-grad closure holds (its ``x`` and
+  ``dy``, kept outside autograd's saved tensors from the ``B`` to the ``W``), counted with the
+  saved activations (:func:`_meter_store`);
 * the comm ledger (bytes and calls per op and group) and the shape of every p2p message.
 
 Both a dry run (:mod:`paratron.dryrun.rehearse`) and a real CPU run call this function, so their
@@ -17,6 +20,8 @@ figures compare like for like (``tests/test_dryrun.py``).
 
 from __future__ import annotations
 
+import types
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -148,6 +153,59 @@ def _recording_p2p(group, messages: list):
     return inner
 
 
+def closure_tensors(fn, depth: int = 3) -> list[torch.Tensor]:
+    """The tensors a closure holds through its cells (and those of the functions it holds, to
+    ``depth``): what a deferred weight-grad computation keeps alive from its ``B`` to its ``W``."""
+    out: list[torch.Tensor] = []
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            v = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if isinstance(v, torch.Tensor):
+            out.append(v)
+        elif isinstance(v, types.FunctionType) and depth:
+            out += closure_tensors(v, depth - 1)
+    return out
+
+
+def _meter_store(store, meter: "SavedBytes") -> None:
+    """Count, on this store instance, the tensors its queued weight-grad closures hold (the
+    ``dy`` and ``x`` of each deferred ``W``, alive outside autograd's saved tensors from the
+    ``B`` to the ``W``) as saved bytes, from :meth:`put` until the group's :meth:`flush`."""
+    put, mark, flush = store.put, store.mark, store.flush
+    current: list = []
+    queued: deque = deque()
+
+    def metered_put(fn) -> None:
+        current.extend(meter.pack(t) for t in closure_tensors(fn))
+        put(fn)
+
+    def metered_mark() -> None:
+        queued.append(list(current))
+        current.clear()
+        mark()
+
+    def metered_flush() -> None:
+        flush()
+        queued.popleft()  # the group's handles go: their bytes are released
+
+    store.put, store.mark, store.flush = metered_put, metered_mark, metered_flush
+
+
+def _metering_stores(chunks, meter: "SavedBytes") -> None:
+    """Wrap each chunk's ``use_weight_grad_store`` on the instance, so that the store the
+    pipeline runtime gives it is metered (:func:`_meter_store`)."""
+    for chunk in chunks:
+        inner = chunk.use_weight_grad_store
+
+        def use(store, inner=inner) -> None:
+            _meter_store(store, meter)
+            inner(store)
+
+        chunk.use_weight_grad_store = use
+
+
 def measure_step(cfg, ctx, chunks, ddp, optimizer, microbatches: list[dict], actions=None) -> StepMeasure:
     """Run one training step (forward/backward of ``microbatches`` through the pipeline schedule,
     then the optimizer) and return this rank's :class:`StepMeasure`."""
@@ -157,6 +215,7 @@ def measure_step(cfg, ctx, chunks, ddp, optimizer, microbatches: list[dict], act
     meter = SavedBytes(lambda: getattr(ctx.ledger.intervals, "scope", None), params)
     messages: list = []
     inner = _recording_p2p(ctx.pp, messages)
+    _metering_stores(chunks, meter)
     try:
         with ctx.ledger.recording(), meter.hooks():
             optimizer.zero_grad()
@@ -166,5 +225,7 @@ def measure_step(cfg, ctx, chunks, ddp, optimizer, microbatches: list[dict], act
             ledger = ctx.ledger.summary()
     finally:
         ctx.pp.p2p_op = inner
+        for chunk in chunks:
+            chunk.__dict__.pop("use_weight_grad_store", None)
     return StepMeasure(**state, peak_activations=meter.peak, peak_at=meter.peak_scope,
                        in_flight_at_peak=[list(h) for h in meter.peak_holders], ledger=ledger, p2p=messages)
