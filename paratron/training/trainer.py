@@ -26,7 +26,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from paratron.checkpoint import rng
 from paratron.config import Config, to_toml
+from paratron.elastic.relayout import (RelayoutRefused, agree_on_request, check_request, move_state,
+                                       state_items, take_request_file)
 from paratron.parallel.collcheck import agree_to_stop
 from paratron.pipeline.delay import measured_microbatch_time
 from paratron.training.callbacks import CallbackList, TrainState, load_callback
@@ -141,6 +144,8 @@ class Trainer:
                     self.maybe_evaluate(last)
                     self.stopping = agree_to_stop(self.ctx, stop.requested or self.state.should_stop)
                     self.maybe_save(final=last or self.stopping)
+                    if not (last or self.stopping):
+                        self.maybe_relayout()
                 if self.stopping:
                     log(self.ctx, f"stop requested: saved and exiting at iteration {self.state.iteration}")
                 if self.ckpt is not None:
@@ -232,6 +237,50 @@ class Trainer:
         self.callbacks.on_save_start(s, path)
         self.ckpt.save(s.iteration, self.chunks, self.optimizer, self.scheduler, self.progress())
         self.callbacks.on_save_end(s, path)
+
+    def maybe_relayout(self) -> None:
+        """Apply a re-layout request (a callback's ``state.request_relayout``, or the file of
+        ``paratron resize``) agreed by every rank at this step boundary; a request that cannot be
+        met is refused with a warning and nothing changes (collective, one host flag per step)."""
+        local = self.state.relayout_request or take_request_file(self.run_dir, self.ctx.rank)
+        self.state.relayout_request = None
+        layout = agree_on_request(self.ctx, local)
+        if layout is None:
+            return
+        try:
+            check_request(self.cfg, layout)
+        except RelayoutRefused as e:
+            log(self.ctx, f"warning: {e}; the run continues with parallel.pipeline_layout="
+                          f"{self.cfg.parallel.pipeline_layout}")
+            return
+        self.relayout_to(layout)
+
+    def relayout_to(self, layout: list[int]) -> None:
+        """Rebuild this rank's chunks, DDP, optimizer and LR schedule for ``layout`` and move the
+        state of the layers that change stage point-to-point (:mod:`paratron.elastic.relayout`);
+        the RNG streams, the optimizer's counts, the LR schedule and the data position carry over.
+        No file is written. Collective."""
+        t0 = time.perf_counter()
+        streams, old = rng.capture(self.chunks), state_items(self.chunks, self.optimizer)
+        before = self.cfg.parallel.pipeline_layout
+        self.cfg.parallel.pipeline_layout = list(layout)  # every holder of cfg sees the new split
+        chunks, ddp, optimizer, scheduler = build_model_and_optimizer(self.cfg, self.ctx)
+        received = torch.tensor([float(move_state(self.ctx, old, state_items(chunks, optimizer)))])
+        self.ctx.world.host_all_reduce(received)
+        optimizer.load_scalar_state(self.optimizer.scalar_state())
+        optimizer.reload_model_params()
+        scheduler.load_state_dict(self.scheduler.state_dict())
+        rng.restore(chunks, streams)
+        self.chunks, self.ddp, self.optimizer, self.scheduler = chunks, ddp, optimizer, scheduler
+        self.state.chunks, self.state.optimizer, self.state.scheduler = chunks, optimizer, scheduler
+        self.evaluator.chunks, self._actions = chunks, {}
+        if self.data.num_microbatches is not None:
+            self.actions_for(self.data.num_microbatches)
+        if self.ctx.rank == 0:  # the run's record says the layout it trains at now
+            (self.run_dir / "config.toml").write_text(to_toml(self.cfg), encoding="utf-8")
+        log(self.ctx, f"re-layout at iteration {self.state.iteration}: parallel.pipeline_layout {before} -> "
+                      f"{list(layout)} in memory ({time.perf_counter() - t0:.2f} s; {int(received.item()):,} "
+                      "elements of params and optimizer state moved between stages)")
 
     # ---- around the loop -----------------------------------------------------------------
     def resume(self) -> None:

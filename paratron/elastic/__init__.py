@@ -1,0 +1,1 @@
+"""Elastic runs: change the layout of a running job in memory (docs/elastic.md)."""
