@@ -27,7 +27,7 @@ TINY = [
     "train.eval_interval=0", "train.deterministic=true", "train.seed=11",
     "optimizer.lr=3e-3", "optimizer.lr_warmup_iters=2", "optimizer.clip_grad=0.0",  # see test_relayout_in_memory_is_bitwise
     "logging.log_interval=1", "logging.tensorboard=false", "logging.progress=false",
-    "train.sample_tokens=0", "parallel.pipeline=2", "train.callbacks=test_elastic_relayout:Probe",
+    "train.sample_tokens=0", "train.elastic_relayout=true", "parallel.pipeline=2", "train.callbacks=test_elastic_relayout:Probe",
 ]
 
 
@@ -139,6 +139,9 @@ def test_resize_command_checks_then_drops_the_request(tmp_path, capsys):
     from paratron.config import to_toml
 
     (tmp_path / "config.toml").write_text(to_toml(_cfg()), encoding="utf-8")
+    assert main(["resize", str(tmp_path), "--layout", "1,3"]) == 2
+    assert "train.elastic_relayout=false" in capsys.readouterr().out
+    (tmp_path / "config.toml").write_text(to_toml(_cfg("train.elastic_relayout=true")), encoding="utf-8")
     assert main(["resize", str(tmp_path), "--layout", "1,2"]) == 2
     assert "sum to model.num_layers=4" in capsys.readouterr().out
     assert main(["resize", str(tmp_path), "--layout", "1,3", "--pipeline", "4"]) == 2

@@ -253,6 +253,9 @@ class TrainConfig:
     """Compute precision; bf16 and fp16 keep fp32 main weights and grads (fp16 with loss scaling)."""
     deterministic: bool = False
     """Bitwise-repeatable CPU fp32 runs."""
+    elastic_relayout: bool = False
+    """Take re-layout requests (``paratron resize``, a callback's ``state.request_relayout``) at
+    each step boundary: one host all-reduce per step more (docs/elastic.md). Off, none is taken."""
     eval_interval: int = 50
     """Evaluate every this many steps and after the last; 0 only after the last."""
     eval_iters: int = 4

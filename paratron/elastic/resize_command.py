@@ -29,6 +29,10 @@ def run(args) -> int:
         print(f"paratron resize: {config} does not exist (is {args.run_dir} the run directory of a job?)")
         return 2
     cfg = load_config(str(config), [])
+    if not cfg.train.elastic_relayout:
+        print(f"paratron resize: {config} has train.elastic_relayout=false: the job takes no re-layout "
+              "requests (start it with --set train.elastic_relayout=true)")
+        return 2
     try:
         layout = [int(x) for x in args.layout.split(",")]
     except ValueError:

@@ -242,6 +242,12 @@ class Trainer:
         """Apply a re-layout request (a callback's ``state.request_relayout``, or the file of
         ``paratron resize``) agreed by every rank at this step boundary; a request that cannot be
         met is refused with a warning and nothing changes (collective, one host flag per step)."""
+        if not self.cfg.train.elastic_relayout:  # no agreement, so no collective per step
+            if self.state.relayout_request:
+                log(self.ctx, "warning: re-layout request ignored: the run was started without "
+                              "train.elastic_relayout=true")
+                self.state.relayout_request = None
+            return
         local = self.state.relayout_request or take_request_file(self.run_dir, self.ctx.rank)
         self.state.relayout_request = None
         layout = agree_on_request(self.ctx, local)
