@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import bisect
 import io
+from abc import abstractmethod
 import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -274,8 +275,9 @@ class _Window(io.RawIOBase):
             self._pos += n
         return n
 
+    @abstractmethod
     def _fill(self, at: int, out: memoryview) -> int:
-        raise NotImplementedError
+        """Read ``len(out)`` bytes of the file from byte ``at`` into ``out``; returns the count."""
 
 
 class VerifiedRange(_Window):
