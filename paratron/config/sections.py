@@ -356,7 +356,8 @@ class OptimizerConfig:
     """fp16: overflowing steps before the loss scale halves (each one is skipped)."""
     adam_impl: Literal["auto", "fused", "foreach"] = "auto"
     """AdamW kernels on the flat fp32 buffers: ``fused`` (``torch._fused_adamw_``, one kernel per
-    group of views), ``foreach`` (``torch._foreach_*``); ``auto`` is fused on CUDA, foreach on CPU."""
+    group of views), ``foreach`` (``torch._foreach_*``); ``auto`` is fused (on CUDA and CPU) where
+    the state allows it (fp32 moments, not offloaded), else foreach."""
     muon_momentum: float = 0.95
     """Muon's momentum EMA coefficient."""
     muon_use_nesterov: bool = True
