@@ -11,6 +11,8 @@ import contextlib
 import io
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -152,3 +154,25 @@ def test_the_slow_node_leaves_and_the_others_restart_without_it():
     assert restart_command(cmd, {"host": "node-a"}, "node-a", "node-a")[1] == "--nnodes=3"  # the store's host stays
     single = ["torchrun", "--standalone", "-m", "paratron", "train"]
     assert restart_command(single, record, "node-b", None) == single + ["--set", "checkpoint.load=/ck"]
+
+
+@pytest.mark.slow
+def test_paratron_train_auto_restart_resumes_after_the_failslow_exit(tmp_path, tiny_corpus):
+    """The launcher end to end: attempt 1 re-lays out, then exits 75 at step k with a checkpoint;
+    attempt 2 (the slowdown has ended by then) resumes from step k and finishes."""
+    run_dir, ck = tmp_path / "run", tmp_path / "ck"
+    cmd = [sys.executable, "-m", "paratron", "train", "--nproc-per-node", "2", "--run-dir", str(run_dir),
+           "--auto-restart", "1"]
+    for o in PP2 + tiny_corpus + ["train.train_iters=16", "train.failslow_restart=true",
+                                  "train.failslow_restart_cost_s=0", f"checkpoint.save={ck}"]:
+        cmd += ["--set", o]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ, OMP_NUM_THREADS="1", PARATRON_SLOW_RANK="1:2:11"))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "restart 1 of 1 after the fail-slow exit at iteration" in r.stderr, r.stderr[-3000:]
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    levels = [r["failslow_decision"]["level"] for r in records if "failslow_decision" in r]
+    assert levels[:2] == [3, 4], levels
+    stop = next(r["failslow_decision"]["iteration"] for r in records if r.get("failslow_decision", {}).get("level") == 4)
+    last = [r["iteration"] for r in records if "loss" in r]
+    assert last[-1] == 16 and stop < 11 and (ck / f"step_{stop}").is_dir(), (stop, last)

@@ -418,7 +418,8 @@ class FailSlow(FailSlowDetector):
 
     def maybe_relayout(self, state: TrainState, metrics: dict) -> None:
         """Rent one step of the present layout's loss; request the target layout when bought."""
-        target = self.relayout_target(self.per_layer_costs())
+        per_layer = self.per_layer_costs()
+        target = self.relayout_target(per_layer)
         if target is None or target[0] == self.sizes or target[1] > 1 - self.min_gain:
             self.relayout_budget.reset()
             return
@@ -431,7 +432,8 @@ class FailSlow(FailSlowDetector):
         if not self.relayout_budget.rent(measured * (1 - ratio), cost, remaining):
             return
         d = relayout_decision(state.iteration, self.sizes, layout, measured, ratio, cost,
-                              self.relayout_cost is not None, self.relayout_budget.paid, remaining, reason)
+                              self.relayout_cost is not None, self.relayout_budget.paid, remaining, reason,
+                              per_layer)
         d["flagged"] = sorted(self.flagged) if reason == "slow rank" else []
         metrics["failslow_decision"] = d
         self.pending = d

@@ -52,9 +52,11 @@ class SkiRental:
 
 def relayout_decision(iteration: int, current: list[int], target: list[int], measured_s: float,
                       ratio: float, cost_s: float, cost_measured: bool, paid_s: float,
-                      remaining: int, reason: str) -> dict:
-    """The ``failslow_decision`` record of a level-3 re-layout: what the simulator predicts."""
+                      remaining: int, reason: str, per_layer_s: list[float]) -> dict:
+    """The ``failslow_decision`` record of a level-3 re-layout: what the simulator predicts, from
+    ``per_layer_s`` (seconds per layer per microbatch of each stage, measured)."""
     return {"level": 3, "action": "relayout", "iteration": iteration, "reason": reason,
+            "per_layer_s": [round(x, 6) for x in per_layer_s],
             "from": list(current), "to": list(target), "measured_step_s": round(measured_s, 6),
             "predicted_ratio": round(ratio, 4), "predicted_step_s": round(measured_s * ratio, 6),
             "predicted_gain_s": round(measured_s * (1 - ratio) * remaining, 4), "remaining_steps": remaining,
