@@ -19,7 +19,7 @@ import pytest
 from paratron.config import ConfigError
 from paratron.launch.auto_restart import ATTEMPT_ENV, restart_command, run_with_restarts
 from paratron.local_ranks import run_ranks
-from paratron.plugins.failslow_escalate import (EXIT_FAILSLOW_RESTART, SkiRental, read_restart_request,
+from paratron.plugins.failslow_escalate import (EXIT_FAILSLOW_RESTART, SkiRental, moves_back, read_restart_request,
                                                 write_restart_request)
 from paratron.plugins.failslow_inject import parse_slow_rank
 from paratron.rules import load_config, validate
@@ -103,6 +103,13 @@ def test_the_break_even_rule():
     assert not b.rent(0.0, 3.0, 100) and b.paid == 0.0  # the loss went away: start over
 
 
+def test_layers_never_move_back_but_through_the_return_to_the_start():
+    assert moves_back([3, 3], [5, 1], [2, 4])  # a noisy flag on stage 0 would undo the move
+    assert not moves_back([3, 3], [4, 2], [5, 1])  # further the same way
+    assert not moves_back([3, 3], [3, 3], [1, 5])  # from the start, any way
+    assert not moves_back([2, 2, 2], [3, 1, 2], [3, 1, 2])
+
+
 def test_escalation_keys_are_checked_before_launch():
     with pytest.raises(ConfigError, match="train.failslow_relayout=true needs train.elastic_relayout"):
         validate(load_config(None, ["train.failslow_relayout=true"]))
@@ -173,6 +180,6 @@ def test_paratron_train_auto_restart_resumes_after_the_failslow_exit(tmp_path, t
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     levels = [r["failslow_decision"]["level"] for r in records if "failslow_decision" in r]
     assert levels[:2] == [3, 4], levels
-    stop = next(r["failslow_decision"]["iteration"] for r in records if r.get("failslow_decision", {}).get("level") == 4)
+    stop = next(d["iteration"] for d in (r.get("failslow_decision", {}) for r in records) if d.get("level") == 4)
     last = [r["iteration"] for r in records if "loss" in r]
     assert last[-1] == 16 and stop < 11 and (ck / f"step_{stop}").is_dir(), (stop, last)

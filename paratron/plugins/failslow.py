@@ -72,7 +72,7 @@ from paratron.pipeline.actions import halves
 from paratron.pipeline.partition import chunk_stages, stage_sizes
 from paratron.pipeline.registry import build_schedule, get_schedule
 from paratron.pipeline.simulator import simulate
-from paratron.plugins.failslow_escalate import (EXIT_FAILSLOW_RESTART, SkiRental, relayout_decision,
+from paratron.plugins.failslow_escalate import (EXIT_FAILSLOW_RESTART, SkiRental, moves_back, relayout_decision,
                                                 relayout_effect, restart_decision, this_host,
                                                 write_restart_request)
 from paratron.training.callbacks import Callback, TrainState
@@ -410,6 +410,8 @@ class FailSlow(FailSlowDetector):
             if self.flagged == self.laid_for:  # the present layout was chosen for these ranks already
                 return None
             layout, before, after = propose_layout(self.sizes, per_layer, p, v, sched, m)
+            if moves_back(self.start_sizes, self.sizes, layout):
+                return None
             return layout, after / before, "slow rank"
         if self.sizes != self.start_sizes:
             before = simulated_step(self.sizes, per_layer, p, v, sched, m)

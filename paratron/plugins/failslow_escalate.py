@@ -50,6 +50,14 @@ class SkiRental:
         self.paid = 0.0
 
 
+def moves_back(start: list[int], current: list[int], target: list[int]) -> bool:
+    """Whether ``target`` gives layers back to a stage that ``current`` took them off (against
+    ``start``). Away from the starting layout, a slow-rank re-layout may only move layers further
+    the same way; the one way back is the return to ``start`` once no rank is flagged, so that a
+    noisy flag cannot move layers to and fro."""
+    return any(t > c and c < s for s, c, t in zip(start, current, target))
+
+
 def relayout_decision(iteration: int, current: list[int], target: list[int], measured_s: float,
                       ratio: float, cost_s: float, cost_measured: bool, paid_s: float,
                       remaining: int, reason: str, per_layer_s: list[float]) -> dict:
