@@ -130,7 +130,7 @@ def test_zero_above_1_is_refused_for_now():
 def test_request_file_is_taken_once_by_rank_0(tmp_path):
     write_request(tmp_path, [1, 3])
     assert take_request_file(tmp_path, 1) is None
-    assert take_request_file(tmp_path, 0) == [1, 3]
+    assert take_request_file(tmp_path, 0) == {"layout": [1, 3], "pipeline": None}
     assert take_request_file(tmp_path, 0) is None
 
 
@@ -148,4 +148,4 @@ def test_resize_command_checks_then_drops_the_request(tmp_path, capsys):
     assert "not supported yet" in capsys.readouterr().out
     assert not (tmp_path / "relayout_request.json").exists()
     assert main(["resize", str(tmp_path), "--layout", "1,3"]) == 0
-    assert take_request_file(tmp_path, 0) == [1, 3]
+    assert take_request_file(tmp_path, 0) == {"layout": [1, 3], "pipeline": None}

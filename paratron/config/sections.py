@@ -256,6 +256,10 @@ class TrainConfig:
     elastic_relayout: bool = False
     """Take re-layout requests (``paratron resize``, a callback's ``state.request_relayout``) at
     each step boundary: one host all-reduce per step more (docs/elastic.md). Off, none is taken."""
+    elastic_spares: int = 0
+    """Launched processes that stand by outside the training world (the last ranks of the launch)
+    until a pipeline grow calls them in (``paratron resize --pipeline``, docs/elastic.md); the
+    parallel layout is that of the other ranks. Needs ``train.elastic_relayout``."""
     eval_interval: int = 50
     """Evaluate every this many steps and after the last; 0 only after the last."""
     eval_iters: int = 4

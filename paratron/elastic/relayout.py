@@ -44,19 +44,27 @@ class RelayoutRefused(ValueError):
     """A re-layout request that cannot be met; the job continues with its current layout."""
 
 
-def take_request_file(run_dir: Path | None, rank: int) -> list[int] | None:
-    """Rank 0: the layout of a request dropped by ``paratron resize`` in ``run_dir`` (the file is
-    removed, so it is taken once); None on other ranks or when there is none."""
+def take_request_file(run_dir: Path | None, rank: int) -> dict | None:
+    """Rank 0: the request ``{"layout": [...] | None, "pipeline": P | None}`` dropped by ``paratron
+    resize`` in ``run_dir`` (the file is removed, so it is taken once); None on other ranks or when
+    there is none."""
     path = Path(run_dir) / REQUEST_FILE if run_dir is not None else None
     if rank != 0 or path is None or not path.is_file():
         return None
-    layout = json.loads(path.read_text(encoding="utf-8"))["layout"]
+    taken = request(**json.loads(path.read_text(encoding="utf-8")))
     path.unlink()
-    return [int(x) for x in layout]
+    return taken
 
 
-def agree_on_request(ctx, local: list[int] | None) -> list[int] | None:
-    """The layout every rank applies after this step, or None (collective, host side).
+def request(layout=None, pipeline=None) -> dict:
+    """A re-layout request: the new ``parallel.pipeline_layout`` (None: the default split) and
+    the new ``parallel.pipeline`` (None: unchanged, :mod:`paratron.elastic.regrid` otherwise)."""
+    return {"layout": None if layout is None else [int(x) for x in layout],
+            "pipeline": None if pipeline is None else int(pipeline)}
+
+
+def agree_on_request(ctx, local: dict | None) -> dict | None:
+    """The :func:`request` every rank applies after this step, or None (collective, host side).
 
     One host all-reduce of a flag per step; only when some rank holds a request, one
     ``all_gather_object``: the lowest rank's request wins, so every rank acts on the same one.
@@ -66,14 +74,14 @@ def agree_on_request(ctx, local: list[int] | None) -> list[int] | None:
     if flag[0] == 0:
         return None
     requests = ctx.world.all_gather_object(local)
-    return next(list(r) for r in requests if r is not None)
+    return next(r for r in requests if r is not None)
 
 
-def write_request(run_dir: Path, layout: list[int]) -> Path:
+def write_request(run_dir: Path, layout: list[int] | None, pipeline: int | None = None) -> Path:
     """Drop a re-layout request for the job running in ``run_dir`` (``paratron resize``)."""
     path = Path(run_dir) / REQUEST_FILE
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"layout": [int(x) for x in layout]}), encoding="utf-8")
+    tmp.write_text(json.dumps(request(layout, pipeline)), encoding="utf-8")
     tmp.replace(path)  # atomic: the job never reads half a request
     return path
 
