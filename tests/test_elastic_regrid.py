@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from paratron.checkpoint.items import model_items
-from paratron.elastic.relayout import RelayoutRefused
+from paratron.elastic.relayout import RelayoutRefused, take_request_file, write_request
 from paratron.elastic.regrid import plan_change
 from paratron.launch.launch import alive
 from paratron.local_ranks import run_ranks
@@ -23,7 +23,7 @@ from paratron.parallel.grid import build_grid
 from paratron.rules import load_config
 from paratron.training.callbacks import Callback
 
-PLAN = "PARATRON_TEST_REGRID"  # json: {str(step): [layout, pipeline], ...}
+PLAN = "PARATRON_TEST_REGRID"  # json: {str(step): [layout, pipeline, how], ...}; how: "callback" or "file"
 
 TINY = [
     "model.num_layers=4", "model.hidden_size=32", "model.num_attention_heads=4",
@@ -31,13 +31,14 @@ TINY = [
     "train.micro_batch_size=2", "train.global_batch_size=8", "train.train_iters=6",
     "train.eval_interval=0", "train.deterministic=true", "train.seed=11",
     "optimizer.lr=3e-3", "optimizer.lr_warmup_iters=2", "optimizer.clip_grad=0.0",  # docs/elastic.md, "Bitwise parity"
-    "logging.log_interval=1", "logging.tensorboard=false", "logging.progress=false", "parallel.hang_timeout_s=0",
+    "logging.log_interval=1", "logging.tensorboard=false", "logging.progress=false",
     "train.sample_tokens=0", "train.elastic_relayout=true", "train.callbacks=test_elastic_regrid:Probe",
 ]
 
 
 class Probe(Callback):
-    """Asks for the requests of ``$PARATRON_TEST_REGRID`` through ``state.request_relayout``,
+    """Asks for the requests of ``$PARATRON_TEST_REGRID`` through ``state.request_relayout`` or
+    the file of ``paratron resize``,
     records the pipeline degree and the checkpoint directory's files at each step start, and at
     the end saves this rank's final params and whether the processes that left are still alive."""
 
@@ -53,8 +54,11 @@ class Probe(Callback):
 
     def on_step_end(self, state, metrics, timings):
         if str(state.iteration) in self.plan and state.ctx.rank == 0:
-            layout, pipeline = self.plan[str(state.iteration)]
-            state.request_relayout(layout, pipeline=pipeline)
+            layout, pipeline, how = self.plan[str(state.iteration)]
+            if how == "file":
+                write_request(state.run_dir, layout, pipeline)
+            else:
+                state.request_relayout(layout, pipeline=pipeline)
 
     def on_train_end(self, state):
         params = {k: c[0].tensor.clone() for k, c in model_items(state.chunks, is_first_stage=state.ctx.is_first_stage).items()}
@@ -106,7 +110,7 @@ def test_grow_pp2_to_pp4_in_memory_is_bitwise(pp2, tiny_corpus, tmp_path):
     base = TINY + tiny_corpus + ["data.split=100,0,0"]
     ck = tmp_path / "grow" / "ck"
     grow = _run(tmp_path, "grow", base + ["parallel.pipeline=2", "train.elastic_spares=2", f"checkpoint.save={ck}"],
-                {"1": [[1, 1, 1, 2], 4], "3": [None, 4]}, launch=4)
+                {"1": [[1, 1, 1, 2], 4, "callback"], "3": [None, 4, "callback"]}, launch=4)
     _assert_same(pp2, grow, "PP=2 -> PP=4 after step 3")
     survivor, newcomer = _pipelines(grow[2][0]), _pipelines(grow[2][3])
     assert survivor == {0: (2, 2), 1: (2, 2), 2: (2, 2), 3: (4, 4), 4: (4, 4), 5: (4, 4)}, survivor
@@ -126,13 +130,14 @@ def test_shrink_pp4_to_pp2_in_memory_is_bitwise(pp2, tiny_corpus, tmp_path):
     """After step 2 a grow with no free slot is refused; after step 3 stages 2 and 3 hand over
     and leave: their processes return 0 (run_ranks checks each) and are gone at the end."""
     base = TINY + tiny_corpus + ["data.split=100,0,0"]
-    shrink = _run(tmp_path, "shrink", base + ["parallel.pipeline=4"], {"2": [None, 8], "3": [None, 2]},
+    shrink = _run(tmp_path, "shrink", base + ["parallel.pipeline=4"], {"2": [None, 8, "callback"], "3": [None, 2, "file"]},
                   launch=4, final_world=2)
     _assert_same(pp2, shrink, "PP=4 -> PP=2 after step 3")
     assert _pipelines(shrink[2][0]) == {0: (4, 4), 1: (4, 4), 2: (4, 4), 3: (2, 2), 4: (2, 2), 5: (2, 2)}
     assert shrink[2][0]["alive"] == {"slot_0.pid": True, "slot_1.pid": True, "slot_2.pid": False,
                                      "slot_3.pid": False}
     assert not (tmp_path / "shrink" / "probe_2.pt").exists()  # the leavers did not train to the end
+    assert not (tmp_path / "shrink" / "relayout_request.json").exists()  # the file's request was taken
 
 
 def _cfg(*extra):
@@ -153,3 +158,17 @@ def test_plan_change_keeps_coordinates_and_refuses_what_cannot_be_met():
         plan_change(_cfg(), grid, 4, [1, 1, 1, 2], spares=[4, 5, 6, 7])
     with pytest.raises(RelayoutRefused, match="parallel.zero=2"):
         plan_change(_cfg("parallel.zero=2"), grid, 4, None, spares=[4, 5, 6, 7])
+
+
+def test_resize_command_asks_for_a_new_pipeline_degree(tmp_path, capsys):
+    from paratron.cli import main
+    from paratron.config import to_toml
+
+    (tmp_path / "config.toml").write_text(to_toml(_cfg()), encoding="utf-8")
+    assert main(["resize", str(tmp_path), "--pipeline", "4", "--layout", "1,1,1,2"]) == 2
+    assert "sum to model.num_layers=4" in capsys.readouterr().out
+    assert main(["resize", str(tmp_path), "--pipeline", "2"]) == 2  # nothing would change
+    assert not (tmp_path / "relayout_request.json").exists()
+    assert main(["resize", str(tmp_path), "--pipeline", "4"]) == 0
+    assert "parallel.pipeline=4 pipeline_layout=None" in capsys.readouterr().out
+    assert take_request_file(tmp_path, 0) == {"layout": None, "pipeline": 4}

@@ -145,7 +145,7 @@ def test_resize_command_checks_then_drops_the_request(tmp_path, capsys):
     assert main(["resize", str(tmp_path), "--layout", "1,2"]) == 2
     assert "sum to model.num_layers=4" in capsys.readouterr().out
     assert main(["resize", str(tmp_path), "--layout", "1,3", "--pipeline", "4"]) == 2
-    assert "not supported yet" in capsys.readouterr().out
+    assert "needs parallel.pipeline*virtual_pipeline = 4" in capsys.readouterr().out
     assert not (tmp_path / "relayout_request.json").exists()
     assert main(["resize", str(tmp_path), "--layout", "1,3"]) == 0
     assert take_request_file(tmp_path, 0) == {"layout": [1, 3], "pipeline": None}

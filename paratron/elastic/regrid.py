@@ -329,7 +329,9 @@ def rebuild(trainer, ctx) -> None:
     data.load_state_dict(trainer.data.state_dict())
     built = build_model_and_optimizer(cfg, ctx)
     ckpt = build_checkpoint_manager(cfg, ctx)
-    ctx.ledger.flight = trainer.ctx.ledger.flight  # the hang watchdog's recorder follows the groups
+    flight = ctx.ledger.flight = trainer.ctx.ledger.flight  # the hang watchdog's recorder follows the groups
+    if flight is not None:
+        flight.restart_counts()  # as a newcomer's, which starts after its Trainer is built
     trainer.ctx = trainer.state.ctx = trainer.step_log.ctx = trainer.observer.ctx = ctx
     trainer.data, trainer.ckpt = data, ckpt
     trainer.chunks, trainer.ddp, trainer.optimizer, trainer.scheduler = built
