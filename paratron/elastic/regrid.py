@@ -6,14 +6,16 @@ pipeline degree when devices come and go, so the math is unchanged. The world gr
 by ``world / P`` ranks per stage:
 
 * **Grow** (P' > P) takes processes that the launcher started beside the training world and that
-  stand by (``train.elastic_spares``; :func:`stand_by`). Rank 0 calls as many as the new grid
+  stand by (``train.elastic_spares``; :func:`paratron.launch.grow.stand_by`). Rank 0 calls as
+  many as the new grid
   needs (a store key per spare); with too few, the request is refused and nothing changes.
 * **Shrink** (P' < P): the ranks of the last stages leave; they hand over their state, then
   leave the training loop and their process exits 0.
 
 Every process keeps its coordinates (tp, cp, dp and pp rank, :func:`plan_change`): a survivor's
 data shard, RNG streams and stage index stay its own, and rank 0 stays rank 0. At the step
-boundary (:func:`change_pipeline` on the training ranks, :func:`join` on the spares called in):
+boundary (:func:`paratron.training.regrid_step.change_pipeline` on the training ranks,
+:func:`paratron.launch.grow.join` on the spares called in):
 
 1. the default process group is re-made over the launch's store with the new membership, under a
    new generation's key prefix (:func:`remake_world`), and a new
@@ -22,7 +24,7 @@ boundary (:func:`change_pipeline` on the training ranks, :func:`join` on the spa
    outside the default group, so the leavers can send after the survivors re-made theirs);
 3. every member of the new grid builds its chunks, DDP buckets, optimizer, LR schedule, data
    reader and checkpoint manager (a spare: its whole :class:`~paratron.training.trainer.Trainer`;
-   a survivor: :func:`rebuild`, the same builders in the same order, as their collectives
+   a survivor: ``regrid_step.rebuild``, the same builders in the same order, as their collectives
    must match), then :func:`paratron.elastic.relayout.move_state` fills every new tensor by
    rectangles of the full logical tensors over the union (a newcomer holds no old state, a leaver
    no new state);
@@ -45,15 +47,10 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from paratron.checkpoint import rng
-from paratron.elastic.relayout import RelayoutRefused, move_state, state_items
+from paratron.elastic.relayout import RelayoutRefused
 from paratron.parallel.context import default_backend
 from paratron.parallel.grid import RankGrid, build_grid
 from paratron.rules import validate
-from paratron.training.builders import build_checkpoint_manager, build_model_and_optimizer
-from paratron.training.data_iter import TrainingData
-from paratron.training.groups import context_for
-from paratron.training.step_log import log
 
 PREFIX = "paratron-elastic"
 """Key prefix of everything the elastic runs keep in the launch's store."""
@@ -245,7 +242,7 @@ def call_key(slot: int) -> str:
 
 
 def wait_for_call(session: ElasticSession) -> dict | None:
-    """A spare: block until rank 0 calls it in (the call of :func:`change_pipeline`), or None when
+    """A spare: block until rank 0 calls it in (the call of ``regrid_step.change_pipeline``), or None when
     the job ended without needing it."""
     key = call_key(session.slot)
     while not session.store.check([key]):
@@ -262,77 +259,7 @@ def release_spares(session: ElasticSession | None, rank: int) -> None:
         session.spares = []
 
 
-def carried(trainer) -> dict:
-    """What a newcomer takes from rank 0: the optimizer's scalar state, the LR schedule, every
-    count of a checkpoint's ``extra`` (data position included), the schedule's microbatch time and
-    the DP split of the microbatches."""
-    return {"scalar": trainer.optimizer.scalar_state(), "scheduler": trainer.scheduler.state_dict(),
-            "progress": trainer.progress(), "microbatch_time": (trainer.microbatch_time, trainer.measure_step),
-            "dp_microbatches": trainer.state.dp_microbatches}
-
-
 def mover(union: UnionGroup, stages: list[int]) -> SimpleNamespace:
     """What :func:`~paratron.elastic.relayout.move_state` asks of a context, over the union
     (``stages``: :meth:`GridChange.stages`)."""
     return SimpleNamespace(world=union, pp=SimpleNamespace(rank=stages[union.rank]))
-
-
-def change_pipeline(trainer, pipeline: int, layout: list | None) -> None:
-    """A training rank's part of changing ``parallel.pipeline`` to ``pipeline`` (module
-    docstring). A survivor goes on training at the new grid; a leaver sets ``trainer.left``
-    after handing over its state. Collective over the old world, then the union.
-
-    Raises:
-        RelayoutRefused: :func:`plan_change` refused it; nothing has changed.
-    """
-    session, cfg, ctx = trainer.elastic, trainer.cfg, trainer.ctx
-    if session is None:
-        raise RelayoutRefused(f"re-layout to parallel.pipeline={pipeline} refused: the job was not started "
-                              "through paratron's runner with train.elastic_relayout=true")
-    change = plan_change(cfg, ctx.grid, pipeline, layout, session.spares)
-    t0, before = time.perf_counter(), (cfg.parallel.pipeline, cfg.parallel.pipeline_layout)
-    if trainer.ckpt is not None:
-        trainer.ckpt.wait()  # a save in flight uses the old groups
-    old, streams = state_items(trainer.chunks, trainer.optimizer), rng.capture(trainer.chunks)
-    gen, rank = session.generation + 1, change.new_rank[ctx.rank]
-    cfg.parallel.pipeline, cfg.parallel.pipeline_layout = pipeline, layout
-    session.spares = session.spares[len(change.newcomers):]
-    if ctx.rank == 0:
-        for slot, new_rank in change.newcomers:
-            session.store.set(call_key(slot), pickle.dumps({
-                "generation": gen, "rank": new_rank, "world": change.new.world, "union_size": change.union_size,
-                "config": cfg, "spares": session.spares, "stages": change.stages()}))
-    union = UnionGroup(session, gen, change.union_rank(ctx.rank), change.union_size)
-    remake_world(session, gen, rank, change.new.world)
-    if rank is None:  # a leaver: hand over, then leave the loop
-        move_state(mover(union, change.stages()), old, {})
-        union.all_gather_object(None)
-        trainer.left = True
-        return
-    carry = carried(trainer)  # of the old optimizer and schedule, before the rebuild
-    rebuild(trainer, context_for(cfg))
-    moved = move_state(mover(union, change.stages()), old, state_items(trainer.chunks, trainer.optimizer))
-    union.all_gather_object(carry if rank == 0 else None)
-    trainer.adopt(carry["scalar"], carry["scheduler"], streams)
-    log(trainer.ctx, f"re-layout at iteration {trainer.state.iteration}: parallel.pipeline {before[0]} -> {pipeline}"
-                     f", pipeline_layout {before[1]} -> {layout}, world {change.old.world} -> {change.new.world}, "
-                     f"in memory ({time.perf_counter() - t0:.2f} s; rank 0 received {moved:,} elements)")
-
-
-def rebuild(trainer, ctx) -> None:
-    """A survivor: the parts of a :class:`~paratron.training.trainer.Trainer` that depend on the
-    grid, built with the builders ``Trainer.__init__`` calls, in its order (their collectives
-    meet a newcomer's ``Trainer.__init__``): data reader, model chunks with DDP, optimizer and LR
-    schedule, checkpoint manager. The new tensors are filled afterwards."""
-    cfg = trainer.cfg
-    data = TrainingData.build(cfg, ctx)
-    data.load_state_dict(trainer.data.state_dict())
-    built = build_model_and_optimizer(cfg, ctx)
-    ckpt = build_checkpoint_manager(cfg, ctx)
-    flight = ctx.ledger.flight = trainer.ctx.ledger.flight  # the hang watchdog's recorder follows the groups
-    if flight is not None:
-        flight.restart_counts()  # as a newcomer's, which starts after its Trainer is built
-    trainer.ctx = trainer.state.ctx = trainer.step_log.ctx = trainer.observer.ctx = ctx
-    trainer.data, trainer.ckpt = data, ckpt
-    trainer.chunks, trainer.ddp, trainer.optimizer, trainer.scheduler = built
-    trainer.evaluator = type(trainer.evaluator)(cfg, ctx, trainer.chunks, data, trainer.actions_for)

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from paratron.config import Config
-from paratron.elastic.grow import stand_by
+from paratron.launch.grow import stand_by
 from paratron.elastic.regrid import release_spares, start_session
 from paratron.launch.rankproc import record_failure
 from paratron.launch.startup import StartupClock

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from paratron.checkpoint import rng
 from paratron.config import Config, to_toml
-from paratron.elastic.regrid import change_pipeline
+from paratron.training.regrid_step import change_pipeline
 from paratron.elastic.relayout import (RelayoutRefused, agree_on_request, check_request, move_state,
                                        state_items, take_request_file)
 from paratron.parallel.collcheck import agree_to_stop
