@@ -7,8 +7,7 @@ by ``world / P`` ranks per stage:
 
 * **Grow** (P' > P) takes processes that the launcher started beside the training world and that
   stand by (``train.elastic_spares``; :func:`paratron.launch.grow.stand_by`). Rank 0 calls as
-  many as the new grid
-  needs (a store key per spare); with too few, the request is refused and nothing changes.
+  many as the new grid needs (a store key per spare); with too few, the request is refused and nothing changes.
 * **Shrink** (P' < P): the ranks of the last stages leave; they hand over their state, then
   leave the training loop and their process exits 0.
 
