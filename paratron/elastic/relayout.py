@@ -18,8 +18,12 @@ boundary every rank agrees on one request (:func:`agree_on_request`; a callback'
    DP partition may come from several DP ranks, of this stage or the old one);
 4. carries over the optimizer's scalar state, the LR schedule and the RNG streams.
 
-Nothing is written to disk. Supported: ZeRO-0 and ZeRO-1; ZeRO-2/3 (grads and params sharded
-too) are refused with a clear message.
+Nothing is written to disk. Every ZeRO stage is supported: the grads (sharded under ZeRO-2/3)
+are empty at a step boundary, so only params and optimizer state move; under ZeRO-3 the params
+live only as the flat shards of the DDP buckets, and the optimizer's fp32 main weights
+(``optimizer/main_param/...``, rectangles of those shards) carry them (:func:`state_items`).
+TP and sequence parallelism need nothing of their own: each chunk is a rectangle of the full
+logical tensor (vocab padding excluded), whatever TP rank holds it.
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ import torch
 import torch.distributed as dist
 
 from paratron.checkpoint import rng
-from paratron.checkpoint.items import merge, model_items, optimizer_items
+from paratron.checkpoint.items import MODEL_PREFIX, chunks_from_param, iter_params, merge, model_items, optimizer_items
+from paratron.parallel.params import meta_of
 from paratron.pipeline.partition import stage_layers
 
 REQUEST_FILE = "relayout_request.json"
@@ -91,21 +96,34 @@ def check_request(cfg, layout: list[int]) -> None:
 
     Raises:
         RelayoutRefused: the layout does not fit the layer count or the pipeline degree (the split
-            rule's message), or the job runs under ZeRO-2/3 (not supported yet).
+            rule's message).
     """
     p = cfg.parallel
     try:
         stage_layers(cfg.model.num_layers, p.pipeline, p.virtual_pipeline, layout, p.schedule)
     except ValueError as e:
         raise RelayoutRefused(f"re-layout to {layout} refused: {e}") from None
-    if p.zero > 1:
-        raise RelayoutRefused(f"re-layout to {layout} refused: parallel.zero={p.zero}; online re-layout "
-                              "supports parallel.zero=0 and 1 (ZeRO-2/3 shard grads and params too)")
 
 
 def state_items(chunks, optimizer) -> dict:
-    """Checkpoint key -> this rank's chunks of model params and optimizer state (in-place views)."""
-    return merge(model_items(chunks, for_save=False), optimizer_items(optimizer))
+    """Checkpoint key -> this rank's chunks of model params and optimizer state (in-place views).
+
+    Under ZeRO-3 a param in a DDP bucket has no storage of its own between uses (its ``.data``
+    is empty; the bucket's flat shard holds this rank's part), so it is left out here: its values
+    travel as ``optimizer/main_param/<logical_name>``, rectangles of the shard, and
+    ``optimizer.reload_model_params()`` writes them back into the param shards (the params equal
+    the cast main weights after every step). Params outside the buckets (frozen ones) keep their
+    full storage and move as ``model/<logical_name>``.
+    """
+    shards = optimizer.ddp.param_shards
+    if shards is None:
+        return merge(model_items(chunks, for_save=False), optimizer_items(optimizer))
+    sharded = {id(p) for buf in shards.buffers for p in buf.params}
+    model: dict = {}
+    for p in iter_params(chunks):
+        if id(p) not in sharded:
+            model.setdefault(MODEL_PREFIX + meta_of(p).logical_name, []).extend(chunks_from_param(p))
+    return merge(model, optimizer_items(optimizer))
 
 
 def _layout_of(items: dict) -> dict:
