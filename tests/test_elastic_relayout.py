@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from paratron.checkpoint.items import model_items
+from paratron.checkpoint.manager import full_params
 from paratron.elastic.relayout import RelayoutRefused, check_request, take_request_file, write_request
 from paratron.local_ranks import run_ranks
 from paratron.rules import load_config
@@ -52,7 +53,10 @@ class Probe(Callback):
             write_request(state.run_dir, self.plan["layout"])
 
     def on_train_end(self, state):
-        params = {k: c[0].tensor.clone() for k, c in model_items(state.chunks, is_first_stage=state.ctx.is_first_stage).items()}
+        with full_params(state.optimizer):  # ZeRO-3: the params are gathered for the block
+            items = model_items(state.chunks, is_first_stage=state.ctx.is_first_stage)
+            # keyed by the chunk's place in the full tensor too: TP ranks hold other chunks
+            params = {(k, c.offsets): c.tensor.clone() for k, chunks in items.items() for c in chunks}
         torch.save({"params": params, "seen": self.seen}, Path(state.run_dir) / f"probe_{state.ctx.rank}.pt")
 
 
@@ -96,6 +100,13 @@ def test_relayout_in_memory_is_bitwise(tiny_corpus, tmp_path, world, extra):
     even = _run(tmp_path, "even", base + ["parallel.pipeline_layout=2,2"], world=world)
     uneven = _run(tmp_path, "uneven", base + ["parallel.pipeline_layout=1,3"], world=world)
     _assert_same(even, uneven, "[2,2] vs [1,3] uninterrupted")  # the split does not change the math
+    _check_moved(tmp_path, base, even, world)
+
+
+def _check_moved(tmp_path, base, even, world):
+    """Run [2,2] re-laid out to [1,3] after step 3 (a bad request refused after step 2) and check
+    it against the uninterrupted ``even`` run: losses and final params bitwise, the layout of
+    each step, and no file written under the checkpoint directory by the re-layout."""
     ck = tmp_path / "moved" / "ck"
     moved = _run(tmp_path, "moved", base + ["parallel.pipeline_layout=2,2", f"checkpoint.save={ck}"],
                  {"refuse_at": 2, "file_at": 3, "layout": [1, 3]}, world=world)
@@ -107,6 +118,25 @@ def test_relayout_in_memory_is_bitwise(tiny_corpus, tmp_path, world, extra):
         assert all(s["ck_files"] == [] for s in seen), seen  # the re-layout wrote nothing there
     assert not (tmp_path / "moved" / "relayout_request.json").exists()  # taken once
     assert (ck / "latest").read_text().strip() == "step_6"  # the final save, at the new layout
+
+
+@pytest.mark.parametrize("extra", [
+    # TP2 x PP2: TP-sharded rectangles, the vocab padded to 32 rows per TP rank pair
+    pytest.param(["parallel.tensor=2", "parallel.sequence_parallel=true"], id="tp2-sp"),
+    pytest.param(["parallel.tensor=2"], marks=pytest.mark.slow, id="tp2"),
+    # DP2 x PP2: ZeRO-2 shards the grads; ZeRO-3 also the params (moved as the flat shards'
+    # rectangles of the main weights)
+    pytest.param(["parallel.zero=2"], marks=pytest.mark.slow, id="dp2-zero2"),
+    pytest.param(["parallel.zero=3"], marks=pytest.mark.slow, id="dp2-zero3"),
+    pytest.param(["parallel.zero=3", "parallel.zero3_reshard_after_forward=false"],
+                 marks=pytest.mark.slow, id="dp2-zero3-keep"),
+])
+def test_relayout_at_4_ranks_is_bitwise(tiny_corpus, tmp_path, extra):
+    """At 4 ranks, [2,2] -> [1,3] after step 3 of 6 equals the uninterrupted [2,2] run bitwise
+    (that [1,3] itself equals [2,2] is the first test's check, at 2 ranks)."""
+    base = TINY + tiny_corpus + ["data.split=100,0,0", *extra]
+    even = _run(tmp_path, "even", base + ["parallel.pipeline_layout=2,2"], world=4)
+    _check_moved(tmp_path, base, even, 4)
 
 
 def _cfg(*extra):
@@ -121,16 +151,10 @@ def test_a_layout_that_does_not_fit_is_refused(layout, rule):
     check_request(_cfg(), [1, 3])  # fits: no error
 
 
-def test_zero_above_1_is_refused_for_now():
-    check_request(_cfg("parallel.zero=1"), [1, 3])
-    with pytest.raises(RelayoutRefused, match="parallel.zero=2"):
-        check_request(_cfg("parallel.zero=2"), [1, 3])
-
-
 def test_request_file_is_taken_once_by_rank_0(tmp_path):
     write_request(tmp_path, [1, 3])
     assert take_request_file(tmp_path, 1) is None
-    assert take_request_file(tmp_path, 0) == [1, 3]
+    assert take_request_file(tmp_path, 0) == {"layout": [1, 3], "pipeline": None}
     assert take_request_file(tmp_path, 0) is None
 
 
@@ -145,7 +169,7 @@ def test_resize_command_checks_then_drops_the_request(tmp_path, capsys):
     assert main(["resize", str(tmp_path), "--layout", "1,2"]) == 2
     assert "sum to model.num_layers=4" in capsys.readouterr().out
     assert main(["resize", str(tmp_path), "--layout", "1,3", "--pipeline", "4"]) == 2
-    assert "not supported yet" in capsys.readouterr().out
+    assert "needs parallel.pipeline*virtual_pipeline = 4" in capsys.readouterr().out
     assert not (tmp_path / "relayout_request.json").exists()
     assert main(["resize", str(tmp_path), "--layout", "1,3"]) == 0
-    assert take_request_file(tmp_path, 0) == [1, 3]
+    assert take_request_file(tmp_path, 0) == {"layout": [1, 3], "pipeline": None}

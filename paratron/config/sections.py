@@ -269,6 +269,10 @@ class TrainConfig:
     ``train.failslow_relayout`` and ``checkpoint.save``)."""
     failslow_restart_cost_s: float = 120.0
     """Seconds a checkpoint, exit and restart are taken to cost (level 4's budget)."""
+    elastic_spares: int = 0
+    """Launched processes that stand by outside the training world (the last ranks of the launch)
+    until a pipeline grow calls them in (``paratron resize --pipeline``, docs/elastic.md); the
+    parallel layout is that of the other ranks. Needs ``train.elastic_relayout``."""
     eval_interval: int = 50
     """Evaluate every this many steps and after the last; 0 only after the last."""
     eval_iters: int = 4

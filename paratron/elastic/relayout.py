@@ -18,8 +18,12 @@ boundary every rank agrees on one request (:func:`agree_on_request`; a callback'
    DP partition may come from several DP ranks, of this stage or the old one);
 4. carries over the optimizer's scalar state, the LR schedule and the RNG streams.
 
-Nothing is written to disk. Supported: ZeRO-0 and ZeRO-1; ZeRO-2/3 (grads and params sharded
-too) are refused with a clear message.
+Nothing is written to disk. Every ZeRO stage is supported: the grads (sharded under ZeRO-2/3)
+are empty at a step boundary, so only params and optimizer state move; under ZeRO-3 the params
+live only as the flat shards of the DDP buckets, and the optimizer's fp32 main weights
+(``optimizer/main_param/...``, rectangles of those shards) carry them (:func:`state_items`).
+TP and sequence parallelism need nothing of their own: each chunk is a rectangle of the full
+logical tensor (vocab padding excluded), whatever TP rank holds it.
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ import torch
 import torch.distributed as dist
 
 from paratron.checkpoint import rng
-from paratron.checkpoint.items import merge, model_items, optimizer_items
+from paratron.checkpoint.items import MODEL_PREFIX, chunks_from_param, iter_params, merge, model_items, optimizer_items
+from paratron.parallel.params import meta_of
 from paratron.pipeline.partition import stage_layers
 
 REQUEST_FILE = "relayout_request.json"
@@ -44,19 +49,27 @@ class RelayoutRefused(ValueError):
     """A re-layout request that cannot be met; the job continues with its current layout."""
 
 
-def take_request_file(run_dir: Path | None, rank: int) -> list[int] | None:
-    """Rank 0: the layout of a request dropped by ``paratron resize`` in ``run_dir`` (the file is
-    removed, so it is taken once); None on other ranks or when there is none."""
+def take_request_file(run_dir: Path | None, rank: int) -> dict | None:
+    """Rank 0: the request ``{"layout": [...] | None, "pipeline": P | None}`` dropped by ``paratron
+    resize`` in ``run_dir`` (the file is removed, so it is taken once); None on other ranks or when
+    there is none."""
     path = Path(run_dir) / REQUEST_FILE if run_dir is not None else None
     if rank != 0 or path is None or not path.is_file():
         return None
-    layout = json.loads(path.read_text(encoding="utf-8"))["layout"]
+    taken = request(**json.loads(path.read_text(encoding="utf-8")))
     path.unlink()
-    return [int(x) for x in layout]
+    return taken
 
 
-def agree_on_request(ctx, local: list[int] | None) -> list[int] | None:
-    """The layout every rank applies after this step, or None (collective, host side).
+def request(layout=None, pipeline=None) -> dict:
+    """A re-layout request: the new ``parallel.pipeline_layout`` (None: the default split) and
+    the new ``parallel.pipeline`` (None: unchanged, :mod:`paratron.elastic.regrid` otherwise)."""
+    return {"layout": None if layout is None else [int(x) for x in layout],
+            "pipeline": None if pipeline is None else int(pipeline)}
+
+
+def agree_on_request(ctx, local: dict | None) -> dict | None:
+    """The :func:`request` every rank applies after this step, or None (collective, host side).
 
     One host all-reduce of a flag per step; only when some rank holds a request, one
     ``all_gather_object``: the lowest rank's request wins, so every rank acts on the same one.
@@ -66,14 +79,14 @@ def agree_on_request(ctx, local: list[int] | None) -> list[int] | None:
     if flag[0] == 0:
         return None
     requests = ctx.world.all_gather_object(local)
-    return next(list(r) for r in requests if r is not None)
+    return next(r for r in requests if r is not None)
 
 
-def write_request(run_dir: Path, layout: list[int]) -> Path:
+def write_request(run_dir: Path, layout: list[int] | None, pipeline: int | None = None) -> Path:
     """Drop a re-layout request for the job running in ``run_dir`` (``paratron resize``)."""
     path = Path(run_dir) / REQUEST_FILE
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"layout": [int(x) for x in layout]}), encoding="utf-8")
+    tmp.write_text(json.dumps(request(layout, pipeline)), encoding="utf-8")
     tmp.replace(path)  # atomic: the job never reads half a request
     return path
 
@@ -83,21 +96,34 @@ def check_request(cfg, layout: list[int]) -> None:
 
     Raises:
         RelayoutRefused: the layout does not fit the layer count or the pipeline degree (the split
-            rule's message), or the job runs under ZeRO-2/3 (not supported yet).
+            rule's message).
     """
     p = cfg.parallel
     try:
         stage_layers(cfg.model.num_layers, p.pipeline, p.virtual_pipeline, layout, p.schedule)
     except ValueError as e:
         raise RelayoutRefused(f"re-layout to {layout} refused: {e}") from None
-    if p.zero > 1:
-        raise RelayoutRefused(f"re-layout to {layout} refused: parallel.zero={p.zero}; online re-layout "
-                              "supports parallel.zero=0 and 1 (ZeRO-2/3 shard grads and params too)")
 
 
 def state_items(chunks, optimizer) -> dict:
-    """Checkpoint key -> this rank's chunks of model params and optimizer state (in-place views)."""
-    return merge(model_items(chunks, for_save=False), optimizer_items(optimizer))
+    """Checkpoint key -> this rank's chunks of model params and optimizer state (in-place views).
+
+    Under ZeRO-3 a param in a DDP bucket has no storage of its own between uses (its ``.data``
+    is empty; the bucket's flat shard holds this rank's part), so it is left out here: its values
+    travel as ``optimizer/main_param/<logical_name>``, rectangles of the shard, and
+    ``optimizer.reload_model_params()`` writes them back into the param shards (the params equal
+    the cast main weights after every step). Params outside the buckets (frozen ones) keep their
+    full storage and move as ``model/<logical_name>``.
+    """
+    shards = optimizer.ddp.param_shards
+    if shards is None:
+        return merge(model_items(chunks, for_save=False), optimizer_items(optimizer))
+    sharded = {id(p) for buf in shards.buffers for p in buf.params}
+    model: dict = {}
+    for p in iter_params(chunks):
+        if id(p) not in sharded:
+            model.setdefault(MODEL_PREFIX + meta_of(p).logical_name, []).extend(chunks_from_param(p))
+    return merge(model, optimizer_items(optimizer))
 
 
 def _layout_of(items: dict) -> dict:

@@ -1,5 +1,6 @@
-"""``paratron resize RUN_DIR --layout 1,3``: ask the job training in ``RUN_DIR`` to change its
-``parallel.pipeline_layout`` at its next step boundary, in memory (:mod:`.relayout`).
+"""``paratron resize RUN_DIR --layout 1,3`` or ``--pipeline 4 [--layout 1,1,1,1]``: ask the job
+training in ``RUN_DIR`` to change its ``parallel.pipeline_layout`` (:mod:`.relayout`) or its
+pipeline degree (:mod:`.regrid`) at its next step boundary, in memory.
 
 The request is checked against the run's ``config.toml`` first (the same rule the job applies),
 then dropped as ``RUN_DIR/relayout_request.json``; the job's rank 0 takes it, every rank agrees,
@@ -17,10 +18,12 @@ from paratron.rules import load_config
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_dir", metavar="RUN_DIR", help="the run directory of the running job")
-    parser.add_argument("--layout", required=True,
-                        help="transformer layers per pipeline stage, comma separated (e.g. 1,3)")
+    parser.add_argument("--layout", default=None,
+                        help="transformer layers per pipeline stage, comma separated (e.g. 1,3); with "
+                             "--pipeline, default: the even split")
     parser.add_argument("--pipeline", type=int, default=None,
-                        help="the pipeline degree; only the job's current one is supported online")
+                        help="the new pipeline degree (DP x TP fixed: a grow needs free spares, "
+                             "train.elastic_spares; a shrink lets the last stages leave)")
 
 
 def run(args) -> int:
@@ -33,21 +36,22 @@ def run(args) -> int:
         print(f"paratron resize: {config} has train.elastic_relayout=false: the job takes no re-layout "
               "requests (start it with --set train.elastic_relayout=true)")
         return 2
+    if args.layout is None and args.pipeline in (None, cfg.parallel.pipeline):
+        print("paratron resize: give --layout, or --pipeline with a new pipeline degree")
+        return 2
     try:
-        layout = [int(x) for x in args.layout.split(",")]
+        layout = None if args.layout is None else [int(x) for x in args.layout.split(",")]
     except ValueError:
         print(f"paratron resize: --layout {args.layout!r} must be integers separated by commas")
         return 2
-    if args.pipeline is not None and args.pipeline != cfg.parallel.pipeline:
-        print(f"paratron resize: --pipeline {args.pipeline}: changing the pipeline degree of a running job "
-              f"(now parallel.pipeline={cfg.parallel.pipeline}) is not supported yet; only the layout moves")
-        return 2
+    if args.pipeline is not None:
+        cfg.parallel.pipeline = args.pipeline  # the job checks the rest (free spares, the world's rules)
     try:
         check_request(cfg, layout)
     except RelayoutRefused as e:
         print(f"paratron resize: {e}")
         return 2
-    path = write_request(Path(args.run_dir), layout)
-    print(f"paratron resize: requested parallel.pipeline_layout={layout}; the job takes {path} at its next "
-          "step boundary")
+    path = write_request(Path(args.run_dir), layout, args.pipeline)
+    print(f"paratron resize: requested parallel.pipeline={cfg.parallel.pipeline} pipeline_layout={layout}; the "
+          f"job takes {path} at its next step boundary")
     return 0

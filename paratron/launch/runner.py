@@ -15,20 +15,20 @@ import torch
 import torch.distributed as dist
 
 from paratron.config import Config
+from paratron.launch.grow import stand_by
+from paratron.elastic.regrid import release_spares, start_session
 from paratron.launch.rankproc import record_failure
 from paratron.launch.startup import StartupClock
 from paratron.launch.watchdog import HangWatchdog
-from paratron.parallel.context import ParallelContext, init_distributed
-from paratron.training.groups import groups_used
+from paratron.parallel.context import init_distributed
+from paratron.training.groups import context_for
 from paratron.training.step_log import log
 from paratron.training.trainer import NonFiniteStop, Trainer
 
 
 def build_context(cfg: Config):
     init_distributed(cfg.parallel.timeout_s)
-    p = cfg.parallel
-    return ParallelContext.build(tp=p.tensor, cp=p.context, ep=p.expert, pp=p.pipeline,
-                                 expert_tp=p.expert_tensor, order=p.order, kinds=groups_used(cfg))
+    return context_for(cfg)
 
 
 def builtin_callbacks(cfg: Config, ctx, state) -> list:
@@ -47,13 +47,21 @@ def run_training(cfg: Config, run_dir: str | None = None) -> int:
         torch.use_deterministic_algorithms(True)
     clock = StartupClock()
     with clock.part("rendezvous"):
-        ctx = build_context(cfg)
+        init_distributed(cfg.parallel.timeout_s)
+        session = start_session(cfg)  # elastic runs; the spares leave the default group
+        ctx = build_context(cfg) if dist.is_initialized() else None
     try:
-        return Trainer(cfg, ctx, run_dir, clock, lambda state: builtin_callbacks(cfg, ctx, state)).train()
+        if ctx is None:  # a spare: stands by until a pipeline grow calls it in
+            return stand_by(session, run_dir, clock, lambda state: builtin_callbacks(cfg, state.ctx, state))
+        trainer = Trainer(cfg, ctx, run_dir, clock, lambda state: builtin_callbacks(cfg, state.ctx, state))
+        trainer.elastic = session
+        return trainer.train()
     except NonFiniteStop as exc:
-        log(ctx, f"error: {exc}")
+        if ctx is not None:
+            log(ctx, f"error: {exc}")
         record_failure(exc)
         return 1
     finally:
         if dist.is_initialized():
+            release_spares(session, dist.get_rank())  # rank 0: the spares never called in exit 0
             dist.destroy_process_group()

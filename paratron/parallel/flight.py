@@ -202,6 +202,11 @@ class FlightRecorder:
         self._next += 1
         return e
 
+    def restart_counts(self) -> None:
+        """Count every group from zero again: the process groups were re-made with another
+        membership (:mod:`paratron.elastic.regrid`), and a process that joined counts from there."""
+        self.counts, self.ccounts, self._crc, self.slots = {}, {}, {}, None
+
     @staticmethod
     def finish(entry: FlightEntry, work: Any = None) -> None:
         """Close a synchronous op now, or attach the work handle of an asynchronous one."""

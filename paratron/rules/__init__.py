@@ -15,6 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from paratron.config import aliases, loading
+from paratron.config.errors import ConfigError
 from paratron.config.sections import Config
 from paratron.config.validators import SECTION_RULES, config_warnings
 
@@ -40,12 +41,29 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     importing the plugins of ``train.callbacks``, whose schedules, dispatchers and blocks are
     looked up here).
 
+    ``world_size``: the launch's; the ``train.elastic_spares`` standing by are not in the layout.
+
     Raises:
         ConfigError: the first rule broken, naming field, value and rule.
     """
+    world_size = _training_world(cfg, world_size)
     for rule in VALIDATORS:
         rule(cfg, world_size)
     return cfg
+
+
+def _training_world(cfg: Config, world_size: int | None) -> int | None:
+    """The ranks that train at the start: the launch's less the elastic spares."""
+    t = cfg.train
+    if t.elastic_spares < 0 or (t.elastic_spares and not t.elastic_relayout):
+        raise ConfigError(f"train.elastic_spares={t.elastic_spares} must be >= 0, and needs "
+                          "train.elastic_relayout=true (the spares join at a re-layout)")
+    if world_size is None or not t.elastic_spares:
+        return world_size
+    if t.elastic_spares >= world_size:
+        raise ConfigError(f"train.elastic_spares={t.elastic_spares} leaves no training rank of the "
+                          f"world size {world_size}")
+    return world_size - t.elastic_spares
 
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from paratron.elastic.relayout import request
+
 
 @dataclass
 class TrainState:
@@ -48,15 +50,17 @@ class TrainState:
     the same on every rank, summing to ``global_batch_size / micro_batch_size``: the data loader
     then hands each DP replica that many microbatches of the same global batch, and the loss stays
     the global token mean (e.g. fail-slow mitigation, :mod:`paratron.plugins.failslow`)."""
-    relayout_request: list[int] | None = None
-    """A layout (layers per pipeline stage) to switch to at the next step boundary, in memory
-    (:meth:`request_relayout`, :mod:`paratron.elastic.relayout`)."""
+    relayout_request: dict | None = None
+    """A layout (layers per pipeline stage) and pipeline degree to switch to at the next step
+    boundary, in memory (:meth:`request_relayout`, :func:`paratron.elastic.relayout.request`)."""
 
-    def request_relayout(self, layout) -> None:
-        """Ask for ``parallel.pipeline_layout = layout`` after the current step, without a
-        checkpoint on disk (:mod:`paratron.elastic.relayout`). One rank asking is enough; a layout
-        that does not fit is refused with a warning and the run goes on unchanged."""
-        self.relayout_request = [int(x) for x in layout]
+    def request_relayout(self, layout=None, pipeline: int | None = None) -> None:
+        """Ask for ``parallel.pipeline_layout = layout`` (None: the default split) and, if given,
+        ``parallel.pipeline = pipeline`` after the current step, without a checkpoint on disk
+        (:mod:`paratron.elastic.relayout`; a new pipeline degree: :mod:`paratron.elastic.regrid`).
+        One rank asking is enough; a request that cannot be met is refused with a warning and
+        the run goes on unchanged."""
+        self.relayout_request = request(layout, pipeline)
 
 
 class Callback:

@@ -35,6 +35,7 @@ distinct rank set of more than one rank.
 from __future__ import annotations
 
 from paratron.config import Config
+from paratron.parallel.context import ParallelContext
 from paratron.parallel.grid import GROUP_KINDS
 
 ALWAYS = ("tp", "cp", "pp", "dp_cp", "world")
@@ -55,3 +56,11 @@ def groups_used(cfg: Config) -> tuple[str, ...]:
         if m.moe_aux_loss_type == "seq":
             kinds.add("dp")
     return tuple(k for k in GROUP_KINDS if k in kinds)
+
+
+def context_for(cfg: Config) -> ParallelContext:
+    """The run's :class:`ParallelContext` in the current default group: its layout, with the
+    process groups of :func:`groups_used` only (collective over the world)."""
+    p = cfg.parallel
+    return ParallelContext.build(tp=p.tensor, cp=p.context, ep=p.expert, pp=p.pipeline,
+                                 expert_tp=p.expert_tensor, order=p.order, kinds=groups_used(cfg))

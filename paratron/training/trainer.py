@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from paratron.checkpoint import rng
 from paratron.config import Config, to_toml
+from paratron.training.regrid_step import change_pipeline
 from paratron.elastic.relayout import (RelayoutRefused, agree_on_request, check_request, move_state,
                                        state_items, take_request_file)
 from paratron.parallel.collcheck import agree_to_stop
@@ -122,17 +123,22 @@ class Trainer:
         self.step_log = StepLog(cfg, ctx, *peak_flops_per_device(cfg.train.peak_flops_per_device,
                                                                  ctx.device), timer=self.timer)
         self.stopping = False
+        self.elastic = None  # the ElasticSession of an elastic run (paratron.elastic.regrid)
+        self.left = False  # this rank left the job at a pipeline shrink
 
     # ---- the loop ------------------------------------------------------------------------
-    def train(self) -> int:
+    def train(self, joined: bool = False) -> int:
         """Train to ``train.train_iters`` (or a stop request); returns the exit code: 0, or the
         ``state.exit_code`` a callback set with its stop request.
+        ``joined``: a process that joined a running job at a pipeline grow, its state received
+        (``paratron.elastic.grow``): no resume. A rank that leaves at a shrink returns 0 there.
 
         Raises:
             NonFiniteStop: a non-finite step under ``train.nonfinite`` (the same on every rank).
         """
-        with self.clock.part("checkpoint_load"):
-            self.resume()
+        if not joined:
+            with self.clock.part("checkpoint_load"):
+                self.resume()
         self.callbacks.on_train_start(self.state)
         with StopFlag() as stop:
             try:
@@ -147,6 +153,8 @@ class Trainer:
                     self.maybe_save(final=last or self.stopping)
                     if not (last or self.stopping):
                         self.maybe_relayout()
+                    if self.left:
+                        return 0  # handed over at a pipeline shrink: nothing more to do here
                 if self.stopping:
                     log(self.ctx, f"stop requested: saved and exiting at iteration {self.state.iteration}")
                 if self.ckpt is not None:
@@ -251,14 +259,17 @@ class Trainer:
             return
         local = self.state.relayout_request or take_request_file(self.run_dir, self.ctx.rank)
         self.state.relayout_request = None
-        layout = agree_on_request(self.ctx, local)
-        if layout is None:
+        req = agree_on_request(self.ctx, local)
+        if req is None:
             return
+        p, layout = self.cfg.parallel, req["layout"]
         try:
+            if req["pipeline"] not in (None, p.pipeline):  # the grid changes (paratron.elastic.regrid)
+                return change_pipeline(self, req["pipeline"], layout)
             check_request(self.cfg, layout)
         except RelayoutRefused as e:
-            log(self.ctx, f"warning: {e}; the run continues with parallel.pipeline_layout="
-                          f"{self.cfg.parallel.pipeline_layout}")
+            log(self.ctx, f"warning: {e}; the run continues with parallel.pipeline={p.pipeline}, "
+                          f"pipeline_layout={p.pipeline_layout}")
             return
         self.relayout_to(layout)
 
@@ -270,24 +281,32 @@ class Trainer:
         t0 = time.perf_counter()
         streams, old = rng.capture(self.chunks), state_items(self.chunks, self.optimizer)
         before = self.cfg.parallel.pipeline_layout
-        self.cfg.parallel.pipeline_layout = list(layout)  # every holder of cfg sees the new split
+        self.cfg.parallel.pipeline_layout = layout  # every holder of cfg sees the new split
         chunks, ddp, optimizer, scheduler = build_model_and_optimizer(self.cfg, self.ctx)
         received = torch.tensor([float(move_state(self.ctx, old, state_items(chunks, optimizer)))])
         self.ctx.world.host_all_reduce(received)
-        optimizer.load_scalar_state(self.optimizer.scalar_state())
-        optimizer.reload_model_params()
-        scheduler.load_state_dict(self.scheduler.state_dict())
-        rng.restore(chunks, streams)
+        old_optimizer, old_scheduler = self.optimizer, self.scheduler
         self.chunks, self.ddp, self.optimizer, self.scheduler = chunks, ddp, optimizer, scheduler
-        self.state.chunks, self.state.optimizer, self.state.scheduler = chunks, optimizer, scheduler
-        self.evaluator.chunks, self._actions = chunks, {}
+        self.adopt(old_optimizer.scalar_state(), old_scheduler.state_dict(), streams)
+        log(self.ctx, f"re-layout at iteration {self.state.iteration}: parallel.pipeline_layout {before} -> "
+                      f"{layout} in memory ({time.perf_counter() - t0:.2f} s; {int(received.item()):,} "
+                      "elements of params and optimizer state moved between stages)")
+
+    def adopt(self, scalar_state: dict, scheduler_state: dict, streams: dict | None) -> None:
+        """After a re-layout filled the tensors of the rebuilt chunks and optimizer: the
+        optimizer's scalar state, the LR schedule's position, the RNG streams (None: as they are),
+        the schedule lists and the run's ``config.toml`` (rank 0)."""
+        self.optimizer.load_scalar_state(scalar_state)
+        self.optimizer.reload_model_params()
+        self.scheduler.load_state_dict(scheduler_state)
+        if streams is not None:
+            rng.restore(self.chunks, streams)
+        self.state.chunks, self.state.optimizer, self.state.scheduler = self.chunks, self.optimizer, self.scheduler
+        self.evaluator.chunks, self._actions = self.chunks, {}
         if self.data.num_microbatches is not None:
             self.actions_for(self.data.num_microbatches)
         if self.ctx.rank == 0:  # the run's record says the layout it trains at now
             (self.run_dir / "config.toml").write_text(to_toml(self.cfg), encoding="utf-8")
-        log(self.ctx, f"re-layout at iteration {self.state.iteration}: parallel.pipeline_layout {before} -> "
-                      f"{list(layout)} in memory ({time.perf_counter() - t0:.2f} s; {int(received.item()):,} "
-                      "elements of params and optimizer state moved between stages)")
 
     # ---- around the loop -----------------------------------------------------------------
     def resume(self) -> None:

@@ -1,0 +1,174 @@
+"""Changing the pipeline degree of a running job (paratron/elastic/regrid.py, grow.py): PP=2 -> 4
+with two spares called in after step 3 of 6, and PP=4 -> 2 with the last two stages leaving,
+give the losses and final params of the uninterrupted PP=2 run bitwise (which PP=4 matches
+too), write no file under the checkpoint directory, and the leavers exit 0 and are gone before
+the job ends. Requests that cannot be met (a layout that does not fit, a grow without a free
+slot) are refused and the run goes on unchanged."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from paratron.checkpoint.items import model_items
+from paratron.elastic.relayout import RelayoutRefused, take_request_file, write_request
+from paratron.elastic.regrid import plan_change
+from paratron.launch.launch import alive
+from paratron.local_ranks import run_ranks
+from paratron.parallel.grid import build_grid
+from paratron.rules import load_config
+from paratron.training.callbacks import Callback
+
+PLAN = "PARATRON_TEST_REGRID"  # json: {str(step): [layout, pipeline, how], ...}; how: "callback" or "file"
+
+TINY = [
+    "model.num_layers=4", "model.hidden_size=32", "model.num_attention_heads=4",
+    "model.seq_length=16", "model.tie_embeddings=true", "model.make_vocab_size_divisible_by=16",
+    "train.micro_batch_size=2", "train.global_batch_size=8", "train.train_iters=6",
+    "train.eval_interval=0", "train.deterministic=true", "train.seed=11",
+    "optimizer.lr=3e-3", "optimizer.lr_warmup_iters=2", "optimizer.clip_grad=0.0",  # docs/elastic.md, "Bitwise parity"
+    "logging.log_interval=1", "logging.tensorboard=false", "logging.progress=false",
+    "train.sample_tokens=0", "train.elastic_relayout=true", "train.callbacks=test_elastic_regrid:Probe",
+]
+
+
+class Probe(Callback):
+    """Asks for the requests of ``$PARATRON_TEST_REGRID`` through ``state.request_relayout`` or
+    the file of ``paratron resize``,
+    records the pipeline degree and the checkpoint directory's files at each step start, and at
+    the end saves this rank's final params and whether the processes that left are still alive."""
+
+    def __init__(self, state):
+        self.plan = json.loads(os.environ.get(PLAN, "{}"))
+        self.seen = []
+
+    def on_step_start(self, state):
+        ck = Path(state.run_dir) / "ck"
+        self.seen.append({"iteration": state.iteration, "pipeline": state.config.parallel.pipeline,
+                          "world": state.ctx.world_size,
+                          "ck_files": sorted(str(p) for p in ck.rglob("*")) if ck.exists() else []})
+
+    def on_step_end(self, state, metrics, timings):
+        if str(state.iteration) in self.plan and state.ctx.rank == 0:
+            layout, pipeline, how = self.plan[str(state.iteration)]
+            if how == "file":
+                write_request(state.run_dir, layout, pipeline)
+            else:
+                state.request_relayout(layout, pipeline=pipeline)
+
+    def on_train_end(self, state):
+        params = {k: c[0].tensor.clone() for k, c in model_items(state.chunks, is_first_stage=state.ctx.is_first_stage).items()}
+        pids = {p.name: alive(int(p.read_text())) for p in Path(state.run_dir).glob("slot_*.pid")}
+        torch.save({"params": params, "seen": self.seen, "alive": pids},
+                   Path(state.run_dir) / f"probe_{state.ctx.rank}.pt")
+
+
+def _train(overrides: list[str], run_dir: str, plan: dict) -> int:
+    import paratron.launch.runner as runner
+
+    os.environ[PLAN] = json.dumps(plan)
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    (Path(run_dir) / f"slot_{os.environ['RANK']}.pid").write_text(str(os.getpid()))
+    return runner.run_training(load_config(None, overrides), run_dir)
+
+
+def _run(tmp_path, name, overrides, plan=None, launch=2, final_world=None):
+    run_dir = tmp_path / name
+    assert run_ranks(_train, launch, overrides, str(run_dir), plan or {}, timeout=400) == [0] * launch
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    losses = {r["iteration"]: r["loss"] for r in records if "loss" in r}
+    probes = [torch.load(run_dir / f"probe_{r}.pt") for r in range(final_world or launch)]
+    params = {k: v for p in probes for k, v in p["params"].items()}
+    return losses, params, probes
+
+
+def _assert_same(a, b, what):
+    assert sorted(a[0]) == [1, 2, 3, 4, 5, 6]
+    assert a[0] == b[0], f"{what}: losses {a[0]} vs {b[0]}"
+    assert a[1].keys() == b[1].keys()
+    for k in a[1]:
+        assert torch.equal(a[1][k], b[1][k]), f"{what}: {k}"
+
+
+@pytest.fixture(scope="module")
+def pp2(tiny_corpus, tmp_path_factory):
+    """The uninterrupted PP=2 run (2 ranks) every change is compared with."""
+    return _run(tmp_path_factory.mktemp("pp2"), "run", TINY + tiny_corpus + ["data.split=100,0,0", "parallel.pipeline=2"])
+
+
+def _pipelines(probe) -> dict:
+    return {s["iteration"]: (s["pipeline"], s["world"]) for s in probe["seen"]}
+
+
+def test_grow_pp2_to_pp4_in_memory_is_bitwise(pp2, tiny_corpus, tmp_path):
+    """4 processes, 2 of them spares: after step 1 a layout that does not fit is refused, after
+    step 3 the spares join as stages 2 and 3."""
+    base = TINY + tiny_corpus + ["data.split=100,0,0"]
+    ck = tmp_path / "grow" / "ck"
+    grow = _run(tmp_path, "grow", base + ["parallel.pipeline=2", "train.elastic_spares=2", f"checkpoint.save={ck}"],
+                {"1": [[1, 1, 1, 2], 4, "callback"], "3": [None, 4, "callback"]}, launch=4)
+    _assert_same(pp2, grow, "PP=2 -> PP=4 after step 3")
+    survivor, newcomer = _pipelines(grow[2][0]), _pipelines(grow[2][3])
+    assert survivor == {0: (2, 2), 1: (2, 2), 2: (2, 2), 3: (4, 4), 4: (4, 4), 5: (4, 4)}, survivor
+    assert newcomer == {3: (4, 4), 4: (4, 4), 5: (4, 4)}, newcomer  # joined for steps 4-6
+    assert all(s["ck_files"] == [] for p in grow[2] for s in p["seen"])  # nothing written by the change
+    assert (ck / "latest").read_text().strip() == "step_6"  # the final save, at PP=4
+
+
+@pytest.mark.slow
+def test_uninterrupted_pp4_equals_pp2(pp2, tiny_corpus, tmp_path):
+    """The premise of the bitwise tests: the pipeline degree alone does not change the math."""
+    pp4 = _run(tmp_path, "pp4", TINY + tiny_corpus + ["data.split=100,0,0", "parallel.pipeline=4"], launch=4)
+    _assert_same(pp2, pp4, "PP=4 vs PP=2 uninterrupted")
+
+
+def test_shrink_pp4_to_pp2_in_memory_is_bitwise(pp2, tiny_corpus, tmp_path):
+    """After step 2 a grow with no free slot is refused; after step 3 stages 2 and 3 hand over
+    and leave: their processes return 0 (run_ranks checks each) and are gone at the end."""
+    base = TINY + tiny_corpus + ["data.split=100,0,0"]
+    shrink = _run(tmp_path, "shrink", base + ["parallel.pipeline=4"], {"2": [None, 8, "callback"], "3": [None, 2, "file"]},
+                  launch=4, final_world=2)
+    _assert_same(pp2, shrink, "PP=4 -> PP=2 after step 3")
+    assert _pipelines(shrink[2][0]) == {0: (4, 4), 1: (4, 4), 2: (4, 4), 3: (2, 2), 4: (2, 2), 5: (2, 2)}
+    assert shrink[2][0]["alive"] == {"slot_0.pid": True, "slot_1.pid": True, "slot_2.pid": False,
+                                     "slot_3.pid": False}
+    assert not (tmp_path / "shrink" / "probe_2.pt").exists()  # the leavers did not train to the end
+    assert not (tmp_path / "shrink" / "relayout_request.json").exists()  # the file's request was taken
+
+
+def _cfg(*extra):
+    return load_config(None, ["model.num_layers=4", "parallel.pipeline=2", "train.elastic_relayout=true", *extra])
+
+
+def test_plan_change_keeps_coordinates_and_refuses_what_cannot_be_met():
+    grid = build_grid(4, pp=2)  # dp=2
+    grow = plan_change(_cfg(), grid, 4, None, spares=[4, 5, 6, 7])
+    assert grow.new_rank == (0, 1, 2, 3) and grow.newcomers == ((4, 4), (5, 5), (6, 6), (7, 7))
+    assert grow.union_size == 8 and grow.stages() == [0, 0, 1, 1, 2, 2, 3, 3]
+    shrink = plan_change(_cfg("parallel.pipeline=4"), build_grid(8, pp=4), 2, [3, 1], spares=[])
+    assert shrink.new_rank == (0, 1, 2, 3, None, None, None, None) and shrink.newcomers == ()
+    assert shrink.stages() == [0, 0, 1, 1, 2, 2, 3, 3]
+    with pytest.raises(RelayoutRefused, match=r"needs 4 more processes and 3 stand by \(no free slot"):
+        plan_change(_cfg(), grid, 4, None, spares=[4, 5, 6])
+    with pytest.raises(RelayoutRefused, match="sum to model.num_layers=4"):
+        plan_change(_cfg(), grid, 4, [1, 1, 1, 2], spares=[4, 5, 6, 7])
+    with pytest.raises(RelayoutRefused, match="parallel.zero=2"):
+        plan_change(_cfg("parallel.zero=2"), grid, 4, None, spares=[4, 5, 6, 7])
+
+
+def test_resize_command_asks_for_a_new_pipeline_degree(tmp_path, capsys):
+    from paratron.cli import main
+    from paratron.config import to_toml
+
+    (tmp_path / "config.toml").write_text(to_toml(_cfg()), encoding="utf-8")
+    assert main(["resize", str(tmp_path), "--pipeline", "4", "--layout", "1,1,1,2"]) == 2
+    assert "sum to model.num_layers=4" in capsys.readouterr().out
+    assert main(["resize", str(tmp_path), "--pipeline", "2"]) == 2  # nothing would change
+    assert not (tmp_path / "relayout_request.json").exists()
+    assert main(["resize", str(tmp_path), "--pipeline", "4"]) == 0
+    assert "parallel.pipeline=4 pipeline_layout=None" in capsys.readouterr().out
+    assert take_request_file(tmp_path, 0) == {"layout": None, "pipeline": 4}
