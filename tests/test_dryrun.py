@@ -21,7 +21,6 @@ import torch
 from paratron.dryrun.moe_standin import install_balanced_routing
 from paratron.dryrun.predict import predict
 from paratron.rules import build_config, validate
-from paratron.dryrun.predict import predict
 from paratron.dryrun.rehearse import DryRunError, build_context, rehearse_rank
 from paratron.dryrun.run import auto_ranks, dry_run
 from paratron.local_ranks import run_ranks
@@ -314,13 +313,36 @@ def test_moe_layouts_the_stand_in_cannot_serve_are_refused_naming_the_field():
 def test_deferred_weight_grads_are_counted_until_their_w():
     """Under ZB-H1 a B queues each layer's weight-grad closure, which holds its ``x`` and ``dy``
     outside autograd's saved tensors until the W: the dry run counts them (before, the last
-    stage's ZB-H1 peak equalled its 1F1B peak, 0.48 of the planner's, which counts a
-    microbatch's activations until its W)."""
+    stage's ZB-H1 peak equalled its 1F1B peak, 0.48 of the planner's). The planner's figure
+    beside it is 0.85-1.10 of it (it counts those closures too, ``deferred_weight_grad_bytes``)."""
     peaks = {}
     for sched in ("1f1b", "zb-h1"):
         cfg = small_config(f"parallel.schedule={sched}", "train.global_batch_size=16")
         got = rehearse_rank(cfg, 8, 7)
         peaks[sched] = got["peak_activations"]
         want = predict(cfg, 8, got["coords"]["pp"])["activations"]
-        assert 0.85 <= got["peak_activations"] / want <= 1.0, (sched, got["peak_activations"], want)
+        assert 0.85 <= got["peak_activations"] / want <= 1.10, (sched, got["peak_activations"], want)
     assert peaks["zb-h1"] > 1.5 * peaks["1f1b"], peaks
+
+
+ZB_SP_GPT = ["parallel.zero=1", "parallel.schedule=zb-h1", "model.hidden_size=256", "model.num_query_groups=4",
+             "model.seq_length=64", "model.normalization=layernorm", "model.activation=gelu",
+             "model.add_bias_linear=true", "model.position_embedding_type=learned"]
+
+
+def test_zb_h1_with_sequence_parallelism_planner_matches_real_and_dry_run():
+    """TP2 x PP2 x DP2, SP, ZB-H1, a GPT-style layer (LayerNorm, GELU, biases) 256 wide: a B leaves
+    each linear's gathered ``[s, b, h]`` input (column-parallel) or gathered output grad
+    (row-parallel) in its weight-grad closure until the W. The dry run equals a real gloo run
+    (model states, ledger, p2p shapes, peak saved bytes within 10%) and the planner's activations
+    are within 5% of the real peak on every rank (before it counted the closures, 0.889 and
+    0.843 of it: it counted a microbatch's activations until its W, nothing more)."""
+    cfg = small_config(*ZB_SP_GPT)
+    real = sorted(run_ranks(_real_rank, 8, cfg, timeout=240), key=lambda r: r["rank"])
+    for want in real:
+        got = rehearse_rank(cfg, 8, want["rank"])
+        for term in ("params", "grads", "main_params", "optimizer_state", "ledger", "p2p"):
+            assert got[term] == want[term], (want["rank"], term)
+        assert abs(got["peak_activations"] / want["peak_activations"] - 1) <= 0.10, want["rank"]
+        planned = predict(cfg, 8, got["coords"]["pp"])["activations"]
+        assert abs(planned / want["peak_activations"] - 1) <= 0.05, (want["rank"], planned, want["peak_activations"])

@@ -76,6 +76,23 @@ def test_every_layout_is_one_the_validator_accepts(monkeypatch):
     assert {lay.pp for lay in enumerate_layouts(cfg, 4, 4, 16, "fp32")[0]} == {1}
 
 
+def test_rules_run_once_on_the_base_change_no_layout(monkeypatch):
+    """``_finite`` (the layout-free rule) runs once on the base config: the layouts and refusals
+    are those of running every rule on every layout; a base that fails it still runs it each time."""
+    import paratron.planner.layouts as mod
+
+    cfg = Config(model=ModelConfig(**TINY_MODEL))
+    assert mod._passed_once(cfg, 8) == ("_finite",)
+    fast = enumerate_layouts(cfg, 8, 8, 16, "fp32")
+    monkeypatch.setattr(mod, "LAYOUT_FREE_RULES", ())
+    assert enumerate_layouts(cfg, 8, 8, 16, "fp32") == fast
+    cfg.optimizer.lr = float("nan")
+    monkeypatch.undo()
+    assert mod._passed_once(cfg, 8) == ()
+    layouts, refused = enumerate_layouts(cfg, 8, 8, 16, "fp32")
+    assert not layouts and any("optimizer.lr=nan" in rule for rule in refused)
+
+
 # ---- cost terms -------------------------------------------------------------------------------
 def test_pipeline_term_is_the_simulated_schedule():
     # Uniform stages, no latency: 1F1B's bubble is (p-1)/(m+p-1) (Narayanan et al. 2021, section 2.2)
@@ -87,6 +104,21 @@ def test_pipeline_term_is_the_simulated_schedule():
     assert cost.bubble == pytest.approx((p - 1) / (m + p - 1))
     assert cache.in_flight("1f1b", p, m, 1) == [4, 3, 2, 1]
     assert cache.in_flight("gpipe", p, m, 1) == [m] * p
+    # Without a separate W, a rank's only peak point holds no pending weight grad.
+    assert cache.flight("1f1b", p, m, 1) == [((4, 0),), ((3, 0),), ((2, 0),), ((1, 0),)]
+
+
+def test_zero_bubble_flight_counts_pending_weight_grads():
+    """ZB-H1 (Qi et al. 2023): a microbatch is alive from its F to its B, then its W is pending
+    until the W; the (alive, pending) points each rank reaches, and their sum is the count of
+    a microbatch kept until its W (``in_flight``)."""
+    cache = ScheduleCache()
+    flights = cache.flight("zb-h1", 4, 8, 1)
+    assert [max(a for a, _ in f) for f in flights] == [4, 3, 2, 1]
+    assert all(max(w for _, w in f) >= 1 for f in flights)
+    assert cache.in_flight("zb-h1", 4, 8, 1) == [max(a + w for a, w in f) for f in flights]
+    for f in flights:  # no point dominates another
+        assert not any(o != q and o[0] >= q[0] and o[1] >= q[1] for o in f for q in f)
 
 
 def test_memory_model_against_zero_levels():

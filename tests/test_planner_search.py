@@ -62,7 +62,7 @@ def _exhaustive(prob: Problem, layouts, top_k: int):
                             prob.cluster.hw.sharing)
         except ValueError:
             continue
-        mem = memory_per_rank(prob, lay, cache.in_flight(lay.schedule, lay.pp, m, lay.vpp))
+        mem = memory_per_rank(prob, lay, cache.flight(lay.schedule, lay.pp, m, lay.vpp))
         if mem[0].total <= prob.cluster.hw.memory_bytes:
             out.append(finish(prob, lay, works, fixed_seconds(prob, lay, works), pipe, mem))
     return sorted(out, key=rank_key)[:top_k]

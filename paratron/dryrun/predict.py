@@ -11,7 +11,7 @@ import dataclasses
 
 from paratron.planner.estimate import rank_expert_params, rank_params, stage_ranks
 from paratron.planner.layout import Layout
-from paratron.planner.memory import held_activation_bytes, rank_memory, state_bytes
+from paratron.planner.memory import peak_activation_bytes, rank_memory, state_bytes
 from paratron.planner.pipeline import ScheduleCache
 from paratron.planner.shape import Shape
 
@@ -31,7 +31,8 @@ def act_bytes(precision: str) -> int:
 
 def predict(cfg, world_size: int, pp_rank: int, cache: ScheduleCache | None = None) -> dict[str, float]:
     """Planner bytes of pipeline rank ``pp_rank``: ``params``, ``grads``, ``optimizer`` (main
-    params + state), ``activations`` (saved for backward at the schedule's peak), ``transient``
+    params + state), ``activations`` (saved for backward, and held by deferred weight grads, at
+    the schedule's peak), ``transient``
     (the loss's or a recomputed layer's working memory) and ``total`` (the planner's peak,
     which may instead be the optimizer step's)."""
     lay = layout_of(cfg, world_size)
@@ -41,13 +42,13 @@ def predict(cfg, world_size: int, pp_rank: int, cache: ScheduleCache | None = No
     expert_local = rank_expert_params(shape, lay)[pp_rank]
     m = lay.microbatches(cfg.train.global_batch_size)
     cache = cache or ScheduleCache()
-    in_flight = cache.in_flight(lay.schedule, lay.pp, m, lay.vpp)[pp_rank]
+    flight = cache.flight(lay.schedule, lay.pp, m, lay.vpp)[pp_rank]
     last = stage_ranks(lay)[-1] == pp_rank
     prec = cfg.train.precision
     per_chunk, a = shape.L // (lay.pp * lay.vpp), act_bytes(prec)
-    mem = rank_memory(shape, lay, params_local, per_chunk, in_flight, last, prec, a, fused=True,
+    mem = rank_memory(shape, lay, params_local, per_chunk, flight, last, prec, a, fused=True,
                       expert_local=expert_local)
-    held, transient = held_activation_bytes(shape, lay, per_chunk, in_flight, last, a, fused=True)
+    held, transient = peak_activation_bytes(shape, lay, per_chunk, flight, last, a, fused=True)
     param, grad, opt = state_bytes(params_local, lay, prec, expert_local)
     return {"params": param, "grads": grad, "optimizer": opt, "activations": held, "transient": transient,
             "total": mem.total}

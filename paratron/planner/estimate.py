@@ -21,7 +21,7 @@ from .hardware import Cluster
 from .layout import Layout
 from .memory import Memory, rank_memory
 from .bound import pipeline_floor
-from .pipeline import PipelineCost, ScheduleCache
+from .pipeline import Flight, PipelineCost, ScheduleCache
 from .shape import Shape
 
 OPTIMIZER_BYTES_PER_PARAM = 28
@@ -96,17 +96,18 @@ def stage_ranks(lay: Layout) -> list[int]:
     return [of[st] for st in range(lay.pp * lay.vpp)]
 
 
-def memory_per_rank(prob: Problem, lay: Layout, in_flight: list[int]) -> tuple[Memory, int]:
-    """(largest rank's memory, its pipeline rank)."""
+def memory_per_rank(prob: Problem, lay: Layout, flights: list[Flight]) -> tuple[Memory, int]:
+    """(largest rank's memory, its pipeline rank); ``flights[r]``: pipeline rank ``r``'s
+    ``(alive, pending)`` points (:meth:`ScheduleCache.flight`)."""
     shape, stages = prob.shape, lay.pp * lay.vpp
     params, experts = rank_params(shape, lay), rank_expert_params(shape, lay)
     last = stage_ranks(lay)[-1]
     memo: dict[tuple[float, float, int, bool], Memory] = {}  # most ranks of a pipeline hold the same
 
     def of(r: int) -> Memory:
-        key = (params[r], experts[r], in_flight[r], r == last)
+        key = (params[r], experts[r], flights[r], r == last)
         if key not in memo:
-            memo[key] = rank_memory(shape, lay, params[r], shape.L // stages, in_flight[r], r == last,
+            memo[key] = rank_memory(shape, lay, params[r], shape.L // stages, flights[r], r == last,
                                     prob.precision, prob.cluster.hw.act_bytes, prob.fused_attention,
                                     experts[r])
         return memo[key]
@@ -183,5 +184,5 @@ def estimate(prob: Problem, lay: Layout, cache: ScheduleCache, works: list[Work]
     fixed = fixed or fixed_seconds(prob, lay, works)
     m = lay.microbatches(prob.global_batch_size)
     pipe = cache.makespan(lay.schedule, lay.pp, m, lay.vpp, works, p2p_seconds(prob, lay), prob.cluster.hw.sharing)
-    mem = mem or memory_per_rank(prob, lay, cache.in_flight(lay.schedule, lay.pp, m, lay.vpp))
+    mem = mem or memory_per_rank(prob, lay, cache.flight(lay.schedule, lay.pp, m, lay.vpp))
     return finish(prob, lay, works, fixed, pipe, mem)

@@ -29,9 +29,17 @@ Recomputation in Large Transformer Models", section 4: the tensors each op saves
   time in backward, whose activations are then the transient working set.
 
 Section 4.2 of Korthikanti et al. multiplies one microbatch's activations by the microbatches in
-flight; here that count comes from the simulator (:func:`paratron.pipeline.simulator.peak_in_flight`)
-for the chosen schedule, per rank. The output layer keeps its fp32 logits ``4 T V / tp`` (the
-vocab-parallel cross-entropy's softmax), and its loss needs one more such buffer transiently.
+flight; here that count comes from the schedule's action lists for the chosen schedule, per rank
+(:func:`paratron.planner.pipeline.flight_states`). The output layer keeps its fp32 logits
+``4 T V / tp`` (the vocab-parallel cross-entropy's softmax), and its loss needs one more such
+buffer transiently.
+
+Under zero-bubble schedules (Qi et al. 2023, section 2) a microbatch's ``B`` frees those tensors
+but leaves each linear's weight-grad closure holding its input and output grad until the ``W``
+(:func:`deferred_weight_grad_bytes`): under sequence parallelism the input of a column-parallel
+linear and the output grad of a row-parallel one are the gathered ``[s, b, h]`` tensors, so a
+pending ``W`` can hold more than the microbatch's activations did (``paratron dryrun`` measured
+ZB-H1 at 1.17-1.33 of a planner that counted activations until the ``W``).
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .layout import Layout
+from .pipeline import Flight
 from .shape import Shape
 
 
@@ -198,33 +207,86 @@ def head_bytes(shape: Shape, lay: Layout, b: int, a: int) -> tuple[float, float]
     return T * (hs * norm_saved_bytes(shape) + shape.h * a) + logits, 2 * logits
 
 
+def deferred_weight_grad_bytes(shape: Shape, lay: Layout, b: int, a: int) -> float:
+    """Bytes the weight-grad closures of one layer hold for one microbatch from its ``B`` to its
+    ``W`` (``layers/linear.py``'s ``_weight_grads``: ``x`` and ``dy`` of each linear; weights are
+    not counted), ``T = b s / cp`` tokens, ``a`` bytes per element:
+
+    * a column-parallel linear (QKV, the first MLP linear) keeps its gathered input ``T h a``
+      (whole on every TP rank, with or without SP) and its output grad ``T out a / tp``;
+    * a row-parallel one (attention projection, second MLP linear) keeps its input
+      ``T in a / tp`` and its output grad ``T h a`` (all-gathered under SP), and under SP with a
+      bias also the local output grad its bias grad sums, ``T h a / tp``;
+    * an MoE layer's experts (``local_linear``) keep, for their ``R = T k / tp`` rows, the inputs
+      and output grads of both linears, ``R (2 h + (3 or 2) f_e) a``, and a shared expert what a
+      dense MLP keeps. The router's weight grad flows through autograd (not deferred).
+
+    Low-rank (CoLA) layers are not modelled (0)."""
+    if shape.low_rank:
+        return 0.0
+    T, t, h = b * shape.s // lay.cp, lay.tp, shape.h
+    bias_dy = h / t if lay.sp and t > 1 and shape.bias else 0.0
+
+    def mlp(f: int) -> float:  # fc1 (column, SwiGLU's gate and up fused) and fc2 (row)
+        return h + (2 if shape.swiglu else 1) * f / t + f / t + h + bias_dy
+
+    attn = h + (shape.n + 2 * shape.g) * shape.d / t + shape.n * shape.d / t + h + bias_dy
+    dense = mlp(shape.f) if shape.has_dense_mlp() else 0.0
+    moe = 0.0
+    if shape.experts:
+        R = T * shape.top_k / t
+        moe = R / T * (2 * h + (3 if shape.swiglu else 2) * shape.expert_f) + (mlp(shape.shared_f) if shape.shared_f else 0)
+    return T * (attn + max(dense, moe)) * a
+
+
+def head_deferred_bytes(shape: Shape, lay: Layout, b: int, a: int) -> float:
+    """Bytes the output layer's weight-grad closure holds for one microbatch until its ``W``: its
+    gathered input ``T h a`` and the logits' grad ``T V_pad a / tp`` (in the activation dtype)."""
+    T = b * shape.s // lay.cp
+    return T * (shape.h + shape.padded_vocab(lay.tp) / lay.tp) * a
+
+
 def held_activation_bytes(shape: Shape, lay: Layout, layers_per_chunk: int, in_flight: int, has_head: bool,
-                          a: int, fused: bool = True) -> tuple[float, float]:
-    """(activation bytes saved for backward at the peak of the schedule, transient bytes of the
-    loss or of one recomputed layer) on one rank (see :func:`rank_memory`); the first is what
-    ``paratron dryrun`` measures with its saved-tensor hooks."""
+                          a: int, fused: bool = True, pending: int = 0) -> tuple[float, float]:
+    """(activation bytes saved for backward at one point of the schedule, transient bytes of the
+    loss or of one recomputed layer) on one rank (see :func:`rank_memory`), ``in_flight``
+    (microbatch, chunk) activations alive and ``pending`` deferred weight grads queued; the first
+    is what ``paratron dryrun`` measures with its saved-tensor hooks and weight-grad closures."""
     held, whole = layer_activation_bytes(shape, lay, lay.mbs, a, fused)
     acts = held * layers_per_chunk * in_flight
+    if pending:
+        acts += deferred_weight_grad_bytes(shape, lay, lay.mbs, a) * layers_per_chunk * pending
     transient = whole if lay.recompute == "full" else 0.0
     if has_head:
         h_held, h_trans = head_bytes(shape, lay, lay.mbs, a)
-        acts += h_held * max(1, -(-in_flight // lay.vpp))
+        acts += h_held * max(1 if not pending else 0, -(-in_flight // lay.vpp))
+        if pending:
+            acts += head_deferred_bytes(shape, lay, lay.mbs, a) * -(-pending // lay.vpp)
         transient = max(transient, h_trans)
     return acts, transient
 
 
-def rank_memory(shape: Shape, lay: Layout, params_local: float, layers_per_chunk: int, in_flight: int,
+def peak_activation_bytes(shape: Shape, lay: Layout, layers_per_chunk: int, flight: Flight, has_head: bool,
+                          a: int, fused: bool = True) -> tuple[float, float]:
+    """:func:`held_activation_bytes` at the schedule's worst ``(alive, pending)`` point of
+    ``flight`` (:func:`paratron.planner.pipeline.flight_states`), and its transient bytes."""
+    return max((held_activation_bytes(shape, lay, layers_per_chunk, alive, has_head, a, fused, pending)
+                for alive, pending in flight), key=lambda held: held[0])
+
+
+def rank_memory(shape: Shape, lay: Layout, params_local: float, layers_per_chunk: int, flight: Flight,
                 has_head: bool, precision: str, a: int, fused: bool = True, expert_local: float = 0.0) -> Memory:
-    """Bytes of one rank holding ``params_local`` parameters and ``in_flight`` (microbatch, chunk)
-    activations of ``layers_per_chunk`` layers each (the last stage also its head's, for the
-    microbatches of its last chunk in flight).
+    """Bytes of one rank holding ``params_local`` parameters and, at the worst point of
+    ``flight``, its (microbatch, chunk) activations of ``layers_per_chunk`` layers each alive
+    and its deferred weight grads pending (the last stage also its head's, for the microbatches
+    of its last chunk).
 
     The peak is either during a backward (activations + the transient of the loss or of one
     recomputed layer) or during the optimizer step (Adam's ``sqrt(v) + eps`` denominator, one fp32
     buffer of the rank's optimizer shard, ``optim/update_rules.py``), whichever is larger.
     """
     param, grad, opt = state_bytes(params_local, lay, precision, expert_local)
-    acts, transient = held_activation_bytes(shape, lay, layers_per_chunk, in_flight, has_head, a, fused)
+    acts, transient = peak_activation_bytes(shape, lay, layers_per_chunk, flight, has_head, a, fused)
     step_peak = opt / (3 if precision in ("bf16", "fp16") else 2)  # one fp32 buffer per param of the shard
     if step_peak > acts + transient:
         acts, transient = 0.0, step_peak

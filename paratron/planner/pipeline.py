@@ -6,18 +6,27 @@ The lists come from :func:`paratron.pipeline.registry.build_schedule` (the ones 
 activations a rank holds depends only on the order of its own list (+1 at F, -1 at BW or W), so it
 is read from the lists directly, before any costing (it bounds memory, Korthikanti et al. 2022,
 section 4.2: 1F1B keeps ``p - r`` microbatches on rank ``r``, GPipe all ``m``).
+
+Zero-bubble schedules (Qi et al. 2023, section 2) split a microbatch's backward: its ``B`` frees
+the activations autograd saved, but queues each linear's weight-grad closure, which holds that
+linear's input and output grad until the ``W`` (``layers/linear.py``). So a rank's memory is
+counted from two numbers at each point of its list (:func:`flight_states`): the microbatches
+whose activations are alive (``F`` to ``B``) and those whose ``W`` is pending (``B`` to ``W``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from paratron.pipeline.actions import Action, activation_peak, halves
+from paratron.pipeline.actions import Action, expand, halves, recomputed
 from paratron.pipeline.registry import build_schedule
 from paratron.pipeline.simulator import simulate
 from paratron.pipeline.validate import validate
 
 from .compute import Work
+
+Flight = tuple[tuple[int, int], ...]
+"""The ``(activations alive, weight grads pending)`` pairs of one rank that may set its peak."""
 
 
 @dataclass(frozen=True)
@@ -41,7 +50,7 @@ class ScheduleCache:
     def __init__(self) -> None:
         self._lists: dict[tuple[str, int, int, int], list[list[Action]] | ValueError] = {}
         self._costs: dict[tuple, PipelineCost] = {}
-        self._peaks: dict[tuple[str, int, int, int], list[int]] = {}
+        self._flights: dict[tuple[str, int, int, int], list[Flight]] = {}
         self._proved: set[tuple[str, int, int, int]] = set()
 
     def makespan(self, name: str, p: int, m: int, v: int, works: list[Work], p2p_seconds: float,
@@ -82,12 +91,40 @@ class ScheduleCache:
         return self._lists[key]
 
     def in_flight(self, name: str, p: int, m: int, v: int) -> list[int]:
-        """Most (microbatch, stage) activations alive at once on each rank
-        (:func:`~paratron.pipeline.actions.activation_peak` of its list)."""
+        """Most (microbatch, stage) activations alive at once on each rank, a microbatch counted
+        until its ``W`` (:func:`~paratron.pipeline.actions.activation_peak` of its list)."""
+        return [max(a + w for a, w in states) for states in self.flight(name, p, m, v)]
+
+    def flight(self, name: str, p: int, m: int, v: int) -> list[Flight]:
+        """:func:`flight_states` of each rank's list, once per (schedule, p, m, v)."""
         key = (name, p, m, v)
-        if key not in self._peaks:
-            self._peaks[key] = [activation_peak(acts) for acts in self.lists(name, p, m, v, proved=False)]
-        return self._peaks[key]
+        if key not in self._flights:
+            self._flights[key] = [flight_states(acts) for acts in self.lists(name, p, m, v, proved=False)]
+        return self._flights[key]
+
+
+def flight_states(actions: list[Action]) -> Flight:
+    """The ``(alive, pending)`` counts one rank's list reaches that no other reached point beats
+    in both, in list order: a (microbatch, stage) is *alive* from its ``F`` (its ``R`` when it is
+    recomputed, as :func:`~paratron.pipeline.actions.activation_peak` counts) to the end of its
+    ``B`` or ``BW``, and *pending* from the end of its ``B`` to its ``W``. The memory of any
+    point, ``alive x held + pending x deferred`` with both sizes positive, peaks at one of these.
+    Schedules without a separate ``W`` give one pair ``(peak, 0)``."""
+    again = recomputed(actions)
+    alive = pending = 0
+    seen = {(0, 0)}
+    for a in expand(actions):
+        if a.kind == "R" or a.kind == "F" and (a.microbatch, a.stage) not in again:
+            alive += 1
+        elif a.kind in ("B", "BW"):
+            alive -= 1
+            pending += a.kind == "B"
+        elif a.kind == "W":
+            pending -= 1
+        else:
+            continue
+        seen.add((alive, pending))
+    return tuple(sorted(s for s in seen if not any(o != s and o[0] >= s[0] and o[1] >= s[1] for o in seen)))
 
 
 def makespan(lists: list[list[Action]], works: list[Work], p2p_seconds: float, sharing: float = 1.0

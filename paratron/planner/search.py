@@ -27,6 +27,9 @@ from .pipeline import ScheduleCache
 GB = 1e9
 ROUNDING = 1e-9
 """Relative slack on the bound: it and the simulation sum the same seconds in other orders."""
+ONE_ALIVE = ((1, 0),)
+"""The memory floor's flight: one microbatch's activations alive, no weight grad pending (every
+schedule reaches it)."""
 
 
 class PlanError(ValueError):
@@ -84,7 +87,7 @@ def _candidates(prob: Problem, costed: list[Layout],
     cands, floors = [], []
     with progress_bar(len(costed), "plan: bound", quiet=quiet, unit="layout") as bar:
         for lay in costed:
-            floor = memory_per_rank(prob, lay, [1] * lay.pp)[0].total
+            floor = memory_per_rank(prob, lay, [ONE_ALIVE] * lay.pp)[0].total
             floors.append((floor, lay))
             if floor <= prob.cluster.hw.memory_bytes:
                 works = stage_works(prob.shape, lay, prob.cluster, prob.fused_attention)
@@ -115,7 +118,7 @@ def _best_first_loop(prob, cands, cache, top_k, refused, bar) -> tuple[list[Esti
             break
         try:
             m = lay.microbatches(prob.global_batch_size)
-            mem = memory_per_rank(prob, lay, cache.in_flight(lay.schedule, lay.pp, m, lay.vpp))
+            mem = memory_per_rank(prob, lay, cache.flight(lay.schedule, lay.pp, m, lay.vpp))
             if mem[0].total > prob.cluster.hw.memory_bytes:  # known before simulating
                 too_big += 1
                 continue
