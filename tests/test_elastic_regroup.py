@@ -109,3 +109,41 @@ def test_connect_store_needs_an_address(monkeypatch):
     monkeypatch.delenv("MASTER_PORT", raising=False)
     with pytest.raises(ValueError, match="MASTER_ADDR and MASTER_PORT"):
         connect_store(1.0)
+
+
+def _cascade(addr, port):
+    """Rank 2 leaves while rank 1 waits to receive from it; ranks 0 and 3 wait to receive from
+    rank 1 (alive). Rank 1's receive fails on the closed connection; its abort in
+    ``remake_world`` closes its own connections, so 0 and 3 fail too, without the timeout. The
+    three survivors then re-make a world of three (ranks 0, 1, 3 -> 0, 1, 2)."""
+    old = ParallelContext.build()
+    rank = dist.get_rank()
+    pairs = {r: dist.new_group(list(r)) for r in ((0, 1), (1, 2), (1, 3))}  # collective: all ranks
+    if rank == 2:
+        time.sleep(0.5)
+        pairs.clear()
+        abort_world()
+        return {"left": True}
+    src, group = {0: (1, (0, 1)), 1: (2, (1, 2)), 3: (1, (1, 3))}[rank]
+    t0 = time.monotonic()
+    try:
+        dist.recv(torch.ones(1), src=src, group=pairs[group])
+        failed = False
+    except Exception:  # noqa: BLE001 - the closed connection
+        failed = True
+    detect_s = time.monotonic() - t0
+    pairs.clear()
+    new_rank = {0: 0, 1: 1, 3: 2}[rank]
+    remake_world(connect_store(TIMEOUT_S, addr, port), 1, new_rank, 3, TIMEOUT_S, release=[old])
+    t = torch.tensor([float(new_rank)])
+    dist.all_reduce(t)
+    return {"failed": failed, "detect_s": detect_s, "sum": t.item()}
+
+
+def test_a_failure_cascades_through_aborts_instead_of_hanging(job_store):
+    results = run_ranks(_cascade, 4, *job_store, timeout=TIMEOUT_S * 2)
+    assert results[2] == {"left": True}
+    for r in (0, 1, 3):
+        assert results[r]["failed"], results[r]
+        assert results[r]["detect_s"] < TIMEOUT_S, results[r]  # not the collective timeout
+        assert results[r]["sum"] == 3.0
