@@ -181,3 +181,37 @@ def test_a_load_reads_payload_bytes_straight_into_the_tensors(tmp_path, monkeypa
     _, back = load_model_full(tmp_path / "ck")
     assert all(torch.equal(back[k], v) and back[k].dtype == v.dtype for k, v in tensors.items())
     assert sorted(where) == ["meta"] * 3, where
+
+
+def _save_with_a_nan_on_rank_1(root: str):
+    """Save step 1, then step 2 with a NaN in rank 1's block of ``w2``; the second save's error
+    on this rank (or None), what the root holds, and ``latest``."""
+    ctx = ParallelContext.build()
+    m = _sharded(ctx.rank, ctx.world_size, seed=3)
+    cfg = Config()
+    cfg.checkpoint.save = root
+    mgr = CheckpointManager(cfg.checkpoint, ctx, cfg)
+    mgr.save(1, [m], None, None, {})
+    mgr.wait()
+    if ctx.rank == 1:
+        with torch.no_grad():
+            m.w2[5, 7] = float("nan")
+    try:
+        mgr.save(2, [m], None, None, {})
+        error = None
+    except CheckpointError as e:
+        error = str(e)
+    mgr.wait()
+    ctx.world.barrier()
+    return error, sorted(p.name for p in Path(root).iterdir()), (Path(root) / "latest").read_text().strip()
+
+
+def test_a_nan_on_another_rank_is_refused_on_every_rank_and_nothing_is_committed(tmp_path):
+    """The inf/NaN scan runs while the payloads are fsynced and travels with DCP's write results:
+    a NaN on rank 1 fails the save on both ranks with the same message naming rank 1 and the
+    tensor, and leaves neither a step_2 nor a temporary directory; ``latest`` stays on step 1."""
+    out = run_ranks(_save_with_a_nan_on_rank_1, 2, str(tmp_path / "ck"), timeout=240)
+    for error, names, latest in out:
+        assert error is not None and "refusing to save step 2: model/w2 holds an inf or NaN on rank 1" in error, error
+        assert names == ["latest", "step_1"], names
+        assert latest == "step_1"

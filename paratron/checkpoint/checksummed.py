@@ -30,6 +30,7 @@ import io
 from abc import abstractmethod
 import os
 import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -39,10 +40,12 @@ from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from . import integrity
+from .finite import all_finite, refuse_nonfinite
 from .items import CheckpointError
 
 PAYLOAD_SUFFIX = ".distcp"
@@ -62,21 +65,48 @@ def no_record_crc32():
         torch.serialization.set_crc32_options(before)
 
 
+COPY_BELOW = 1 << 20  # written buffers smaller than this (zip headers, pickles) are copied when kept
+
+
 class _PayloadStream:
-    """A payload file being written: its bytes also go through a :class:`BlockCrc`.
+    """A payload file being written: every buffer goes on to the file and is kept for the file's
+    checksums (:meth:`block_crc`), which are computed once all its bytes are written, while its
+    fsync runs. Buffers of ``COPY_BELOW`` bytes or more are the storages of the tensors being
+    written (``torch.save`` hands them over as views of their memory), kept as views: no copy;
+    smaller ones (zip headers, pickles, which torch reuses) are copied.
 
     No ``sync_file_range`` writeback requests while writing: on this project's shared disk they
     blocked the writer on the device queue and made the save slower, not faster (paired runs in
-    ``benchmarks/README.md``, Checkpoints); the closing fsync writes everything once."""
+    ``benchmarks/README.md``, Checkpoints); the one fsync at the end writes everything."""
 
-    def __init__(self, file, block: int) -> None:
+    def __init__(self, file) -> None:
         self._file = file
-        self.crc = integrity.BlockCrc(block)
+        self.pieces: list = []
 
     def write(self, data) -> int:
-        n = self._file.write(data)
-        self.crc.update(data)
+        view = memoryview(data).cast("B")
+        n = self._file.write(view)
+        self.pieces.append(view if len(view) >= COPY_BELOW else bytes(view))
         return n
+
+    def block_crc(self, block: int) -> integrity.BlockCrc:
+        """The block CRCs of everything written (call while the written tensors are alive); the
+        small pieces between two tensors' storages are joined first, so the CRC is called a few
+        times per tensor rather than once per zip header."""
+        crc = integrity.BlockCrc(block)
+        small: list[bytes] = []
+        for piece in self.pieces:
+            if isinstance(piece, bytes):
+                small.append(piece)
+                continue
+            if small:
+                crc.update(b"".join(small))
+                small = []
+            crc.update(piece)
+        if small:
+            crc.update(b"".join(small))
+        self.pieces = []
+        return crc
 
     def tell(self) -> int:
         return self._file.tell()
@@ -88,41 +118,104 @@ class _PayloadStream:
         self._file.flush()
 
     def close(self) -> None:
-        self._file.close()
+        """DCP closes the stream when it is done with it; the file stays open until its fsync
+        has finished (:meth:`_ChecksumFileSystem.settle`)."""
 
     def writable(self) -> bool:
         return True
 
 
+class _Syncing:
+    """A written file's fsync, running on a thread of its own (the call releases the GIL, so the
+    checksums and the inf/NaN scan run meanwhile); :meth:`join` waits for it and closes the file."""
+
+    def __init__(self, file) -> None:
+        self._file, self._error = file, None
+        self._thread = threading.Thread(target=self._run, name="paratron-checkpoint-fsync", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            os.fsync(self._file.fileno())
+        except BaseException as e:  # noqa: BLE001 - re-raised by join(), on the writing thread
+            self._error = e
+
+    def join(self) -> None:
+        self._thread.join()
+        self._file.close()
+        if self._error is not None:
+            raise self._error
+
+
 class _ChecksumFileSystem(FileSystem):
+    """DCP's file system with every written file made durable: payloads are checksummed as
+    :class:`_PayloadStream` describes and fsynced on a thread (joined by :meth:`settle`); other
+    files (``.metadata``) fsynced before they are closed."""
+
     def __init__(self, sums: dict[str, list], block: int) -> None:
         super().__init__()
         self._sums, self._block = sums, block
+        self._syncing: list[_Syncing] = []
 
     @contextmanager
     def create_stream(self, path, mode: str):
-        if mode != "wb" or not str(path).endswith(PAYLOAD_SUFFIX):
+        if mode != "wb":
             with super().create_stream(path, mode) as stream:
                 yield stream
             return
-        with super().create_stream(path, mode) as stream:
-            out = _PayloadStream(stream, self._block)
+        if not str(path).endswith(PAYLOAD_SUFFIX):
+            with super().create_stream(path, mode) as stream:
+                yield stream
+                stream.flush()
+                os.fsync(stream.fileno())
+            return
+        file = open(path, mode)
+        try:
+            out = _PayloadStream(file)
             yield out
-        self._sums[Path(path).name] = out.crc.entry()  # only once the file is complete and closed
+            file.flush()
+        except BaseException:
+            file.close()
+            raise
+        syncing = _Syncing(file)
+        self._syncing.append(syncing)
+        # While the fsync runs, and while the tensors DCP wrote from are still alive:
+        self._sums[Path(path).name] = out.block_crc(self._block).entry()
+
+    def settle(self) -> None:
+        """Wait for every payload's fsync (the first error raised, after all have ended)."""
+        syncing, self._syncing = self._syncing, []
+        errors = []
+        for s in syncing:
+            try:
+                s.join()
+            except BaseException as e:  # noqa: BLE001 - the first is re-raised below
+                errors.append(e)
+        if errors:
+            raise errors[0]
 
 
 class ChecksummingWriter(FileSystemWriter):
-    """DCP's ``FileSystemWriter`` whose payload files are checksummed as they are written.
+    """DCP's ``FileSystemWriter`` whose payload files are checksummed as they are written and
+    fsynced in the background of the checksums and the inf/NaN scan.
 
-    Each rank's checksums reach the coordinator with DCP's own gathering of the write results (one
-    extra ``WriteResult`` under a reserved key, taken out again before ``.metadata`` is written),
-    so no collective of ours is needed for them.
+    Each rank's checksums (and its inf/NaN finding) reach the coordinator with DCP's own
+    gathering of the write results (extra ``WriteResult`` entries under reserved keys, taken out
+    again before ``.metadata`` is written), so no collective of ours is needed for them. With
+    ``refuse_nonfinite_at``, the coordinator refuses, before ``.metadata`` is written, a save in
+    which any rank's written tensors hold an inf or NaN: every rank's save then raises the same
+    :class:`CheckpointError` (the caller removes the directory).
 
     Args:
         path: the checkpoint directory.
         thread_count: DCP's writer threads per rank (one file each).
         other_sums: manifest entries of this rank's other files of the checkpoint (its
             ``rank_<r>.json``), to travel with its payloads' entries.
+        refuse_nonfinite_at: the step being saved, to check every written tensor for an inf or
+            NaN (:func:`paratron.checkpoint.finite.refuse_nonfinite`); None: no check.
+        on_commit: ``fn(all_sums, bytes of the checkpoint's tensors or None)``, called on the
+            coordinator at the end of :meth:`finish`, once ``.metadata`` is durable; DCP
+            broadcasts its outcome to every rank with the save's own last collective.
 
     Attributes:
         sums: after the save, ``{file name: manifest entry}`` of this rank's payloads and
@@ -132,30 +225,57 @@ class ChecksummingWriter(FileSystemWriter):
     """
 
     SUMS_KEY = "paratron/checksums"
+    NONFINITE_KEY = "paratron/nonfinite"
 
-    def __init__(self, path: str | os.PathLike, thread_count: int = 1, other_sums: dict | None = None) -> None:
-        super().__init__(str(path), single_file_per_rank=True, sync_files=True, thread_count=thread_count,
+    def __init__(self, path: str | os.PathLike, thread_count: int = 1, other_sums: dict | None = None,
+                 refuse_nonfinite_at: int | None = None, on_commit=None) -> None:
+        # sync_files=False: the file system above makes every file durable itself.
+        super().__init__(str(path), single_file_per_rank=True, sync_files=False, thread_count=thread_count,
                          overwrite=True)
         self.sums: dict[str, list] = dict(other_sums or {})
         self.all_sums: dict[str, list] | None = None
         self.fs = _ChecksumFileSystem(self.sums, integrity.BLOCK)
+        self._step = refuse_nonfinite_at
+        self._on_commit = on_commit
+        self._planner = None
 
     def write_data(self, plan, planner):
-        with no_record_crc32():
-            results = super().write_data(plan, planner).value()
+        self._planner = planner
+        try:
+            with no_record_crc32():
+                results = super().write_data(plan, planner).value()
+            bad = self._first_nonfinite(plan, planner)  # while the payloads' fsyncs run
+        finally:
+            self.fs.settle()
         done: Future = Future()
-        done.set_result(results + [WriteResult(MetadataIndex(self.SUMS_KEY), 0, dict(self.sums))])
+        done.set_result(results + [WriteResult(MetadataIndex(self.SUMS_KEY), 0, dict(self.sums)),
+                                   WriteResult(MetadataIndex(self.NONFINITE_KEY), 0, bad)])
         return done
+
+    def _first_nonfinite(self, plan, planner) -> str | None:
+        """The first key (in key order) of the tensors written here that holds an inf or NaN."""
+        if self._step is None:
+            return None
+        writes = sorted((w for w in plan.items if w.type != WriteItemType.BYTE_IO), key=lambda w: w.index.fqn)
+        return next((w.index.fqn for w in writes if not all_finite(planner.resolve_data(w))), None)
 
     def finish(self, metadata, results) -> None:
         self.all_sums = {}
-        kept = []
+        kept, nonfinite = [], []
         for per_rank in results:
+            found = None
             for r in per_rank:
                 if r.index.fqn == self.SUMS_KEY:
                     self.all_sums.update(r.storage_data)
-            kept.append([r for r in per_rank if r.index.fqn != self.SUMS_KEY])
+                elif r.index.fqn == self.NONFINITE_KEY:
+                    found = r.storage_data
+            nonfinite.append(found)
+            kept.append([r for r in per_rank if r.index.fqn not in (self.SUMS_KEY, self.NONFINITE_KEY)])
+        if self._step is not None:
+            refuse_nonfinite(nonfinite, self._step)
         super().finish(metadata, kept)
+        if self._on_commit is not None:
+            self._on_commit(self.all_sums, getattr(self._planner, "needed", None))
 
 
 class BlockReader:

@@ -11,7 +11,9 @@ overlap of each saved chunk that intersects it, so the saving and loading layout
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import os
 
 import torch
 from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
@@ -35,6 +37,7 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from . import storage
 from .items import CheckpointError, SavedChunk, StateItems
 
 
@@ -46,11 +49,26 @@ def _narrow(t: torch.Tensor, offsets, lengths) -> torch.Tensor:
 
 
 class ChunkSavePlanner(SavePlanner):
-    """Writes every :class:`SavedChunk` of ``items`` as a DCP shard; duplicates are written once."""
+    """Writes every :class:`SavedChunk` of ``items`` as a DCP shard; duplicates are written once.
 
-    def __init__(self, items: StateItems) -> None:
+    With ``space_root``, each rank's local plan carries the free bytes under it, and the
+    coordinator refuses the save (on every rank, before anything is written) when any rank has
+    less than the whole checkpoint's tensors take (each key's full tensor once); the plans it
+    sends back carry that size (:attr:`needed`), for full-disk messages. This rides on DCP's own
+    planning round trip: no collective of ours.
+
+    Attributes:
+        needed: after planning, the bytes of the checkpoint's tensors (None without ``space_root``).
+
+    Raises (from :meth:`create_global_plan`):
+        storage.OutOfSpaceError: naming ``space_root``, the bytes needed and the fewest free.
+    """
+
+    def __init__(self, items: StateItems, space_root: str | os.PathLike | None = None) -> None:
         self.items = items
         self._by_index: dict[MetadataIndex, torch.Tensor] = {}
+        self._space_root = space_root
+        self.needed: int | None = None
 
     def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = False) -> None:
         self.is_coordinator = is_coordinator
@@ -69,16 +87,25 @@ class ChunkSavePlanner(SavePlanner):
                         chunk=ChunkStorageMetadata(offsets=torch.Size(c.offsets), sizes=c.tensor.shape),
                         properties=TensorProperties.create_from_tensor(c.tensor),
                         size=torch.Size(c.global_shape))))
-        self.plan = SavePlan(writes)
+        free = storage.free_bytes(self._space_root) if self._space_root is not None else None
+        self.plan = SavePlan(writes, planner_data=free)
         return self.plan
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        free = [p.planner_data for p in all_plans]
         plans, metadata = create_default_global_save_plan(dedup_save_plans(all_plans))
         _check_complete(metadata)
+        if self._space_root is not None:
+            needed = sum(math.prod(md.size) * torch.tensor([], dtype=md.properties.dtype).element_size()
+                         for md in metadata.state_dict_metadata.values() if isinstance(md, TensorStorageMetadata))
+            if min(free) < needed:
+                raise storage.OutOfSpaceError(storage.no_space_message(self._space_root, needed, min(free)))
+            plans = [dataclasses.replace(p, planner_data=needed) for p in plans]
         return plans, metadata
 
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
         self.plan = new_plan
+        self.needed = new_plan.planner_data
         return new_plan
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor:

@@ -1,26 +1,18 @@
-"""A checkpoint never holds an inf or NaN: the state is checked on every rank before a save.
+"""A checkpoint never holds an inf or NaN: the state is checked on every rank as it is saved.
 
-Every rank scans the tensors it is about to write (the model params and the optimizer's fp32
-main weights and moments: one summing pass, small next to the write itself; :func:`all_finite`),
-and the ranks' findings are all-gathered over the checkpoint group (with the save's other
-checks, by ``CheckpointManager``), so either every rank writes or none does, and ``latest`` keeps
-naming the last good checkpoint.
+Every rank scans the tensors it writes (the model params and the optimizer's fp32 main weights
+and moments: one summing pass, :func:`all_finite`) while its payload's fsync runs, and the ranks'
+findings reach the coordinator with DCP's write results
+(:class:`paratron.checkpoint.checksummed.ChecksummingWriter`), which refuses the save on every
+rank before ``.metadata`` is written: nothing is committed, the partial directory is removed, and
+``latest`` keeps naming the last good checkpoint.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .items import CheckpointError, StateItems
-
-
-def first_nonfinite(items: StateItems) -> str | None:
-    """The key of the first item (in key order) with an inf or NaN in one of its chunks."""
-    for key in sorted(items):
-        for chunk in items[key]:
-            if not all_finite(chunk.tensor):
-                return key
-    return None
+from .items import CheckpointError
 
 
 def all_finite(t: torch.Tensor) -> bool:
@@ -44,8 +36,8 @@ def refuse_nonfinite(found: list[str | None], step: int) -> None:
     or NaN.
 
     Args:
-        found: :func:`first_nonfinite` of each rank's checkpoint items, by rank (all-gathered over
-            the checkpoint group, with the save's other checks).
+        found: the first key holding an inf or NaN among each rank's written tensors (None: all
+            finite), by rank.
         step: the step being saved (for the message).
 
     Raises:

@@ -22,7 +22,7 @@ import os
 import re
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -83,38 +83,51 @@ def read_json(path: str | os.PathLike) -> Any:
 
 # ---- tensors through DCP -------------------------------------------------------------------
 def write_items(directory: str | os.PathLike, items: StateItems, *, process_group=None,
-                single_process: bool = False, needed: int | None = None,
-                space_dir: str | os.PathLike | None = None, other_sums: dict | None = None) -> dict[str, list]:
+                single_process: bool = False, space_root: str | os.PathLike | None = None,
+                other_sums: dict | None = None, refuse_nonfinite_at: int | None = None,
+                on_commit: Callable[[dict, int], None] | None = None) -> dict[str, list]:
     """Save ``items`` into ``directory`` with DCP (collective over ``process_group`` unless
     ``single_process``). Chunks already on the CPU are written straight from their storage, and
     checksummed as they are written (:class:`~paratron.checkpoint.checksummed.ChecksummingWriter`).
 
     Args:
+        space_root: where the free space is checked during DCP's planning, before anything is
+            written (every rank's, against the whole checkpoint's tensor bytes;
+            :class:`~paratron.checkpoint.dcp_planners.ChunkSavePlanner`), and named in a full-disk
+            error; None: no check, and ``directory`` is named.
         other_sums: manifest entries of this rank's other files, gathered with its payloads'.
+        refuse_nonfinite_at: the step being saved: refuse (on every rank, before ``.metadata`` is
+            written) a save whose tensors hold an inf or NaN; None: no check.
+        on_commit: ``fn(every rank's sums, bytes of the checkpoint's tensors)``, run on the
+            coordinator once ``.metadata`` is durable, inside DCP's last collective: its error
+            fails the save on every rank, and when this returns on any rank it has run.
 
     Returns:
         ``{name: manifest entry}``: on the coordinator (rank 0 of the group) every rank's payloads
         and ``other_sums``, elsewhere this rank's.
 
     Raises:
-        storage.OutOfSpaceError: the disk filled up (naming ``space_dir``, default ``directory``,
-            ``needed`` bytes and the bytes free).
-        CheckpointError: any other failure, with the first failing rank.
+        storage.OutOfSpaceError: not enough free space, or the disk filled up (naming
+            ``space_root``, the bytes needed and the bytes free).
+        CheckpointError: an inf or NaN (with ``refuse_nonfinite_at``); any other failure, with the
+            first failing rank.
     """
-    writer = ChecksummingWriter(directory, other_sums=other_sums)
+    writer = ChecksummingWriter(directory, other_sums=other_sums, refuse_nonfinite_at=refuse_nonfinite_at,
+                                on_commit=on_commit)
+    planner = ChunkSavePlanner(items, space_root=space_root)
+    where = space_root or directory
     with warnings.catch_warnings():
         # DCP warns that it assumes a single process when asked for no_dist; that is the intent.
         warnings.simplefilter("ignore", UserWarning)
         try:
-            dcp.save({}, storage_writer=writer, planner=ChunkSavePlanner(items),
-                     process_group=process_group, no_dist=single_process)
+            dcp.save({}, storage_writer=writer, planner=planner, process_group=process_group,
+                     no_dist=single_process)
         except CheckpointException as e:
-            raise _unwrap(e, f"{directory}: saving failed", (space_dir or directory, needed)) from None
+            raise _unwrap(e, f"{directory}: saving failed", (where, planner.needed)) from None
         except OSError as e:  # a single-process save raises the OS error itself
             if storage.is_no_space(e):
-                where = space_dir or directory
                 raise storage.OutOfSpaceError(storage.no_space_message(
-                    where, needed or 0, storage.free_bytes(where))) from None
+                    where, planner.needed or 0, storage.free_bytes(where))) from None
             raise
     return writer.all_sums if writer.all_sums is not None else writer.sums
 

@@ -50,7 +50,6 @@ from .items import (MODEL_PREFIX, CheckpointError, PeerCheckpointError, StateIte
                     naming_the_save, optimizer_items, shared_embedding_names)
 from .plainjson import decode, encode
 from .safety import check_same_base
-from .finite import first_nonfinite, refuse_nonfinite
 
 
 def _fsync_dir(path: Path) -> None:
@@ -91,8 +90,9 @@ class CheckpointManager:
             with a loaded checkpoint's model config.
 
     Attributes:
-        on_phase: optional ``fn(phase, directory)`` called on every rank after the tensors are
-            written (``"tensors_written"``) and after the commit (``"committed"``); a test hook.
+        on_phase: optional ``fn(phase, directory)`` called on rank 0 once every rank's tensors
+            are written, before the commit (``"tensors_written"``), and on every rank after the
+            commit (``"committed"``); a test hook.
         last_stall_s: seconds the last :meth:`save` call blocked the caller.
         last_write_s: seconds the last save took from start to commit (async included).
 
@@ -110,6 +110,9 @@ class CheckpointManager:
         self._writer = BackgroundWriter()
         self._pruner = BackgroundWriter()  # deletes old checkpoints off the training path
         self._group = self._checkpoint_group(ctx)
+        # Rank 0's pid names the temporary directory of every save (and lets a later manager
+        # tell a crashed save's leftovers from a live one's); it is learnt once, here.
+        self._pid0 = self._group.all_gather_object(os.getpid())[0] if self.saving else None
         if self.saving and ctx.rank == 0:
             storage.remove_stale_temporaries(ckpt_cfg.save)
 
@@ -160,8 +163,9 @@ class CheckpointManager:
         Raises:
             CheckpointError: ``extra`` not plain; a previous async save failed (raised here, before
                 the new save starts); a sharding inconsistency; an inf or NaN in the model or
-                optimizer state of any rank (nothing is written: a poisoned state never
-                becomes ``latest``).
+                optimizer state of any rank (the partial directory is removed before anything
+                is committed: a poisoned state never becomes ``latest``; with ``async_`` raised
+                by :meth:`wait` or the next save).
         """
         t0 = time.perf_counter()
         self.wait()
@@ -182,13 +186,7 @@ class CheckpointManager:
             # The last stage's tied-embedding copy is saved by the first stage (same values).
             skip = set() if first else shared_embedding_names(chunks)
             items = merge(items, optimizer_items(optimizer, skip_names=skip))
-        # One collective for every check before the write: inf/NaN, free space, rank 0's pid
-        # (it names the temporary directory every rank writes into).
-        found = self._group.all_gather_object((first_nonfinite(items), storage.chunk_bytes(items),
-                                               storage.free_bytes(root), os.getpid()))
-        refuse_nonfinite([f[0] for f in found], step)
-        needed = storage.refuse_unless_room(root, [f[1] for f in found], [f[2] for f in found])
-        tmp = root / f"tmp.step_{step}.{found[0][3]}"
+        tmp = root / f"tmp.step_{step}.{self._pid0}"
         rank_state = {"rank": self.ctx.rank, "layout": rng.layout_signature(self.ctx, self.config),
                       "coordinates": rng.rank_coordinates(self.ctx), "rng": encode(rng.capture(chunks))}
         fields = {
@@ -205,7 +203,7 @@ class CheckpointManager:
 
         def job() -> None:
             with naming_the_save(step):  # an async save's error surfaces later, in wait()
-                self._write_and_commit(root, tmp, int(step), items, rank_state, fields, needed)
+                self._write_and_commit(root, tmp, int(step), items, rank_state, fields)
             self.last_write_s = time.perf_counter() - t0
 
         if asynchronous:
@@ -231,44 +229,49 @@ class CheckpointManager:
         self._pruner.wait()
 
     def _write_and_commit(self, root: Path, tmp: Path, step: int, items: StateItems, rank_state: dict,
-                          fields: dict, needed: int | None = None) -> None:
-        g = self._group
+                          fields: dict) -> None:
         try:
-            sums = self._write_files(tmp, items, rank_state, needed)
+            self._write_files(root, tmp, step, items, rank_state, fields)
         except BaseException:
             if self.ctx.rank == 0:  # a failed save leaves nothing behind to clean up by hand
                 shutil.rmtree(tmp, ignore_errors=True)
             raise
-        if self.ctx.rank == 0:
-            try:
-                write_manifest(tmp, self.config, checksums=sums, world_size=self.ctx.world_size,
-                               saved_at=time.time(), **fields)
-            except OSError as e:
-                shutil.rmtree(tmp, ignore_errors=True)
-                if storage.is_no_space(e):
-                    raise storage.OutOfSpaceError(storage.no_space_message(root, needed or 0,
-                                                                           storage.free_bytes(root))) from None
-                raise
-            final = self._commit(root, tmp, step)
-            # Deleting old checkpoints does not hold up the ranks; the next save or wait() joins it.
-            self._pruner.start(lambda: self._prune(root, final), name="paratron-checkpoint-prune")
-        g.barrier()
         self._phase("committed", root / f"step_{step}")
 
-    def _write_files(self, tmp: Path, items: StateItems, rank_state: dict, needed: int | None) -> dict:
-        """Every rank writes its files into ``tmp``, checksummed; returns ``{name: manifest
-        entry}`` of every rank's files on rank 0 (they travel with DCP's write results), of this
-        rank's elsewhere."""
+    def _write_files(self, root: Path, tmp: Path, step: int, items: StateItems, rank_state: dict,
+                     fields: dict) -> None:
+        """Every rank writes its files into ``tmp``, checksummed; rank 0 then commits (manifest,
+        rename, ``latest``) inside DCP's last collective (:meth:`_commit_on_rank0`), so when this
+        returns on any rank the checkpoint is committed (or the save failed on every rank)."""
         g = self._group
         tmp.mkdir(parents=True, exist_ok=True)
         state = f"rank_{self.ctx.rank:05d}.json"
         write_json_atomic(tmp / state, rank_state)
-        # DCP's save ends with a collective after every rank's writes, so once it returns on rank 0
-        # every rank's files (its rank_<r>.json included) are complete.
-        sums = write_items(tmp, items, process_group=g.pg, single_process=g.size == 1, needed=needed,
-                           space_dir=tmp.parent, other_sums=integrity.checksum_files(tmp, [state]))
+
+        def commit(sums: dict, needed: int | None) -> None:
+            self._commit_on_rank0(root, tmp, step, sums, fields, needed)
+
+        # The sums of every rank's files (its rank_<r>.json included) reach rank 0 with DCP's
+        # write results, after every rank's files are durable.
+        write_items(tmp, items, process_group=g.pg, single_process=g.size == 1, space_root=root,
+                    other_sums=integrity.checksum_files(tmp, [state]), refuse_nonfinite_at=step, on_commit=commit)
+
+    def _commit_on_rank0(self, root: Path, tmp: Path, step: int, sums: dict, fields: dict,
+                         needed: int | None) -> None:
+        """Rank 0, once every rank's files and ``.metadata`` are durable: the manifest, then the
+        rename and ``latest`` (:meth:`_commit`); old checkpoints are then deleted in the background."""
         self._phase("tensors_written", tmp)
-        return sums
+        try:
+            write_manifest(tmp, self.config, checksums=sums, world_size=self.ctx.world_size,
+                           saved_at=time.time(), **fields)
+        except OSError as e:
+            if storage.is_no_space(e):
+                raise storage.OutOfSpaceError(storage.no_space_message(root, needed or 0,
+                                                                       storage.free_bytes(root))) from None
+            raise
+        final = self._commit(root, tmp, step)
+        # Deleting old checkpoints does not hold up the ranks; the next save or wait() joins it.
+        self._pruner.start(lambda: self._prune(root, final), name="paratron-checkpoint-prune")
 
     def _phase(self, name: str, path: Path) -> None:
         if self.on_phase is not None:

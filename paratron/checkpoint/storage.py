@@ -14,7 +14,6 @@ launcher's lock).
 from __future__ import annotations
 
 import errno
-import math
 import os
 import re
 import shutil
@@ -58,32 +57,6 @@ def check_space(directory: str | os.PathLike, needed: int) -> None:
     free = free_bytes(directory)
     if free < needed:
         raise OutOfSpaceError(no_space_message(directory, needed, free))
-
-
-def chunk_bytes(items) -> dict[str, int]:
-    """Key -> bytes of its full tensor, for every key this rank holds a chunk of."""
-    return {k: math.prod(c[0].global_shape) * c[0].tensor.element_size() for k, c in items.items() if c}
-
-
-def refuse_unless_room(root: str | os.PathLike, sizes: list[dict[str, int]], free: list[int]) -> int:
-    """Bytes of a whole checkpoint's tensors (each key's full tensor once, whichever ranks hold
-    it); refuse the save when any rank sees less free space under ``root``. Every rank calls it
-    with the same all-gathered arguments, so all refuse together, before anything is written.
-
-    Args:
-        sizes: :func:`chunk_bytes` of each rank's items, by rank.
-        free: :func:`free_bytes` of ``root`` on each rank, by rank.
-
-    Raises:
-        OutOfSpaceError: naming the directory, the bytes needed and free.
-    """
-    merged: dict[str, int] = {}
-    for part in sizes:
-        merged.update(part)
-    needed = sum(merged.values())
-    if min(free) < needed:
-        raise OutOfSpaceError(no_space_message(root, needed, min(free)))
-    return needed
 
 
 def check_writable(directory: str | os.PathLike) -> None:

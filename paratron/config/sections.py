@@ -256,6 +256,19 @@ class TrainConfig:
     elastic_relayout: bool = False
     """Take re-layout requests (``paratron resize``, a callback's ``state.request_relayout``) at
     each step boundary: one host all-reduce per step more (docs/elastic.md). Off, none is taken."""
+    failslow_relayout: bool = False
+    """Greyhound level 3 for the fail-slow plugin (``paratron.plugins.failslow:FailSlow`` in
+    ``train.callbacks``): apply its proposed ``parallel.pipeline_layout`` online when a ski-rental
+    budget says it pays (needs ``train.elastic_relayout``; docs/elastic.md)."""
+    failslow_relayout_cost_s: Optional[float] = None
+    """Seconds one online re-layout is taken to cost until one is measured (then the measured
+    one); None: twice the measured step time."""
+    failslow_restart: bool = False
+    """Greyhound level 4: after a level-3 re-layout, when the slow rank keeps costing more than a
+    restart, save and exit with code 75 for ``paratron train --auto-restart N`` (needs
+    ``train.failslow_relayout`` and ``checkpoint.save``)."""
+    failslow_restart_cost_s: float = 120.0
+    """Seconds a checkpoint, exit and restart are taken to cost (level 4's budget)."""
     eval_interval: int = 50
     """Evaluate every this many steps and after the last; 0 only after the last."""
     eval_iters: int = 4
@@ -356,7 +369,8 @@ class OptimizerConfig:
     """fp16: overflowing steps before the loss scale halves (each one is skipped)."""
     adam_impl: Literal["auto", "fused", "foreach"] = "auto"
     """AdamW kernels on the flat fp32 buffers: ``fused`` (``torch._fused_adamw_``, one kernel per
-    group of views), ``foreach`` (``torch._foreach_*``); ``auto`` is fused on CUDA, foreach on CPU."""
+    group of views), ``foreach`` (``torch._foreach_*``); ``auto`` is fused (on CUDA and CPU) where
+    the state allows it (fp32 moments, not offloaded), else foreach."""
     muon_momentum: float = 0.95
     """Muon's momentum EMA coefficient."""
     muon_use_nesterov: bool = True

@@ -18,6 +18,7 @@ import math
 
 from . import model_shape
 from .context_rules import check_context
+from .failslow_rules import check_failslow
 from .low_rank_rules import check_low_rank
 from .observe_rules import check_observability
 from .offload_rules import check_activation_offload
@@ -227,7 +228,8 @@ def _encoder_placement(cfg: Config, world: int | None) -> None:
 SECTION_RULES = {rule.__name__: rule for rule in (
     _finite, _positive, _nonfinite_policy, _model, _activation_offload, _batch, _sequence, _link_latency,
     _mtp_last_stage, _dualpipev_zero3, _experts, _fp8, _save_peft, _split, check_context,
-    check_microbatch_tokens, check_observability, check_records, check_low_rank, _encoder_placement)}
+    check_microbatch_tokens, check_observability, check_records, check_low_rank, _encoder_placement,
+    check_failslow)}
 """The rules that read the config alone, by name; :data:`paratron.rules.VALIDATORS` puts them in
 order among the rules that ask the owners (schedules, dispatchers, optimizer, checkpoints)."""
 

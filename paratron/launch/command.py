@@ -23,6 +23,7 @@ from paratron.config import ConfigError, Config, megatron_overrides
 from paratron.config.validators import config_warnings
 from paratron.rules import build_config, validate
 from paratron.launch import launch  # launch.run_torchrun, looked up at the call (tests replace it)
+from paratron.launch.auto_restart import run_with_restarts
 from paratron.launch.mode import Mode, started
 from paratron.launch.rankproc import rank_session
 from paratron.launch.runlock import RunLocked, lock_run, stale_note
@@ -55,6 +56,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nnodes", default="1", help="torchrun --nnodes (with --nproc-per-node)")
     p.add_argument("--node-rank", type=int, default=0, help="torchrun --node-rank")
     p.add_argument("--rdzv-endpoint", default=None, help="torchrun rendezvous host:port for several nodes")
+    p.add_argument("--auto-restart", type=int, default=0, metavar="N",
+                   help="with --nproc-per-node: restart the job up to N times when it exits for a fail-slow "
+                        "restart (code 75, train.failslow_restart), resuming from its checkpoint; with "
+                        "several nodes, the slow rank's node is left out (paratron/launch/auto_restart.py)")
 
 
 def parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
@@ -164,7 +169,12 @@ def launch_training(cmd: list[str], args: argparse.Namespace, cfg: Config) -> in
     """Lock the run (on node 0), run torchrun, print one summary if it fails."""
     run_dir = Path(args.run_dir or default_run_dir(args.config))
     with run_locks(run_dir, cfg, take=args.node_rank == 0) as refused:
-        return 2 if refused else launch.run_torchrun(cmd, run_dir, args.node_rank)
+        if refused:
+            return 2
+        if getattr(args, "auto_restart", 0):
+            return run_with_restarts(cmd, run_dir, args.node_rank, args.auto_restart, args.rdzv_endpoint,
+                                     launch.run_torchrun)
+        return launch.run_torchrun(cmd, run_dir, args.node_rank)
 
 
 @contextmanager
@@ -199,6 +209,10 @@ def run(args: argparse.Namespace) -> int:
         run_dir = Path(a.run_dir or default_run_dir(a.config))
         # Under the launcher, it holds the locks; under a bare torchrun (or alone), rank 0 does.
         me = started()
+        if getattr(a, "auto_restart", 0) and not me.under_launcher:
+            print("paratron train: --auto-restart needs --nproc-per-node N (the launcher restarts the ranks)",
+                  file=sys.stderr)
+            return 2
         take = not me.under_launcher and me.rank == 0
         with rank_session(), run_locks(run_dir, cfg, take) as refused:
             return 2 if refused else run_training(cfg, run_dir=str(run_dir))

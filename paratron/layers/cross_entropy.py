@@ -5,7 +5,8 @@ communicates ``b*s`` scalars instead of ``b*s*v`` logits).
 Per token, each TP rank reduces its vocab slice to a max, a sum of exponentials, the target
 logit (zero unless the label falls in its slice) and, for label smoothing, a sum of logits; two
 small all-reduces (max, then one stacked sum) give every rank the same loss. Padded vocab columns
-(at or past ``vocab_size``) never enter any of these sums and get exactly zero gradient.
+(at or past ``vocab_size``) never enter any of these sums and get exactly zero gradient. With one
+TP rank the same loss comes from one fused ``log_softmax`` pass (no collective to split around).
 """
 
 from __future__ import annotations
@@ -77,6 +78,44 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return full, None, None, None, None, None
 
 
+class _LocalCrossEntropy(torch.autograd.Function):
+    """The TP=1 case: the whole (padded) vocabulary is local, so no statistic crosses ranks and
+    the fused ``log_softmax`` kernel does the max, the sum of exponentials and the normalisation
+    in one call. It keeps ``log p`` (one ``[tokens, V]`` tensor, as the general path keeps the
+    softmax); the backward turns it into ``softmax - onehot`` in place."""
+
+    @staticmethod
+    def forward(fctx, logits, labels, vocab_size: int, ignore_index: int, label_smoothing: float):
+        local_v = logits.shape[-1]
+        n_valid = min(vocab_size, local_v)
+        logp = torch.log_softmax(logits[..., :n_valid], dim=-1, dtype=torch.float32)
+        valid = labels != ignore_index
+        index = labels.masked_fill(~valid, 0).unsqueeze(-1)
+        loss = logp.gather(-1, index).squeeze(-1).neg_()
+        if label_smoothing > 0:
+            smooth = logp.sum(dim=-1).div_(-n_valid)  # mean_j(-log p_j) over the true vocab
+            loss = (1.0 - label_smoothing) * loss + label_smoothing * smooth
+        loss = loss.masked_fill_(~valid, 0.0)
+        fctx.save_for_backward(logp, index, valid)
+        fctx.meta = (local_v, n_valid, label_smoothing, logits.dtype)
+        return loss
+
+    @staticmethod
+    def backward(fctx, grad_loss):
+        logp, index, valid = fctx.saved_tensors
+        local_v, n_valid, eps, dtype = fctx.meta
+        grad = logp.exp_()  # softmax; logp is saved only for this backward: safe to overwrite
+        grad.scatter_add_(-1, index, torch.full(index.shape, -(1.0 - eps), dtype=grad.dtype, device=grad.device))
+        if eps > 0:
+            grad.sub_(eps / n_valid)
+        grad.mul_((grad_loss.float() * valid).unsqueeze(-1))
+        if n_valid == local_v:
+            return grad.to(dtype), None, None, None, None
+        full = torch.zeros(grad.shape[:-1] + (local_v,), dtype=dtype, device=grad.device)
+        full[..., :n_valid] = grad
+        return full, None, None, None, None
+
+
 def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ctx: ParallelContext, vocab_size: int,
                                  ignore_index: int = -100, label_smoothing: float = 0.0) -> torch.Tensor:
     """Per-token cross-entropy of vocab-parallel logits, computed in fp32.
@@ -112,5 +151,8 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ctx
     elif bool(bad.any()):
         raise ValueError(f"labels must lie in [0, model.vocab_size={vocab_size}) or equal "
                          f"ignore_index={ignore_index}; found {int(labels[bad][0])}")
+    if ctx.tp.size == 1:
+        return _LocalCrossEntropy.apply(logits, labels, int(vocab_size), int(ignore_index),
+                                        float(label_smoothing))
     return _VocabParallelCrossEntropy.apply(logits, labels, ctx.tp, int(vocab_size), int(ignore_index),
                                             float(label_smoothing))

@@ -21,7 +21,7 @@ from torch import nn
 
 from ..parallel.comm import Group
 from ..parallel.context import ParallelContext
-from ..parallel.grads import accumulate_grad, run_or_defer
+from ..parallel.grads import accumulate_grad, accumulate_matmul_grad, run_or_defer
 from ..parallel.mappings import check_sequence_divisible, gather_from_tp_region, scatter_to_tp_region
 from ..parallel.params import ShardSpec, mark
 from .fp8 import fp8_matmul
@@ -60,8 +60,11 @@ def _weight_grads(owner, weight, bias, dy: torch.Tensor, x: torch.Tensor,
 
     def run() -> None:
         if want_w:
-            dy2 = dy.reshape(-1, dy.shape[-1])
-            accumulate_grad(weight, _mm(owner, dy2.t(), x.reshape(-1, x.shape[-1]), "gx", sharded, False))
+            dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
+            if getattr(owner, "fp8", None) is None:  # one GEMM accumulating into the main grad
+                accumulate_matmul_grad(weight, dy2.t(), x2)
+            else:
+                accumulate_grad(weight, _mm(owner, dy2.t(), x2, "gx", sharded, False))
         if want_b:
             accumulate_grad(bias, bdy.reshape(-1, bdy.shape[-1]).sum(dim=0))
 

@@ -118,8 +118,11 @@ class SelfAttention(nn.Module):
         qkv = self.qkv(x)
         s, b = qkv.shape[:2]
         qkv = qkv.view(s, b, self.local_groups, self.q_per_group + 2, self.head_dim)
-        q = qkv[:, :, :, :self.q_per_group].reshape(s, b, self.local_groups * self.q_per_group, self.head_dim)
-        k, v = qkv[:, :, :, self.q_per_group], qkv[:, :, :, self.q_per_group + 1]
+        # One split (its backward is one cat into the qkv grad), not three slices whose
+        # backward would each zero-fill a qkv-sized grad and add it.
+        q, k, v = qkv.split([self.q_per_group, 1, 1], dim=3)
+        q = q.reshape(s, b, self.local_groups * self.q_per_group, self.head_dim)
+        k, v = k.squeeze(3), v.squeeze(3)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:

@@ -55,7 +55,49 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def _rotate_into(out: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``out = x * cos + [-x2, x1] * sin`` half by half, written in place: two products and two
+    ``addcmul`` passes over halves, no rotated copy and no concatenation."""
+    h = x.shape[-1] // 2
+    (x1, x2), (o1, o2) = (x[..., :h], x[..., h:]), (out[..., :h], out[..., h:])
+    torch.mul(x1, cos[..., :h], out=o1)
+    o1.addcmul_(x2, sin[..., :h], value=-1.0)
+    torch.mul(x2, cos[..., h:], out=o2)
+    o2.addcmul_(x1, sin[..., h:])
+    return out
+
+
+class _Rope(torch.autograd.Function):
+    """RoPE as one rotation forward and its transpose backward; keeps only the tables (the
+    composite form keeps a rotated copy of ``x`` for the backward of its products)."""
+
+    @staticmethod
+    def forward(fctx, x, cos, sin):
+        fctx.save_for_backward(cos, sin)
+        return _rotate_into(torch.empty_like(x, memory_format=torch.contiguous_format), x, cos, sin)
+
+    @staticmethod
+    def backward(fctx, dy):
+        cos, sin = fctx.saved_tensors
+        # The transpose of [[c1, -s1], [s2, c2]] per channel pair: dx1 = dy1 c1 + dy2 s2,
+        # dx2 = dy2 c2 - dy1 s1.
+        h = dy.shape[-1] // 2
+        dx = torch.empty_like(dy, memory_format=torch.contiguous_format)
+        (dy1, dy2), (d1, d2) = (dy[..., :h], dy[..., h:]), (dx[..., :h], dx[..., h:])
+        torch.mul(dy1, cos[..., :h], out=d1)
+        d1.addcmul_(dy2, sin[..., h:])
+        torch.mul(dy2, cos[..., h:], out=d2)
+        d2.addcmul_(dy1, sin[..., :h], value=-1.0)
+        return dx, None, None
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[s, b, heads, d]`` by the tables of :func:`rope_tables` (cast to x's dtype)."""
+    """Rotate ``x`` ``[s, b, heads, d]`` by the tables of :func:`rope_tables` (cast to x's dtype).
+
+    Eager: :class:`_Rope`, fewer passes over ``x`` than the composite form; under
+    ``torch.compile`` (``model.compile``) or with tables that need a grad, the composite form,
+    which the compiler fuses itself."""
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    return x * cos + _rotate_half(x) * sin
+    if torch.compiler.is_compiling() or cos.requires_grad or sin.requires_grad:
+        return x * cos + _rotate_half(x) * sin
+    return _Rope.apply(x, cos, sin)

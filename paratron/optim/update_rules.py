@@ -64,7 +64,7 @@ def sgd_step(params: list[torch.Tensor], grads: list[torch.Tensor], momenta: lis
 
 def fused_adamw_step(groups: list[tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor],
                                         list[torch.Tensor], float]], step: torch.Tensor, *, lr: float,
-                     beta1: float, beta2: float, eps: float) -> None:
+                     beta1: float, beta2: float, eps: float, clip_coeff: float = 1.0) -> None:
     """One AdamW step with PyTorch's fused kernel (``torch._fused_adamw_``, the kernel behind
     ``torch.optim.AdamW(fused=True)``; CUDA and CPU), the same update as :func:`adamw_step`.
 
@@ -73,10 +73,16 @@ def fused_adamw_step(groups: list[tuple[list[torch.Tensor], list[torch.Tensor], 
             the four lists hold matching 1-D views (runs of the flat buffers).
         step: a 0-dim fp32 tensor on the params' device holding the 1-based step ``t`` (the
             kernel reads it on the device: no host sync).
+        clip_coeff: the grad-clipping factor (``< 1``: clip): the kernel divides each grad by
+            its ``grad_scale`` ``1 / clip_coeff`` as it reads it (and stores the clipped grad
+            back), which saves the separate pass over the grads.
     """
+    scale = None
+    if clip_coeff < 1.0:
+        scale = torch.full((), 1.0 / clip_coeff, dtype=torch.float32, device=step.device)
     for params, grads, exp_avgs, exp_avg_sqs, weight_decay in groups:
         if not params:
             continue
         torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], [step] * len(params), lr=lr,
                             beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
-                            amsgrad=False, maximize=False)
+                            amsgrad=False, maximize=False, grad_scale=scale)

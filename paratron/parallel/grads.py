@@ -22,6 +22,29 @@ from .context import ParallelContext
 from .params import meta_of
 
 
+def _main_grad(param: torch.Tensor, meta) -> torch.Tensor | None:
+    """DDP's fp32 accumulator of ``param`` (staged on demand under ZeRO-2/3), or None."""
+    main = meta.main_grad
+    if main is None and meta.acquire_main_grad is not None:
+        main = meta.acquire_main_grad(param)
+    return main
+
+
+@torch.no_grad()
+def accumulate_matmul_grad(param: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """:func:`accumulate_grad` of ``a @ b`` (``a [out, k]``, ``b [k, in]``, a 2-D ``param``):
+    into an fp32 ``main_grad`` of the same dtype as one ``addmm`` that accumulates in place, so
+    no ``[out, in]`` temporary is written and read back; else as :func:`accumulate_grad`."""
+    meta = meta_of(param)
+    main = _main_grad(param, meta)
+    if main is None or main.dtype != a.dtype or main.dtype != b.dtype:
+        accumulate_grad(param, a @ b)
+        return
+    main.view(a.shape[0], b.shape[1]).addmm_(a, b)
+    if meta.grad_ready_hook is not None:
+        meta.grad_ready_hook(param)
+
+
 @torch.no_grad()
 def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
     """Add ``grad`` to the param's accumulator (``main_grad`` or ``.grad``) and notify DDP.
@@ -29,9 +52,7 @@ def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
     Runs without autograd: a deferred W action executes outside the backward pass, where its
     inputs may still require grad."""
     meta = meta_of(param)
-    main = meta.main_grad
-    if main is None and meta.acquire_main_grad is not None:
-        main = meta.acquire_main_grad(param)
+    main = _main_grad(param, meta)
     if main is not None:
         main.add_(grad.view_as(main))
     elif param.grad is None:

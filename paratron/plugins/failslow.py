@@ -12,7 +12,7 @@ mitigation) or ``"paratron.plugins.failslow:FailSlowDetector"`` (detection only)
 chunk's forward start to its end, and from the first grad of a chunk's output to the last
 parameter grad accumulated in that backward) and its wait, ``forward_backward - compute`` (the
 rest of the step's device work: collectives and p2p). Once a step, one host all-reduce of
-``[world, 3]`` floats shares ``(compute per microbatch, compute, wait)``; compute per microbatch
+``[world, 4]`` floats shares ``(compute per microbatch, compute, wait, step)``; compute per microbatch
 is the shortest forward plus the shortest backward of the step (per chunk), which load from
 other processes on the host cannot inflate. A rank's load is its
 compute per microbatch per transformer layer of its pipeline stage (the predicted cost); its
@@ -31,11 +31,36 @@ unchanged: only which replica computes which microbatch moves (the sum order of 
 **Mitigate over PP.** When the flagged rank's pipeline has more than one stage, the plugin
 proposes a ``parallel.pipeline_layout`` that moves layers off the slow stage, chosen with the
 pipeline simulator (:func:`propose_layout`), and records it with the simulator's predicted
-step-time ratio. It is applied at the next restart (set it in the config).
+step-time ratio. Without ``train.failslow_relayout`` it is applied at the next restart (set it in
+the config).
+
+**Level 3: re-lay out online** (``train.failslow_relayout = true``, which needs
+``train.elastic_relayout = true``). Every step, the simulator's best layout for the per-layer
+costs measured over the last ``window`` steps gives a predicted step time (the measured step
+time times the simulated ratio). While the gain is at least ``min_gain`` of the step, a
+ski-rental budget (:class:`~paratron.plugins.failslow_escalate.SkiRental`) adds up the seconds
+lost per step; once they reach the cost of a re-layout (``train.failslow_relayout_cost_s``
+before one was measured, then the measured one) and the gain over the remaining steps exceeds
+it, the plugin asks for the layout through ``state.request_relayout`` (docs/elastic.md). Once
+no rank is flagged, the same rule may take the run back to its starting layout; the window of
+fresh measurements after each re-layout, the minimum gain and the budget keep it from
+oscillating. Each decision is a ``failslow_decision`` record (predicted step and gain, cost,
+rent paid), and ``window`` steps after a re-layout a ``failslow_effect`` record gives the
+measured step against the prediction and the measured cost.
+
+**Level 4: checkpoint and restart** (``train.failslow_restart = true``, which needs
+``checkpoint.save``). After a level-3 re-layout, while the slow rank stays flagged, each step
+rents the gap between the measured step and the simulator's step for a healthy rank at the
+starting layout; when the budget reaches ``train.failslow_restart_cost_s`` (and the gap over
+the remaining steps exceeds it), rank 0 writes ``RUN_DIR/restart_request.json`` (slow rank,
+host, checkpoint directory, prediction) and the job saves and exits with
+:data:`~paratron.plugins.failslow_escalate.EXIT_FAILSLOW_RESTART`; ``paratron train
+--auto-restart N`` restarts it (:mod:`paratron.launch.auto_restart`).
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections import deque
@@ -47,6 +72,9 @@ from paratron.pipeline.actions import halves
 from paratron.pipeline.partition import chunk_stages, stage_sizes
 from paratron.pipeline.registry import build_schedule, get_schedule
 from paratron.pipeline.simulator import simulate
+from paratron.plugins.failslow_escalate import (EXIT_FAILSLOW_RESTART, SkiRental, moves_back, relayout_decision,
+                                                relayout_effect, restart_decision, this_host,
+                                                write_restart_request)
 from paratron.training.callbacks import Callback, TrainState
 
 
@@ -194,6 +222,7 @@ class FailSlowDetector(Callback):
         self.streak = [0] * ctx.world_size  # consecutive steps above the threshold, per rank
         self.calm = [0] * ctx.world_size  # consecutive steps below it
         self.history: deque = deque(maxlen=self.window)  # per step: [world] compute per microbatch
+        self.step_seconds: deque = deque(maxlen=self.window)  # per step: the slowest rank's step time
         self.flagged: set[int] = set()
         self.even = cfg.train.global_batch_size // (cfg.train.micro_batch_size * ctx.dp.size)
 
@@ -212,10 +241,11 @@ class FailSlowDetector(Callback):
         ctx = state.ctx
         compute, per_mb = self.clock.take()
         wait = max(0.0, timings.get("forward_backward", compute) - compute)
-        t = torch.zeros(ctx.world_size, 3, dtype=torch.float64)
-        t[ctx.rank] = torch.tensor([per_mb, compute, wait], dtype=torch.float64)
+        t = torch.zeros(ctx.world_size, 4, dtype=torch.float64)
+        t[ctx.rank] = torch.tensor([per_mb, compute, wait, timings.get("step", 0.0)], dtype=torch.float64)
         ctx.world.host_all_reduce(t, op=dist.ReduceOp.SUM)
         rows = t.tolist()
+        self.step_seconds.append(max(r[3] for r in rows))  # the job's step: its slowest rank's
         # What a microbatch costs on average (the balance needs the throughput, not the best case).
         counts = state.dp_microbatches or [self.even] * self.dp_size
         self.history.append([r[1] / counts[self.coords[i]["dp"]] for i, r in enumerate(rows)])
@@ -274,10 +304,63 @@ class FailSlowDetector(Callback):
 
 
 class FailSlow(FailSlowDetector):
-    """Detection, then mitigation: DP microbatch re-split while a rank is flagged, and a proposed
-    ``parallel.pipeline_layout`` when a flagged rank's pipeline has several stages."""
+    """Detection, then mitigation: DP microbatch re-split while a rank is flagged, a proposed
+    ``parallel.pipeline_layout`` when a flagged rank's pipeline has several stages, and with
+    ``train.failslow_relayout`` / ``train.failslow_restart`` Greyhound's levels 3 and 4 (module
+    docstring). ``min_gain`` (class attribute): the least share of the step a re-layout must be
+    predicted to save to be considered."""
 
     mitigate = True
+    min_gain = 0.1
+
+    def __init__(self, state: TrainState) -> None:
+        super().__init__(state)
+        t = state.config.train
+        self.relayout_on = t.failslow_relayout and self.pp_size > 1
+        self.restart_on = t.failslow_restart and self.relayout_on
+        self.start_sizes = list(self.sizes)
+        self.hooked = state.chunks  # the chunks the clock hooks; a re-layout swaps the list
+        self.relayout_budget, self.restart_budget = SkiRental(), SkiRental()
+        self.relayout_cost: float | None = None  # measured seconds of the last re-layout
+        self.pending: dict | None = None  # the decision of a requested re-layout
+        self.applied: dict | None = None  # that decision, applied; its effect not measured yet
+        self.laid_for: set[int] = set()  # the flagged ranks the present layout was chosen for
+        self.hosts: list[str] | None = None
+        self.left_step: float | None = None  # perf_counter when the last on_step_end returned
+        self.warming = True  # the next step is the first of its layout
+
+    def on_train_start(self, state: TrainState) -> None:
+        super().on_train_start(state)
+        if self.restart_on:  # the restart record names the slow rank's host
+            self.hosts = state.ctx.world.all_gather_object(this_host())
+
+    def on_step_start(self, state: TrainState) -> None:
+        if state.chunks is not self.hooked:
+            self.adopt_layout(state)
+        elif self.pending is not None:  # the trainer refused it (and said why): measure afresh
+            self.pending = None
+        super().on_step_start(state)
+
+    def on_step_end(self, state: TrainState, metrics: dict, timings: dict[str, float]) -> None:
+        super().on_step_end(state, metrics, timings)
+        self.left_step = time.perf_counter()
+
+    def adopt_layout(self, state: TrainState) -> None:
+        """After a re-layout: hook the new chunks, read the new split, take its measured cost
+        (from the end of the last step's hooks to now), and measure ``window`` fresh steps."""
+        cost = time.perf_counter() - self.left_step if self.left_step is not None else 0.0
+        self.clock.remove()
+        self.clock, self.hooked = ComputeClock(state.chunks), state.chunks
+        cfg = state.config
+        self.sizes = stage_sizes(cfg.model.num_layers, self.pp_size, self.par.virtual_pipeline,
+                                 cfg.parallel.pipeline_layout)
+        self.warming = True
+        self.relayout_budget.reset()
+        self.restart_budget.reset()
+        if self.pending is not None and self.sizes == self.pending["to"]:
+            self.relayout_cost, self.applied = cost, self.pending
+            self.laid_for = set(self.pending["flagged"])
+        self.pending = None
 
     def after_detection(self, state: TrainState, metrics: dict) -> None:
         ctx = state.ctx
@@ -291,9 +374,104 @@ class FailSlow(FailSlowDetector):
             proposal = self.layout_proposal()
             if proposal is not None:
                 metrics["failslow_layout"] = proposal
+                when = "if it pays (train.failslow_relayout)" if self.relayout_on else "set it at the next restart"
                 self.say(state, f"proposed parallel.pipeline_layout={proposal['pipeline_layout']} "
                                 f"(now {proposal['current']}; the simulator predicts "
-                                f"{proposal['predicted_ratio']:.2f}x the step time): set it at the next restart")
+                                f"{proposal['predicted_ratio']:.2f}x the step time): {when}")
+        if self.relayout_on and self.warming:  # a layout's first step (allocation, schedule build)
+            self.history.clear()  # says little of its speed
+            self.step_seconds.clear()
+        self.warming = False
+        if len(self.step_seconds) < self.window or self.pending is not None:
+            return  # a full window of this layout's steps first
+        if self.applied is not None:
+            self.report_effect(state, metrics)
+        if self.relayout_on:
+            self.maybe_relayout(state, metrics)
+        if self.restart_on and self.laid_for and self.pending is None:
+            self.maybe_restart(state, metrics)
+
+    # ---- level 3 -------------------------------------------------------------------------
+    def report_effect(self, state: TrainState, metrics: dict) -> None:
+        """Log the applied re-layout's measured step against its prediction, and its cost."""
+        e = relayout_effect(self.applied, statistics.median(self.step_seconds), self.relayout_cost)
+        metrics["failslow_effect"] = e
+        self.applied = None
+        self.say(state, f"after the re-layout to {e['layout']}: step {e['measured_step_s']:.4f} s measured, "
+                        f"{e['predicted_step_s']:.4f} s predicted ({e['prediction_error']:+.1%}); "
+                        f"{e['measured_ratio']:.2f}x the step before (predicted {e['predicted_ratio']:.2f}x); "
+                        f"the re-layout took {e['relayout_cost_s']:.2f} s")
+
+    def relayout_target(self, per_layer: list[float]) -> tuple[list[int], float, str] | None:
+        """``(layout, simulated step ratio, reason)``: the simulator's best layout while a rank is
+        flagged, or the starting layout once none is; None when neither applies."""
+        p, v, sched, m = self.pp_size, self.par.virtual_pipeline, self.par.schedule, self.even
+        if self.flagged:
+            if self.flagged == self.laid_for:  # the present layout was chosen for these ranks already
+                return None
+            layout, before, after = propose_layout(self.sizes, per_layer, p, v, sched, m)
+            if moves_back(self.start_sizes, self.sizes, layout):
+                return None
+            return layout, after / before, "slow rank"
+        if self.sizes != self.start_sizes:
+            before = simulated_step(self.sizes, per_layer, p, v, sched, m)
+            return self.start_sizes, simulated_step(self.start_sizes, per_layer, p, v, sched, m) / before, "recovered"
+        return None
+
+    def maybe_relayout(self, state: TrainState, metrics: dict) -> None:
+        """Rent one step of the present layout's loss; request the target layout when bought."""
+        per_layer = self.per_layer_costs()
+        target = self.relayout_target(per_layer)
+        if target is None or target[0] == self.sizes or target[1] > 1 - self.min_gain:
+            self.relayout_budget.reset()
+            return
+        layout, ratio, reason = target
+        measured = statistics.median(self.step_seconds)
+        prior = state.config.train.failslow_relayout_cost_s
+        cost = self.relayout_cost if self.relayout_cost is not None else (
+            prior if prior is not None else 2 * measured)
+        remaining = state.config.train.train_iters - state.iteration
+        if not self.relayout_budget.rent(measured * (1 - ratio), cost, remaining):
+            return
+        d = relayout_decision(state.iteration, self.sizes, layout, measured, ratio, cost,
+                              self.relayout_cost is not None, self.relayout_budget.paid, remaining, reason,
+                              per_layer)
+        d["flagged"] = sorted(self.flagged) if reason == "slow rank" else []
+        metrics["failslow_decision"] = d
+        self.pending = d
+        state.request_relayout(layout)
+        self.say(state, f"level 3 ({reason}): re-layout {d['from']} -> {d['to']} online: step "
+                        f"{d['measured_step_s']:.4f} s, predicted {d['predicted_step_s']:.4f} s "
+                        f"({d['predicted_ratio']:.2f}x); {d['predicted_gain_s']:.2f} s gained over "
+                        f"{remaining} steps against a {d['cost']} cost of {d['relayout_cost_s']:.2f} s "
+                        f"(rent paid {d['rent_paid_s']:.2f} s)")
+
+    # ---- level 4 -------------------------------------------------------------------------
+    def maybe_restart(self, state: TrainState, metrics: dict) -> None:
+        """Rent the gap to a healthy rank at the starting layout; when bought, checkpoint and
+        exit with :data:`EXIT_FAILSLOW_RESTART` (every rank decides the same)."""
+        slow_stages = {self.coords[r]["pp"] for r in self.flagged}
+        per_layer = self.per_layer_costs()
+        healthy = [x for s, x in enumerate(per_layer) if s not in slow_stages] or [min(per_layer)]
+        p, v, sched, m = self.pp_size, self.par.virtual_pipeline, self.par.schedule, self.even
+        measured = statistics.median(self.step_seconds)
+        healthy_s = measured * (simulated_step(self.start_sizes, [statistics.median(healthy)] * p, p, v, sched, m)
+                                / simulated_step(self.sizes, per_layer, p, v, sched, m))
+        loss = measured - healthy_s if slow_stages and measured - healthy_s > self.min_gain * measured else 0.0
+        cost, remaining = state.config.train.failslow_restart_cost_s, state.config.train.train_iters - state.iteration
+        if not self.restart_budget.rent(loss, cost, remaining):
+            return
+        rank = min(self.flagged)
+        d = restart_decision(state.iteration, rank, self.hosts[rank], measured, healthy_s, cost,
+                             self.restart_budget.paid, remaining, state.config.checkpoint.save)
+        metrics["failslow_decision"] = d
+        if state.ctx.rank == 0 or os.environ.get("LOCAL_RANK") == "0":  # each node's launcher reads it
+            write_restart_request(state.run_dir, d)
+        state.should_stop, state.exit_code = True, EXIT_FAILSLOW_RESTART
+        self.say(state, f"level 4: rank {rank} (host {d['host']}) stays slow after the re-layout: step "
+                        f"{measured:.4f} s, {healthy_s:.4f} s predicted without it; {d['predicted_gain_s']:.2f} s "
+                        f"over {remaining} steps against a restart cost of {cost:.2f} s: saving and exiting "
+                        f"with code {EXIT_FAILSLOW_RESTART} for a restart")
 
     def marginal(self, new: list[int] | None, current: list[int] | None) -> bool:
         """Whether moving from one uneven split to another gains under 5% of the predicted step
@@ -330,13 +508,19 @@ class FailSlow(FailSlowDetector):
 
         return balance_microbatches(t, self.even * self.dp_size, feasible)
 
-    def layout_proposal(self) -> dict | None:
-        """The layout :func:`propose_layout` finds for the measured per-layer costs per stage."""
+    def per_layer_costs(self) -> list[float]:
+        """Seconds per layer per microbatch of each pipeline stage: the median over its ranks of
+        their recent compute per microbatch, over its layers."""
         per_mb = self.median_per_mb()
-        per_layer = []
+        out = []
         for s in range(self.pp_size):
             ranks = [r for r in range(len(per_mb)) if self.coords[r]["pp"] == s]
-            per_layer.append(statistics.median(per_mb[r] for r in ranks) / max(1, self.stage_layers(s)))
+            out.append(statistics.median(per_mb[r] for r in ranks) / max(1, self.stage_layers(s)))
+        return out
+
+    def layout_proposal(self) -> dict | None:
+        """The layout :func:`propose_layout` finds for the measured per-layer costs per stage."""
+        per_layer = self.per_layer_costs()
         layout, before, after = propose_layout(self.sizes, per_layer, self.pp_size, self.par.virtual_pipeline,
                                                self.par.schedule, self.even)
         if layout == self.sizes:

@@ -29,7 +29,7 @@ VALIDATORS = [
     _pipeline_layers, _r["_mtp_last_stage"], _r["_dualpipev_zero3"], _r["_experts"], _dispatcher,
     _moe_fb_overlap, _zero, _r["_fp8"], _r["_save_peft"], _r["_split"], _r["check_context"],
     _r["check_microbatch_tokens"], check_token_layout, _r["check_observability"], _r["check_records"],
-    _r["check_low_rank"], _r["_encoder_placement"],
+    _r["check_low_rank"], _r["_encoder_placement"], _r["check_failslow"],
 ]
 """Every config rule, in order. Each takes ``(cfg, world_size_or_None)`` and raises ConfigError."""
 del _r

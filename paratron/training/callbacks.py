@@ -39,6 +39,10 @@ class TrainState:
     metrics: list[dict] = field(default_factory=list)
     should_stop: bool = False
     """A callback may set this to end training after the current step (a save follows)."""
+    exit_code: int = 0
+    """The exit code of the rank processes once training ends (0: a normal end). A callback that
+    sets ``should_stop`` may set it, the same on every rank, to tell a launcher why (e.g. the
+    fail-slow plugin's restart request, :mod:`paratron.plugins.failslow_escalate`)."""
     dp_microbatches: list[int] | None = None
     """Microbatches per DP rank for the next steps (None: the even split). A callback may set it,
     the same on every rank, summing to ``global_batch_size / micro_batch_size``: the data loader

@@ -259,7 +259,7 @@ def prepare_training(cfg: Config, run_dir: str | os.PathLike, *, launching: bool
     outputs into the run directory, tokenise and check the data (and its splits), check the
     checkpoint to resume from, and the checkpoint directory. Inside a rank (a plain
     ``torchrun``, or the ranks the launcher started) only the checks every rank answers alike
-    run: global rank 0 prepares the data after launch, and each save checks its exact size (:func:`paratron.checkpoint.storage.refuse_unless_room`).
+    run: global rank 0 prepares the data after launch, and each save checks its exact size (:class:`paratron.checkpoint.dcp_planners.ChunkSavePlanner`).
     ``launching`` says which: True outside torchrun (the launcher, or one process alone;
     :func:`paratron.launch.mode.started`).
 

@@ -125,7 +125,8 @@ class Trainer:
 
     # ---- the loop ------------------------------------------------------------------------
     def train(self) -> int:
-        """Train to ``train.train_iters`` (or a stop request); returns the exit code 0.
+        """Train to ``train.train_iters`` (or a stop request); returns the exit code: 0, or the
+        ``state.exit_code`` a callback set with its stop request.
 
         Raises:
             NonFiniteStop: a non-finite step under ``train.nonfinite`` (the same on every rank).
@@ -158,7 +159,7 @@ class Trainer:
                 self.observer.close()
                 self.writer.close()
         self.report()
-        return 0
+        return self.state.exit_code
 
     # ---- its steps -----------------------------------------------------------------------
     def train_step(self) -> tuple[dict, dict]:
