@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from paratron.config import Config, ConfigError, ModelConfig
 from paratron.rules import validate
 from paratron.models.context_parallel import attention_flops_per_rank
+from paratron.models.context_parallel.ulysses import UlyssesAttention
 from paratron.models.gpt import build_model_chunks
 from paratron.parallel.context import ParallelContext
+from paratron.parallel.mappings import all_to_all_seq_to_heads
 from paratron.local_ranks import run_ranks
 
 from helpers import config_with
@@ -153,3 +156,57 @@ def test_fused_block_kernels_match_the_math(causal):
     want = K.block_backward_math(q, k, v, final_lse, dout, (dout * final_out).sum(-1), causal, 0.3)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+# ---- all2all: one autograd function, the attention output kept once (2 ranks) ------------------
+
+def _head_copies_of_output(ctx) -> int:
+    """How many tensors layer 0's attention saves for backward that hold this rank's head-sharded
+    copy ``[s, b, n/C, d]`` of its output (compared as sorted values, so in any layout), under
+    all2all CP; the output projection's sequence-sharded input is the output's other layout."""
+    (model,) = build_model_chunks(_model_cfg(64), ctx, seed=1, context_algorithm="all2all")
+    attention, saved, proj_in = model.layers["0"].attention, [], []
+    attention.proj.register_forward_pre_hook(lambda mod, args: proj_in.append(args[0].detach()))
+    original = attention.forward
+
+    def recorded(*args, **kw):
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.detach()) or t, lambda t: t):
+            return original(*args, **kw)
+
+    attention.forward = recorded
+    model(torch.randint(0, 32, (1, 32), generator=torch.Generator().manual_seed(ctx.rank)))
+    y = proj_in[0]
+    heads = all_to_all_seq_to_heads(y.reshape(*y.shape[:2], 4, 4), ctx.cp).flatten().sort().values
+    return sum(t.numel() == heads.numel() and torch.equal(t.flatten().sort().values, heads) for t in saved)
+
+
+def _ulysses_rank():
+    """On each of 2 CP ranks: UlyssesAttention's output and input grads (this rank's shard) against
+    SDPA over the whole sequence, GQA 4/2; and the head-layout copies of the output kept."""
+    ctx = ParallelContext.build(cp=2)
+    g = torch.Generator().manual_seed(3)
+    s, b, d = 16, 2, 8
+    q, k, v = (torch.randn(s, b, n, d, generator=g) for n in (4, 2, 2))
+    dout = torch.randn(s, b, 4, d, generator=g)
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = F.scaled_dot_product_attention(*(t.permute(1, 2, 0, 3) for t in full), is_causal=True,
+                                         enable_gqa=True, scale=0.3).permute(2, 0, 1, 3)
+    ref.backward(dout)
+    part = slice(ctx.cp.rank * s // 2, (ctx.cp.rank + 1) * s // 2)
+    mine = [t[part].clone().requires_grad_() for t in (q, k, v)]
+    out = UlyssesAttention.apply(*mine, ctx.cp, 0.3)
+    out.backward(dout[part])
+    return {"out": (out.detach(), ref[part].detach()),
+            "grads": [(m.grad, f.grad[part]) for m, f in zip(mine, full)], "head_copies": _head_copies_of_output(ctx)}
+
+
+def test_ulysses_matches_sdpa_and_keeps_the_output_once_world2():
+    """all2all CP=2: the output and the q/k/v grads of each rank's shard match SDPA over the whole
+    sequence (GQA) to 1e-5; and layer 0's attention keeps no head-sharded copy of its output for
+    backward (only the sequence-sharded one the output projection shares; the composed
+    all-to-all/SDPA/all-to-all path kept both)."""
+    for res in run_ranks(_ulysses_rank, 2, timeout=300):
+        torch.testing.assert_close(*res["out"], rtol=1e-5, atol=1e-5)
+        for got, want in res["grads"]:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert res["head_copies"] == 0, res["head_copies"]
