@@ -22,7 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "simulate": ("paratron.pipeline.simulate_command", "simulate and draw a pipeline schedule"),
     "plan": ("paratron.dryrun.plan_command", "rank parallel layouts with a cost model; write the best as a config"),
     "config": ("paratron.rules.command", "list every config key, or show a config as resolved"),
-    "resize": ("paratron.elastic.resize_command", "change a running job's pipeline layout at its next step"),
+    "resize": ("paratron.launch.resize_command", "change a running job's pipeline layout at its next step"),
     "dryrun": ("paratron.dryrun.command", "rehearse one step of a layout's ranks on one CPU (fake backend, meta tensors)"),
 }
 

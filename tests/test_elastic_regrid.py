@@ -162,6 +162,7 @@ def test_plan_change_keeps_coordinates_and_refuses_what_cannot_be_met():
 
 def test_resize_command_asks_for_a_new_pipeline_degree(tmp_path, capsys):
     from paratron.cli import main
+    from paratron.launch.runlock import RunLock
     from paratron.config import to_toml
 
     (tmp_path / "config.toml").write_text(to_toml(_cfg()), encoding="utf-8")
@@ -169,6 +170,9 @@ def test_resize_command_asks_for_a_new_pipeline_degree(tmp_path, capsys):
     assert "sum to model.num_layers=4" in capsys.readouterr().out
     assert main(["resize", str(tmp_path), "--pipeline", "2"]) == 2  # nothing would change
     assert not (tmp_path / "relayout_request.json").exists()
-    assert main(["resize", str(tmp_path), "--pipeline", "4"]) == 0
+    assert main(["resize", str(tmp_path), "--pipeline", "4"]) == 2  # no job holds the run directory
+    assert "no job is running" in capsys.readouterr().out and not (tmp_path / "relayout_request.json").exists()
+    with RunLock(tmp_path):
+        assert main(["resize", str(tmp_path), "--pipeline", "4"]) == 0
     assert "parallel.pipeline=4 pipeline_layout=None" in capsys.readouterr().out
     assert take_request_file(tmp_path, 0) == {"layout": None, "pipeline": 4}

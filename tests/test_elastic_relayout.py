@@ -160,6 +160,7 @@ def test_request_file_is_taken_once_by_rank_0(tmp_path):
 
 def test_resize_command_checks_then_drops_the_request(tmp_path, capsys):
     from paratron.cli import main
+    from paratron.launch.runlock import RunLock
     from paratron.config import to_toml
 
     (tmp_path / "config.toml").write_text(to_toml(_cfg()), encoding="utf-8")
@@ -171,5 +172,18 @@ def test_resize_command_checks_then_drops_the_request(tmp_path, capsys):
     assert main(["resize", str(tmp_path), "--layout", "1,3", "--pipeline", "4"]) == 2
     assert "needs parallel.pipeline*virtual_pipeline = 4" in capsys.readouterr().out
     assert not (tmp_path / "relayout_request.json").exists()
-    assert main(["resize", str(tmp_path), "--layout", "1,3"]) == 0
+    assert main(["resize", str(tmp_path), "--layout", "1,3"]) == 2  # no job holds the run directory
+    assert "no job is running" in capsys.readouterr().out and not (tmp_path / "relayout_request.json").exists()
+    with RunLock(tmp_path):
+        assert main(["resize", str(tmp_path), "--layout", "1,3"]) == 0
     assert take_request_file(tmp_path, 0) == {"layout": [1, 3], "pipeline": None}
+
+
+def test_a_new_job_removes_a_request_left_for_an_ended_one(tmp_path, capsys):
+    from paratron.launch.command import run_locks
+
+    write_request(tmp_path, [1, 3])
+    with run_locks(tmp_path, _cfg(f"checkpoint.save={tmp_path / 'ck'}"), take=True) as refused:
+        assert not refused
+        assert take_request_file(tmp_path, 0) is None
+    assert "left from an earlier job" in capsys.readouterr().err

@@ -113,9 +113,9 @@ def test_layers_never_move_back_but_through_the_return_to_the_start():
 def test_escalation_keys_are_checked_before_launch():
     with pytest.raises(ConfigError, match="train.failslow_relayout=true needs train.elastic_relayout"):
         validate(load_config(None, ["train.failslow_relayout=true"]))
-    with pytest.raises(ConfigError, match="needs checkpoint.save"):
-        validate(load_config(None, ["train.failslow_relayout=true", "train.elastic_relayout=true",
-                                    "train.failslow_restart=true"]))
+    # Level 4 without an explicit checkpoint.save is fine: the run directory's default supplies it.
+    validate(load_config(None, ["train.failslow_relayout=true", "train.elastic_relayout=true",
+                                "train.failslow_restart=true"]))
     with pytest.raises(ConfigError, match="failslow_restart_cost_s=-1.0 must be seconds"):
         validate(load_config(None, ["train.failslow_restart_cost_s=-1"]))
     assert parse_slow_rank("1:2:9") == (1, 2.0, 9) and parse_slow_rank("0:3") == (0, 3.0, None)
@@ -183,3 +183,15 @@ def test_paratron_train_auto_restart_resumes_after_the_failslow_exit(tmp_path, t
     stop = next(d["iteration"] for d in (r.get("failslow_decision", {}) for r in records) if d.get("level") == 4)
     last = [r["iteration"] for r in records if "loss" in r]
     assert last[-1] == 16 and stop < 11 and (ck / f"step_{stop}").is_dir(), (stop, last)
+
+
+def test_a_planned_restart_is_reported_as_one_line_not_as_a_failure(tmp_path):
+    from paratron.launch.launch import RankWatch, failure_report, prepare_run_dir
+
+    log_dir = prepare_run_dir(tmp_path)
+    _record(tmp_path)
+    lines = failure_report(tmp_path, log_dir, RankWatch(log_dir), 1, [])
+    assert len(lines) == 1 and "stopped for a restart" in lines[0] and "rank 1 on node-b" in lines[0]
+    prepare_run_dir(tmp_path)  # the next job starts: the record is not its own
+    assert read_restart_request(tmp_path) is None
+    assert any("failed (exit code 1)" in line for line in failure_report(tmp_path, log_dir, RankWatch(log_dir), 1, []))

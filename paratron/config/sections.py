@@ -266,7 +266,7 @@ class TrainConfig:
     failslow_restart: bool = False
     """Greyhound level 4: after a level-3 re-layout, when the slow rank keeps costing more than a
     restart, save and exit with code 75 for ``paratron train --auto-restart N`` (needs
-    ``train.failslow_relayout`` and ``checkpoint.save``)."""
+    ``train.failslow_relayout``; saves to ``checkpoint.save``, by default ``RUN_DIR/checkpoints``)."""
     failslow_restart_cost_s: float = 120.0
     """Seconds a checkpoint, exit and restart are taken to cost (level 4's budget)."""
     elastic_spares: int = 0

@@ -61,6 +61,16 @@ def take_request_file(run_dir: Path | None, rank: int) -> dict | None:
     return taken
 
 
+def discard_request(run_dir: Path) -> bool:
+    """Remove a request file left in ``run_dir`` by a ``paratron resize`` whose job has ended
+    (called as a new job takes the run directory's lock); True when there was one."""
+    path = Path(run_dir) / REQUEST_FILE
+    if not path.is_file():
+        return False
+    path.unlink(missing_ok=True)
+    return True
+
+
 def request(layout=None, pipeline=None) -> dict:
     """A re-layout request: the new ``parallel.pipeline_layout`` (None: the default split) and
     the new ``parallel.pipeline`` (None: unchanged, :mod:`paratron.elastic.regrid` otherwise)."""

@@ -26,6 +26,7 @@ from paratron.launch import launch  # launch.run_torchrun, looked up at the call
 from paratron.launch.auto_restart import run_with_restarts
 from paratron.launch.mode import Mode, started
 from paratron.launch.rankproc import rank_session
+from paratron.elastic.relayout import REQUEST_FILE, discard_request
 from paratron.launch.runlock import RunLocked, lock_run, stale_note
 from paratron.launch.runner import run_training
 from paratron.training.preflight import apply_data_argument, check_paths, import_plugins, prepare_training
@@ -192,6 +193,9 @@ def run_locks(run_dir: Path, cfg: Config, take: bool):
         return
     for line in stale_note(locks):
         print(f"paratron train: {line}", file=sys.stderr)
+    if discard_request(run_dir):  # dropped for a job that has ended: not this one's to take
+        print(f"paratron train: note: removed {run_dir / REQUEST_FILE}, a re-layout request left from an "
+              "earlier job", file=sys.stderr)
     try:
         yield False
     finally:

@@ -30,6 +30,7 @@ from paratron.launch.hang import diagnose, load_dumps, load_rings
 from paratron.launch.startup import LAUNCH_ENV
 from paratron.launch.mode import LOG_DIR_ENV
 from paratron.launch.rankproc import PR_SET_PDEATHSIG
+from paratron.plugins.failslow_escalate import RESTART_FILE, read_restart_request
 
 POLL_S = 0.1
 
@@ -59,12 +60,13 @@ def alive(pid: int) -> bool:
 
 
 def prepare_run_dir(run_dir: Path) -> Path:
-    """Create ``RUN_DIR/logs`` and clear the previous job's records and hang dumps."""
+    """Create ``RUN_DIR/logs`` and clear the previous job's records, hang dumps and restart record."""
     log_dir = run_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     for p in list(log_dir.glob("rank_*.error.json")) + list(log_dir.glob("rank_*.status.json")):
         p.unlink(missing_ok=True)
     shutil.rmtree(run_dir / "hang", ignore_errors=True)
+    (run_dir / RESTART_FILE).unlink(missing_ok=True)  # a level-4 record counts for the job that wrote it
     return log_dir
 
 
@@ -157,6 +159,10 @@ def run_torchrun(cmd: list[str], run_dir: Path | None = None, node_rank: int = 0
 def failure_report(run_dir: Path, log_dir: Path, watch: RankWatch, rc: int, left: list[int],
                    node_rank: int = 0) -> list[str]:
     """The lines printed after a failed job: the hang diagnosis or the first failure."""
+    record = read_restart_request(run_dir)
+    if rc > 0 and record is not None:  # a planned exit: the ranks' codes after the first are torchrun's stop
+        return [f"paratron train: the job saved and stopped for a restart (fail-slow level 4: rank "
+                f"{record['slow_rank']} on {record['host']} stays slow; {run_dir / RESTART_FILE})"]
     lines = []
     if rc < 0:
         lines.append(f"paratron train: the torchrun agent died by {signal.Signals(-rc).name}; "

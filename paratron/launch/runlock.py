@@ -112,6 +112,25 @@ def lock_run(run_dir: Path | str, save_dir: str | None) -> list[RunLock]:
     return locks
 
 
+def live_holder(directory: Path | str) -> dict | None:
+    """The record of the live job holding ``directory``'s lock, or None when no live job holds it
+    (no lock file, or a lock nobody holds: taken and dropped at once, so it is left as it was)."""
+    path = Path(directory) / LOCK_NAME
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return _read(fd) or {"pid": None}
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
 def stale_note(locks: list[RunLock]) -> list[str]:
     """One line per lock taken over from a holder that died without releasing it."""
     return [f"note: took over the lock of {lk.what} {lk.directory} from {_describe(lk.stale)}, "

@@ -1,10 +1,12 @@
 """``paratron resize RUN_DIR --layout 1,3`` or ``--pipeline 4 [--layout 1,1,1,1]``: ask the job
-training in ``RUN_DIR`` to change its ``parallel.pipeline_layout`` (:mod:`.relayout`) or its
-pipeline degree (:mod:`.regrid`) at its next step boundary, in memory.
+training in ``RUN_DIR`` to change its ``parallel.pipeline_layout`` (:mod:`paratron.elastic.relayout`) or its
+pipeline degree (:mod:`paratron.elastic.regrid`) at its next step boundary, in memory.
 
 The request is checked against the run's ``config.toml`` first (the same rule the job applies),
 then dropped as ``RUN_DIR/relayout_request.json``; the job's rank 0 takes it, every rank agrees,
-and the job logs the re-layout (or its refusal) on the console.
+and the job logs the re-layout (or its refusal) on the console. A run directory no live job
+holds (its ``.paratron.lock``, :mod:`paratron.launch.runlock`) is refused, so a request never
+waits for the next job there; a new job also removes one left behind.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import argparse
 from pathlib import Path
 
 from paratron.elastic.relayout import RelayoutRefused, check_request, write_request
+from paratron.launch.runlock import LOCK_NAME, live_holder
 from paratron.rules import load_config
 
 
@@ -50,6 +53,10 @@ def run(args) -> int:
         check_request(cfg, layout)
     except RelayoutRefused as e:
         print(f"paratron resize: {e}")
+        return 2
+    if live_holder(Path(args.run_dir)) is None:  # a request left for no job would reach the next one
+        print(f"paratron resize: no job is running in {args.run_dir} (nothing holds its lock, "
+              f"{Path(args.run_dir) / LOCK_NAME}); a request is taken only by a running job")
         return 2
     path = write_request(Path(args.run_dir), layout, args.pipeline)
     print(f"paratron resize: requested parallel.pipeline={cfg.parallel.pipeline} pipeline_layout={layout}; the "
