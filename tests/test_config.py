@@ -171,6 +171,22 @@ def test_megatron_aliases():
     assert (cfg.model.hidden_size, cfg.model.num_attention_heads, cfg.model.seq_length) == (64, 4, 32)
 
 
+@pytest.mark.parametrize("given,expected", [
+    (["--cp-comm-type", "a2a"], "all2all"), (["--cp-comm-type=p2p"], "ring"),
+    (["parallel.cp_comm_type=a2a"], "all2all"), (["parallel.context_algorithm=all2all"], "all2all"),
+])
+def test_megatron_cp_comm_type_names_context_algorithm(given, expected):
+    overrides, rest = megatron_overrides(given)
+    cfg = build_config(None, overrides + rest)
+    assert cfg.parallel.context_algorithm == expected
+
+
+def test_megatron_cp_comm_type_not_built_is_refused():
+    with pytest.raises(ConfigError, match=r"context_algorithm='allgather' must be one of 'ring', 'all2all' "
+                                          r"\(Megatron-Core's 'p2p' for 'ring', 'a2a' for 'all2all'"):
+        build_config(None, megatron_overrides(["--cp-comm-type", "allgather"])[0])
+
+
 def test_cli_reports_config_error_without_launching(tmp_path):
     # world = 3 ranks cannot hold tp=2: the launcher must refuse before starting torchrun.
     r = subprocess.run([sys.executable, "-m", "paratron", "train", "--nproc-per-node", "3",

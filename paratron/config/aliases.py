@@ -18,6 +18,7 @@ MEGATRON_ALIASES: dict[str, str] = {
     "--pipeline-model-parallel-size": "parallel.pipeline",
     "--virtual-pipeline-model-parallel-size": "parallel.virtual_pipeline",
     "--context-parallel-size": "parallel.context",
+    "--cp-comm-type": "parallel.context_algorithm",
     "--expert-model-parallel-size": "parallel.expert",
     "--expert-tensor-parallel-size": "parallel.expert_tensor",
     "--num-layers": "model.num_layers",

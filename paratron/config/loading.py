@@ -17,7 +17,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from .errors import ConfigError
-from .sections import KEY_ALIASES, SECTIONS, Config
+from .sections import KEY_ALIASES, SECTIONS, VALUE_ALIASES, Config
 
 
 # ------------------------------------------------------------------------------------------
@@ -82,7 +82,8 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
 
 def set_value(cfg: Config, dotted: str, value: Any) -> None:
     """Set ``section.key`` (or a Megatron-Core name of :data:`~.sections.KEY_ALIASES`) to
-    ``value``, converted to the field's type.
+    ``value`` (or a Megatron-Core spelling of it, :data:`~.sections.VALUE_ALIASES`), converted to
+    the field's type.
 
     Raises:
         ConfigError: unknown section or key (with a did-you-mean), or a value of the wrong type.
@@ -90,7 +91,10 @@ def set_value(cfg: Config, dotted: str, value: Any) -> None:
     if "." not in dotted:
         raise ConfigError(f"override {dotted!r} must look like section.key=value, "
                           f"with section one of {', '.join(SECTIONS)}")
-    section, key = KEY_ALIASES.get(dotted, dotted).split(".", 1)
+    canonical = KEY_ALIASES.get(dotted, dotted)
+    if isinstance(value, str):
+        value = VALUE_ALIASES.get(canonical, {}).get(value, value)
+    section, key = canonical.split(".", 1)
     if section not in SECTIONS:
         raise ConfigError(f"unknown config section {section!r}{_did_you_mean(section, SECTIONS)}")
     types_ = _section_types(section)
@@ -102,7 +106,14 @@ def set_value(cfg: Config, dotted: str, value: Any) -> None:
             hint = _did_you_mean(dotted, [f"{section}.{k}" for k in types_]) or _did_you_mean(
                 dotted, [f"{s}.{k}" for s in SECTIONS for k in _section_types(s)])
         raise ConfigError(f"unknown config key {dotted!r}{hint}")
-    setattr(getattr(cfg, section), key, _coerce(dotted, value, types_[key]))
+    try:
+        setattr(getattr(cfg, section), key, _coerce(dotted, value, types_[key]))
+    except ConfigError as e:
+        spellings = VALUE_ALIASES.get(canonical)
+        if not spellings:
+            raise
+        also = ", ".join(f"{a!r} for {b!r}" for a, b in spellings.items())
+        raise ConfigError(f"{e} (Megatron-Core's {also} are accepted too)") from None
 
 
 def parse_override_value(raw: str) -> Any:

@@ -531,6 +531,13 @@ KEY_ALIASES: dict[str, str] = {
     "model.moe_router_topk": "model.moe_top_k",
     "model.moe_shared_expert_intermediate_size": "model.moe_shared_expert_ffn_hidden_size",
     "data.text_key": "data.json_key",
+    "parallel.cp_comm_type": "parallel.context_algorithm",
 }
 """Megatron-Core's ``TransformerConfig`` names of fields paratron spells otherwise: a config file
 or ``--set`` may use either."""
+
+VALUE_ALIASES: dict[str, dict[str, str]] = {
+    # Megatron-Core's cp_comm_type: "p2p" is the ring of KV exchanges, "a2a" Ulysses' all-to-all.
+    "parallel.context_algorithm": {"p2p": "ring", "a2a": "all2all"},
+}
+"""Megatron-Core's spellings of a field's values, by the paratron key they are given for."""
