@@ -180,3 +180,13 @@ def test_simulate_command_with_encoder(capsys, tmp_path):
     bad = parser.parse_args(["--pipeline", "2", "--encoder-placement", "optimus", "--cost-eb", "nan"])
     assert run(bad) == 2
     assert "--cost-eb=nan must be a finite number" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags", [["--cost-ef", "0.8"], ["--cost-eb", "1"], ["--encoder-parts", "2"]])
+def test_simulate_refuses_encoder_costs_without_a_placement(capsys, flags):
+    """Without --encoder-placement these flags were read and dropped: the printed makespan was of a
+    model with no encoder, with no word said."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert run(parser.parse_args(["--pipeline", "2", *flags])) == 2
+    assert f"{flags[0]} costs a multimodal encoder and needs --encoder-placement" in capsys.readouterr().err

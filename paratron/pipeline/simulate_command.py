@@ -54,10 +54,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--encoder-placement", choices=PLACEMENTS, default=None,
                         help="add a multimodal encoder's work (docs/optimus.md): on stage 0's rank (stage0) or "
                              "in the bubbles of every rank (optimus, which also prints stage0's makespan)")
-    parser.add_argument("--cost-ef", type=float, default=0.0, help="encoder forward cost of one microbatch")
-    parser.add_argument("--cost-eb", type=float, default=0.0, help="encoder backward cost of one microbatch")
-    parser.add_argument("--encoder-parts", type=int, default=1,
-                        help="parts per microbatch, each placed on one rank (optimus)")
+    # None = not given: the encoder flags only mean something with --encoder-placement, and a
+    # value given without it must be refused rather than silently simulate a model with no encoder.
+    parser.add_argument("--cost-ef", type=float, default=None,
+                        help="encoder forward cost of one microbatch (with --encoder-placement; default 0)")
+    parser.add_argument("--cost-eb", type=float, default=None,
+                        help="encoder backward cost of one microbatch (with --encoder-placement; default 0)")
+    parser.add_argument("--encoder-parts", type=int, default=None,
+                        help="parts per microbatch, each placed on one rank (optimus; default 1)")
     parser.add_argument("--output", default=None, help="timeline file: .png or .json (Chrome trace)")
     parser.add_argument("--trace", default=None, metavar="FILE",
                         help="write the simulated timeline, p2p included, as Chrome trace-event JSON (the "
@@ -81,6 +85,10 @@ def _checked_costs(args: argparse.Namespace, p: int) -> tuple[float, ...] | None
             # the all-to-all time is a part of the action's time (Costs.comm_F), not an addition
             raise ValueError(f"--{comm.replace('_', '-')}={getattr(args, comm)} is part of "
                              f"--{cost.replace('_', '-')}={getattr(args, cost)} and cannot exceed it")
+    encoder_flags = [f for f in ("cost_ef", "cost_eb", "encoder_parts") if getattr(args, f) is not None]
+    if encoder_flags and not args.encoder_placement:
+        raise ValueError(f"--{encoder_flags[0].replace('_', '-')} costs a multimodal encoder and needs "
+                         "--encoder-placement stage0|optimus")
     if args.link_latency is None:
         return None
     rule = f"--link-latency={args.link_latency!r} must give p-1={p - 1} comma-separated finite values >= 0"
@@ -149,11 +157,12 @@ def _with_encoder(args: argparse.Namespace, schedule, costs: Costs, m: int):
     Raises:
         ValueError: a negative or non-finite encoder cost, or what ``place_encoder`` raises.
     """
-    for flag in ("cost_ef", "cost_eb"):
-        v = getattr(args, flag)
+    ef, eb = (0.0 if v is None else v for v in (args.cost_ef, args.cost_eb))
+    for flag, v in (("cost_ef", ef), ("cost_eb", eb)):
         if not (math.isfinite(v) and v >= 0):
             raise ValueError(f"--{flag.replace('_', '-')}={v} must be a finite number >= 0")
-    costs = replace(costs, EF=args.cost_ef, EB=args.cost_eb, encoder_parts=args.encoder_parts)
+    parts = 1 if args.encoder_parts is None else args.encoder_parts
+    costs = replace(costs, EF=ef, EB=eb, encoder_parts=parts)
     if args.encoder_placement == "optimus":
         base = simulate(place_encoder(schedule, "stage0", costs), costs).makespan
         print(f"encoder on stage 0: makespan {base:.6g}")
