@@ -196,7 +196,7 @@ def ensure_dataset(data_cfg, seed: int = 0, progress: bool = True) -> list[tuple
     return _ensure(data_cfg, progress)[0]
 
 
-def _ensure(data_cfg, progress: bool) -> tuple[list[tuple[float, str]], tokenizer.Tokenizer | None]:
+def _ensure(data_cfg, progress: bool, check=None) -> tuple[list[tuple[float, str]], tokenizer.Tokenizer | None]:
     pairs = _prefixes(data_cfg)
     if not data_cfg.corpus:
         for _, prefix in pairs:
@@ -213,6 +213,8 @@ def _ensure(data_cfg, progress: bool) -> tuple[list[tuple[float, str]], tokenize
         return pairs, None
     source = paths.resolve_input(data_cfg.corpus, "data.corpus")
     tok = build_tokenizer(data_cfg, prefix)
+    if check is not None:  # before the (long) tokenisation, not after it
+        check(tok)
     _say(progress, f"tokenising {source} into {prefix}.bin/.idx with {tok.describe()}")
     Path(prefix).parent.mkdir(parents=True, exist_ok=True)
     preprocess.preprocess([os.fspath(source)], prefix, tok, keys=[data_cfg.json_key],
@@ -225,9 +227,11 @@ def _say(enabled: bool, message: str) -> None:
         print(f"[paratron] {message}", file=sys.stderr, flush=True)
 
 
-def prepare_run_data(data_cfg, progress: bool = True) -> tuple[list[tuple[float, str]], tokenizer.Tokenizer]:
+def prepare_run_data(data_cfg, progress: bool = True, check=None) -> tuple[list[tuple[float, str]], tokenizer.Tokenizer]:
     """The run's ``(weight, prefix)`` pairs and tokenizer: the corpus tokenised into the cache if
-    not there yet, then every prefix checked against the tokenizer that built it.
+    not there yet, then every prefix checked against the tokenizer that built it. ``check(tok)``,
+    when given, is called with the tokenizer as soon as it exists, before any tokenisation (a
+    check of the model against the tokenizer, say, that should not wait for the corpus).
 
     Raises:
         ValueError: a corpus with several prefixes, neither a corpus nor prefixes, bad weights, an
@@ -236,7 +240,7 @@ def prepare_run_data(data_cfg, progress: bool = True) -> tuple[list[tuple[float,
         corpus.BadInputError: a bad line in the corpus (``FILE:LINE: reason``).
         provenance.TokenizerMismatchError: a prefix built by another tokenizer (both named).
     """
-    pairs, tok = _ensure(data_cfg, progress)
+    pairs, tok = _ensure(data_cfg, progress, check)
     if tok is None:
         try:
             tok = build_tokenizer(data_cfg, pairs[0][1])

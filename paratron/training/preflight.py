@@ -91,7 +91,9 @@ def apply_run_dir_defaults(cfg: Config, run_dir: str | os.PathLike) -> None:
 
 def prepare_data(cfg: Config, progress: bool = True):
     """Tokenise the corpus into the cache if needed (once, here, with a progress bar), check the
-    tokenizer against the data's record, and validate every ``.bin/.idx`` header and size.
+    tokenizer against the data's record and ``model.vocab_size`` (before tokenising: a too-small
+    vocabulary is refused at once, not after the corpus is read), and validate every ``.bin/.idx``
+    header and size.
 
     Returns:
         The run's tokenizer.
@@ -101,11 +103,13 @@ def prepare_data(cfg: Config, progress: bool = True):
             file, a malformed or truncated dataset (the file named).
     """
     try:
+        vocab_fits = lambda tok: check_vocab_fits(cfg, tok.vocab_size)  # noqa: E731
         if record_based(cfg):  # records are tokenised on demand: check them and the tokenizer
             tok = prepare.build_tokenizer(cfg.data)
+            vocab_fits(tok)
             records.check_records(cfg.data, tok, cfg.model.seq_length)
             return tok
-        pairs, tok = prepare.prepare_run_data(cfg.data, progress=progress)
+        pairs, tok = prepare.prepare_run_data(cfg.data, progress=progress, check=vocab_fits)
         for _, prefix in pairs:
             check_dataset_files(prefix)
         notes = split_warnings(cfg, pairs)
