@@ -46,7 +46,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from paratron.elastic.relayout import RelayoutRefused
+from paratron.elastic.relayout import RelayoutRefused, layout_name
 from paratron.parallel.context import default_backend
 from paratron.parallel.grid import RankGrid, build_grid
 from paratron.rules import validate
@@ -211,11 +211,11 @@ def plan_change(cfg, grid: RankGrid, pipeline: int, layout: list | None, spares:
             count, ...), a grow needs more processes than ``spares`` (launch slots standing by)
             holds, or ZeRO-2/3.
     """
-    what = f"re-layout to parallel.pipeline={pipeline}" + (f" pipeline_layout={layout}" if layout else "")
     p = cfg.parallel
     world = grid.world // grid.pp * pipeline
     trial = copy.deepcopy(cfg)
     trial.parallel.pipeline, trial.parallel.pipeline_layout = pipeline, layout
+    what = f"re-layout to parallel.pipeline={pipeline} {layout_name(trial, layout)}"
     trial.train.elastic_spares = 0
     try:
         validate(trial, world)
