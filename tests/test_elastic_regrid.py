@@ -110,6 +110,7 @@ GRIDS = {
     "dp2-zero1": (["parallel.zero=1"], 2),
     "dp2-zero2": (["parallel.zero=2"], 2),
     "dp2-zero3": (["parallel.zero=3"], 2),
+    "dp2-zero3-keep": (["parallel.zero=3", "parallel.zero3_reshard_after_forward=false"], 2),
 }
 SLOW = pytest.mark.slow  # 8 processes: over a minute on 2 cores
 
@@ -203,8 +204,13 @@ def test_plan_change_keeps_coordinates_and_refuses_what_cannot_be_met():
         plan_change(_cfg(), grid, 4, None, spares=[4, 5, 6])
     with pytest.raises(RelayoutRefused, match="sum to model.num_layers=4"):
         plan_change(_cfg(), grid, 4, [1, 1, 1, 2], spares=[4, 5, 6, 7])
-    with pytest.raises(RelayoutRefused, match="parallel.zero=2"):
-        plan_change(_cfg("parallel.zero=2"), grid, 4, None, spares=[4, 5, 6, 7])
+    with pytest.raises(RelayoutRefused, match=r"parallel.pipeline=3 pipeline_layout=None \(the even split of "
+                       r"model.num_layers=4 over parallel.pipeline\*virtual_pipeline = 3 stages\) refused"):
+        plan_change(_cfg(), grid, 3, None, spares=[4, 5, 6, 7])  # None names the split it means
+    with pytest.raises(RelayoutRefused, match=r"parallel.pipeline=4 pipeline_layout=None \(the even split "
+                       r"\[1, 1, 1, 1\]\) refused: it needs 4 more"):
+        plan_change(_cfg(), grid, 4, None, spares=[])
+    assert plan_change(_cfg("parallel.zero=3"), grid, 4, None, spares=[4, 5, 6, 7]).grow  # ZeRO-2/3 too
 
 
 def test_resize_command_asks_for_a_new_pipeline_degree(tmp_path, capsys):

@@ -221,9 +221,6 @@ def plan_change(cfg, grid: RankGrid, pipeline: int, layout: list | None, spares:
         validate(trial, world)
     except ValueError as e:
         raise RelayoutRefused(f"{what} refused: {e}") from None
-    if p.zero > 1:
-        raise RelayoutRefused(f"{what} refused: parallel.zero={p.zero}; changing the pipeline degree online "
-                              "supports parallel.zero=0 and 1")
     if world - grid.world > len(spares):
         raise RelayoutRefused(f"{what} refused: it needs {world - grid.world} more processes and {len(spares)} stand "
                               "by (no free slot; start the job with more train.elastic_spares)")
