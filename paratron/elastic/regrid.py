@@ -206,10 +206,14 @@ def plan_change(cfg, grid: RankGrid, pipeline: int, layout: list | None, spares:
     config rule at its world size, and where each rank goes: a rank of stage ``s < pipeline``
     keeps its coordinates; stages ``pipeline..`` leave (shrink) or are filled by spares (grow).
 
+    Every ZeRO stage is taken: :func:`~paratron.elastic.relayout.move_state` fills the new DP
+    partition of the flat buckets from the old one by rectangles (ZeRO-3: the params as the main
+    weights' shards), whatever the pipeline degree; the grads hold nothing at a step boundary.
+
     Raises:
         RelayoutRefused: the new config breaks a rule (a layout that does not fit the layer
-            count, ...), a grow needs more processes than ``spares`` (launch slots standing by)
-            holds, or ZeRO-2/3.
+            count, ...), or a grow needs more processes than ``spares`` (launch slots standing
+            by) holds.
     """
     p = cfg.parallel
     world = grid.world // grid.pp * pipeline
