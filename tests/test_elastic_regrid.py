@@ -1,8 +1,9 @@
 """Changing the pipeline degree of a running job (paratron/elastic/regrid.py, grow.py): PP=2 -> 4
-with two spares called in after step 3 of 6, and PP=4 -> 2 with the last two stages leaving,
+with the spares called in after step 3 of 6, and PP=4 -> 2 with the last two stages leaving,
 give the losses and final params of the uninterrupted PP=2 run bitwise (which PP=4 matches
-too), write no file under the checkpoint directory, and the leavers exit 0 and are gone before
-the job ends. Requests that cannot be met (a layout that does not fit, a grow without a free
+too), at DP1, TP2 with sequence parallelism, DP2 and DP2 with ZeRO-1/2/3 (and PP=1 <-> 2 at DP2
+ZeRO-1), write no file under the checkpoint directory, and the leavers exit 0 and are gone
+before the job ends. Requests that cannot be met (a layout that does not fit, a grow without a free
 slot) are refused and the run goes on unchanged."""
 
 from __future__ import annotations
@@ -186,6 +187,33 @@ def test_shrink_pp4_to_pp2_in_memory_is_bitwise(uninterrupted, tiny_corpus, tmp_
     assert all(s["ck_files"] == [] for p in shrink[2] for s in p["seen"])  # nothing written by the change
     assert not (tmp_path / "shrink" / f"probe_{after}.pt").exists()  # the leavers did not train to the end
     assert not (tmp_path / "shrink" / "relayout_request.json").exists()  # the file's request was taken
+
+
+# DP2 x ZeRO-1 at 2 -> 4 processes: pipelining switched on (PP=1 -> 2) and off again. Untied
+# embeddings: at PP=1 the tied weight is one tensor whose two grads add inside autograd, at PP=2
+# two copies whose grads add over the embedding group, which may round differently.
+ZERO1_SMALL = TINY + ["parallel.zero=1", "model.tie_embeddings=false", "data.split=100,0,0"]
+
+
+@pytest.mark.parametrize("start, to", [(1, 2), pytest.param(2, 1, marks=SLOW)], ids=["grow-pp1-pp2", "shrink-pp2-pp1"])
+def test_zero1_change_to_and_from_one_stage_is_bitwise(tiny_corpus, tmp_path, start, to):
+    """DP2 with ZeRO-1: after step 3 the pipeline degree goes from ``start`` to ``to`` (a grow
+    calls in the 2 spares as stage 1; a shrink lets stage 1 leave); the losses and final params
+    equal the uninterrupted run at ``start`` bitwise, and nothing is written under the checkpoint
+    directory by the change."""
+    base = ZERO1_SMALL + tiny_corpus
+    first, last = 2 * start, 2 * to
+    ref = _run(tmp_path, "ref", base + [f"parallel.pipeline={start}"], launch=first)
+    ck = tmp_path / "changed" / "ck"
+    spares = [f"train.elastic_spares={last - first}"] if to > start else []
+    changed = _run(tmp_path, "changed", base + [f"parallel.pipeline={start}", f"checkpoint.save={ck}", *spares],
+                   {"3": [None, to, "callback"]}, launch=max(first, last), final_world=last)
+    _assert_same(ref, changed, f"PP={start} -> PP={to} after step 3 at DP2 ZeRO-1")
+    assert _pipelines(changed[2][0]) == {0: (start, first), 1: (start, first), 2: (start, first), 3: (to, last),
+                                         4: (to, last), 5: (to, last)}
+    assert all(s["ck_files"] == [] for p in changed[2] for s in p["seen"])  # nothing written by the change
+    alive = changed[2][0]["alive"]
+    assert not any(alive[f"slot_{r}.pid"] for r in range(last, first)), alive  # the leavers are gone
 
 
 def _cfg(*extra):
