@@ -137,3 +137,18 @@ def test_harness_reports_a_rendezvous_that_keeps_failing(tmp_path, monkeypatch):
     else:
         raise AssertionError("RankFailure not raised")
     assert not [f for f in os.listdir(tmp_path) if f.startswith("ran")]
+
+
+def _layout_line(moe):
+    from paratron.rules import load_config
+    from paratron.training.groups import context_for
+
+    cfg = load_config(None, ["parallel.context=2"] + (["model.num_experts=2"] if moe else []))
+    return context_for(cfg).describe()
+
+
+def test_layout_line_names_the_expert_grid_only_for_moe():
+    """A dense CP2 run has no expert groups: its line must not show expert_dp=2 (CP folded in)."""
+    dense, moe = run_ranks(_layout_line, 2, False, timeout=120)[0], run_ranks(_layout_line, 2, True, timeout=120)[0]
+    assert dense == "world=2 tp=1 cp=2 pp=1 dp=1 order=tp-cp-ep-dp-pp", dense
+    assert moe == "world=2 tp=1 cp=2 pp=1 dp=1 ep=1 expert_tp=1 expert_dp=2 order=tp-cp-ep-dp-pp", moe

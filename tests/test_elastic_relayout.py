@@ -151,6 +151,14 @@ def test_a_layout_that_does_not_fit_is_refused(layout, rule):
     check_request(_cfg(), [1, 3])  # fits: no error
 
 
+def test_a_refused_default_split_names_the_split_it_means():
+    with pytest.raises(RelayoutRefused, match=r"re-layout to pipeline_layout=None \(the even split of "
+                       r"model.num_layers=4 over parallel.pipeline\*virtual_pipeline = 3 stages\) refused: "
+                       r"model.num_layers=4 is not divisible"):
+        check_request(_cfg("parallel.pipeline=3"), None)
+    check_request(_cfg(), None)  # [2, 2] fits
+
+
 def test_request_file_is_taken_once_by_rank_0(tmp_path):
     write_request(tmp_path, [1, 3])
     assert take_request_file(tmp_path, 1) is None

@@ -46,7 +46,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from paratron.elastic.relayout import RelayoutRefused
+from paratron.elastic.relayout import RelayoutRefused, layout_name
 from paratron.parallel.context import default_backend
 from paratron.parallel.grid import RankGrid, build_grid
 from paratron.rules import validate
@@ -206,24 +206,25 @@ def plan_change(cfg, grid: RankGrid, pipeline: int, layout: list | None, spares:
     config rule at its world size, and where each rank goes: a rank of stage ``s < pipeline``
     keeps its coordinates; stages ``pipeline..`` leave (shrink) or are filled by spares (grow).
 
+    Every ZeRO stage is taken: :func:`~paratron.elastic.relayout.move_state` fills the new DP
+    partition of the flat buckets from the old one by rectangles (ZeRO-3: the params as the main
+    weights' shards), whatever the pipeline degree; the grads hold nothing at a step boundary.
+
     Raises:
         RelayoutRefused: the new config breaks a rule (a layout that does not fit the layer
-            count, ...), a grow needs more processes than ``spares`` (launch slots standing by)
-            holds, or ZeRO-2/3.
+            count, ...), or a grow needs more processes than ``spares`` (launch slots standing
+            by) holds.
     """
-    what = f"re-layout to parallel.pipeline={pipeline}" + (f" pipeline_layout={layout}" if layout else "")
     p = cfg.parallel
     world = grid.world // grid.pp * pipeline
     trial = copy.deepcopy(cfg)
     trial.parallel.pipeline, trial.parallel.pipeline_layout = pipeline, layout
+    what = f"re-layout to parallel.pipeline={pipeline} {layout_name(trial, layout)}"
     trial.train.elastic_spares = 0
     try:
         validate(trial, world)
     except ValueError as e:
         raise RelayoutRefused(f"{what} refused: {e}") from None
-    if p.zero > 1:
-        raise RelayoutRefused(f"{what} refused: parallel.zero={p.zero}; changing the pipeline degree online "
-                              "supports parallel.zero=0 and 1")
     if world - grid.world > len(spares):
         raise RelayoutRefused(f"{what} refused: it needs {world - grid.world} more processes and {len(spares)} stand "
                               "by (no free slot; start the job with more train.elastic_spares)")

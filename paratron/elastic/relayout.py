@@ -38,7 +38,7 @@ import torch.distributed as dist
 from paratron.checkpoint import rng
 from paratron.checkpoint.items import MODEL_PREFIX, chunks_from_param, iter_params, merge, model_items, optimizer_items
 from paratron.parallel.params import meta_of
-from paratron.pipeline.partition import stage_layers
+from paratron.pipeline.partition import stage_layers, stage_sizes
 
 REQUEST_FILE = "relayout_request.json"
 """The file ``paratron resize RUN_DIR --layout ...`` drops in the run directory; rank 0 of the
@@ -101,8 +101,22 @@ def write_request(run_dir: Path, layout: list[int] | None, pipeline: int | None 
     return path
 
 
-def check_request(cfg, layout: list[int]) -> None:
-    """Refuse a layout the running job cannot take.
+def layout_name(cfg, layout: list[int] | None) -> str:
+    """How a message names the requested ``parallel.pipeline_layout`` at ``cfg``'s pipeline
+    degree: None is the even split (``pipeline.partition.stage_sizes``), spelled out when it fits."""
+    if layout is not None:
+        return f"pipeline_layout={list(layout)}"
+    p = cfg.parallel
+    try:
+        split = f" {stage_sizes(cfg.model.num_layers, p.pipeline, p.virtual_pipeline)}"
+    except ValueError:
+        split = (f" of model.num_layers={cfg.model.num_layers} over parallel.pipeline*virtual_pipeline = "
+                 f"{p.pipeline * p.virtual_pipeline} stages")
+    return f"pipeline_layout=None (the even split{split})"
+
+
+def check_request(cfg, layout: list[int] | None) -> None:
+    """Refuse a layout the running job cannot take (None: the even split).
 
     Raises:
         RelayoutRefused: the layout does not fit the layer count or the pipeline degree (the split
@@ -112,7 +126,7 @@ def check_request(cfg, layout: list[int]) -> None:
     try:
         stage_layers(cfg.model.num_layers, p.pipeline, p.virtual_pipeline, layout, p.schedule)
     except ValueError as e:
-        raise RelayoutRefused(f"re-layout to {layout} refused: {e}") from None
+        raise RelayoutRefused(f"re-layout to {layout_name(cfg, layout)} refused: {e}") from None
 
 
 def state_items(chunks, optimizer) -> dict:

@@ -174,9 +174,14 @@ class ParallelContext:
         return self.pp.rank == self.pp.size - 1
 
     def describe(self) -> str:
+        """The layout line: the grid's sizes; the expert grid's (ep, expert_tp, expert_dp) only
+        when this context made the expert groups (a MoE run; a dense run's expert_dp, which folds
+        CP into DP, would read as a real group)."""
         g = self.grid
-        return (f"world={g.world} tp={g.tp} cp={g.cp} pp={g.pp} dp={g.dp} ep={g.ep} "
-                f"expert_tp={g.expert_tp} expert_dp={g.expert_dp} order={'-'.join(g.order)}")
+        kinds = self.world.created_kinds
+        expert = (f" ep={g.ep} expert_tp={g.expert_tp} expert_dp={g.expert_dp}"
+                  if not kinds or "expert_dp" in kinds else "")
+        return f"world={g.world} tp={g.tp} cp={g.cp} pp={g.pp} dp={g.dp}{expert} order={'-'.join(g.order)}"
 
 
 def _checked_kinds(kinds: Iterable[str] | None) -> tuple[str, ...]:

@@ -13,7 +13,7 @@ import time
 
 from paratron.checkpoint import rng
 from paratron.elastic.regrid import UnionGroup, call_key, mover, plan_change, remake_world
-from paratron.elastic.relayout import RelayoutRefused, move_state, state_items
+from paratron.elastic.relayout import RelayoutRefused, layout_name, move_state, state_items
 from paratron.training.builders import build_checkpoint_manager, build_model_and_optimizer
 from paratron.training.data_iter import TrainingData
 from paratron.training.evaluator import Evaluator
@@ -43,7 +43,7 @@ def change_pipeline(trainer, pipeline: int, layout: list | None) -> None:
         raise RelayoutRefused(f"re-layout to parallel.pipeline={pipeline} refused: the job was not started "
                               "through paratron's runner with train.elastic_relayout=true")
     change = plan_change(cfg, ctx.grid, pipeline, layout, session.spares)
-    t0, before = time.perf_counter(), (cfg.parallel.pipeline, cfg.parallel.pipeline_layout)
+    t0, before = time.perf_counter(), (cfg.parallel.pipeline, layout_name(cfg, cfg.parallel.pipeline_layout))
     if trainer.ckpt is not None:
         trainer.ckpt.wait()  # a save in flight uses the old groups
     old, streams = state_items(trainer.chunks, trainer.optimizer), rng.capture(trainer.chunks)
@@ -68,7 +68,7 @@ def change_pipeline(trainer, pipeline: int, layout: list | None) -> None:
     union.all_gather_object(carry if rank == 0 else None)
     trainer.adopt(carry["scalar"], carry["scheduler"], streams)
     log(trainer.ctx, f"re-layout at iteration {trainer.state.iteration}: parallel.pipeline {before[0]} -> {pipeline}"
-                     f", pipeline_layout {before[1]} -> {layout}, world {change.old.world} -> {change.new.world}, "
+                     f", {before[1]} -> {layout_name(cfg, layout)}, world {change.old.world} -> {change.new.world}, "
                      f"in memory ({time.perf_counter() - t0:.2f} s; rank 0 received {moved:,} elements)")
 
 
