@@ -6,7 +6,9 @@ PP=2 (2 gloo ranks, one thread each), GPT with 6 layers, hidden 128, seq 64, mic
 batch 8 (8 microbatches, 1F1B). Stage 1 slowed 2x by ``PARATRON_SLOW_RANK=1:2``: steps 1-2 at full
 speed calibrate fixed sleeps (``paratron/plugins/failslow_inject.py``), from step 3 on every layer
 and the head of stage 1 sleep once their calibrated forward (and twice it in the backward).
-``FailSlow`` with ``train.failslow_relayout=true`` and its prior re-layout cost (twice the step).
+``FailSlow`` with ``train.failslow_relayout=true`` and a prior re-layout cost of 1 s
+(``train.failslow_relayout_cost_s``; the measured one is 0.05-0.2 s), so that the budget buys
+within a few steps of the flag even at the slow steps of a loaded host.
 
 Figures, all from ``step_time_s`` of the same run (the host's load is shared): slowed = the
 median step from step 4 to the decision; after = the median step from 3 steps after the
@@ -45,6 +47,7 @@ MODEL = ["model.num_layers=6", "model.hidden_size=128", "model.num_attention_hea
          "train.deterministic=true", "train.seed=5", "optimizer.lr=3e-3", "optimizer.lr_warmup_iters=1",
          "logging.log_interval=1", "logging.tensorboard=false", "logging.progress=false", "train.sample_tokens=0",
          "data.split=90,10,0", "train.elastic_relayout=true", "train.failslow_relayout=true",
+         "train.failslow_relayout_cost_s=1.0",
          'train.callbacks=["paratron.plugins.failslow:FailSlow", "paratron.plugins.failslow_inject:SlowRank"]']
 FIRST_SLOWED = 4  # steps 1-2 calibrate, step 3 is the first slowed one: left out as a warm-up
 SETTLE = 3  # steps after a re-layout left out (its first step builds, then the load settles)

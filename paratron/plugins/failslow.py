@@ -10,17 +10,17 @@ mitigation) or ``"paratron.plugins.failslow:FailSlowDetector"`` (detection only)
 
 **Detect.** Each rank measures its compute seconds per step (:class:`ComputeClock`: from each
 chunk's forward start to its end, and from the first grad of a chunk's output to the last
-parameter grad accumulated in that backward) and its wait, ``forward_backward - compute`` (the
-rest of the step's device work: collectives and p2p). Once a step, one host all-reduce of
-``[world, 4]`` floats shares ``(compute per microbatch, compute, wait, step)``; compute per microbatch
-is the shortest forward plus the shortest backward of the step (per chunk), which load from
-other processes on the host cannot inflate. A rank's load is its
-compute per microbatch per transformer layer of its pipeline stage (the predicted cost); its
-peers are the ranks of the same pipeline stage (over DP, TP, CP), or with ``DP = 1`` every
-other stage. A rank is flagged when its load exceeds ``threshold x`` the median of its peers'
-for ``window`` consecutive steps: one ``[failslow]`` line, and a ``failslow`` entry in that
-step's ``metrics.jsonl`` record naming the rank, its coordinates and the slowdown. The flag is
-cleared after ``window`` consecutive steps below the threshold.
+parameter grad accumulated in that backward), the transformer layers' part of it, and its wait,
+``forward_backward - compute`` (the rest of the step's device work: collectives and p2p). Once a
+step, one host all-reduce of ``[world, 5 + 2v]`` floats shares them (:data:`HEAD`). A rank's
+load is the layers' part of its compute per microbatch (the shortest forward plus the shortest
+backward of the step, per chunk, which load from other processes cannot inflate) per
+transformer layer of its pipeline stage: its speed, without the embedding or head its stage
+holds. Its peers are the ranks of the same pipeline stage (over DP, TP, CP), or with ``DP = 1``
+every other stage. A rank is flagged when its best load of the last ``window`` steps exceeds
+``threshold x`` the median of its peers' best: one ``[failslow]`` line, and a ``failslow``
+entry in that step's ``metrics.jsonl`` record naming the rank, its coordinates and the
+slowdown. The flag is cleared after ``window`` consecutive steps below the threshold.
 
 **Mitigate over DP** (:class:`FailSlow`). While a rank is flagged, each DP replica's speed is
 the slowest of its ranks (compute per microbatch, median of the last ``window`` steps), and the
@@ -30,23 +30,31 @@ unchanged: only which replica computes which microbatch moves (the sum order of 
 
 **Mitigate over PP.** When the flagged rank's pipeline has more than one stage, the plugin
 proposes a ``parallel.pipeline_layout`` that moves layers off the slow stage, chosen with the
-pipeline simulator (:func:`propose_layout`), and records it with the simulator's predicted
-step-time ratio. Without ``train.failslow_relayout`` it is applied at the next restart (set it in
-the config).
+pipeline simulator (:func:`~paratron.plugins.failslow_layout.propose_layout`) from the measured
+costs: seconds per layer per microbatch of each stage and the non-layer seconds (embedding, head,
+loss) of each virtual stage, medians of the median spans over the layout's last ``2 x window``
+steps. The predicted step is the measured one minus the simulated saving (what the simulator
+does not model, the optimizer, the data, the p2p latency, stays). Without
+``train.failslow_relayout`` the proposal is logged to be set at the next restart.
 
 **Level 3: re-lay out online** (``train.failslow_relayout = true``, which needs
-``train.elastic_relayout = true``). Every step, the simulator's best layout for the per-layer
-costs measured over the last ``window`` steps gives a predicted step time (the measured step
-time times the simulated ratio). While the gain is at least ``min_gain`` of the step, a
-ski-rental budget (:class:`~paratron.plugins.failslow_escalate.SkiRental`) adds up the seconds
-lost per step; once they reach the cost of a re-layout (``train.failslow_relayout_cost_s``
-before one was measured, then the measured one) and the gain over the remaining steps exceeds
-it, the plugin asks for the layout through ``state.request_relayout`` (docs/elastic.md). Once
-no rank is flagged, the same rule may take the run back to its starting layout; the window of
-fresh measurements after each re-layout, the minimum gain and the budget keep it from
-oscillating. Each decision is a ``failslow_decision`` record (predicted step and gain, cost,
-rent paid), and ``window`` steps after a re-layout a ``failslow_effect`` record gives the
-measured step against the prediction and the measured cost.
+``train.elastic_relayout = true``). Each step with a full window of the present layout's
+measurements, the target is the simulator's best layout while a rank the present layout was not
+chosen for is flagged, or the starting layout once none of the ranks it was chosen for is. A
+target predicted to save at least ``min_gain`` of the step is proposed: a ``proposed`` line
+and a ``failslow_layout`` record. The budget rents for that proposal; a later, different best
+layout replaces it only when it beats it by ``repropose_gain`` of the step, with a new line and
+record saying what it replaces and why, and the rent starts over, so the layout applied is always
+the one the last ``proposed`` line named. A ski-rental budget
+(:class:`~paratron.plugins.failslow_escalate.SkiRental`) adds up the seconds lost per step;
+once they reach the cost of a re-layout (``train.failslow_relayout_cost_s`` before one was
+measured, then the measured one) and the gain over the remaining steps exceeds it, the plugin
+asks for the layout through ``state.request_relayout`` (docs/elastic.md). A slow-rank move may
+not give layers back (:func:`~paratron.plugins.failslow_escalate.moves_back`); the one way back
+is the return to the start. Each decision is a ``failslow_decision`` record (measured and
+predicted step, the costs and simulated steps they came from, gain, cost, rent paid, the
+proposal's iteration), and ``window`` steps after a re-layout a ``failslow_effect`` record gives
+the measured step against the prediction and the measured cost.
 
 **Level 4: checkpoint and restart** (``train.failslow_restart = true``, which needs
 ``checkpoint.save``). After a level-3 re-layout, while the slow rank stays flagged, each step
@@ -386,7 +394,7 @@ class FailSlow(FailSlowDetector):
 
     mitigate = True
     min_gain = 0.1
-    repropose_gain = 0.05
+    repropose_gain = 0.1
 
     def __init__(self, state: TrainState) -> None:
         super().__init__(state)
@@ -557,10 +565,11 @@ class FailSlow(FailSlowDetector):
         per_layer, fixed = self.measured_costs()
         measured = statistics.median(self.step_seconds)
         target = self.relayout_target(per_layer, fixed)
-        if target is None or target[0] == self.sizes or (
-                predicted_step(measured, target[1], target[2]) > (1 - self.min_gain) * measured):
+        if target is None or target[0] == self.sizes:  # nothing to move to: start over
             self.relayout_budget.reset()
             return
+        if predicted_step(measured, target[1], target[2]) > (1 - self.min_gain) * measured:
+            return  # too small a gain this step (or a noisy one): no rent, but the rent paid stays
         layout, now_s, then_s, reason = self.pinned(state, metrics, target, measured, per_layer, fixed)
         predicted = predicted_step(measured, now_s, then_s)
         prior = state.config.train.failslow_relayout_cost_s
