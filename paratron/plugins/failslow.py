@@ -39,8 +39,9 @@ does not model, the optimizer, the data, the p2p latency, stays). Without
 
 **Level 3: re-lay out online** (``train.failslow_relayout = true``, which needs
 ``train.elastic_relayout = true``). Each step with a full window of the present layout's
-measurements, the target is the simulator's best layout while a rank the present layout was not
-chosen for is flagged, or the starting layout once none of the ranks it was chosen for is. A
+measurements, the target is the simulator's best layout while a rank is flagged other than those
+of the stages the present layout took layers off, or the starting layout once none of those is
+flagged (the ranks the layers moved for, not whatever flag the host's load raised then). A
 target predicted to save at least ``min_gain`` of the step is proposed: a ``proposed`` line
 and a ``failslow_layout`` record. The budget rents for that proposal; a later, different best
 layout replaces it only when it beats it by ``repropose_gain`` of the step, with a new line and
@@ -51,7 +52,8 @@ once they reach the cost of a re-layout (``train.failslow_relayout_cost_s`` befo
 measured, then the measured one) and the gain over the remaining steps exceeds it, the plugin
 asks for the layout through ``state.request_relayout`` (docs/elastic.md). A slow-rank move may
 not give layers back (:func:`~paratron.plugins.failslow_escalate.moves_back`); the one way back
-is the return to the start. Each decision is a ``failslow_decision`` record (measured and
+is the return to the start, after which the flags start afresh and a new slow-rank move rents
+twice as long per return so far (a loaded host's false flag cannot send the run to and fro). Each decision is a ``failslow_decision`` record (measured and
 predicted step, the costs and simulated steps they came from, gain, cost, rent paid, the
 proposal's iteration), and ``window`` steps after a re-layout a ``failslow_effect`` record gives
 the measured step against the prediction and the measured cost.
@@ -320,7 +322,11 @@ class FailSlowDetector(Callback):
         return out
 
     def stage_layers(self, pp_rank: int) -> int:
-        return sum(self.sizes[s] for s in self.stages_of(pp_rank))
+        return self.layers_of(self.sizes, pp_rank)
+
+    def layers_of(self, sizes: list[int], pp_rank: int) -> int:
+        """Transformer layers of ``pp_rank`` under ``sizes`` (layers per virtual stage)."""
+        return sum(sizes[s] for s in self.stages_of(pp_rank))
 
     def stages_of(self, pp_rank: int) -> list[int]:
         """The virtual stages of ``pp_rank``, in its local chunk order."""
@@ -408,7 +414,8 @@ class FailSlow(FailSlowDetector):
         self.proposal: dict | None = None  # the logged layout the level-3 budget is renting for
         self.pending: dict | None = None  # the decision of a requested re-layout
         self.applied: dict | None = None  # that decision, applied; its effect not measured yet
-        self.laid_for: set[int] = set()  # the flagged ranks the present layout was chosen for
+        self.laid_for: set[int] = set()  # the ranks the present layout took layers off
+        self.round_trips = 0  # returns to the starting layout so far
         self.hosts: list[str] | None = None
         self.left_step: float | None = None  # perf_counter when the last on_step_end returned
         self.warming = True  # the next step is the first of its layout
@@ -444,7 +451,11 @@ class FailSlow(FailSlowDetector):
         self.proposal = None
         if self.pending is not None and self.sizes == self.pending["to"]:
             self.relayout_cost, self.applied = cost, self.pending
-            self.laid_for = set(self.pending["flagged"])
+            self.laid_for = set(self.pending["relieved"])
+            if self.pending["reason"] == "recovered":  # back at the start: a new move needs a fresh
+                self.round_trips += 1  # flag, and pays twice as long a rent per round trip so far
+                self.flagged.clear()
+                self.calm = [0] * len(self.calm)
         self.pending = None
 
     def after_detection(self, state: TrainState, metrics: dict) -> None:
@@ -511,10 +522,10 @@ class FailSlow(FailSlowDetector):
     def relayout_target(self, per_layer: list[float], fixed: list[float]) -> tuple | None:
         """``(layout, simulated step now, simulated step at layout, reason)`` or None.
 
-        Away from the starting layout, once none of the ranks it was chosen for is flagged, the
+        Away from the starting layout, once none of the ranks it took layers off is flagged, the
         starting layout if the simulator finds it faster ("recovered"; a flag on another rank,
         which a loaded host may raise for a few steps, does not hold the return back). Else,
-        while a rank the present layout was not chosen for is flagged, the simulator's best
+        while a rank other than those is flagged, the simulator's best
         layout, when it moves layers no way back (:func:`moves_back`; "slow rank")."""
         if self.sizes != self.start_sizes and not self.flagged & self.laid_for:
             now_s, then_s = self.simulate(self.sizes, per_layer, fixed), self.simulate(self.start_sizes, per_layer, fixed)
@@ -575,6 +586,8 @@ class FailSlow(FailSlowDetector):
         prior = state.config.train.failslow_relayout_cost_s
         cost = self.relayout_cost if self.relayout_cost is not None else (
             prior if prior is not None else 2 * measured)
+        if reason == "slow rank":  # hysteresis: a noisy flag cannot send the run to and fro
+            cost *= 2 ** self.round_trips
         remaining = state.config.train.train_iters - state.iteration
         if not self.relayout_budget.rent(measured - predicted, cost, remaining):
             return
@@ -582,7 +595,10 @@ class FailSlow(FailSlowDetector):
                  "proposed_at": self.proposal["iteration"]}
         d = relayout_decision(state.iteration, self.sizes, layout, measured, predicted, cost,
                               self.relayout_cost is not None, self.relayout_budget.paid, remaining, reason, model)
-        d["flagged"] = sorted(self.flagged) if reason == "slow rank" else []
+        # The ranks this layout is for: those of the stages it takes layers off (a flag raised by
+        # the host's load on another rank at the same time is not what the layers moved for).
+        d["relieved"] = [r for r in range(len(self.coords)) if self.layers_of(layout, self.coords[r]["pp"])
+                         < self.layers_of(self.start_sizes, self.coords[r]["pp"])] if reason == "slow rank" else []
         metrics["failslow_decision"] = d
         self.pending = d
         state.request_relayout(layout)
