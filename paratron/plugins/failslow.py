@@ -491,16 +491,19 @@ class FailSlow(FailSlowDetector):
         if layout == self.sizes:
             return
         measured = statistics.median(self.step_seconds)
-        predicted = predicted_step(measured, now_s, then_s)
-        metrics["failslow_layout"] = self.proposal_record(state, layout, measured, predicted, per_layer, fixed)
+        record = self.proposal_record(state, layout, measured, (now_s, then_s), per_layer, fixed)
+        metrics["failslow_layout"] = record
         self.say(state, f"proposed parallel.pipeline_layout={layout} (now {self.sizes}; the simulator predicts "
-                        f"{predicted / measured:.2f}x the step time): set it at the next restart")
+                        f"{record['predicted_ratio']:.2f}x the step time): set it at the next restart")
 
-    def proposal_record(self, state: TrainState, layout: list[int], measured: float, predicted: float,
+    def proposal_record(self, state: TrainState, layout: list[int], measured: float, simulated: tuple[float, float],
                         per_layer: list[float], fixed: list[float]) -> dict:
-        """The ``failslow_layout`` record of a proposed layout."""
+        """The ``failslow_layout`` record of a proposed layout; ``simulated``: the simulator's step
+        now and at ``layout`` (seconds)."""
+        now_s, then_s = simulated
         return {"pipeline_layout": list(layout), "current": list(self.sizes), "iteration": state.iteration,
-                "predicted_ratio": round(predicted / measured, 4), "per_layer_s": [round(x, 6) for x in per_layer],
+                "predicted_ratio": round(predicted_step(measured, now_s, then_s) / measured, 4),
+                "simulated_ratio": round(then_s / now_s, 4), "per_layer_s": [round(x, 6) for x in per_layer],
                 "fixed_s": [round(x, 6) for x in fixed]}
 
     # ---- level 3 -------------------------------------------------------------------------
@@ -559,7 +562,7 @@ class FailSlow(FailSlowDetector):
         elif old is not None:
             why = f"; it replaces {old['layout']} proposed at iteration {old['iteration']} ({old['key'][0]})"
         predicted = predicted_step(measured, now_s, then_s)
-        record = self.proposal_record(state, layout, measured, predicted, per_layer, fixed)
+        record = self.proposal_record(state, layout, measured, (now_s, then_s), per_layer, fixed)
         if old is not None:
             record["replaces"] = {k: old[k] for k in ("layout", "iteration", "per_layer_s", "fixed_s")}
             self.relayout_budget.reset()
