@@ -10,17 +10,17 @@ mitigation) or ``"paratron.plugins.failslow:FailSlowDetector"`` (detection only)
 
 **Detect.** Each rank measures its compute seconds per step (:class:`ComputeClock`: from each
 chunk's forward start to its end, and from the first grad of a chunk's output to the last
-parameter grad accumulated in that backward) and its wait, ``forward_backward - compute`` (the
-rest of the step's device work: collectives and p2p). Once a step, one host all-reduce of
-``[world, 4]`` floats shares ``(compute per microbatch, compute, wait, step)``; compute per microbatch
-is the shortest forward plus the shortest backward of the step (per chunk), which load from
-other processes on the host cannot inflate. A rank's load is its
-compute per microbatch per transformer layer of its pipeline stage (the predicted cost); its
-peers are the ranks of the same pipeline stage (over DP, TP, CP), or with ``DP = 1`` every
-other stage. A rank is flagged when its load exceeds ``threshold x`` the median of its peers'
-for ``window`` consecutive steps: one ``[failslow]`` line, and a ``failslow`` entry in that
-step's ``metrics.jsonl`` record naming the rank, its coordinates and the slowdown. The flag is
-cleared after ``window`` consecutive steps below the threshold.
+parameter grad accumulated in that backward), the transformer layers' part of it, and its wait,
+``forward_backward - compute`` (the rest of the step's device work: collectives and p2p). Once a
+step, one host all-reduce of ``[world, 5 + 2v]`` floats shares them (:data:`HEAD`). A rank's
+load is the layers' part of its compute per microbatch (the shortest forward plus the shortest
+backward of the step, per chunk, which load from other processes cannot inflate) per
+transformer layer of its pipeline stage: its speed, without the embedding or head its stage
+holds. Its peers are the ranks of the same pipeline stage (over DP, TP, CP), or with ``DP = 1``
+every other stage. A rank is flagged when its best load of the last ``window`` steps exceeds
+``threshold x`` the median of its peers' best: one ``[failslow]`` line, and a ``failslow``
+entry in that step's ``metrics.jsonl`` record naming the rank, its coordinates and the
+slowdown. The flag is cleared after ``window`` consecutive steps below the threshold.
 
 **Mitigate over DP** (:class:`FailSlow`). While a rank is flagged, each DP replica's speed is
 the slowest of its ranks (compute per microbatch, median of the last ``window`` steps), and the
@@ -30,23 +30,33 @@ unchanged: only which replica computes which microbatch moves (the sum order of 
 
 **Mitigate over PP.** When the flagged rank's pipeline has more than one stage, the plugin
 proposes a ``parallel.pipeline_layout`` that moves layers off the slow stage, chosen with the
-pipeline simulator (:func:`propose_layout`), and records it with the simulator's predicted
-step-time ratio. Without ``train.failslow_relayout`` it is applied at the next restart (set it in
-the config).
+pipeline simulator (:func:`~paratron.plugins.failslow_layout.propose_layout`) from the measured
+costs: seconds per layer per microbatch of each stage and the non-layer seconds (embedding, head,
+loss) of each virtual stage, medians of the median spans over the layout's last ``2 x window``
+steps. The predicted step is the measured one minus the simulated saving (what the simulator
+does not model, the optimizer, the data, the p2p latency, stays). Without
+``train.failslow_relayout`` the proposal is logged to be set at the next restart.
 
 **Level 3: re-lay out online** (``train.failslow_relayout = true``, which needs
-``train.elastic_relayout = true``). Every step, the simulator's best layout for the per-layer
-costs measured over the last ``window`` steps gives a predicted step time (the measured step
-time times the simulated ratio). While the gain is at least ``min_gain`` of the step, a
-ski-rental budget (:class:`~paratron.plugins.failslow_escalate.SkiRental`) adds up the seconds
-lost per step; once they reach the cost of a re-layout (``train.failslow_relayout_cost_s``
-before one was measured, then the measured one) and the gain over the remaining steps exceeds
-it, the plugin asks for the layout through ``state.request_relayout`` (docs/elastic.md). Once
-no rank is flagged, the same rule may take the run back to its starting layout; the window of
-fresh measurements after each re-layout, the minimum gain and the budget keep it from
-oscillating. Each decision is a ``failslow_decision`` record (predicted step and gain, cost,
-rent paid), and ``window`` steps after a re-layout a ``failslow_effect`` record gives the
-measured step against the prediction and the measured cost.
+``train.elastic_relayout = true``). Each step with a full window of the present layout's
+measurements, the target is the simulator's best layout while a rank is flagged other than those
+of the stages the present layout took layers off, or the starting layout once none of those is
+flagged (the ranks the layers moved for, not whatever flag the host's load raised then). A
+target predicted to save at least ``min_gain`` of the step is proposed: a ``proposed`` line
+and a ``failslow_layout`` record. The budget rents for that proposal; a later, different best
+layout replaces it only when it beats it by ``repropose_gain`` of the step, with a new line and
+record saying what it replaces and why, and the rent starts over, so the layout applied is always
+the one the last ``proposed`` line named. A ski-rental budget
+(:class:`~paratron.plugins.failslow_escalate.SkiRental`) adds up the seconds lost per step;
+once they reach the cost of a re-layout (``train.failslow_relayout_cost_s`` before one was
+measured, then the measured one) and the gain over the remaining steps exceeds it, the plugin
+asks for the layout through ``state.request_relayout`` (docs/elastic.md). A slow-rank move may
+not give layers back (:func:`~paratron.plugins.failslow_escalate.moves_back`); the one way back
+is the return to the start, after which the flags start afresh and a new slow-rank move rents
+twice as long per return so far (a loaded host's false flag cannot send the run to and fro). Each decision is a ``failslow_decision`` record (measured and
+predicted step, the costs and simulated steps they came from, gain, cost, rent paid, the
+proposal's iteration), and ``window`` steps after a re-layout a ``failslow_effect`` record gives
+the measured step against the prediction and the measured cost.
 
 **Level 4: checkpoint and restart** (``train.failslow_restart = true``, which needs
 ``checkpoint.save``). After a level-3 re-layout, while the slow rank stays flagged, each step
@@ -64,18 +74,48 @@ import os
 import statistics
 import time
 from collections import deque
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
-from paratron.pipeline.actions import halves
 from paratron.pipeline.partition import chunk_stages, stage_sizes
-from paratron.pipeline.registry import build_schedule, get_schedule
-from paratron.pipeline.simulator import simulate
+from paratron.pipeline.registry import get_schedule
 from paratron.plugins.failslow_escalate import (EXIT_FAILSLOW_RESTART, SkiRental, moves_back, relayout_decision,
                                                 relayout_effect, restart_decision, this_host,
                                                 write_restart_request)
+from paratron.plugins.failslow_layout import predicted_step, propose_layout, simulated_step
 from paratron.training.callbacks import Callback, TrainState
+
+__all__ = ["ComputeClock", "ClockReading", "FailSlowDetector", "FailSlow", "balance_microbatches",
+           "chunk_layers", "propose_layout", "simulated_step"]
+
+HEAD = 5
+"""Leading fields of a rank's row in the per-step all-reduce: compute per microbatch (shortest
+spans), compute, wait, step, and the transformer layers' part of the compute per microbatch;
+then two per local chunk: its layer and its non-layer compute per microbatch (median spans)."""
+
+
+def chunk_layers(chunk: nn.Module) -> list[nn.Module]:
+    """The transformer layers of a model chunk (``GPTChunk.layers``), in order; [] if it has none."""
+    layers = getattr(chunk, "layers", None)
+    if isinstance(layers, nn.ModuleDict):
+        return list(layers.values())
+    return list(layers) if layers is not None else []
+
+
+@dataclass
+class ClockReading:
+    """One step of :class:`ComputeClock`: ``compute`` seconds; ``per_mb``, the shortest forward
+    plus the shortest backward of each chunk, summed (seconds); ``layer_per_mb``, the transformer
+    layers' part of it; ``chunks``, per local chunk ``(median forward + median backward seconds,
+    share of them in its layers)``."""
+
+    compute: float
+    per_mb: float
+    layer_per_mb: float
+    chunks: list[tuple[float, float]]
 
 
 class ComputeClock:
@@ -87,63 +127,115 @@ class ComputeClock:
     chunk's output grad (the start of that chunk's backward) to the last parameter's
     post-accumulate-grad hook before the next forward or backward starts. Collectives inside a
     chunk (TP, ZeRO-3 gathers) count as compute; the pipeline's p2p and DP's grad sync do not.
-    Each span is also kept per (chunk, forward or backward), for :meth:`take`'s per-microbatch
-    figure.
+    The transformer layers' part is timed too: in the forward, each layer's pre-hook to its hook;
+    in the backward, from the grad of the last layer's output to the grad of the first layer's
+    input (or the last parameter grad, when that input needs none). Their share of the chunk's
+    compute splits a stage's cost into per-layer and fixed (embedding, head, loss) parts.
     """
 
     def __init__(self, chunks) -> None:
+        self.n = len(chunks)
+        # (chunk, kind) -> seconds: "F", "B" the chunk's forward and backward; "L", "LB" its
+        # layers' part of them (from the first layer's input to the last layer's output)
         self.spans: dict[tuple[int, str], list[float]] = {}
         self._fwd_start: float | None = None
+        self._layer_start: float | None = None
+        self._layers_s = 0.0  # the open forward's layer seconds so far
+        self._first_in = True  # the open forward has not entered a layer yet
+        self._last_out = None  # the open forward's last layer output
         self._bwd: tuple[int, float] | None = None  # (chunk index, start) of the open backward
+        self._layers_bwd: tuple[int, float] | None = None  # the same, of its layers' part
         self._last_grad = 0.0
         self.handles = []
         for i, chunk in enumerate(chunks):
             self.handles.append(chunk.register_forward_pre_hook(self._forward_begins))
             self.handles.append(chunk.register_forward_hook(self._forward_ends(i)))
+            for layer in chunk_layers(chunk):
+                self.handles.append(layer.register_forward_pre_hook(self._layer_begins))
+                self.handles.append(layer.register_forward_hook(self._layer_ends))
             for p in chunk.parameters():
                 if p.requires_grad:
                     self.handles.append(p.register_post_accumulate_grad_hook(self._grad_done))
 
     def _forward_begins(self, module, args) -> None:
         self._close_backward()
+        self._layers_s, self._first_in, self._last_out = 0.0, True, None
         self._fwd_start = time.perf_counter()
 
     def _forward_ends(self, i: int):
         def hook(module, args, out) -> None:
             if self._fwd_start is not None:
                 self.spans.setdefault((i, "F"), []).append(time.perf_counter() - self._fwd_start)
+                self.spans.setdefault((i, "L"), []).append(self._layers_s)
                 self._fwd_start = None
+            # The chunk's hook first: ``out`` may be the last layer's output itself.
             if isinstance(out, torch.Tensor) and out.requires_grad:
                 out.register_hook(lambda grad: self._backward_begins(i))
+            last, self._last_out = self._last_out, None
+            if isinstance(last, torch.Tensor) and last.requires_grad:  # the layers' backward starts
+                last.register_hook(lambda grad: self._layers_backward_begins(i))
 
         return hook
+
+    def _layer_begins(self, module, args) -> None:
+        if self._fwd_start is None:  # a recompute inside a backward
+            return
+        x = args[0] if args else None
+        if self._first_in and isinstance(x, torch.Tensor) and x.requires_grad:  # the layers' backward ends
+            x.register_hook(lambda grad: self._layers_backward_ends())
+        self._first_in = False
+        self._layer_start = time.perf_counter()
+
+    def _layer_ends(self, module, args, out) -> None:
+        if self._layer_start is not None:
+            self._layers_s += time.perf_counter() - self._layer_start
+            self._layer_start, self._last_out = None, out
 
     def _backward_begins(self, i: int) -> None:
         self._close_backward()
         self._last_grad = time.perf_counter()
         self._bwd = (i, self._last_grad)
 
+    def _layers_backward_begins(self, i: int) -> None:
+        self._layers_bwd = (i, time.perf_counter())
+
+    def _layers_backward_ends(self, end: float | None = None) -> None:
+        if self._layers_bwd is not None:
+            i, start = self._layers_bwd
+            self.spans.setdefault((i, "LB"), []).append(max(0.0, (end or time.perf_counter()) - start))
+            self._layers_bwd = None
+
     def _grad_done(self, param) -> None:
         self._last_grad = time.perf_counter()
 
     def _close_backward(self) -> None:
+        self._layers_backward_ends(self._last_grad)  # a first layer whose input needs no grad
         if self._bwd is not None:
             i, start = self._bwd
             self.spans.setdefault((i, "B"), []).append(max(0.0, self._last_grad - start))
             self._bwd = None
 
-    def take(self) -> tuple[float, float]:
-        """``(compute seconds, seconds per microbatch)`` since the last call, and restart.
+    def take(self) -> ClockReading:
+        """The reading since the last call, and restart.
 
         Per microbatch: the sum over chunks and directions of the *shortest* span. On a shared
         host, preemption only ever adds time, so the minimum is the rank's speed; a rank that is
         slow for good is slow in every span (Greyhound's fail-slow is sustained).
         """
         self._close_backward()
-        total = sum(sum(v) for v in self.spans.values())
-        per_mb = sum(min(v) for v in self.spans.values())
+        chunks, per_mb, layer_per_mb = [], 0.0, 0.0
+        for i in range(self.n):
+            fwd, bwd = self.spans.get((i, "F"), []), self.spans.get((i, "B"), [])
+            layers = sum(self.spans.get((i, "L"), [])) + sum(self.spans.get((i, "LB"), []))
+            share = min(1.0, layers / (sum(fwd) + sum(bwd))) if sum(fwd) + sum(bwd) > 0 else 0.0
+            chunks.append(((statistics.median(fwd) if fwd else 0.0) + (statistics.median(bwd) if bwd else 0.0),
+                           share))
+            shortest = (min(fwd) if fwd else 0.0) + (min(bwd) if bwd else 0.0)
+            per_mb += shortest
+            layer_per_mb += shortest * share
+        compute = sum(sum(v) for k, v in self.spans.items() if k[1] in ("F", "B"))
         self.spans = {}
-        return total, per_mb
+        return ClockReading(compute, per_mb, layer_per_mb, chunks)
 
     def remove(self) -> None:
         for h in self.handles:
@@ -164,46 +256,6 @@ def balance_microbatches(seconds_per_microbatch: list[float], total: int,
     return n if all(feasible(x) for x in n) else None
 
 
-def simulated_step(sizes: list[int], per_layer: list[float], p: int, v: int, schedule: str, m: int) -> float:
-    """The simulator's makespan of one step with ``sizes`` layers per virtual stage, when a layer
-    on pipeline rank ``r`` costs ``per_layer[r]`` per microbatch (F = B = W, BW = B + W)."""
-    rank_of = {s: r for r, stages in enumerate(get_schedule(schedule).placement(p, v)) for s in stages}
-    weight = {"F": 1.0, "B": 1.0, "W": 1.0, "BW": 2.0}
-
-    def cost(a) -> float:
-        # An FB pair (dualpipev) costs its two halves: a slowed rank's pair hides nothing.
-        return sum(weight[h.kind] * (sizes[h.stage] * per_layer[rank_of[h.stage]] + 1e-9) for h in halves(a))
-
-    return simulate(build_schedule(schedule, p, m, v, check=False), cost).makespan
-
-
-def propose_layout(sizes: list[int], per_layer: list[float], p: int, v: int, schedule: str,
-                   m: int) -> tuple[list[int], float, float]:
-    """A ``parallel.pipeline_layout`` for measured per-layer costs ``per_layer`` (seconds per
-    layer per microbatch on each pipeline rank), by local search with the pipeline simulator:
-    move one layer between neighbouring virtual stages while the simulated step gets shorter.
-
-    Returns:
-        ``(layout, simulated step of sizes, simulated step of layout)``.
-    """
-    best = list(sizes)
-    best_t = start_t = simulated_step(best, per_layer, p, v, schedule, m)
-    improved = True
-    while improved:
-        improved = False
-        for i in range(len(best) - 1):
-            for src, dst in ((i, i + 1), (i + 1, i)):
-                if best[src] == 0:
-                    continue
-                cand = list(best)
-                cand[src] -= 1
-                cand[dst] += 1
-                t = simulated_step(cand, per_layer, p, v, schedule, m)
-                if t < best_t - 1e-12:
-                    best, best_t, improved = cand, t, True
-    return best, start_t, best_t
-
-
 class FailSlowDetector(Callback):
     """Detection only (see the module docstring). Class attributes tune it: ``threshold`` (k),
     ``window`` (W consecutive steps)."""
@@ -219,9 +271,11 @@ class FailSlowDetector(Callback):
         self.par, self.pp_size, self.dp_size = p, ctx.pp.size, ctx.dp.size
         self.sizes = stage_sizes(cfg.model.num_layers, ctx.pp.size, p.virtual_pipeline, p.pipeline_layout)
         self.coords: list[dict] | None = None
-        self.streak = [0] * ctx.world_size  # consecutive steps above the threshold, per rank
-        self.calm = [0] * ctx.world_size  # consecutive steps below it
+        self.calm = [0] * ctx.world_size  # consecutive steps below the threshold, per rank
+        self.loads: deque = deque(maxlen=self.window)  # per step: [world] load (:meth:`load`)
         self.history: deque = deque(maxlen=self.window)  # per step: [world] compute per microbatch
+        # per step: (per-layer [pp], fixed [pp * v]) seconds; a longer window: they feed the simulator
+        self.costs: deque = deque(maxlen=2 * self.window)
         self.step_seconds: deque = deque(maxlen=self.window)  # per step: the slowest rank's step time
         self.flagged: set[int] = set()
         self.even = cfg.train.global_batch_size // (cfg.train.micro_batch_size * ctx.dp.size)
@@ -239,46 +293,79 @@ class FailSlowDetector(Callback):
 
     def on_step_end(self, state: TrainState, metrics: dict, timings: dict[str, float]) -> None:
         ctx = state.ctx
-        compute, per_mb = self.clock.take()
-        wait = max(0.0, timings.get("forward_backward", compute) - compute)
-        t = torch.zeros(ctx.world_size, 4, dtype=torch.float64)
-        t[ctx.rank] = torch.tensor([per_mb, compute, wait, timings.get("step", 0.0)], dtype=torch.float64)
+        reading = self.clock.take()
+        counts = state.dp_microbatches or [self.even] * self.dp_size
+        wait = max(0.0, timings.get("forward_backward", reading.compute) - reading.compute)
+        row = [reading.per_mb, reading.compute, wait, timings.get("step", 0.0), reading.layer_per_mb]
+        row += [x for seconds, share in reading.chunks for x in (seconds * share, seconds * (1 - share))]
+        t = torch.zeros(ctx.world_size, HEAD + 2 * self.par.virtual_pipeline, dtype=torch.float64)
+        t[ctx.rank, :len(row)] = torch.tensor(row, dtype=torch.float64)
         ctx.world.host_all_reduce(t, op=dist.ReduceOp.SUM)
         rows = t.tolist()
         self.step_seconds.append(max(r[3] for r in rows))  # the job's step: its slowest rank's
         # What a microbatch costs on average (the balance needs the throughput, not the best case).
-        counts = state.dp_microbatches or [self.even] * self.dp_size
         self.history.append([r[1] / counts[self.coords[i]["dp"]] for i, r in enumerate(rows)])
+        self.costs.append(self.stage_costs(rows))
         new = self.update_flags(state, rows)
         if new:
             metrics["failslow"] = new
         self.after_detection(state, metrics)
 
     # ---- detection -----------------------------------------------------------------------
-    def load(self, per_mb: list[float]) -> list[float]:
-        """Compute per microbatch per layer of each rank's stage (its predicted cost)."""
-        layers = [max(1, self.stage_layers(self.coords[r]["pp"])) for r in range(len(per_mb))]
-        return [x / n for x, n in zip(per_mb, layers)]
+    def load(self, rows: list[list[float]]) -> list[float | None]:
+        """Each rank's layer compute per microbatch per transformer layer of its stage (its
+        speed, without the embedding or head it holds); None for a stage without layers."""
+        out = []
+        for r, row in enumerate(rows):
+            n = self.stage_layers(self.coords[r]["pp"])
+            out.append(row[4] / n if n else None)
+        return out
 
     def stage_layers(self, pp_rank: int) -> int:
-        return sum(self.sizes[s] for s in chunk_stages(self.pp_size, self.par.virtual_pipeline,
-                                                       self.par.schedule, pp_rank))
+        return self.layers_of(self.sizes, pp_rank)
+
+    def layers_of(self, sizes: list[int], pp_rank: int) -> int:
+        """Transformer layers of ``pp_rank`` under ``sizes`` (layers per virtual stage)."""
+        return sum(sizes[s] for s in self.stages_of(pp_rank))
+
+    def stages_of(self, pp_rank: int) -> list[int]:
+        """The virtual stages of ``pp_rank``, in its local chunk order."""
+        return chunk_stages(self.pp_size, self.par.virtual_pipeline, self.par.schedule, pp_rank)
+
+    def stage_costs(self, rows: list[list[float]]) -> tuple[list[float], list[float]]:
+        """One step's costs (median spans): seconds per layer per microbatch of each pipeline stage (the
+        median over its ranks), and the non-layer seconds per microbatch of each virtual stage.
+        A stage without layers gets the median of the others' per-layer cost."""
+        per_layer, fixed = [None] * self.pp_size, [0.0] * len(self.sizes)
+        for s in range(self.pp_size):
+            ranks = [r for r in range(len(rows)) if self.coords[r]["pp"] == s]
+            n = self.stage_layers(s)
+            if n:
+                per_layer[s] = statistics.median(sum(rows[r][HEAD::2]) for r in ranks) / n
+            for c, vs in enumerate(self.stages_of(s)):
+                fixed[vs] = statistics.median(rows[r][HEAD + 2 * c + 1] for r in ranks)
+        known = [x for x in per_layer if x is not None] or [0.0]
+        return [statistics.median(known) if x is None else x for x in per_layer], fixed
 
     def peers(self, r: int) -> list[int]:
         same_stage = [j for j in range(len(self.coords)) if j != r and self.coords[j]["pp"] == self.coords[r]["pp"]]
         return same_stage or [j for j in range(len(self.coords)) if j != r]
 
     def update_flags(self, state: TrainState, rows: list[list[float]]) -> list[dict]:
-        """Advance each rank's streak; return the entries of the ranks flagged at this step."""
-        load = self.load([r[0] for r in rows])
+        """Flag the ranks whose speed, their best load of the last ``window`` steps, exceeds
+        ``threshold x`` the median of their peers' best (a rank preempted by other processes in
+        some steps has a good one among them; a fail-slow rank has none); clear a flag after
+        ``window`` steps below it. Return the entries of the ranks flagged at this step."""
+        self.loads.append(self.load(rows))
+        if len(self.loads) < self.window:
+            return []
+        best = [min((x for x in col if x is not None), default=None) for col in zip(*self.loads)]
         new = []
         for r in range(len(rows)):
-            others = [load[j] for j in self.peers(r)]
-            ratio = load[r] / max(statistics.median(others), 1e-12) if others else 1.0
-            slow = ratio > self.threshold
-            self.streak[r] = self.streak[r] + 1 if slow else 0
-            self.calm[r] = 0 if slow else self.calm[r] + 1
-            if self.streak[r] >= self.window and r not in self.flagged:
+            others = [best[j] for j in self.peers(r) if best[j] is not None]
+            ratio = best[r] / max(statistics.median(others), 1e-12) if others and best[r] is not None else 1.0
+            self.calm[r] = 0 if ratio > self.threshold else self.calm[r] + 1
+            if ratio > self.threshold and r not in self.flagged:
                 self.flagged.add(r)
                 new.append({"rank": r, **self.coords[r], "slowdown": round(ratio, 3), "iteration": state.iteration,
                             "compute_s": rows[r][1], "wait_s": rows[r][2], "window": self.window})
@@ -307,11 +394,13 @@ class FailSlow(FailSlowDetector):
     """Detection, then mitigation: DP microbatch re-split while a rank is flagged, a proposed
     ``parallel.pipeline_layout`` when a flagged rank's pipeline has several stages, and with
     ``train.failslow_relayout`` / ``train.failslow_restart`` Greyhound's levels 3 and 4 (module
-    docstring). ``min_gain`` (class attribute): the least share of the step a re-layout must be
-    predicted to save to be considered."""
+    docstring). Class attributes: ``min_gain``, the least share of the step a re-layout must be
+    predicted to save to be considered; ``repropose_gain``, the least share of the step by which
+    a new best layout must beat the proposed one to replace it."""
 
     mitigate = True
     min_gain = 0.1
+    repropose_gain = 0.1
 
     def __init__(self, state: TrainState) -> None:
         super().__init__(state)
@@ -322,9 +411,11 @@ class FailSlow(FailSlowDetector):
         self.hooked = state.chunks  # the chunks the clock hooks; a re-layout swaps the list
         self.relayout_budget, self.restart_budget = SkiRental(), SkiRental()
         self.relayout_cost: float | None = None  # measured seconds of the last re-layout
+        self.proposal: dict | None = None  # the logged layout the level-3 budget is renting for
         self.pending: dict | None = None  # the decision of a requested re-layout
         self.applied: dict | None = None  # that decision, applied; its effect not measured yet
-        self.laid_for: set[int] = set()  # the flagged ranks the present layout was chosen for
+        self.laid_for: set[int] = set()  # the ranks the present layout took layers off
+        self.round_trips = 0  # returns to the starting layout so far
         self.hosts: list[str] | None = None
         self.left_step: float | None = None  # perf_counter when the last on_step_end returned
         self.warming = True  # the next step is the first of its layout
@@ -357,9 +448,14 @@ class FailSlow(FailSlowDetector):
         self.warming = True
         self.relayout_budget.reset()
         self.restart_budget.reset()
+        self.proposal = None
         if self.pending is not None and self.sizes == self.pending["to"]:
             self.relayout_cost, self.applied = cost, self.pending
-            self.laid_for = set(self.pending["flagged"])
+            self.laid_for = set(self.pending["relieved"])
+            if self.pending["reason"] == "recovered":  # back at the start: a new move needs a fresh
+                self.round_trips += 1  # flag, and pays twice as long a rent per round trip so far
+                self.flagged.clear()
+                self.calm = [0] * len(self.calm)
         self.pending = None
 
     def after_detection(self, state: TrainState, metrics: dict) -> None:
@@ -370,16 +466,12 @@ class FailSlow(FailSlowDetector):
                 state.dp_microbatches = split
                 metrics["failslow_dp_microbatches"] = split
                 self.say(state, f"microbatches per DP rank from the next step: {split or 'even'}")
-        if self.pp_size > 1 and metrics.get("failslow"):
-            proposal = self.layout_proposal()
-            if proposal is not None:
-                metrics["failslow_layout"] = proposal
-                when = "if it pays (train.failslow_relayout)" if self.relayout_on else "set it at the next restart"
-                self.say(state, f"proposed parallel.pipeline_layout={proposal['pipeline_layout']} "
-                                f"(now {proposal['current']}; the simulator predicts "
-                                f"{proposal['predicted_ratio']:.2f}x the step time): {when}")
+        if self.pp_size > 1 and metrics.get("failslow") and not self.relayout_on:
+            self.propose_for_restart(state, metrics)
         if self.relayout_on and self.warming:  # a layout's first step (allocation, schedule build)
             self.history.clear()  # says little of its speed
+            self.costs.clear()
+            self.loads.clear()
             self.step_seconds.clear()
         self.warming = False
         if len(self.step_seconds) < self.window or self.pending is not None:
@@ -390,6 +482,29 @@ class FailSlow(FailSlowDetector):
             self.maybe_relayout(state, metrics)
         if self.restart_on and self.laid_for and self.pending is None:
             self.maybe_restart(state, metrics)
+
+    def propose_for_restart(self, state: TrainState, metrics: dict) -> None:
+        """Without level 3: log the layout :func:`propose_layout` finds, to set at a restart."""
+        per_layer, fixed = self.measured_costs()
+        layout, now_s, then_s = propose_layout(self.sizes, per_layer, self.pp_size, self.par.virtual_pipeline,
+                                               self.par.schedule, self.even, fixed)
+        if layout == self.sizes:
+            return
+        measured = statistics.median(self.step_seconds)
+        record = self.proposal_record(state, layout, measured, (now_s, then_s), per_layer, fixed)
+        metrics["failslow_layout"] = record
+        self.say(state, f"proposed parallel.pipeline_layout={layout} (now {self.sizes}; the simulator predicts "
+                        f"{record['predicted_ratio']:.2f}x the step time): set it at the next restart")
+
+    def proposal_record(self, state: TrainState, layout: list[int], measured: float, simulated: tuple[float, float],
+                        per_layer: list[float], fixed: list[float]) -> dict:
+        """The ``failslow_layout`` record of a proposed layout; ``simulated``: the simulator's step
+        now and at ``layout`` (seconds)."""
+        now_s, then_s = simulated
+        return {"pipeline_layout": list(layout), "current": list(self.sizes), "iteration": state.iteration,
+                "predicted_ratio": round(predicted_step(measured, now_s, then_s) / measured, 4),
+                "simulated_ratio": round(then_s / now_s, 4), "per_layer_s": [round(x, 6) for x in per_layer],
+                "fixed_s": [round(x, 6) for x in fixed]}
 
     # ---- level 3 -------------------------------------------------------------------------
     def report_effect(self, state: TrainState, metrics: dict) -> None:
@@ -402,48 +517,98 @@ class FailSlow(FailSlowDetector):
                         f"{e['measured_ratio']:.2f}x the step before (predicted {e['predicted_ratio']:.2f}x); "
                         f"the re-layout took {e['relayout_cost_s']:.2f} s")
 
-    def relayout_target(self, per_layer: list[float]) -> tuple[list[int], float, str] | None:
-        """``(layout, simulated step ratio, reason)``: the simulator's best layout while a rank is
-        flagged, or the starting layout once none is; None when neither applies."""
-        p, v, sched, m = self.pp_size, self.par.virtual_pipeline, self.par.schedule, self.even
-        if self.flagged:
-            if self.flagged == self.laid_for:  # the present layout was chosen for these ranks already
-                return None
-            layout, before, after = propose_layout(self.sizes, per_layer, p, v, sched, m)
-            if moves_back(self.start_sizes, self.sizes, layout):
-                return None
-            return layout, after / before, "slow rank"
-        if self.sizes != self.start_sizes:
-            before = simulated_step(self.sizes, per_layer, p, v, sched, m)
-            return self.start_sizes, simulated_step(self.start_sizes, per_layer, p, v, sched, m) / before, "recovered"
+    def simulate(self, sizes: list[int], per_layer: list[float], fixed: list[float]) -> float:
+        """:func:`simulated_step` of this run's pipeline for ``sizes``, in seconds."""
+        return simulated_step(sizes, per_layer, self.pp_size, self.par.virtual_pipeline, self.par.schedule,
+                              self.even, fixed)
+
+    def relayout_target(self, per_layer: list[float], fixed: list[float]) -> tuple | None:
+        """``(layout, simulated step now, simulated step at layout, reason)`` or None.
+
+        Away from the starting layout, once none of the ranks it took layers off is flagged, the
+        starting layout if the simulator finds it faster ("recovered"; a flag on another rank,
+        which a loaded host may raise for a few steps, does not hold the return back). Else,
+        while a rank other than those is flagged, the simulator's best
+        layout, when it moves layers no way back (:func:`moves_back`; "slow rank")."""
+        if self.sizes != self.start_sizes and not self.flagged & self.laid_for:
+            now_s, then_s = self.simulate(self.sizes, per_layer, fixed), self.simulate(self.start_sizes, per_layer, fixed)
+            if then_s < now_s:
+                return self.start_sizes, now_s, then_s, "recovered"
+        if self.flagged and not self.flagged <= self.laid_for:
+            layout, now_s, then_s = propose_layout(self.sizes, per_layer, self.pp_size, self.par.virtual_pipeline,
+                                                   self.par.schedule, self.even, fixed)
+            if not moves_back(self.start_sizes, self.sizes, layout):
+                return layout, now_s, then_s, "slow rank"
         return None
 
+    def pinned(self, state: TrainState, metrics: dict, target: tuple, measured: float,
+               per_layer: list[float], fixed: list[float]) -> tuple:
+        """The target the budget rents for: the layout proposed (and logged) before, unless the
+        simulator's best for the costs measured now beats it by ``repropose_gain`` of the step;
+        then the new one is proposed, logged with why it replaces the old, and the rent restarts.
+        So the layout applied is always the one the last ``proposed`` line named."""
+        layout, now_s, then_s, reason = target
+        key = (reason, tuple(sorted(self.flagged)) if reason == "slow rank" else ())
+        old, why = self.proposal, ""
+        if old is not None and old["key"] == key:
+            if old["layout"] == layout:
+                return target
+            old_then = self.simulate(old["layout"], per_layer, fixed)
+            if old_then - then_s < self.repropose_gain * measured:
+                return old["layout"], now_s, old_then, reason
+            why = (f"; it replaces {old['layout']} proposed at iteration {old['iteration']}: with the costs "
+                   f"measured since (per layer {[round(x, 6) for x in per_layer]} s, then {old['per_layer_s']} s) "
+                   f"it is {old_then - then_s:.4f} s per step faster")
+        elif old is not None:
+            why = f"; it replaces {old['layout']} proposed at iteration {old['iteration']} ({old['key'][0]})"
+        predicted = predicted_step(measured, now_s, then_s)
+        record = self.proposal_record(state, layout, measured, (now_s, then_s), per_layer, fixed)
+        if old is not None:
+            record["replaces"] = {k: old[k] for k in ("layout", "iteration", "per_layer_s", "fixed_s")}
+            self.relayout_budget.reset()
+        metrics["failslow_layout"] = record
+        self.proposal = {"key": key, "layout": list(layout), "iteration": state.iteration,
+                         "per_layer_s": record["per_layer_s"], "fixed_s": record["fixed_s"]}
+        self.say(state, f"proposed parallel.pipeline_layout={layout} (now {self.sizes}, {reason}; the simulator "
+                        f"predicts {predicted:.4f} s per step against {measured:.4f} s measured): level 3 applies "
+                        f"it once the budget says it pays{why}")
+        return target
+
     def maybe_relayout(self, state: TrainState, metrics: dict) -> None:
-        """Rent one step of the present layout's loss; request the target layout when bought."""
-        per_layer = self.per_layer_costs()
-        target = self.relayout_target(per_layer)
-        if target is None or target[0] == self.sizes or target[1] > 1 - self.min_gain:
+        """Rent one step of the present layout's loss; request the proposed layout when bought."""
+        per_layer, fixed = self.measured_costs()
+        measured = statistics.median(self.step_seconds)
+        target = self.relayout_target(per_layer, fixed)
+        if target is None or target[0] == self.sizes:  # nothing to move to: start over
             self.relayout_budget.reset()
             return
-        layout, ratio, reason = target
-        measured = statistics.median(self.step_seconds)
+        if predicted_step(measured, target[1], target[2]) > (1 - self.min_gain) * measured:
+            return  # too small a gain this step (or a noisy one): no rent, but the rent paid stays
+        layout, now_s, then_s, reason = self.pinned(state, metrics, target, measured, per_layer, fixed)
+        predicted = predicted_step(measured, now_s, then_s)
         prior = state.config.train.failslow_relayout_cost_s
         cost = self.relayout_cost if self.relayout_cost is not None else (
             prior if prior is not None else 2 * measured)
+        if reason == "slow rank":  # hysteresis: a noisy flag cannot send the run to and fro
+            cost *= 2 ** self.round_trips
         remaining = state.config.train.train_iters - state.iteration
-        if not self.relayout_budget.rent(measured * (1 - ratio), cost, remaining):
+        if not self.relayout_budget.rent(measured - predicted, cost, remaining):
             return
-        d = relayout_decision(state.iteration, self.sizes, layout, measured, ratio, cost,
-                              self.relayout_cost is not None, self.relayout_budget.paid, remaining, reason,
-                              per_layer)
-        d["flagged"] = sorted(self.flagged) if reason == "slow rank" else []
+        model = {"per_layer_s": per_layer, "fixed_s": fixed, "simulated_now_s": now_s, "simulated_then_s": then_s,
+                 "proposed_at": self.proposal["iteration"]}
+        d = relayout_decision(state.iteration, self.sizes, layout, measured, predicted, cost,
+                              self.relayout_cost is not None, self.relayout_budget.paid, remaining, reason, model)
+        # The ranks this layout is for: those of the stages it takes layers off (a flag raised by
+        # the host's load on another rank at the same time is not what the layers moved for).
+        d["relieved"] = [r for r in range(len(self.coords)) if self.layers_of(layout, self.coords[r]["pp"])
+                         < self.layers_of(self.start_sizes, self.coords[r]["pp"])] if reason == "slow rank" else []
         metrics["failslow_decision"] = d
         self.pending = d
         state.request_relayout(layout)
-        self.say(state, f"level 3 ({reason}): re-layout {d['from']} -> {d['to']} online: step "
-                        f"{d['measured_step_s']:.4f} s, predicted {d['predicted_step_s']:.4f} s "
-                        f"({d['predicted_ratio']:.2f}x); {d['predicted_gain_s']:.2f} s gained over "
-                        f"{remaining} steps against a {d['cost']} cost of {d['relayout_cost_s']:.2f} s "
+        self.say(state, f"level 3 ({reason}): re-layout {d['from']} -> {d['to']} online (proposed at iteration "
+                        f"{d['proposed_at']}): step {d['measured_step_s']:.4f} s, predicted "
+                        f"{d['predicted_step_s']:.4f} s ({d['predicted_ratio']:.2f}x); {d['predicted_gain_s']:.2f} s "
+                        f"gained over {remaining} steps against a {d['cost']} cost of {d['relayout_cost_s']:.2f} s "
                         f"(rent paid {d['rent_paid_s']:.2f} s)")
 
     # ---- level 4 -------------------------------------------------------------------------
@@ -451,12 +616,15 @@ class FailSlow(FailSlowDetector):
         """Rent the gap to a healthy rank at the starting layout; when bought, checkpoint and
         exit with :data:`EXIT_FAILSLOW_RESTART` (every rank decides the same)."""
         slow_stages = {self.coords[r]["pp"] for r in self.flagged}
-        per_layer = self.per_layer_costs()
-        healthy = [x for s, x in enumerate(per_layer) if s not in slow_stages] or [min(per_layer)]
-        p, v, sched, m = self.pp_size, self.par.virtual_pipeline, self.par.schedule, self.even
+        per_layer, fixed = self.measured_costs()
+        healthy = statistics.median([x for s, x in enumerate(per_layer) if s not in slow_stages] or [min(per_layer)])
+        rank_of = {vs: s for s in range(self.pp_size) for vs in self.stages_of(s)}
+        # A healthy rank does the slow stage's non-layer work faster by the same factor.
+        healthy_fixed = [f * (healthy / max(per_layer[rank_of[vs]], 1e-12) if rank_of[vs] in slow_stages else 1.0)
+                         for vs, f in enumerate(fixed)]
         measured = statistics.median(self.step_seconds)
-        healthy_s = measured * (simulated_step(self.start_sizes, [statistics.median(healthy)] * p, p, v, sched, m)
-                                / simulated_step(self.sizes, per_layer, p, v, sched, m))
+        healthy_s = predicted_step(measured, self.simulate(self.sizes, per_layer, fixed),
+                                   self.simulate(self.start_sizes, [healthy] * self.pp_size, healthy_fixed))
         loss = measured - healthy_s if slow_stages and measured - healthy_s > self.min_gain * measured else 0.0
         cost, remaining = state.config.train.failslow_restart_cost_s, state.config.train.train_iters - state.iteration
         if not self.restart_budget.rent(loss, cost, remaining):
@@ -508,22 +676,10 @@ class FailSlow(FailSlowDetector):
 
         return balance_microbatches(t, self.even * self.dp_size, feasible)
 
-    def per_layer_costs(self) -> list[float]:
-        """Seconds per layer per microbatch of each pipeline stage: the median over its ranks of
-        their recent compute per microbatch, over its layers."""
-        per_mb = self.median_per_mb()
-        out = []
-        for s in range(self.pp_size):
-            ranks = [r for r in range(len(per_mb)) if self.coords[r]["pp"] == s]
-            out.append(statistics.median(per_mb[r] for r in ranks) / max(1, self.stage_layers(s)))
-        return out
-
-    def layout_proposal(self) -> dict | None:
-        """The layout :func:`propose_layout` finds for the measured per-layer costs per stage."""
-        per_layer = self.per_layer_costs()
-        layout, before, after = propose_layout(self.sizes, per_layer, self.pp_size, self.par.virtual_pipeline,
-                                               self.par.schedule, self.even)
-        if layout == self.sizes:
-            return None
-        return {"pipeline_layout": layout, "current": list(self.sizes), "predicted_ratio": round(after / before, 4),
-                "per_layer_s": per_layer}
+    def measured_costs(self) -> tuple[list[float], list[float]]:
+        """The costs the simulator is fed: seconds per layer per microbatch of each pipeline
+        stage and non-layer seconds per microbatch of each virtual stage (:meth:`stage_costs`),
+        each the median over the layout's last ``2 x window`` steps."""
+        per_layer = [statistics.median(col) for col in zip(*(c[0] for c in self.costs))]
+        fixed = [statistics.median(col) for col in zip(*(c[1] for c in self.costs))]
+        return per_layer, fixed

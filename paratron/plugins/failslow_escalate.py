@@ -59,15 +59,20 @@ def moves_back(start: list[int], current: list[int], target: list[int]) -> bool:
 
 
 def relayout_decision(iteration: int, current: list[int], target: list[int], measured_s: float,
-                      ratio: float, cost_s: float, cost_measured: bool, paid_s: float,
-                      remaining: int, reason: str, per_layer_s: list[float]) -> dict:
-    """The ``failslow_decision`` record of a level-3 re-layout: what the simulator predicts, from
-    ``per_layer_s`` (seconds per layer per microbatch of each stage, measured)."""
-    return {"level": 3, "action": "relayout", "iteration": iteration, "reason": reason,
-            "per_layer_s": [round(x, 6) for x in per_layer_s],
+                      predicted_s: float, cost_s: float, cost_measured: bool, paid_s: float,
+                      remaining: int, reason: str, model: dict) -> dict:
+    """The ``failslow_decision`` record of a level-3 re-layout: the measured and predicted step
+    (seconds), the budget, and ``model``, what the prediction came from: ``per_layer_s`` (seconds
+    per layer per microbatch of each stage) and ``fixed_s`` (non-layer seconds per microbatch of
+    each virtual stage), both measured; ``simulated_now_s`` and ``simulated_then_s``, the
+    simulator's step at the present and the target layout; ``proposed_at``, the iteration whose
+    ``failslow_layout`` record proposed the target."""
+    rounded = {k: [round(x, 6) for x in v] if isinstance(v, list) else (round(v, 6) if isinstance(v, float) else v)
+               for k, v in model.items()}
+    return {"level": 3, "action": "relayout", "iteration": iteration, "reason": reason, **rounded,
             "from": list(current), "to": list(target), "measured_step_s": round(measured_s, 6),
-            "predicted_ratio": round(ratio, 4), "predicted_step_s": round(measured_s * ratio, 6),
-            "predicted_gain_s": round(measured_s * (1 - ratio) * remaining, 4), "remaining_steps": remaining,
+            "predicted_ratio": round(predicted_s / measured_s, 4), "predicted_step_s": round(predicted_s, 6),
+            "predicted_gain_s": round((measured_s - predicted_s) * remaining, 4), "remaining_steps": remaining,
             "relayout_cost_s": round(cost_s, 4), "cost": "measured" if cost_measured else "prior",
             "rent_paid_s": round(paid_s, 4)}
 
