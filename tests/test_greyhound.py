@@ -55,6 +55,7 @@ def _run(tmp_path, name, overrides, slow):
     return out, [r for r in records if "loss" in r], run_dir
 
 
+@pytest.mark.slow  # 15-40 s, and its decisions follow measured step times: a loaded host can move them
 def test_a_slow_stage_is_relaid_out_online_and_back_once_when_it_recovers(tmp_path, tiny_corpus):
     """Stage 1 slowed 2x from step 3 (steps 1-2 calibrate the sleeps) to step 10, then healthy for
     38 steps: exactly one slow-rank re-layout while it is slow, exactly one return to [3, 3] after
