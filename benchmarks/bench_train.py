@@ -12,7 +12,8 @@
    (every linear's forward ``x W^T`` and its two backward products ``dY W`` and ``dY^T x``, the
    output layer's included, per layer and microbatch) timed alone with ``torch.mm`` on
    preallocated operands, over paratron's step time, eager and with ``model.compile = true``
-   (each layer ``torch.compile``-d), measured in turn with ``pairing.time_paired``.
+   (each layer ``torch.compile``-d), measured in turn with ``pairing.time_paired``; the ratios
+   in wall time and in this thread's CPU time (``time.thread_time``).
 
     .venv/bin/python benchmarks/bench_train.py [--part all|overhead|gemm] [--iters 12] [--rounds 5]
 """
@@ -35,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT))
 
-from pairing import MIN_TIMED_STEPS, load, summarize, time_paired  # noqa: E402
+from pairing import MIN_TIMED_STEPS, load, paired_ratio, summarize, time_paired  # noqa: E402
 from paratron.rules import load_config  # noqa: E402
 from paratron.config.model_shape import ffn_size, head_dim, query_groups  # noqa: E402
 from paratron.parallel.context import ParallelContext  # noqa: E402
@@ -72,24 +73,22 @@ def linear_shapes(cfg) -> list[tuple[int, int]]:
     return layer * m.num_layers + [(h, m.vocab_size)]
 
 
-def gemm_seconds(cfg, reps: int) -> float:
-    """Median seconds of the step's matmuls alone (three per linear per microbatch, see the
-    module docstring), ``torch.mm`` on preallocated fp32 operands, one thread."""
+def gemm_operands(cfg) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """``(a, b, out)`` of the step's matmuls for one microbatch (three per linear, see the module
+    docstring): fp32 operands and preallocated outputs, drawn once."""
     t_rows = cfg.train.micro_batch_size * cfg.model.seq_length
-    m = cfg.train.global_batch_size // cfg.train.micro_batch_size
     ops = []
     for k, n in linear_shapes(cfg):
         x, w, dy = torch.randn(t_rows, k), torch.randn(n, k), torch.randn(t_rows, n)
         ops += [(x, w.t()), (dy, w), (dy.t(), x)]
-    outs = [torch.empty(a.shape[0], b.shape[1]) for a, b in ops]
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for _ in range(m):
-            for (a, b), o in zip(ops, outs):
-                torch.mm(a, b, out=o)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return [(a, b, torch.empty(a.shape[0], b.shape[1])) for a, b in ops]
+
+
+def run_gemms(cfg, ops) -> None:
+    """The step's matmuls alone: every microbatch's ``torch.mm`` calls into the preallocated outputs."""
+    for _ in range(cfg.train.global_batch_size // cfg.train.micro_batch_size):
+        for a, b, o in ops:
+            torch.mm(a, b, out=o)
 
 
 def gemm_share(steps: int) -> dict:
@@ -103,18 +102,27 @@ def gemm_share(steps: int) -> dict:
         chunks, ddp, opt, sched = build_model_and_optimizer(cfg, ctx)
         mbs = _batches(cfg)
         steps_by_name[name] = lambda c=cfg, x=ctx, ch=chunks, d=ddp, o=opt, s=sched, b=mbs: train_batch(c, x, ch, d, o, s, b)
-    gemm = []
+    names, warmup, ops = ["gemm", "eager", "compiled"], 3, gemm_operands(cfg)
+    cpu = {n: [] for n in names}  # this thread's CPU seconds of each timed call
 
     def run(name, step):
+        c0 = time.thread_time()
         if name == "gemm":
-            gemm.append(gemm_seconds(cfg, 1))
+            run_gemms(cfg, ops)
         else:
             steps_by_name[name]()
+        if step >= warmup:
+            cpu[name].append(time.thread_time() - c0)
 
-    times = time_paired(["gemm", "eager", "compiled"], steps, run, sync=lambda: None, reduce=lambda t: t, warmup=3)
+    times = time_paired(names, steps, run, sync=lambda: None, reduce=lambda t: t, warmup=warmup)
     out = summarize(times, base="eager", pairs=[("gemm", "eager"), ("gemm", "compiled")])
     out["gemm_share_eager"] = out.pop("paired_gemm_vs_eager")
     out["gemm_share_compiled"] = out.pop("paired_gemm_vs_compiled")
+    # The same ratios in CPU time: on a loaded machine wall time also counts the time the
+    # scheduler gave other processes, which falls on the longer calls unevenly.
+    out["cpu_median_ms"] = {n: round(statistics.median(v) * 1e3, 2) for n, v in cpu.items()}
+    out["cpu_gemm_share_eager"] = paired_ratio(cpu["gemm"], cpu["eager"])
+    out["cpu_gemm_share_compiled"] = paired_ratio(cpu["gemm"], cpu["compiled"])
     out["gemm_flops_per_step"] = 6 * sum(k * n for k, n in linear_shapes(cfg)) * cfg.train.global_batch_size * cfg.model.seq_length
     return out
 

@@ -30,6 +30,20 @@ def _main_grad(param: torch.Tensor, meta) -> torch.Tensor | None:
     return main
 
 
+@torch.library.custom_op("paratron::addmm_into", mutates_args=("out",))
+def _addmm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``out += a @ b`` in place. Traced by ``torch.compile`` (``model.compile``), a plain
+    ``addmm_`` into a tensor the graph does not own becomes an out-of-place ``addmm`` and a copy
+    back (one more ``[out, in]`` write and read per linear per microbatch); an op that declares
+    its mutation is kept in place by the compiler."""
+    out.addmm_(a, b)
+
+
+@_addmm_into.register_fake
+def _(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    return None
+
+
 @torch.no_grad()
 def accumulate_matmul_grad(param: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """:func:`accumulate_grad` of ``a @ b`` (``a [out, k]``, ``b [k, in]``, a 2-D ``param``):
@@ -40,7 +54,11 @@ def accumulate_matmul_grad(param: torch.Tensor, a: torch.Tensor, b: torch.Tensor
     if main is None or main.dtype != a.dtype or main.dtype != b.dtype:
         accumulate_grad(param, a @ b)
         return
-    main.view(a.shape[0], b.shape[1]).addmm_(a, b)
+    target = main.view(a.shape[0], b.shape[1])
+    if torch.compiler.is_compiling():
+        _addmm_into(target, a, b)
+    else:
+        target.addmm_(a, b)
     if meta.grad_ready_hook is not None:
         meta.grad_ready_hook(param)
 

@@ -136,9 +136,9 @@ def layer_activation_bytes(shape: Shape, lay: Layout, b: int, a: int, fused: boo
 
 def dense_mlp_bytes(shape: Shape, t: int, T: int, f: int, a: int) -> float:
     """Bytes a TP-split MLP of width ``f`` saves for ``T`` tokens: its first linear's gathered input
-    ``T h a`` and ``4 T f a / t`` (SwiGLU: gate, up, silu, product) or ``2 T f a / t`` (GELU: fc1
-    output and activation)."""
-    return T * (shape.h + (4 if shape.swiglu else 2) * f / t) * a
+    ``T h a`` and ``3 T f a / t`` (SwiGLU: gate and up, and the product; the activation's
+    Function recomputes ``silu``) or ``2 T f a / t`` (GELU: fc1 output and activation)."""
+    return T * (shape.h + (3 if shape.swiglu else 2) * f / t) * a
 
 
 def moe_mlp_bytes(shape: Shape, lay: Layout, T: int, a: int) -> float:
@@ -194,7 +194,7 @@ def low_rank_activation_bytes(shape: Shape, lay: Layout, b: int, a: int) -> floa
     hs = h / t if shape.low_rank_tp == "bottleneck" or lay.sp else h
     qkv, nd = (shape.n + 2 * shape.g) * shape.d / split, shape.n * shape.d / split
     elems = 4 * hs + qkv + 2 * (shape.n + shape.g) * shape.d / split + nd + 8 * shape.n / split / a
-    elems += (4 if shape.swiglu else 2) * shape.f / split + 2 * bottlenecks / (t if split == 1 else 1)
+    elems += (3 if shape.swiglu else 2) * shape.f / split + 2 * bottlenecks / (t if split == 1 else 1)
     return T * elems * a
 
 
