@@ -13,7 +13,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
-from paratron.checkpoint import integrity
+from paratron.checkpoint import integrity, payload
 from paratron.checkpoint.dcp_planners import ChunkLoadPlanner, ChunkSavePlanner
 from paratron.checkpoint.io import load_model_full, save_model_full, write_items
 from paratron.checkpoint.items import CheckpointError, full_items
@@ -112,3 +112,26 @@ def test_a_changed_byte_in_a_templated_header_is_refused(tmp_path, monkeypatch):
     payload.write_bytes(data)
     _, back = load_model_full(tmp_path / "ck")
     assert all(torch.equal(back[k], v) for k, v in tensors.items())
+
+
+@pytest.mark.parametrize("path", ["template", "torch.save"])
+def test_the_scan_finds_an_inf_or_nan_anywhere_and_names_the_first_key(tmp_path, monkeypatch, path):
+    """The fused checksum and inf/NaN scan takes each tensor in ``SCAN``-byte pieces: a NaN in
+    the last piece of a tensor is found, an inf too, the first bad key in key order is named
+    (here ``b`` although ``c`` is written first), and the checksums of a clean save still equal
+    the file's. ``torch.save``: tensors whose storage is not handed over whole (no template) are
+    checked on their own."""
+    monkeypatch.setattr(payload, "SCAN", 4096)
+    if path == "torch.save":
+        monkeypatch.setattr(payload, "_address", lambda view: -1)
+    clean = {"c": torch.randn(10_000), "b": torch.randn(10_000), "a": torch.randn(3)}
+    sums = write_items(tmp_path / "ok", full_items(clean), single_process=True, refuse_nonfinite_at=7)
+    (name,) = [n for n in sums if n.endswith(".distcp")]
+    assert sums[name] == integrity.file_checksum(tmp_path / "ok" / name, algorithm=integrity.CURRENT)
+    bad = {k: v.clone() for k, v in clean.items()}
+    bad["c"][-1], bad["b"][9_000] = float("inf"), float("nan")
+    with pytest.raises(CheckpointError, match="refusing to save step 7: model/b holds an inf or NaN on rank 0"):
+        write_items(tmp_path / "bad", full_items(bad), single_process=True, refuse_nonfinite_at=7)
+    bad["b"] = clean["b"]
+    with pytest.raises(CheckpointError, match="model/c holds an inf or NaN"):
+        write_items(tmp_path / "bad2", full_items(bad), single_process=True, refuse_nonfinite_at=7)

@@ -45,7 +45,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from . import integrity
-from .finite import all_finite, refuse_nonfinite
+from .finite import refuse_nonfinite
 from .items import CheckpointError
 from .payload import PayloadFile, ZipTemplates
 
@@ -147,22 +147,15 @@ class ChecksummingWriter(FileSystemWriter):
             payload.close()
             raise
         syncing = _Syncing(payload)
-        try:
-            self.sums[name] = payload.block_crc(integrity.BLOCK).entry()
-            bad = self._first_nonfinite(payload.tensors)
+        try:  # while the payload's fsync runs
+            crc, bad = payload.scan(integrity.BLOCK, check_finite=self._step is not None)
+            self.sums[name] = crc.entry()
         finally:
             syncing.join()
         done: Future = Future()
         done.set_result(results + [WriteResult(MetadataIndex(self.SUMS_KEY), 0, dict(self.sums)),
                                    WriteResult(MetadataIndex(self.NONFINITE_KEY), 0, bad)])
         return done
-
-    def _first_nonfinite(self, written: list[tuple]) -> str | None:
-        """The first key (in key order) of the tensors written here that holds an inf or NaN."""
-        if self._step is None:
-            return None
-        keys = sorted((item.index.fqn, i) for i, (item, _) in enumerate(written))
-        return next((k for k, i in keys if not all_finite(written[i][1])), None)
 
     def finish(self, metadata, results) -> None:
         self.all_sums = {}

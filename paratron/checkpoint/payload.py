@@ -37,8 +37,10 @@ from torch.distributed.checkpoint.planner import WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
 from . import integrity
+from .finite import all_finite
 
 IOV_MAX = 1024  # the most buffers one writev takes (Linux)
+SCAN = 1 << 20  # bytes checksummed and checked for inf/NaN at a time: they stay in the CPU's cache
 
 
 @contextmanager
@@ -67,6 +69,12 @@ def storage_bytes(t: torch.Tensor) -> memoryview:
     s = t.untyped_storage()
     whole = torch.empty(0, dtype=torch.uint8).set_(s, 0, (s.nbytes(),))
     return memoryview(whole.numpy()).cast("B")
+
+
+def storage_elements(t: torch.Tensor) -> torch.Tensor:
+    """The elements of ``t``'s whole storage in storage order, 1-D, without a copy (``t`` fills
+    its storage: :func:`prepared`)."""
+    return torch.empty(0, dtype=t.dtype).set_(t.untyped_storage(), 0, (t.numel(),))
 
 
 class _Capture:
@@ -153,7 +161,7 @@ def prepared(planner, item) -> torch.Tensor:
 
 
 class PayloadFile:
-    """One payload file being written (:meth:`write`), then checksummed (:meth:`block_crc`).
+    """One payload file being written (:meth:`write`), then checksummed and checked (:meth:`scan`).
 
     Args:
         path: the file (created; truncated if it exists).
@@ -162,15 +170,14 @@ class PayloadFile:
 
     Attributes:
         fd: the open file descriptor (the caller fsyncs and closes it, :meth:`close`).
-        tensors: ``(write item, tensor written)`` of every tensor item, in file order.
     """
 
     def __init__(self, path: Path, name: str, templates: ZipTemplates) -> None:
         self.name, self._templates = name, templates
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        self._pieces: list = []
+        # (buffer written or None, item key, the storage's elements where they are to be checked)
+        self._pieces: list[tuple] = []
         self._pos = 0
-        self.tensors: list[tuple] = []
 
     def close(self) -> None:
         os.close(self.fd)
@@ -180,36 +187,61 @@ class PayloadFile:
         would (see the module); returns DCP's write results (where each item's bytes lie)."""
         results = []
         for item in items:
+            flat = None
             if item.type == WriteItemType.BYTE_IO:
                 data = planner.resolve_data(item)
                 pieces = [data.getbuffer() if isinstance(data, io.BytesIO) else bytes(data)]
             else:
                 t = prepared(planner, item)
                 pieces = self._templates.pieces(t)
-                self.tensors.append((item, t))
+                flat = storage_elements(t)
             length = sum(len(memoryview(p).cast("B")) for p in pieces)
             _writev_all(self.fd, pieces)
-            self._pieces += pieces
+            self._pieces += [(p, item.index.fqn, None) for p in pieces]
+            if flat is not None:  # the storage's bytes (a tensor's one memoryview) go with its elements
+                at = next((j for j, p in enumerate(pieces) if isinstance(p, memoryview)), None)
+                if at is None:  # written by torch.save itself: its elements are checked on their own
+                    self._pieces.append((None, item.index.fqn, flat))
+                else:
+                    self._pieces[at - len(pieces)] = (pieces[at], item.index.fqn, flat)
             results.append(WriteResult(index=item.index, size_in_bytes=length,
                                        storage_data=_StorageInfo(self.name, self._pos, length)))
             self._pos += length
         return results
 
-    def block_crc(self, block: int) -> integrity.BlockCrc:
-        """The block CRCs of everything written, from the written buffers (call while the
-        tensors are alive); consecutive small pieces are joined first, so the CRC is called a
-        few times per tensor rather than once per zip header."""
+    def scan(self, block: int, check_finite: bool) -> tuple[integrity.BlockCrc, str | None]:
+        """The block CRCs of everything written, computed from the written buffers (call while
+        the tensors are alive), and with ``check_finite`` the first key (in key order) of the
+        written tensors that holds an inf or NaN (None: none does).
+
+        One pass over each tensor's memory: it is taken in ``SCAN``-byte pieces, each checksummed
+        and then checked (:func:`~paratron.checkpoint.finite.all_finite`) while still in the CPU's
+        cache, rather than two passes over the whole state from memory. Consecutive small pieces
+        (zip headers) are joined first, so the CRC is called a few times per tensor, not once per
+        header."""
         crc = integrity.BlockCrc(block)
+        bad: set[str] = set()
         small: list[bytes] = []
-        for piece in self._pieces:
+        for piece, key, flat in self._pieces:
+            if piece is None:
+                if check_finite and key not in bad and not all_finite(flat):
+                    bad.add(key)
+                continue
             if isinstance(piece, bytes):
                 small.append(piece)
                 continue
             if small:
                 crc.update(b"".join(small))
                 small = []
-            crc.update(piece)
+            if flat is None:
+                crc.update(piece)
+                continue
+            step = max(1, SCAN // flat.element_size())
+            for i in range(0, flat.numel(), step):
+                crc.update(piece[i * flat.element_size():(i + step) * flat.element_size()])
+                if check_finite and key not in bad and not all_finite(flat[i:i + step]):
+                    bad.add(key)
         if small:
             crc.update(b"".join(small))
         self._pieces = []
-        return crc
+        return crc, min(bad) if bad else None
