@@ -116,12 +116,12 @@ def test_a_changed_byte_in_a_templated_header_is_refused(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("path", ["template", "torch.save"])
 def test_the_scan_finds_an_inf_or_nan_anywhere_and_names_the_first_key(tmp_path, monkeypatch, path):
-    """The fused checksum and inf/NaN scan takes each tensor in ``SCAN``-byte pieces: a NaN in
+    """The fused checksum and inf/NaN scan takes each tensor in ``integrity.SCAN``-byte pieces: a NaN in
     the last piece of a tensor is found, an inf too, the first bad key in key order is named
     (here ``b`` although ``c`` is written first), and the checksums of a clean save still equal
     the file's. ``torch.save``: tensors whose storage is not handed over whole (no template) are
     checked on their own."""
-    monkeypatch.setattr(payload, "SCAN", 4096)
+    monkeypatch.setattr(integrity, "SCAN", 4096)
     if path == "torch.save":
         monkeypatch.setattr(payload, "_address", lambda view: -1)
     clean = {"c": torch.randn(10_000), "b": torch.randn(10_000), "a": torch.randn(3)}
@@ -135,3 +135,23 @@ def test_the_scan_finds_an_inf_or_nan_anywhere_and_names_the_first_key(tmp_path,
     bad["b"] = clean["b"]
     with pytest.raises(CheckpointError, match="model/c holds an inf or NaN"):
         write_items(tmp_path / "bad2", full_items(bad), single_process=True, refuse_nonfinite_at=7)
+
+
+def test_a_load_read_in_pieces_smaller_than_a_block_is_bitwise_and_catches_a_changed_byte(tmp_path, monkeypatch):
+    """The load reads each block ``integrity.SCAN`` bytes at a time, checksumming each piece as
+    it arrives: with many pieces per block (and blocks not aligned to the tensors) a load is
+    bitwise, and a byte changed in any piece of a block, first, middle or last, is refused."""
+    monkeypatch.setattr(integrity, "BLOCK", 64 << 10)
+    monkeypatch.setattr(integrity, "SCAN", 3000)
+    g = torch.Generator().manual_seed(5)
+    tensors = {"a": torch.randn(300, 170, generator=g), "b": torch.randn(50_001, generator=g)}
+    save_model_full(tmp_path / "ck", Config(), tensors)
+    _, back = load_model_full(tmp_path / "ck")
+    assert all(torch.equal(back[k], v) for k, v in tensors.items())
+    (payload_file,) = (tmp_path / "ck").glob("*.distcp")
+    data = payload_file.read_bytes()
+    for at in (100, (64 << 10) + 2999, (64 << 10) + 3000, 3 * (64 << 10) - 1, len(data) - 5):
+        payload_file.write_bytes(data[:at] + bytes([data[at] ^ 0x80]) + data[at + 1:])
+        with pytest.raises(CheckpointError, match=rf"{payload_file.name}: checksum mismatch in bytes"):
+            load_model_full(tmp_path / "ck")
+    payload_file.write_bytes(data)

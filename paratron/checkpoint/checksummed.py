@@ -11,9 +11,10 @@ in memory, never a second read of the file, and the writer hands the manifest en
 (:attr:`sums`).
 
 Load, the usual case (:class:`StreamedFile`): each saved chunk's data is read straight into the
-tensor being loaded; every block the rank needs is read once with one ``preadv`` scattering its
-bytes into their destinations, and verified against its save-time CRC (by the manifest's
-algorithm) while in cache, on reader threads. Where the wanted part of a chunk is not contiguous
+tensor being loaded; every block the rank needs is read once, ``integrity.SCAN`` bytes at a time
+with ``preadv`` scattering them into their destinations, each piece checksummed just after it is
+read, while in the CPU's cache, and the block's CRC compared with its save-time one (by the
+manifest's algorithm), on reader threads. Where the wanted part of a chunk is not contiguous
 in the file or its destination not a contiguous CPU tensor of its dtype, DCP's ``torch.load``
 reads the chunk through a :class:`VerifiedRange` over a :class:`BlockReader`, which verifies each
 block before its bytes are used. Either way a rank reads, and verifies, only the saved chunks its
@@ -411,6 +412,21 @@ def _preadv_all(fd: int, buffers: list[memoryview], at: int, fail) -> None:
         skip += n
 
 
+def _segments(pieces: list[memoryview], size: int):
+    """``pieces`` in order, cut into runs of ``size`` bytes (the last shorter): lists of slices."""
+    segment, room = [], size
+    for p in pieces:
+        while len(p):
+            take = p[:room]
+            segment.append(take)
+            p, room = p[len(take):], room - len(take)
+            if room == 0:
+                yield segment
+                segment, room = [], size
+    if segment:
+        yield segment
+
+
 class StreamedFile:
     """One payload file read for a load: every block overlapping the wanted byte ranges is read
     once, its bytes scattered straight into their destinations (the tensors being loaded) with
@@ -480,12 +496,13 @@ class StreamedFile:
         starts = [o for o, _ in self._targets]
         for k in blocks:
             lo, hi = k * self.block, min((k + 1) * self.block, self.size)
-            pieces = self._pieces(lo, hi, starts)
-            _preadv_all(self.fd, pieces, lo, lambda at: self._fail(
-                f"ended at byte {at:,} while reading (read by rank {self.rank}); the file is truncated"))
-            crc = 0
-            for p in pieces:
-                crc = self.algorithm.extend(crc, p)
+            crc, at = 0, lo
+            for segment in _segments(self._pieces(lo, hi, starts), integrity.SCAN):
+                _preadv_all(self.fd, segment, at, lambda end: self._fail(
+                    f"ended at byte {end:,} while reading (read by rank {self.rank}); the file is truncated"))
+                for p in segment:  # checksummed just after it is read, while in the CPU's cache
+                    crc = self.algorithm.extend(crc, p)
+                    at += len(p)
             if k >= len(self.crcs) or crc != self.crcs[k]:
                 self._fail(f"checksum mismatch in bytes {lo:,}-{hi:,} (read by rank {self.rank}); the file "
                            "is corrupt")

@@ -40,7 +40,6 @@ from . import integrity
 from .finite import all_finite
 
 IOV_MAX = 1024  # the most buffers one writev takes (Linux)
-SCAN = 1 << 20  # bytes checksummed and checked for inf/NaN at a time: they stay in the CPU's cache
 
 
 @contextmanager
@@ -214,9 +213,9 @@ class PayloadFile:
         the tensors are alive), and with ``check_finite`` the first key (in key order) of the
         written tensors that holds an inf or NaN (None: none does).
 
-        One pass over each tensor's memory: it is taken in ``SCAN``-byte pieces, each checksummed
-        and then checked (:func:`~paratron.checkpoint.finite.all_finite`) while still in the CPU's
-        cache, rather than two passes over the whole state from memory. Consecutive small pieces
+        One pass over each tensor's memory: it is taken in ``integrity.SCAN``-byte pieces, each
+        checksummed and then checked (:func:`~paratron.checkpoint.finite.all_finite`) while still
+        in the CPU's cache, rather than two passes over the whole state from memory. Consecutive small pieces
         (zip headers) are joined first, so the CRC is called a few times per tensor, not once per
         header."""
         crc = integrity.BlockCrc(block)
@@ -236,7 +235,7 @@ class PayloadFile:
             if flat is None:
                 crc.update(piece)
                 continue
-            step = max(1, SCAN // flat.element_size())
+            step = max(1, integrity.SCAN // flat.element_size())
             for i in range(0, flat.numel(), step):
                 crc.update(piece[i * flat.element_size():(i + step) * flat.element_size()])
                 if check_finite and key not in bad and not all_finite(flat[i:i + step]):
