@@ -1,7 +1,8 @@
 """DCP file storage that checksums payloads as it writes them and verifies just what it reads.
 
 Save: :class:`ChecksummingWriter` is DCP's ``FileSystemWriter`` with its payload writing
-replaced: each rank writes its one payload file (``__<r>_0.distcp``) with
+replaced: each rank writes its payload files (``__<r>_<i>.distcp``, ``FILES_PER_RANK`` of them
+at once, a thread each) with
 :class:`~paratron.checkpoint.payload.PayloadFile`, the bytes DCP's ``torch.save`` per tensor
 would write, from one ``writev`` per tensor straight from its memory. Once the file is written its
 fsync starts on a thread, and meanwhile the block CRCs (the CRC of each ``integrity.BLOCK``-byte
@@ -40,7 +41,7 @@ from pathlib import Path
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.filesystem import FileSystem, _split_by_size_and_type
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
@@ -51,6 +52,7 @@ from .items import CheckpointError
 from .payload import PayloadFile, ZipTemplates
 
 PAYLOAD_SUFFIX = ".distcp"
+FILES_PER_RANK = 2  # payload files each rank writes at once, on a thread each (the best raw write's shape)
 
 
 class _Syncing:
@@ -136,26 +138,47 @@ class ChecksummingWriter(FileSystemWriter):
         self._planner = None
 
     def write_data(self, plan, planner):
-        """Write this rank's one payload file ``<prefix>0.distcp`` (the name DCP gives it) as
-        :class:`~paratron.checkpoint.payload.PayloadFile` describes; then, while its fsync runs,
-        its block CRCs from the written buffers and the inf/NaN scan of the written tensors."""
+        """Write this rank's payload files ``<prefix><i>.distcp`` (DCP's names, its split of the
+        items by size: :data:`FILES_PER_RANK` at most) as
+        :class:`~paratron.checkpoint.payload.PayloadFile` describes, on one thread each; then,
+        while their fsyncs run, their block CRCs from the written buffers and the inf/NaN scan of
+        the written tensors (one pass)."""
         self._planner = planner
-        name = f"{plan.storage_data.prefix}0{PAYLOAD_SUFFIX}"
-        payload = PayloadFile(Path(self.path) / name, name, self._templates)
+        buckets = _split_by_size_and_type(max(1, min(FILES_PER_RANK, len(plan.items))), plan.items)
+        payloads, results = [], []
         try:
-            results = payload.write(plan.items, planner)
+            for i, bucket in enumerate(buckets):
+                name = f"{plan.storage_data.prefix}{i}{PAYLOAD_SUFFIX}"
+                payloads.append(PayloadFile(Path(self.path) / name, name, self._templates))
+                results += payloads[-1].add(bucket, planner)
+            if len(payloads) == 1:
+                payloads[0].flush()
+            else:
+                with ThreadPoolExecutor(len(payloads)) as pool:
+                    list(pool.map(PayloadFile.flush, payloads))
         except BaseException:
-            payload.close()
+            for p in payloads:
+                p.close()
             raise
-        syncing = _Syncing(payload)
-        try:  # while the payload's fsync runs
-            crc, bad = payload.scan(integrity.BLOCK, check_finite=self._step is not None)
-            self.sums[name] = crc.entry()
+        syncing = [_Syncing(p) for p in payloads]
+        bad = []
+        try:  # while the payloads' fsyncs run
+            for p in payloads:
+                crc, found = p.scan(integrity.BLOCK, check_finite=self._step is not None)
+                self.sums[p.name] = crc.entry()
+                bad += [found] if found is not None else []
         finally:
-            syncing.join()
+            errors = []
+            for s in syncing:
+                try:
+                    s.join()
+                except BaseException as e:  # noqa: BLE001 - the first is re-raised below
+                    errors.append(e)
+            if errors:
+                raise errors[0]
         done: Future = Future()
         done.set_result(results + [WriteResult(MetadataIndex(self.SUMS_KEY), 0, dict(self.sums)),
-                                   WriteResult(MetadataIndex(self.NONFINITE_KEY), 0, bad)])
+                                   WriteResult(MetadataIndex(self.NONFINITE_KEY), 0, min(bad) if bad else None)])
         return done
 
     def finish(self, metadata, results) -> None:

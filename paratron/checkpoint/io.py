@@ -4,7 +4,7 @@ Layout of a checkpoint directory (a ``step_N/`` under a run's checkpoint root, o
 directory written by :func:`save_model_full`)::
 
     .metadata            DCP metadata (pickled by torch; read only through safety.read_metadata_safely)
-    __<rank>_0.distcp    tensor payloads, one file per writing rank (read with weights_only=True)
+    __<rank>_<i>.distcp  tensor payloads, up to 2 files per writing rank (read with weights_only=True)
     paratron.json        manifest: format, version, config, step, what is inside, .metadata's sha256,
                          the checksum algorithm (CRC-32C), the CRC and size of every other file,
                          and its own CRC-32 (see integrity)

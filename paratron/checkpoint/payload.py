@@ -1,5 +1,5 @@
-"""One rank's DCP payload file (``__<r>_0.distcp``), written byte for byte as DCP's
-``FileSystemWriter`` writes it, at the cost of a raw write.
+"""A rank's DCP payload files (``__<r>_<i>.distcp``), written byte for byte as DCP's
+``FileSystemWriter`` writes them, at the cost of a raw write.
 
 DCP writes each tensor with its own ``torch.save`` (a small zip: pickle, version records, the
 storage's bytes, a directory) into the rank's file, and records where each zip starts and how
@@ -11,8 +11,8 @@ not on its values. So :class:`ZipTemplates` runs ``torch.save`` once per distinc
 the bytes around the storage, and :class:`PayloadFile` writes every tensor as ``head, storage,
 tail`` with one ``writev`` straight from the tensor's memory: no copy, no pickling, and a file
 that DCP's own reader, ``torch.load`` and paratron's reader
-(:mod:`paratron.checkpoint.checksummed`) read as before (``tests/test_checkpoint_checksummed.py``
-compares the bytes with ``torch.save``'s for many layouts). A tensor whose layout the template
+(:mod:`paratron.checkpoint.checksummed`) read as before (``tests/test_checkpoint_payload.py``
+compares the bytes with ``torch.save``'s for many layouts, and with DCP's writer's). A tensor whose layout the template
 cannot describe (a subclass, a storage it does not hand over as one write) is written with its
 own ``torch.save``, as DCP would.
 
@@ -160,7 +160,8 @@ def prepared(planner, item) -> torch.Tensor:
 
 
 class PayloadFile:
-    """One payload file being written (:meth:`write`), then checksummed and checked (:meth:`scan`).
+    """One payload file: laid out (:meth:`add`), written (:meth:`flush`), then checksummed and
+    checked (:meth:`scan`).
 
     Args:
         path: the file (created; truncated if it exists).
@@ -181,9 +182,11 @@ class PayloadFile:
     def close(self) -> None:
         os.close(self.fd)
 
-    def write(self, items, planner) -> list[WriteResult]:
-        """Write every item of a rank's plan: byte items as they are, tensors as ``torch.save``
-        would (see the module); returns DCP's write results (where each item's bytes lie)."""
+    def add(self, items, planner) -> list[WriteResult]:
+        """Lay out every item of a bucket of a rank's plan: byte items as they are, tensors as
+        ``torch.save`` would (see the module); returns DCP's write results (where each item's bytes
+        will lie). Nothing is written until :meth:`flush`; the templates are learnt here, on the
+        calling thread (``torch.save`` reads a process-wide setting)."""
         results = []
         for item in items:
             flat = None
@@ -195,7 +198,6 @@ class PayloadFile:
                 pieces = self._templates.pieces(t)
                 flat = storage_elements(t)
             length = sum(len(memoryview(p).cast("B")) for p in pieces)
-            _writev_all(self.fd, pieces)
             self._pieces += [(p, item.index.fqn, None) for p in pieces]
             if flat is not None:  # the storage's bytes (a tensor's one memoryview) go with its elements
                 at = next((j for j, p in enumerate(pieces) if isinstance(p, memoryview)), None)
@@ -207,6 +209,11 @@ class PayloadFile:
                                        storage_data=_StorageInfo(self.name, self._pos, length)))
             self._pos += length
         return results
+
+    def flush(self) -> None:
+        """Write everything laid out, in order, with ``writev`` straight from the buffers (it
+        releases the GIL: files of one rank can be written by threads at once)."""
+        _writev_all(self.fd, [p for p, _, _ in self._pieces if p is not None])
 
     def scan(self, block: int, check_finite: bool) -> tuple[integrity.BlockCrc, str | None]:
         """The block CRCs of everything written, computed from the written buffers (call while
