@@ -26,7 +26,7 @@ waited for outside the timing, as the raw side's files are deleted outside its t
 writers of each rank's share of the bytes (all on one rank; a quarter on each of 4 ranks, in the
 replicated case every 4th tensor):
 
-* matched: one file per rank, ``ndarray.tofile`` + one fsync (the save's own shape);
+* matched: one file per rank, ``ndarray.tofile`` + one fsync;
 * parallel: ``--raw-threads`` files per rank written in parallel by as many threads, unbuffered
   ``os.write`` straight from the tensors' memory, one fsync per file;
 
@@ -94,8 +94,8 @@ def _params(m: torch.nn.Module, share: tuple[int, int]) -> list[torch.Tensor]:
 
 
 def raw_write_matched(m: torch.nn.Module, path: Path, share: tuple[int, int] = (0, 1)) -> float:
-    """Seconds to write the module's bytes into one file with numpy, then fsync (the save's own
-    shape: one payload file per rank, written by one thread, one fsync); with ``share=(i, n)``
+    """Seconds to write the module's bytes into one file with numpy, then fsync (one file per
+    rank, written by one thread, one fsync); with ``share=(i, n)``
     only every n-th tensor from the i-th (this rank's part of replicated state)."""
     arrays = [p.numpy() for p in _params(m, share)]
     t0 = time.perf_counter()

@@ -90,21 +90,23 @@ def test_block_checksums_written_equal_the_files_and_catch_a_flipped_byte(tmp_pa
     manifest = json.loads((tmp_path / "ck" / MANIFEST).read_text())
     assert manifest[integrity.ALGORITHM_FIELD] == "crc32c"
     sums = manifest[integrity.CHECKSUMS]
-    (payload,) = (tmp_path / "ck").glob("*.distcp")
-    assert sums[payload.name] == integrity.file_checksum(payload)
-    assert sums[payload.name][0] == f"{google_crc32c.value(payload.read_bytes()):08x}"
-    assert len(integrity.entry_blocks(sums[payload.name])[1]) > 10
+    payloads = sorted((tmp_path / "ck").glob("*.distcp"))
+    for payload in payloads:
+        assert sums[payload.name] == integrity.file_checksum(payload)
+        assert sums[payload.name][0] == f"{google_crc32c.value(payload.read_bytes()):08x}"
+    assert sum(len(integrity.entry_blocks(sums[p.name])[1]) for p in payloads) > 10
     storage = read_metadata_safely(tmp_path / "ck" / METADATA_FILE).storage_data
     assert sorted(i.fqn for i in storage) == [f"model/{k}" for k in sorted(tensors)]  # sums not stored
     _, back = load_model_full(tmp_path / "ck")
     assert all(torch.equal(back[k], v) for k, v in tensors.items())
-    data = payload.read_bytes()
-    for at in (0, 5000, len(data) // 2, len(data) - 1):
-        payload.write_bytes(data[:at] + bytes([data[at] ^ 0x10]) + data[at + 1:])
-        with pytest.raises(CheckpointError, match=rf"{payload.name}: checksum mismatch in bytes [\d,]+-[\d,]+ "
-                                                  r"\(read by rank 0\)"):
-            load_model_full(tmp_path / "ck")
-    payload.write_bytes(data)
+    for payload in payloads:
+        data = payload.read_bytes()
+        for at in (0, 5000, len(data) // 2, len(data) - 1):
+            payload.write_bytes(data[:at] + bytes([data[at] ^ 0x10]) + data[at + 1:])
+            with pytest.raises(CheckpointError, match=rf"{payload.name}: checksum mismatch in bytes [\d,]+-[\d,]+ "
+                                                      r"\(read by rank 0\)"):
+                load_model_full(tmp_path / "ck")
+        payload.write_bytes(data)
     _, back = load_model_full(tmp_path / "ck")
 
 

@@ -49,7 +49,7 @@ def test_one_changed_byte_in_any_checkpoint_file_is_refused_naming_it(tmp_path):
     cfg, chunks = _save_one(tmp_path / "ck")
     step = tmp_path / "ck" / "step_1"
     names = sorted(p.name for p in step.iterdir())
-    assert names == [".metadata", "__0_0.distcp", "config.toml", "paratron.json", "rank_00000.json"]
+    assert names == [".metadata", "__0_0.distcp", "__0_1.distcp", "config.toml", "paratron.json", "rank_00000.json"]
     for name in names:
         for at in (None, 0):  # the middle and the first byte of every file
             original = _flip(step / name, at)

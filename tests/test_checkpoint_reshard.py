@@ -116,7 +116,9 @@ def _save_replicated(root):
 def test_replicated_params_are_written_once_spread_over_dp(tmp_path):
     root = tmp_path / "ck"
     largest = run_ranks(_save_replicated, 4, str(root), timeout=300)[0]
-    sizes = {f.name: f.stat().st_size for f in (root / "step_1").glob("*.distcp")}
+    sizes: dict[str, int] = {}  # bytes written by each rank (files __<rank>_<i>.distcp)
+    for f in (root / "step_1").glob("*.distcp"):
+        sizes[f.name.split("_")[2]] = sizes.get(f.name.split("_")[2], 0) + f.stat().st_size
     assert len(sizes) == 4, sizes  # every DP rank writes a share
     state = sum(t.numel() * t.element_size() for t in targets(tiny_config()).values())
     # Each tensor once (plus torch.save framing), greedily balanced: no rank above mean + largest.

@@ -1,18 +1,21 @@
 """DCP file storage that checksums payloads as it writes them and verifies just what it reads.
 
-Save: :class:`ChecksummingWriter` is DCP's ``FileSystemWriter`` with one change, the stream each
-payload file (``__<r>_<i>.distcp``) is written through: it passes every buffer on to the file and
-feeds the same memory to a :class:`~paratron.checkpoint.integrity.BlockCrc` (the CRC of each
-``integrity.BLOCK``-byte block, by ``integrity.CURRENT``). So the checksums cost one pass over
-bytes already in memory, not a second read of the file, and the writer hands the manifest entries
-back (:attr:`sums`). While it writes, ``torch.save``'s own CRC-32 of each zip record is switched
-off (:func:`no_record_crc32`): ``torch.load`` never checks it, so it was a second checksum pass
-over the same bytes that protected nothing; ours covers every byte of the file.
+Save: :class:`ChecksummingWriter` is DCP's ``FileSystemWriter`` with its payload writing
+replaced: each rank writes its payload files (``__<r>_<i>.distcp``, ``FILES_PER_RANK`` of them
+at once, a thread each) with
+:class:`~paratron.checkpoint.payload.PayloadFile`, the bytes DCP's ``torch.save`` per tensor
+would write, from one ``writev`` per tensor straight from its memory. Once the file is written its
+fsync starts on a thread, and meanwhile the block CRCs (the CRC of each ``integrity.BLOCK``-byte
+block, by ``integrity.CURRENT``) are computed from the same buffers that were written and the
+written tensors are scanned for an inf or NaN. So the checksums cost one pass over bytes already
+in memory, never a second read of the file, and the writer hands the manifest entries back
+(:attr:`sums`).
 
 Load, the usual case (:class:`StreamedFile`): each saved chunk's data is read straight into the
-tensor being loaded; every block the rank needs is read once with one ``preadv`` scattering its
-bytes into their destinations, and verified against its save-time CRC (by the manifest's
-algorithm) while in cache, on reader threads. Where the wanted part of a chunk is not contiguous
+tensor being loaded; every block the rank needs is read once, ``integrity.SCAN`` bytes at a time
+with ``preadv`` scattering them into their destinations, each piece checksummed just after it is
+read, while in the CPU's cache, and the block's CRC compared with its save-time one (by the
+manifest's algorithm), on reader threads. Where the wanted part of a chunk is not contiguous
 in the file or its destination not a contiguous CPU tensor of its dtype, DCP's ``torch.load``
 reads the chunk through a :class:`VerifiedRange` over a :class:`BlockReader`, which verifies each
 block before its bytes are used. Either way a rank reads, and verifies, only the saved chunks its
@@ -38,161 +41,54 @@ from pathlib import Path
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.filesystem import FileSystem, _split_by_size_and_type
 from torch.distributed.checkpoint.metadata import MetadataIndex
-from torch.distributed.checkpoint.planner import WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from . import integrity
-from .finite import all_finite, refuse_nonfinite
+from .finite import refuse_nonfinite
 from .items import CheckpointError
+from .payload import PayloadFile, ZipTemplates
 
 PAYLOAD_SUFFIX = ".distcp"
-
-
-@contextmanager
-def no_record_crc32():
-    """``torch.save`` writes its zip records without their CRC-32 for the duration (restored after).
-
-    Process-wide (torch keeps one setting); a process runs one checkpoint save at a time.
-    """
-    before = torch.serialization.get_crc32_options()
-    torch.serialization.set_crc32_options(False)
-    try:
-        yield
-    finally:
-        torch.serialization.set_crc32_options(before)
-
-
-COPY_BELOW = 1 << 20  # written buffers smaller than this (zip headers, pickles) are copied when kept
-
-
-class _PayloadStream:
-    """A payload file being written: every buffer goes on to the file and is kept for the file's
-    checksums (:meth:`block_crc`), which are computed once all its bytes are written, while its
-    fsync runs. Buffers of ``COPY_BELOW`` bytes or more are the storages of the tensors being
-    written (``torch.save`` hands them over as views of their memory), kept as views: no copy;
-    smaller ones (zip headers, pickles, which torch reuses) are copied.
-
-    No ``sync_file_range`` writeback requests while writing: on this project's shared disk they
-    blocked the writer on the device queue and made the save slower, not faster (paired runs in
-    ``benchmarks/README.md``, Checkpoints); the one fsync at the end writes everything."""
-
-    def __init__(self, file) -> None:
-        self._file = file
-        self.pieces: list = []
-
-    def write(self, data) -> int:
-        view = memoryview(data).cast("B")
-        n = self._file.write(view)
-        self.pieces.append(view if len(view) >= COPY_BELOW else bytes(view))
-        return n
-
-    def block_crc(self, block: int) -> integrity.BlockCrc:
-        """The block CRCs of everything written (call while the written tensors are alive); the
-        small pieces between two tensors' storages are joined first, so the CRC is called a few
-        times per tensor rather than once per zip header."""
-        crc = integrity.BlockCrc(block)
-        small: list[bytes] = []
-        for piece in self.pieces:
-            if isinstance(piece, bytes):
-                small.append(piece)
-                continue
-            if small:
-                crc.update(b"".join(small))
-                small = []
-            crc.update(piece)
-        if small:
-            crc.update(b"".join(small))
-        self.pieces = []
-        return crc
-
-    def tell(self) -> int:
-        return self._file.tell()
-
-    def fileno(self) -> int:
-        return self._file.fileno()
-
-    def flush(self) -> None:
-        self._file.flush()
-
-    def close(self) -> None:
-        """DCP closes the stream when it is done with it; the file stays open until its fsync
-        has finished (:meth:`_ChecksumFileSystem.settle`)."""
-
-    def writable(self) -> bool:
-        return True
+FILES_PER_RANK = 2  # payload files each rank writes at once, on a thread each (the best raw write's shape)
 
 
 class _Syncing:
-    """A written file's fsync, running on a thread of its own (the call releases the GIL, so the
-    checksums and the inf/NaN scan run meanwhile); :meth:`join` waits for it and closes the file."""
+    """A written payload's fsync, running on a thread of its own (the call releases the GIL, so
+    the checksums and the inf/NaN scan run meanwhile); :meth:`join` waits for it and closes the
+    file."""
 
-    def __init__(self, file) -> None:
-        self._file, self._error = file, None
+    def __init__(self, payload: PayloadFile) -> None:
+        self._payload, self._error = payload, None
         self._thread = threading.Thread(target=self._run, name="paratron-checkpoint-fsync", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         try:
-            os.fsync(self._file.fileno())
+            os.fsync(self._payload.fd)
         except BaseException as e:  # noqa: BLE001 - re-raised by join(), on the writing thread
             self._error = e
 
     def join(self) -> None:
         self._thread.join()
-        self._file.close()
+        self._payload.close()
         if self._error is not None:
             raise self._error
 
 
-class _ChecksumFileSystem(FileSystem):
-    """DCP's file system with every written file made durable: payloads are checksummed as
-    :class:`_PayloadStream` describes and fsynced on a thread (joined by :meth:`settle`); other
-    files (``.metadata``) fsynced before they are closed."""
-
-    def __init__(self, sums: dict[str, list], block: int) -> None:
-        super().__init__()
-        self._sums, self._block = sums, block
-        self._syncing: list[_Syncing] = []
+class _SyncingFileSystem(FileSystem):
+    """DCP's file system with every file it writes (``.metadata``) fsynced before it is closed
+    (the payloads are written by :class:`ChecksummingWriter` itself)."""
 
     @contextmanager
     def create_stream(self, path, mode: str):
-        if mode != "wb":
-            with super().create_stream(path, mode) as stream:
-                yield stream
-            return
-        if not str(path).endswith(PAYLOAD_SUFFIX):
-            with super().create_stream(path, mode) as stream:
-                yield stream
+        with super().create_stream(path, mode) as stream:
+            yield stream
+            if mode == "wb":
                 stream.flush()
                 os.fsync(stream.fileno())
-            return
-        file = open(path, mode)
-        try:
-            out = _PayloadStream(file)
-            yield out
-            file.flush()
-        except BaseException:
-            file.close()
-            raise
-        syncing = _Syncing(file)
-        self._syncing.append(syncing)
-        # While the fsync runs, and while the tensors DCP wrote from are still alive:
-        self._sums[Path(path).name] = out.block_crc(self._block).entry()
-
-    def settle(self) -> None:
-        """Wait for every payload's fsync (the first error raised, after all have ended)."""
-        syncing, self._syncing = self._syncing, []
-        errors = []
-        for s in syncing:
-            try:
-                s.join()
-            except BaseException as e:  # noqa: BLE001 - the first is re-raised below
-                errors.append(e)
-        if errors:
-            raise errors[0]
 
 
 class ChecksummingWriter(FileSystemWriter):
@@ -208,7 +104,6 @@ class ChecksummingWriter(FileSystemWriter):
 
     Args:
         path: the checkpoint directory.
-        thread_count: DCP's writer threads per rank (one file each).
         other_sums: manifest entries of this rank's other files of the checkpoint (its
             ``rank_<r>.json``), to travel with its payloads' entries.
         refuse_nonfinite_at: the step being saved, to check every written tensor for an inf or
@@ -216,6 +111,8 @@ class ChecksummingWriter(FileSystemWriter):
         on_commit: ``fn(all_sums, bytes of the checkpoint's tensors or None)``, called on the
             coordinator at the end of :meth:`finish`, once ``.metadata`` is durable; DCP
             broadcasts its outcome to every rank with the save's own last collective.
+        templates: the :class:`~paratron.checkpoint.payload.ZipTemplates` to write tensors with
+            (a manager keeps one across its saves); None: a new one.
 
     Attributes:
         sums: after the save, ``{file name: manifest entry}`` of this rank's payloads and
@@ -227,37 +124,62 @@ class ChecksummingWriter(FileSystemWriter):
     SUMS_KEY = "paratron/checksums"
     NONFINITE_KEY = "paratron/nonfinite"
 
-    def __init__(self, path: str | os.PathLike, thread_count: int = 1, other_sums: dict | None = None,
-                 refuse_nonfinite_at: int | None = None, on_commit=None) -> None:
-        # sync_files=False: the file system above makes every file durable itself.
-        super().__init__(str(path), single_file_per_rank=True, sync_files=False, thread_count=thread_count,
-                         overwrite=True)
+    def __init__(self, path: str | os.PathLike, other_sums: dict | None = None,
+                 refuse_nonfinite_at: int | None = None, on_commit=None,
+                 templates: ZipTemplates | None = None) -> None:
+        # sync_files=False: .metadata is made durable by the file system below, payloads here.
+        super().__init__(str(path), single_file_per_rank=True, sync_files=False, overwrite=True)
         self.sums: dict[str, list] = dict(other_sums or {})
         self.all_sums: dict[str, list] | None = None
-        self.fs = _ChecksumFileSystem(self.sums, integrity.BLOCK)
+        self.fs = _SyncingFileSystem()
         self._step = refuse_nonfinite_at
         self._on_commit = on_commit
+        self._templates = templates if templates is not None else ZipTemplates()
         self._planner = None
 
     def write_data(self, plan, planner):
+        """Write this rank's payload files ``<prefix><i>.distcp`` (DCP's names, its split of the
+        items by size: :data:`FILES_PER_RANK` at most) as
+        :class:`~paratron.checkpoint.payload.PayloadFile` describes, on one thread each; then,
+        while their fsyncs run, their block CRCs from the written buffers and the inf/NaN scan of
+        the written tensors (one pass)."""
         self._planner = planner
+        buckets = _split_by_size_and_type(max(1, min(FILES_PER_RANK, len(plan.items))), plan.items)
+        payloads, results = [], []
         try:
-            with no_record_crc32():
-                results = super().write_data(plan, planner).value()
-            bad = self._first_nonfinite(plan, planner)  # while the payloads' fsyncs run
+            for i, bucket in enumerate(buckets):
+                name = f"{plan.storage_data.prefix}{i}{PAYLOAD_SUFFIX}"
+                payloads.append(PayloadFile(Path(self.path) / name, name, self._templates))
+                results += payloads[-1].add(bucket, planner)
+            if len(payloads) == 1:
+                payloads[0].flush()
+            else:
+                with ThreadPoolExecutor(len(payloads)) as pool:
+                    list(pool.map(PayloadFile.flush, payloads))
+        except BaseException:
+            for p in payloads:
+                p.close()
+            raise
+        syncing = [_Syncing(p) for p in payloads]
+        bad = []
+        try:  # while the payloads' fsyncs run
+            for p in payloads:
+                crc, found = p.scan(integrity.BLOCK, check_finite=self._step is not None)
+                self.sums[p.name] = crc.entry()
+                bad += [found] if found is not None else []
         finally:
-            self.fs.settle()
+            errors = []
+            for s in syncing:
+                try:
+                    s.join()
+                except BaseException as e:  # noqa: BLE001 - the first is re-raised below
+                    errors.append(e)
+            if errors:
+                raise errors[0]
         done: Future = Future()
         done.set_result(results + [WriteResult(MetadataIndex(self.SUMS_KEY), 0, dict(self.sums)),
-                                   WriteResult(MetadataIndex(self.NONFINITE_KEY), 0, bad)])
+                                   WriteResult(MetadataIndex(self.NONFINITE_KEY), 0, min(bad) if bad else None)])
         return done
-
-    def _first_nonfinite(self, plan, planner) -> str | None:
-        """The first key (in key order) of the tensors written here that holds an inf or NaN."""
-        if self._step is None:
-            return None
-        writes = sorted((w for w in plan.items if w.type != WriteItemType.BYTE_IO), key=lambda w: w.index.fqn)
-        return next((w.index.fqn for w in writes if not all_finite(planner.resolve_data(w))), None)
 
     def finish(self, metadata, results) -> None:
         self.all_sums = {}
@@ -513,6 +435,21 @@ def _preadv_all(fd: int, buffers: list[memoryview], at: int, fail) -> None:
         skip += n
 
 
+def _segments(pieces: list[memoryview], size: int):
+    """``pieces`` in order, cut into runs of ``size`` bytes (the last shorter): lists of slices."""
+    segment, room = [], size
+    for p in pieces:
+        while len(p):
+            take = p[:room]
+            segment.append(take)
+            p, room = p[len(take):], room - len(take)
+            if room == 0:
+                yield segment
+                segment, room = [], size
+    if segment:
+        yield segment
+
+
 class StreamedFile:
     """One payload file read for a load: every block overlapping the wanted byte ranges is read
     once, its bytes scattered straight into their destinations (the tensors being loaded) with
@@ -582,12 +519,13 @@ class StreamedFile:
         starts = [o for o, _ in self._targets]
         for k in blocks:
             lo, hi = k * self.block, min((k + 1) * self.block, self.size)
-            pieces = self._pieces(lo, hi, starts)
-            _preadv_all(self.fd, pieces, lo, lambda at: self._fail(
-                f"ended at byte {at:,} while reading (read by rank {self.rank}); the file is truncated"))
-            crc = 0
-            for p in pieces:
-                crc = self.algorithm.extend(crc, p)
+            crc, at = 0, lo
+            for segment in _segments(self._pieces(lo, hi, starts), integrity.SCAN):
+                _preadv_all(self.fd, segment, at, lambda end: self._fail(
+                    f"ended at byte {end:,} while reading (read by rank {self.rank}); the file is truncated"))
+                for p in segment:  # checksummed just after it is read, while in the CPU's cache
+                    crc = self.algorithm.extend(crc, p)
+                    at += len(p)
             if k >= len(self.crcs) or crc != self.crcs[k]:
                 self._fail(f"checksum mismatch in bytes {lo:,}-{hi:,} (read by rank {self.rank}); the file "
                            "is corrupt")

@@ -47,6 +47,7 @@ SELF_FIELD = "manifest_crc32"
 _PLACEHOLDER = "0" * 8
 _SELF = re.compile(rb'"manifest_crc32": "([0-9a-f]{8})"')
 BLOCK = 4 << 20
+SCAN = 1 << 20  # bytes read, checksummed and checked at a time, so that each pass finds them in the CPU's cache
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ Layout of a checkpoint directory (a ``step_N/`` under a run's checkpoint root, o
 directory written by :func:`save_model_full`)::
 
     .metadata            DCP metadata (pickled by torch; read only through safety.read_metadata_safely)
-    __<rank>_0.distcp    tensor payloads, one file per writing rank (read with weights_only=True)
+    __<rank>_<i>.distcp  tensor payloads, up to 2 files per writing rank (read with weights_only=True)
     paratron.json        manifest: format, version, config, step, what is inside, .metadata's sha256,
                          the checksum algorithm (CRC-32C), the CRC and size of every other file,
                          and its own CRC-32 (see integrity)
@@ -36,6 +36,7 @@ from .checksummed import ChecksummingWriter
 from .items import MODEL_PREFIX, CheckpointError, StateItems, full_items, model_items
 from .legacy import adapt_items, fuse_full
 from .dcp_planners import ChunkLoadPlanner, ChunkSavePlanner
+from .payload import ZipTemplates
 from .safety import (METADATA_FILE, SafeFileSystemReader, check_same_base, check_same_model, file_sha256,
                      read_metadata_safely, refuse_pickle_files)
 
@@ -85,10 +86,11 @@ def read_json(path: str | os.PathLike) -> Any:
 def write_items(directory: str | os.PathLike, items: StateItems, *, process_group=None,
                 single_process: bool = False, space_root: str | os.PathLike | None = None,
                 other_sums: dict | None = None, refuse_nonfinite_at: int | None = None,
-                on_commit: Callable[[dict, int], None] | None = None) -> dict[str, list]:
+                on_commit: Callable[[dict, int], None] | None = None,
+                templates: ZipTemplates | None = None) -> dict[str, list]:
     """Save ``items`` into ``directory`` with DCP (collective over ``process_group`` unless
     ``single_process``). Chunks already on the CPU are written straight from their storage, and
-    checksummed as they are written (:class:`~paratron.checkpoint.checksummed.ChecksummingWriter`).
+    checksummed from the written buffers (:class:`~paratron.checkpoint.checksummed.ChecksummingWriter`).
 
     Args:
         space_root: where the free space is checked during DCP's planning, before anything is
@@ -101,6 +103,9 @@ def write_items(directory: str | os.PathLike, items: StateItems, *, process_grou
         on_commit: ``fn(every rank's sums, bytes of the checkpoint's tensors)``, run on the
             coordinator once ``.metadata`` is durable, inside DCP's last collective: its error
             fails the save on every rank, and when this returns on any rank it has run.
+        templates: the zip headers learnt per tensor layout
+            (:class:`~paratron.checkpoint.payload.ZipTemplates`), kept across a manager's saves;
+            None: learnt afresh.
 
     Returns:
         ``{name: manifest entry}``: on the coordinator (rank 0 of the group) every rank's payloads
@@ -113,7 +118,7 @@ def write_items(directory: str | os.PathLike, items: StateItems, *, process_grou
             first failing rank.
     """
     writer = ChecksummingWriter(directory, other_sums=other_sums, refuse_nonfinite_at=refuse_nonfinite_at,
-                                on_commit=on_commit)
+                                on_commit=on_commit, templates=templates)
     planner = ChunkSavePlanner(items, space_root=space_root)
     where = space_root or directory
     with warnings.catch_warnings():

@@ -48,6 +48,7 @@ from .io import (LATEST, STEP_DIR, holds_no_checkpoint, read_items, read_json, r
                  saved_tensors, verify_directory, write_items, write_json_atomic, write_manifest, write_text_atomic)
 from .items import (MODEL_PREFIX, CheckpointError, PeerCheckpointError, StateItems, iter_params, merge, model_items,
                     naming_the_save, optimizer_items, shared_embedding_names)
+from .payload import ZipTemplates
 from .plainjson import decode, encode
 from .safety import check_same_base
 
@@ -109,6 +110,7 @@ class CheckpointManager:
         self._staging = Staging()
         self._writer = BackgroundWriter()
         self._pruner = BackgroundWriter()  # deletes old checkpoints off the training path
+        self._templates = ZipTemplates()  # torch.save's bytes around a storage, per tensor layout
         self._group = self._checkpoint_group(ctx)
         # Rank 0's pid names the temporary directory of every save (and lets a later manager
         # tell a crashed save's leftovers from a live one's); it is learnt once, here.
@@ -254,7 +256,8 @@ class CheckpointManager:
         # The sums of every rank's files (its rank_<r>.json included) reach rank 0 with DCP's
         # write results, after every rank's files are durable.
         write_items(tmp, items, process_group=g.pg, single_process=g.size == 1, space_root=root,
-                    other_sums=integrity.checksum_files(tmp, [state]), refuse_nonfinite_at=step, on_commit=commit)
+                    other_sums=integrity.checksum_files(tmp, [state]), refuse_nonfinite_at=step, on_commit=commit,
+                    templates=self._templates)
 
     def _commit_on_rank0(self, root: Path, tmp: Path, step: int, sums: dict, fields: dict,
                          needed: int | None) -> None:

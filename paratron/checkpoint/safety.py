@@ -29,7 +29,6 @@ from torch.futures import Future
 
 from paratron.config import ModelConfig
 
-from .checksummed import BlockReader, VerifiedRange
 from .checksummed import BlockReader, ChunkLayouts, StreamedFile, VerifiedRange, direct_destination, read_streamed
 from .integrity import Algorithm, entry_blocks, listed, verify_files
 from .items import CheckpointError
