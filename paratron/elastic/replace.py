@@ -73,6 +73,13 @@ def failed_key(generation: int) -> str:
     return f"{KEYS}failed/{int(generation)}"
 
 
+def lost_key(generation: int, rank: int) -> str:
+    """Set by a survivor of ``generation`` whose step a rank's death ended (it waits to regroup):
+    the launcher starts the replacement once one is set (a death after the job's last
+    collective ends no step, and needs none)."""
+    return f"{KEYS}lost/{int(generation)}/{int(rank)}"
+
+
 def failure_record(mode: str, dead: int, pid: int, generation: int, reason: str) -> bytes:
     """What the launcher writes under :func:`failed_key`: ``mode`` "replace" or "restart", the dead
     rank and its pid, the next ``generation``, the ``reason`` of the decision, and ``detected``
@@ -133,6 +140,7 @@ class Membership:
     def failure(self, wait_s: float) -> dict | None:
         """The failure record of this generation, waiting up to ``wait_s`` for the launcher to
         write it; None if it does not (the error was not a rank's death)."""
+        self.store.set(lost_key(self.generation, self.rank), "1")
         key, deadline = failed_key(self.generation), time.monotonic() + wait_s
         while not self.store.check([key]):
             if time.monotonic() > deadline:

@@ -39,7 +39,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from paratron.elastic.replace import (ELASTIC_ENV, GENERATION_ENV, REPLACES_ENV, failed_key, failure_record,
-                                      plan_for_death)
+                                      lost_key, plan_for_death)
 from paratron.launch.failures import collect, summarize
 from paratron.launch.launch import POLL_S, prepare_run_dir
 from paratron.launch.mode import LOG_DIR_ENV
@@ -67,6 +67,7 @@ class ElasticLaunch:
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                                    timeout=timedelta(seconds=cfg.parallel.timeout_s))
         self.generation, self.extra = 0, []
+        self.pending: int | None = None  # a dead rank whose replacement waits for a survivor to need it
         self.procs: dict[int, subprocess.Popen] = {}
         self.events: list[dict] = []  # one per decision (the benchmark reads them)
 
@@ -89,8 +90,14 @@ class ElasticLaunch:
             while True:
                 time.sleep(POLL_S)
                 codes = {r: p.poll() for r, p in self.procs.items()}
-                if all(c == 0 for c in codes.values()):
+                if all(c == 0 for r, c in codes.items() if r != self.pending):
+                    if self.pending is not None:
+                        say(f"rank {self.pending} died after the job's last collective: the other ranks "
+                            "finished; nothing to redo")
                     return 0
+                if self.pending is not None:
+                    codes.pop(self.pending)  # the death being handled, not a second one
+                    self.maybe_replace(codes)
                 dead = next((r for r, c in codes.items() if c is not None and c < 0), None)
                 if dead is not None:
                     self.on_death(dead, -codes[dead])
@@ -113,9 +120,9 @@ class ElasticLaunch:
         self.generation += 1
         what = f"rank {rank} (pid {pid}) died by {signal.Signals(signum).name}"
         if mode == "replace":
-            self.spawn(rank, replaces=True)
-            say(f"{what}: {why}; replacing it in place (generation {self.generation}, new pid "
-                f"{self.procs[rank].pid}); the other ranks keep their processes and state")
+            self.pending = rank
+            say(f"{what}: {why}; replacing it in place (generation {self.generation}); the other ranks "
+                "keep their processes and state")
             return
         self.end_all()
         self.extra = self.restart_from()
@@ -123,6 +130,14 @@ class ElasticLaunch:
         say(f"{what}: {why}; restarting every rank from {source} (generation {self.generation})")
         for r in range(self.world):
             self.spawn(r)
+
+    def maybe_replace(self, codes: dict) -> None:
+        """Start the pending replacement once a survivor waits to regroup (:func:`lost_key`)."""
+        old = self.generation - 1
+        if any(self.store.check([lost_key(old, r)]) for r in codes if r != self.pending):
+            rank, self.pending = self.pending, None
+            self.spawn(rank, replaces=True)
+            say(f"rank {rank}: replacement started (pid {self.procs[rank].pid})")
 
     def restart_from(self) -> list[str]:
         """The overrides of a restart: ``checkpoint.load=<checkpoint.save>`` when it holds one."""
