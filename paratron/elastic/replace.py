@@ -34,9 +34,11 @@ survivors do not agree on the step to go on from.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import time
+import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -44,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from paratron.checkpoint import rng
-from paratron.elastic.regroup import abort_world, connect_store, remake_world
+from paratron.elastic.regroup import abort_world, connect_store, release_context, remake_world
 from paratron.elastic.relayout import move_state, state_items
 from paratron.training.groups import context_for
 from paratron.training.regrid_step import carried, rebuild
@@ -266,6 +268,19 @@ def take_over(trainer) -> int:
     return moved
 
 
+def let_go(trainer, exc: BaseException) -> None:
+    """Drop every reference to the old process groups: gloo closes a group's connections (which
+    wakes the peers blocked on them) only when nothing holds it any more; seen with torch 2.13,
+    where a survivor waited on this rank's DP all-reduce until the timeout while the failed
+    step's frames (in ``exc``'s traceback) and the DDP buckets' reductions in flight held it."""
+    traceback.clear_frames(exc.__traceback__)
+    release_context(trainer.ctx)
+    for states in getattr(trainer.ddp, "_states", []):  # each bucket's reduction in flight
+        for st in states:
+            st.handle = None
+    gc.collect()
+
+
 def recover(trainer, exc: BaseException) -> bool:
     """After ``exc`` ended a step: True when it was a rank's death and this survivor went on in
     the next generation (the step is redone); False when ``exc`` is to be raised (no membership,
@@ -273,6 +288,7 @@ def recover(trainer, exc: BaseException) -> bool:
     m = trainer.membership
     if m is None:
         return False
+    let_go(trainer, exc)
     abort_world()  # peers blocked on this rank fail now instead of at their timeout
     record = m.failure(m.timeout_s)
     if record is None:
