@@ -93,7 +93,8 @@ def uninterrupted(run_dir: Path, overrides: list[str], world: int) -> dict:
 
 
 def final_params(run_dir: Path, world: int) -> dict:
-    return {k: v for r in range(world) for k, v in torch.load(run_dir / f"probe_{r}.pt").items()}
+    """``{(rank, param name): tensor}``: every rank's own copy (a replica's too)."""
+    return {(r, k): v for r in range(world) for k, v in torch.load(run_dir / f"probe_{r}.pt").items()}
 
 
 def launch(run_dir: Path, overrides: list[str], world: int, kill: dict | None, timeout: int = 400):
@@ -145,7 +146,7 @@ def check_replaced(tmp_path, tiny_corpus, extra: list[str], world: int) -> None:
     assert got.keys() == reference.keys()
     for k in reference:
         assert torch.equal(got[k], reference[k]), f"final param {k} differs from the uninterrupted run"
-    rec = [m for m in metrics(run_dir) if m.get("event") == "rank_replaced"]
+    rec = [m for m in metrics(run_dir) if m.get("record") == "rank_replaced"]
     assert len(rec) == 1 and rec[0]["dead_rank"] == kill["rank"], rec
     kill_to_step = rec[0]["step_done_at"] - float((run_dir / "kill_time").read_text())
     print(f"kill to next completed step: {kill_to_step:.2f} s (detected to step {rec[0]['detect_to_step_s']:.2f} s)")
@@ -171,7 +172,7 @@ def test_zero1_dead_rank_falls_back_to_the_checkpoint_restart(tiny_corpus, tmp_p
     """ZeRO-1: the dead rank's optimizer shard has no copy; every rank restarts from the last
     checkpoint (saved every 2 steps), and the job still ends with the uninterrupted params."""
     ck = tmp_path / "killed" / "ck"
-    overrides = TINY + tiny_corpus + ["parallel.zero=1", f"checkpoint.save={ck}", "checkpoint.save_interval=2"]
+    overrides = TINY + tiny_corpus + ["parallel.zero=1", f"checkpoint.save={ck}", "checkpoint.interval=2"]
     reference = uninterrupted(tmp_path / "reference", [o.replace(str(ck), str(tmp_path / "ref_ck")) for o in overrides], 2)
     kill = {"rank": 1, "step": 4, "delay": 0.0}
     r = launch(tmp_path / "killed", overrides, 2, kill)
@@ -181,3 +182,15 @@ def test_zero1_dead_rank_falls_back_to_the_checkpoint_restart(tiny_corpus, tmp_p
     got = final_params(tmp_path / "killed", 2)
     for k in reference:
         assert torch.equal(got[k], reference[k]), k
+
+
+def test_plan_for_death_replaces_only_with_a_replica_of_the_whole_state():
+    from paratron.elastic.replace import plan_for_death
+
+    assert plan_for_death(load_config(None, []), 2)[0] == "replace"
+    assert plan_for_death(load_config(None, ["parallel.pipeline=2"]), 4)[0] == "replace"
+    mode, why = plan_for_death(load_config(None, ["parallel.pipeline=2"]), 2)
+    assert mode == "restart" and "no DP replica holds its state (data-parallel degree 1)" in why
+    for zero in (1, 2, 3):
+        mode, why = plan_for_death(load_config(None, [f"parallel.zero={zero}"]), 2)
+        assert mode == "restart" and f"optimizer shard has no copy (parallel.zero={zero}" in why

@@ -168,7 +168,7 @@ def launch_or_run(args: argparse.Namespace, command: str, body, prepare=None) ->
         cmd = torchrun_argv(args, ["-m", "paratron", command] + args.argv)
         if command != "train":
             return launch.run_torchrun(cmd)
-        if cfg.train.replace_dead_ranks and not (str(args.nnodes) != "1" or args.rdzv_endpoint):
+        if cfg.train.replace_dead_ranks:
             return launch_elastic(args, cfg)
         return launch_training(cmd, args, cfg)
     return body(cfg, args)
@@ -186,9 +186,24 @@ def launch_training(cmd: list[str], args: argparse.Namespace, cfg: Config) -> in
         return launch.run_torchrun(cmd, run_dir, args.node_rank)
 
 
+def elastic_refusal(args: argparse.Namespace, cfg: Config) -> str | None:
+    """Why ``train.replace_dead_ranks`` cannot be had with this launch, or None."""
+    if str(args.nnodes) != "1" or args.rdzv_endpoint:
+        return "train.replace_dead_ranks=true runs on one node (the launcher starts every rank itself); " \
+               f"--nnodes {args.nnodes} asks for several"
+    if cfg.train.elastic_relayout:
+        return "train.replace_dead_ranks=true does not combine with train.elastic_relayout=true (each " \
+               "re-makes the process groups its own way; docs/elastic.md)"
+    return None
+
+
 def launch_elastic(args: argparse.Namespace, cfg: Config) -> int:
     """``train.replace_dead_ranks``: paratron's own launcher starts the ranks and replaces a dead
     one (:mod:`paratron.launch.elastic`)."""
+    refused = elastic_refusal(args, cfg)
+    if refused:
+        print(f"paratron train: config error: {refused}", file=sys.stderr)
+        return 2
     run_dir = Path(args.run_dir or default_run_dir(args.config))
     argv = rank_argv(without_launch_flags(["-m", "paratron", "train"] + args.argv))
     with run_locks(run_dir, cfg, take=True) as refused:

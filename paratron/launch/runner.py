@@ -68,6 +68,9 @@ def run_training(cfg: Config, run_dir: str | None = None) -> int:
             return stand_by(session, run_dir, clock, lambda state: builtin_callbacks(cfg, state.ctx, state))
         trainer = Trainer(cfg, ctx, run_dir, clock, lambda state: builtin_callbacks(cfg, state.ctx, state))
         trainer.elastic, trainer.membership = session, membership
+        if cfg.train.replace_dead_ranks and membership is None:
+            log(ctx, "warning: train.replace_dead_ranks=true needs paratron's launcher (paratron train "
+                     "--nproc-per-node N): a dead rank ends this job")
         if membership is not None and membership.replaces:
             return replace_rank(trainer)
         return trainer.train()

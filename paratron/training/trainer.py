@@ -252,7 +252,7 @@ class Trainer:
         (``detect_to_step_s``: from the launcher seeing the death to the end of this step)."""
         r, now = self.recovered, time.time()
         self.recovered = None
-        self.writer.write({"event": "rank_replaced", "iteration": record["iteration"], "dead_rank": r["dead"],
+        self.writer.write({"record": "rank_replaced", "iteration": record["iteration"], "dead_rank": r["dead"],
                            "dead_pid": r["pid"], "generation": r["generation"], "detected_at": r["detected"],
                            "step_done_at": now, "detect_to_step_s": now - r["detected"],
                            "regroup_s": r.get("rejoin_s")})
