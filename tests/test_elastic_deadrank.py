@@ -194,3 +194,56 @@ def test_plan_for_death_replaces_only_with_a_replica_of_the_whole_state():
     for zero in (1, 2, 3):
         mode, why = plan_for_death(load_config(None, [f"parallel.zero={zero}"]), 2)
         assert mode == "restart" and f"optimizer shard has no copy (parallel.zero={zero}" in why
+
+
+def _voters(world: int):
+    """A launcher's store and ``world`` memberships of generation 0 (threads of this process)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from paratron.elastic.replace import Membership
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    members = [Membership(dist.TCPStore("127.0.0.1", server.port, is_master=False, wait_for_workers=False,
+                                        timeout=timedelta(seconds=30)), r, world, 0, 30.0) for r in range(world)]
+    return server, members
+
+
+def _vote_all(members, iteration):
+    from paratron.elastic.replace import RankLost
+
+    out = {}
+
+    def one(m):
+        try:
+            m.vote(iteration)
+            out[m.rank] = "commit"
+        except RankLost:
+            out[m.rank] = "abort"
+
+    threads = [threading.Thread(target=one, args=(m,)) for m in members]
+    for t in threads:
+        t.start()
+    return threads, out
+
+
+def test_the_commit_vote_is_all_or_nothing():
+    """Every voter reads one decision: commit when all voted (even if the failure record comes
+    after), abort when a rank died before voting (its failure record ends the wait)."""
+    from paratron.elastic.replace import failed_key, failure_record
+
+    server, members = _voters(3)
+    threads, out = _vote_all(members, 1)
+    for t in threads:
+        t.join(10)
+    assert out == {0: "commit", 1: "commit", 2: "commit"}
+    server.set(failed_key(0), failure_record("replace", 2, 1, 1, "test"))  # rank 2 dies after voting for 1
+    threads, out = _vote_all(members[:2], 1)  # a late reader of step 1 (the decision is kept)
+    for t in threads:
+        t.join(10)
+    assert out == {0: "commit", 1: "commit"}
+    threads, out = _vote_all(members[:2], 2)  # step 2: rank 2 is dead and never votes
+    for t in threads:
+        t.join(10)
+    assert out == {0: "abort", 1: "abort"}
