@@ -223,6 +223,13 @@ def _same_place(a: dict, b: dict) -> bool:
     return all(a[k] == b[k] for k in ("tp", "cp", "pp", "expert_tp"))
 
 
+def pending_boundary(handovers: list) -> bool:
+    """Whether every rank redoes the last step's boundary: when any survivor has it pending. A
+    world collective of the boundary (the stop agreement) may complete on some ranks and not on
+    others; redoing it everywhere is harmless (the same agreement, a save of the same step)."""
+    return any(h["boundary_pending"] for h in handovers if h is not None)
+
+
 def rejoin(trainer, record: dict) -> int:
     """A survivor: join generation ``record["generation"]`` with the same rank, rebuild, keep its
     state; returns the elements received (0: everything was local). Collective over the new world.
@@ -244,6 +251,7 @@ def rejoin(trainer, record: dict) -> int:
     steps = {r: h["progress"]["iteration"] for r, h in enumerate(got) if h is not None}
     if len(set(steps.values())) != 1:
         raise ReplaceFailed(f"the survivors hold different steps after rank {record['dead']} died: {steps}")
+    trainer.boundary_pending = pending_boundary(got)
     trainer.adopt(handover["scalar"], handover["scheduler"], handover["streams"])
     flight = trainer.ctx.ledger.flight
     if flight is not None:  # the replacement's recorder is attached when its loop starts, after these moves
@@ -263,7 +271,7 @@ def take_over(trainer) -> int:
     trainer.restore_progress(src["progress"])
     trainer.microbatch_time, trainer.measure_step = src["microbatch_time"]
     trainer.state.dp_microbatches = src["dp_microbatches"]
-    trainer.boundary_pending = src["boundary_pending"]
+    trainer.boundary_pending = pending_boundary(got)
     trainer.adopt(src["scalar"], src["scheduler"], src["streams"])
     return moved
 
