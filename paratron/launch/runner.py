@@ -17,7 +17,8 @@ import torch.distributed as dist
 from paratron.config import Config
 from paratron.launch.grow import stand_by
 from paratron.elastic.regrid import release_spares, start_session
-from paratron.elastic.replace import join_world, take_over
+from paratron.elastic.replace import join_world
+from paratron.training.replace_step import take_over
 from paratron.launch.rankproc import record_failure
 from paratron.launch.startup import StartupClock
 from paratron.launch.watchdog import HangWatchdog

@@ -29,7 +29,8 @@ import torch.distributed as dist
 from paratron.checkpoint import rng
 from paratron.config import Config, to_toml
 from paratron.training.regrid_step import change_pipeline
-from paratron.elastic.replace import commit_point, recover
+from paratron.elastic.replace import commit_point
+from paratron.training.replace_step import recover
 from paratron.elastic.relayout import (RelayoutRefused, agree_on_request, check_request, move_state,
                                        state_items, take_request_file)
 from paratron.parallel.collcheck import agree_to_stop
