@@ -19,6 +19,8 @@ gets ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT`` (the store) and
     ``checkpoint.load`` set to ``checkpoint.save`` when a checkpoint exists there (the restart
     from the last checkpoint), else from the start.
 
+* SIGTERM, SIGINT or SIGHUP to the launcher go to the ranks as SIGTERM (they finish the step, save
+  and exit 0, as under torchrun);
 * a rank exits non-zero by itself (an exception): the others are ended and the launcher returns
   its exit code after one summary (:mod:`paratron.launch.failures`); nothing is replaced, as the
   same error would come again.
@@ -32,6 +34,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -86,6 +89,9 @@ class ElasticLaunch:
         """Start the ranks and watch them to the end of the job; returns its exit code."""
         for r in range(self.world):
             self.spawn(r)
+        handled = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+        main = threading.current_thread() is threading.main_thread()  # signal handlers live there only
+        previous = {s: signal.signal(s, self.forward) for s in handled} if main else {}
         try:
             while True:
                 time.sleep(POLL_S)
@@ -106,7 +112,15 @@ class ElasticLaunch:
                 if failed is not None:
                     return self.fail(failed, codes[failed])
         finally:
+            for sig, h in previous.items():
+                signal.signal(sig, h)
             self.end_all()
+
+    def forward(self, signum, frame) -> None:
+        """SIGTERM, SIGINT or SIGHUP to the launcher: the ranks finish the step, save and exit 0."""
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
 
     def on_death(self, rank: int, signum: int) -> None:
         """One rank died by ``signum``: replace it, or restart every rank (module docstring)."""
