@@ -24,6 +24,10 @@ from paratron.training.groups import context_for
 from paratron.training.regrid_step import carried, rebuild
 from paratron.training.step_log import log
 
+FAILURE_WAIT_S = 30.0
+"""How long a rank whose step failed waits for the launcher's failure record before it takes the
+error for its own (the launcher sees a death within a poll, 0.1 s; the margin is for a loaded host)."""
+
 
 def _handover(trainer) -> dict:
     """What a survivor hands to the replacement (and checks against the other survivors)."""
@@ -105,13 +109,13 @@ def let_go(trainer, exc: BaseException) -> None:
 def recover(trainer, exc: BaseException) -> bool:
     """After ``exc`` ended a step: True when it was a rank's death and this survivor went on in
     the next generation (the step is redone); False when ``exc`` is to be raised (no membership,
-    or no failure record came within the process-group timeout)."""
+    or no failure record came within :data:`FAILURE_WAIT_S`)."""
     m = trainer.membership
     if m is None:
         return False
     let_go(trainer, exc)
     abort_world()  # peers blocked on this rank fail now instead of at their timeout
-    record = m.failure(m.timeout_s)
+    record = m.failure(min(m.timeout_s, FAILURE_WAIT_S))
     if record is None:
         return False
     if record["mode"] != "replace":  # the launcher ends every rank and restarts from the checkpoint
