@@ -273,6 +273,11 @@ class TrainConfig:
     """Launched processes that stand by outside the training world (the last ranks of the launch)
     until a pipeline grow calls them in (``paratron resize --pipeline``, docs/elastic.md); the
     parallel layout is that of the other ranks. Needs ``train.elastic_relayout``."""
+    replace_dead_ranks: bool = False
+    """``paratron train --nproc-per-node N`` (one node): paratron's launcher starts the ranks itself
+    and serves their store; when a rank dies, with a DP replica of its state (DP >= 2,
+    ``parallel.zero = 0``), a replacement takes its rank and the survivors keep training, else
+    every rank restarts from the last checkpoint (docs/elastic.md, "Replacing a dead rank")."""
     eval_interval: int = 50
     """Evaluate every this many steps and after the last; 0 only after the last."""
     eval_iters: int = 4

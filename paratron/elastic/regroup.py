@@ -1,7 +1,7 @@
 """Re-make the process group of a running job with a new membership (same processes where they survive).
 
 An elastic job keeps one key-value store alive for its whole life: a :class:`torch.distributed.TCPStore`
-served by the launcher (paratron's elastic supervisor, :mod:`paratron.elastic.supervisor`), not by
+served by the launcher (paratron's elastic launcher, :mod:`paratron.launch.elastic`), not by
 rank 0, so that it outlives any rank. Each membership of the job is a *generation* ``g`` = 0, 1, 2,
 ...; the process group of generation ``g`` rendezvouses over ``PrefixStore("paratron/gen/g",
 store)``, so the keys of a dead generation (half-done rendezvous, counters of a failed
@@ -34,7 +34,7 @@ Errors: a rendezvous that does not complete within ``timeout_s`` raises the stor
 ``DistStoreError`` (a member of the new generation never came); :func:`connect_store` raises
 ``ValueError`` when ``MASTER_ADDR``/``MASTER_PORT`` are not set.
 
-See docs/elastic.md, "Replacing a dead rank".
+See docs/elastic.md, "Re-making the process group" and "Replacing a dead rank".
 """
 
 from __future__ import annotations

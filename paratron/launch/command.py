@@ -24,6 +24,7 @@ from paratron.config.validators import config_warnings
 from paratron.rules import build_config, validate
 from paratron.launch import launch  # launch.run_torchrun, looked up at the call (tests replace it)
 from paratron.launch.auto_restart import run_with_restarts
+from paratron.launch.elastic import ElasticLaunch, rank_argv
 from paratron.launch.mode import Mode, started
 from paratron.launch.rankproc import rank_session
 from paratron.elastic.relayout import REQUEST_FILE, discard_request
@@ -132,6 +133,11 @@ def torchrun_argv(args: argparse.Namespace, module_argv: list[str]) -> list[str]
     else:
         cmd += [f"--nnodes={args.nnodes}", f"--node-rank={args.node_rank}", "--rdzv-backend=c10d",
                 f"--rdzv-endpoint={args.rdzv_endpoint or '127.0.0.1:29400'}"]
+    return cmd + without_launch_flags(module_argv)
+
+
+def without_launch_flags(module_argv: list[str]) -> list[str]:
+    """``module_argv`` without the flags that only the launcher reads (a rank must not launch again)."""
     skip = {"--nproc-per-node", "--nnodes", "--node-rank", "--rdzv-endpoint"}
     rest, i = [], 0
     while i < len(module_argv):
@@ -142,7 +148,7 @@ def torchrun_argv(args: argparse.Namespace, module_argv: list[str]) -> list[str]
             continue
         rest.append(a)
         i += 1
-    return cmd + rest
+    return rest
 
 
 def launch_or_run(args: argparse.Namespace, command: str, body, prepare=None) -> int:
@@ -162,6 +168,8 @@ def launch_or_run(args: argparse.Namespace, command: str, body, prepare=None) ->
         cmd = torchrun_argv(args, ["-m", "paratron", command] + args.argv)
         if command != "train":
             return launch.run_torchrun(cmd)
+        if cfg.train.replace_dead_ranks:
+            return launch_elastic(args, cfg)
         return launch_training(cmd, args, cfg)
     return body(cfg, args)
 
@@ -176,6 +184,32 @@ def launch_training(cmd: list[str], args: argparse.Namespace, cfg: Config) -> in
             return run_with_restarts(cmd, run_dir, args.node_rank, args.auto_restart, args.rdzv_endpoint,
                                      launch.run_torchrun)
         return launch.run_torchrun(cmd, run_dir, args.node_rank)
+
+
+def elastic_refusal(args: argparse.Namespace, cfg: Config) -> str | None:
+    """Why ``train.replace_dead_ranks`` cannot be had with this launch, or None."""
+    if str(args.nnodes) != "1" or args.rdzv_endpoint:
+        return "train.replace_dead_ranks=true runs on one node (the launcher starts every rank itself); " \
+               f"--nnodes {args.nnodes} asks for several"
+    if cfg.train.elastic_relayout:
+        return "train.replace_dead_ranks=true does not combine with train.elastic_relayout=true (each " \
+               "re-makes the process groups its own way; docs/elastic.md)"
+    return None
+
+
+def launch_elastic(args: argparse.Namespace, cfg: Config) -> int:
+    """``train.replace_dead_ranks``: paratron's own launcher starts the ranks and replaces a dead
+    one (:mod:`paratron.launch.elastic`)."""
+    refused = elastic_refusal(args, cfg)
+    if refused:
+        print(f"paratron train: config error: {refused}", file=sys.stderr)
+        return 2
+    run_dir = Path(args.run_dir or default_run_dir(args.config))
+    argv = rank_argv(without_launch_flags(["-m", "paratron", "train"] + args.argv))
+    with run_locks(run_dir, cfg, take=True) as refused:
+        if refused:
+            return 2
+        return ElasticLaunch(argv, args.nproc_per_node, run_dir, cfg).run()
 
 
 @contextmanager

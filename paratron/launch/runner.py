@@ -17,6 +17,8 @@ import torch.distributed as dist
 from paratron.config import Config
 from paratron.launch.grow import stand_by
 from paratron.elastic.regrid import release_spares, start_session
+from paratron.elastic.replace import join_world
+from paratron.training.replace_step import take_over
 from paratron.launch.rankproc import record_failure
 from paratron.launch.startup import StartupClock
 from paratron.launch.watchdog import HangWatchdog
@@ -39,6 +41,17 @@ def builtin_callbacks(cfg: Config, ctx, state) -> list:
     return []
 
 
+def replace_rank(trainer: Trainer) -> int:
+    """A replacement process: take over the dead rank's state from its DP replica, then train
+    on from the survivors' step (:func:`paratron.elastic.replace.take_over`)."""
+    moved = take_over(trainer)
+    trainer.writer.start(trainer.state.iteration)  # rank 0: lines after the step go to the superseded file
+    trainer.clock.reported = True  # the job's start-up record was written before this process joined
+    log(trainer.ctx, f"rank {trainer.ctx.rank} replaced: {moved:,} elements of params and optimizer state "
+                     f"received, going on from iteration {trainer.state.iteration}")
+    return trainer.train(joined=True)
+
+
 def run_training(cfg: Config, run_dir: str | None = None) -> int:
     """Train as configured; returns a process exit code (0, or 1 after a non-finite stop).
     Call on every rank (under torchrun)."""
@@ -47,6 +60,7 @@ def run_training(cfg: Config, run_dir: str | None = None) -> int:
         torch.use_deterministic_algorithms(True)
     clock = StartupClock()
     with clock.part("rendezvous"):
+        membership = join_world(cfg)  # under the elastic launcher (train.replace_dead_ranks)
         init_distributed(cfg.parallel.timeout_s)
         session = start_session(cfg)  # elastic runs; the spares leave the default group
         ctx = build_context(cfg) if dist.is_initialized() else None
@@ -54,7 +68,12 @@ def run_training(cfg: Config, run_dir: str | None = None) -> int:
         if ctx is None:  # a spare: stands by until a pipeline grow calls it in
             return stand_by(session, run_dir, clock, lambda state: builtin_callbacks(cfg, state.ctx, state))
         trainer = Trainer(cfg, ctx, run_dir, clock, lambda state: builtin_callbacks(cfg, state.ctx, state))
-        trainer.elastic = session
+        trainer.elastic, trainer.membership = session, membership
+        if cfg.train.replace_dead_ranks and membership is None:
+            log(ctx, "warning: train.replace_dead_ranks=true needs paratron's launcher (paratron train "
+                     "--nproc-per-node N): a dead rank ends this job")
+        if membership is not None and membership.replaces:
+            return replace_rank(trainer)
         return trainer.train()
     except NonFiniteStop as exc:
         if ctx is not None:

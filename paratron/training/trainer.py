@@ -29,6 +29,8 @@ import torch.distributed as dist
 from paratron.checkpoint import rng
 from paratron.config import Config, to_toml
 from paratron.training.regrid_step import change_pipeline
+from paratron.elastic.replace import commit_point
+from paratron.training.replace_step import recover
 from paratron.elastic.relayout import (RelayoutRefused, agree_on_request, check_request, move_state,
                                        state_items, take_request_file)
 from paratron.parallel.collcheck import agree_to_stop
@@ -125,6 +127,9 @@ class Trainer:
         self.stopping = False
         self.elastic = None  # the ElasticSession of an elastic run (paratron.elastic.regrid)
         self.left = False  # this rank left the job at a pipeline shrink
+        self.membership = None  # the elastic launch's Membership (train.replace_dead_ranks)
+        self.boundary_pending = False  # a step is done and its step boundary not yet (a death may split them)
+        self.recovered = None  # the failure record of a rank replaced since the last completed step
 
     # ---- the loop ------------------------------------------------------------------------
     def train(self, joined: bool = False) -> int:
@@ -142,17 +147,13 @@ class Trainer:
         self.callbacks.on_train_start(self.state)
         with StopFlag() as stop:
             try:
-                while not self.stopping and self.state.iteration < self.cfg.train.train_iters:
-                    record, timings = self.train_step()
-                    if not self.clock.reported:
-                        self.log_startup(timings["step"])
-                    self.log(record, timings)
-                    last = self.state.iteration >= self.cfg.train.train_iters
-                    self.maybe_evaluate(last)
-                    self.stopping = agree_to_stop(self.ctx, stop.requested or self.state.should_stop)
-                    self.maybe_save(final=last or self.stopping)
-                    if not (last or self.stopping):
-                        self.maybe_relayout()
+                while not self.stopping and (self.boundary_pending or
+                                             self.state.iteration < self.cfg.train.train_iters):
+                    try:
+                        self.step_and_boundary(stop)
+                    except Exception as exc:  # a rank's death: go on without a restart where possible
+                        if not recover(self, exc):
+                            raise
                     if self.left:
                         return 0  # handed over at a pipeline shrink: nothing more to do here
                 if self.stopping:
@@ -170,6 +171,24 @@ class Trainer:
         return self.state.exit_code
 
     # ---- its steps -----------------------------------------------------------------------
+    def step_and_boundary(self, stop: StopFlag) -> None:
+        """One step, then its boundary: evaluation, the stop agreement, a save, a re-layout. A
+        rank's death after the step's commit point leaves the boundary pending; it is redone
+        after the regroup (:mod:`paratron.elastic.replace`)."""
+        if not self.boundary_pending:
+            record, timings = self.train_step()
+            self.boundary_pending = True
+            if not self.clock.reported:
+                self.log_startup(timings["step"])
+            self.log(record, timings)
+        last = self.state.iteration >= self.cfg.train.train_iters
+        self.maybe_evaluate(last)
+        self.stopping = agree_to_stop(self.ctx, stop.requested or self.state.should_stop)
+        self.maybe_save(final=last or self.stopping)
+        if not (last or self.stopping):
+            self.maybe_relayout()
+        self.boundary_pending = False
+
     def train_step(self) -> tuple[dict, dict]:
         """One optimizer step over the next global batch; returns (record, timings)."""
         s, timer = self.state, self.timer
@@ -178,9 +197,10 @@ class Trainer:
         with timer.phase("data"):
             microbatches = self.data.train_microbatches(s.consumed_train_samples, s.dp_microbatches)
         with self.observer.step(s.iteration + 1, record=self.measure_step) as timeline:
-            out, result, lr = train_batch(self.cfg, self.ctx, self.chunks, self.ddp, self.optimizer,
-                                          self.scheduler, microbatches, self.actions_for(len(microbatches)),
-                                          timer, timeline)
+            with commit_point(self.optimizer, self.membership, s.iteration + 1):
+                out, result, lr = train_batch(self.cfg, self.ctx, self.chunks, self.ddp, self.optimizer,
+                                              self.scheduler, microbatches, self.actions_for(len(microbatches)),
+                                              timer, timeline)
         if self.measure_step:
             self.use_measured_microbatch_time(timeline, len(microbatches))
         warning = self.guard.check(s.iteration + 1, result.nonfinite, self.first_nonfinite)
@@ -225,6 +245,18 @@ class Trainer:
         self.state.metrics.append(record)
         self.step_log.console(record)
         self.writer.write(record)
+        if self.recovered is not None:
+            self.log_recovery(record)
+
+    def log_recovery(self, record: dict) -> None:
+        """The first step completed after a dead rank was replaced: one ``rank_replaced`` record
+        (``detect_to_step_s``: from the launcher seeing the death to the end of this step)."""
+        r, now = self.recovered, time.time()
+        self.recovered = None
+        self.writer.write({"record": "rank_replaced", "iteration": record["iteration"], "dead_rank": r["dead"],
+                           "dead_pid": r["pid"], "generation": r["generation"], "detected_at": r["detected"],
+                           "step_done_at": now, "detect_to_step_s": now - r["detected"],
+                           "regroup_s": r.get("rejoin_s")})
 
     def maybe_evaluate(self, last: bool) -> None:
         """Evaluate when the :class:`Evaluator` says it is due."""

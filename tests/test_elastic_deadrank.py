@@ -1,0 +1,249 @@
+"""Replacing a dead rank without restarting the job (paratron/elastic/replace.py,
+paratron/launch/elastic.py; docs/elastic.md, "Replacing a dead rank").
+
+``paratron train --nproc-per-node N`` with ``train.replace_dead_ranks=true``: one rank SIGKILLs
+itself at a random step (seeded; the seed, step and delay are printed), a random fraction of a
+step after that step starts, so the death lands anywhere in the step. The job must exit 0, the
+other ranks' processes must be the ones that started, the final params must be bitwise those of
+an uninterrupted run, and metrics.jsonl must hold the time from the death to the next completed
+step. Without a DP replica of the dead rank's state (ZeRO-1) the launcher restarts every rank
+from the last checkpoint and says so.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from paratron.checkpoint.items import model_items
+from paratron.elastic.replace import GENERATION_ENV, REPLACES_ENV
+from paratron.local_ranks import run_ranks
+from paratron.rules import load_config
+from paratron.training.callbacks import Callback
+
+KILL = "PARATRON_TEST_KILL"  # json {"rank", "step", "delay"}: that rank SIGKILLs itself in that step
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+
+TINY = [
+    "model.num_layers=4", "model.hidden_size=32", "model.num_attention_heads=4",
+    "model.seq_length=16", "model.tie_embeddings=true", "model.make_vocab_size_divisible_by=16",
+    "train.micro_batch_size=2", "train.global_batch_size=8", "train.train_iters=6",
+    "train.eval_interval=0", "train.deterministic=true", "train.seed=11",
+    "optimizer.lr=3e-3", "optimizer.lr_warmup_iters=2",
+    "logging.log_interval=1", "logging.tensorboard=false", "logging.progress=false",
+    "train.sample_tokens=0", "parallel.timeout_s=60", "data.split=100,0,0",
+    "train.callbacks=test_elastic_deadrank:Probe",
+]
+
+
+class Probe(Callback):
+    """Records this process's pid at the start and the end of training (``pids.jsonl``), kills
+    itself where ``$PARATRON_TEST_KILL`` says (only the launch's own process of that rank), and at
+    the end saves this rank's final params."""
+
+    def __init__(self, state):
+        self.kill = json.loads(os.environ.get(KILL, "null"))
+        self.original = not os.environ.get(REPLACES_ENV) and int(os.environ.get(GENERATION_ENV) or 0) == 0
+
+    def _pid(self, state, event):
+        with open(Path(state.run_dir) / "pids.jsonl", "a") as f:
+            f.write(json.dumps({"rank": state.ctx.rank, "pid": os.getpid(), "event": event}) + "\n")
+
+    def on_train_start(self, state):
+        self._pid(state, "start")
+
+    def on_step_start(self, state):
+        k = self.kill
+        if k and self.original and state.ctx.rank == k["rank"] and state.iteration + 1 == k["step"]:
+            threading.Timer(k["delay"], self._die, args=(Path(state.run_dir),)).start()
+
+    @staticmethod
+    def _die(run_dir):
+        (run_dir / "kill_time").write_text(repr(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def on_train_end(self, state):
+        self._pid(state, "end")
+        params = {k: c[0].tensor.clone() for k, c in
+                  model_items(state.chunks, is_first_stage=state.ctx.is_first_stage).items()}
+        torch.save(params, Path(state.run_dir) / f"probe_{state.ctx.rank}.pt")
+
+
+def _train(overrides, run_dir):
+    import paratron.launch.runner as runner
+
+    return runner.run_training(load_config(None, overrides), run_dir)
+
+
+def uninterrupted(run_dir: Path, overrides: list[str], world: int) -> dict:
+    """The reference: the same job on forked ranks, nobody killed; the final params by name."""
+    assert run_ranks(_train, world, overrides, str(run_dir), timeout=300) == [0] * world
+    return final_params(run_dir, world)
+
+
+def final_params(run_dir: Path, world: int) -> dict:
+    """``{(rank, param name): tensor}``: every rank's own copy (a replica's too)."""
+    return {(r, k): v for r in range(world) for k, v in torch.load(run_dir / f"probe_{r}.pt").items()}
+
+
+def launch(run_dir: Path, overrides: list[str], world: int, kill: dict | None, timeout: int = 400):
+    """``paratron train --nproc-per-node world`` with ``train.replace_dead_ranks=true``."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=f"{TESTS}:{os.environ.get('PYTHONPATH', '')}",
+               **{KILL: json.dumps(kill)})
+    cmd = [sys.executable, "-m", "paratron", "train", "--nproc-per-node", str(world), "--run-dir", str(run_dir)]
+    for o in overrides + ["train.replace_dead_ranks=true"]:
+        cmd += ["--set", o]
+    return subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def pick_kill(world: int) -> dict:
+    """A seeded random victim, step (2..6 of 6) and delay into the step (under the shortest step
+    seen, so the death lands in that step or its boundary); printed."""
+    seed = int(os.environ.get("PARATRON_TEST_SEED") or time.time_ns() % 10_000)
+    rnd = random.Random(seed)
+    kill = {"rank": rnd.randrange(world), "step": rnd.randint(2, 6), "delay": round(rnd.uniform(0.0, 0.03), 3)}
+    print(f"dead-rank test: seed {seed} (PARATRON_TEST_SEED), kill {kill}")
+    return kill
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def check_replaced(tmp_path, tiny_corpus, extra: list[str], world: int) -> None:
+    overrides = TINY + tiny_corpus + extra
+    reference = uninterrupted(tmp_path / "reference", overrides, world)
+    kill = pick_kill(world)
+    run_dir = tmp_path / "killed"
+    r = launch(run_dir, overrides, world, kill)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert (run_dir / "kill_time").exists(), "the victim did not die"  # it was killed, not a clean run
+    assert f"rank {kill['rank']} (pid" in r.stderr and "replacing it in place" in r.stderr, r.stderr
+    pids = [json.loads(line) for line in (run_dir / "pids.jsonl").read_text().splitlines()]
+    first = {}  # the first start of each rank
+    for p in pids:
+        if p["event"] == "start":
+            first.setdefault(p["rank"], p["pid"])
+    end = {p["rank"]: p["pid"] for p in pids if p["event"] == "end"}
+    assert sorted(end) == list(range(world)), pids
+    for rank in range(world):
+        if rank == kill["rank"]:
+            assert end[rank] != first[rank], f"rank {rank} was killed but kept its pid"
+        else:
+            assert end[rank] == first[rank], f"survivor rank {rank}: pid {first[rank]} -> {end[rank]} (restarted)"
+    got = final_params(run_dir, world)
+    assert got.keys() == reference.keys()
+    for k in reference:
+        assert torch.equal(got[k], reference[k]), f"final param {k} differs from the uninterrupted run"
+    rec = [m for m in metrics(run_dir) if m.get("record") == "rank_replaced"]
+    assert len(rec) == 1 and rec[0]["dead_rank"] == kill["rank"], rec
+    kill_to_step = rec[0]["step_done_at"] - float((run_dir / "kill_time").read_text())
+    print(f"kill to next completed step: {kill_to_step:.2f} s (detected to step {rec[0]['detect_to_step_s']:.2f} s)")
+    assert kill_to_step > 0
+    losses = [m["iteration"] for m in metrics(run_dir) if "loss" in m]
+    assert sorted(set(losses)) == [1, 2, 3, 4, 5, 6], losses
+
+
+@pytest.mark.timeout(500)
+def test_dead_rank_at_dp2_is_replaced_in_place_bitwise(tiny_corpus, tmp_path):
+    check_replaced(tmp_path, tiny_corpus, [], world=2)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_dead_rank_at_dp2_pp2_is_replaced_in_place_bitwise(tiny_corpus, tmp_path):
+    check_replaced(tmp_path, tiny_corpus, ["parallel.pipeline=2"], world=4)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_zero1_dead_rank_falls_back_to_the_checkpoint_restart(tiny_corpus, tmp_path):
+    """ZeRO-1: the dead rank's optimizer shard has no copy; every rank restarts from the last
+    checkpoint (saved every 2 steps), and the job still ends with the uninterrupted params."""
+    ck = tmp_path / "killed" / "ck"
+    overrides = TINY + tiny_corpus + ["parallel.zero=1", f"checkpoint.save={ck}", "checkpoint.interval=2"]
+    reference = uninterrupted(tmp_path / "reference", [o.replace(str(ck), str(tmp_path / "ref_ck")) for o in overrides], 2)
+    kill = {"rank": 1, "step": 4, "delay": 0.0}
+    r = launch(tmp_path / "killed", overrides, 2, kill)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "rank 1 (pid" in r.stderr and "its optimizer shard has no copy (parallel.zero=1" in r.stderr, r.stderr
+    assert f"restarting every rank from {ck}" in r.stderr, r.stderr
+    got = final_params(tmp_path / "killed", 2)
+    for k in reference:
+        assert torch.equal(got[k], reference[k]), k
+
+
+def test_plan_for_death_replaces_only_with_a_replica_of_the_whole_state():
+    from paratron.elastic.replace import plan_for_death
+
+    assert plan_for_death(load_config(None, []), 2)[0] == "replace"
+    assert plan_for_death(load_config(None, ["parallel.pipeline=2"]), 4)[0] == "replace"
+    mode, why = plan_for_death(load_config(None, ["parallel.pipeline=2"]), 2)
+    assert mode == "restart" and "no DP replica holds its state (data-parallel degree 1)" in why
+    for zero in (1, 2, 3):
+        mode, why = plan_for_death(load_config(None, [f"parallel.zero={zero}"]), 2)
+        assert mode == "restart" and f"optimizer shard has no copy (parallel.zero={zero}" in why
+
+
+def _voters(world: int):
+    """A launcher's store and ``world`` memberships of generation 0 (threads of this process)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from paratron.elastic.replace import Membership
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    members = [Membership(dist.TCPStore("127.0.0.1", server.port, is_master=False, wait_for_workers=False,
+                                        timeout=timedelta(seconds=30)), r, world, 0, 30.0) for r in range(world)]
+    return server, members
+
+
+def _vote_all(members, iteration):
+    from paratron.elastic.replace import RankLost
+
+    out = {}
+
+    def one(m):
+        try:
+            m.vote(iteration)
+            out[m.rank] = "commit"
+        except RankLost:
+            out[m.rank] = "abort"
+
+    threads = [threading.Thread(target=one, args=(m,)) for m in members]
+    for t in threads:
+        t.start()
+    return threads, out
+
+
+def test_the_commit_vote_is_all_or_nothing():
+    """Every voter reads one decision: commit when all voted (even if the failure record comes
+    after), abort when a rank died before voting (its failure record ends the wait)."""
+    from paratron.elastic.replace import failed_key, failure_record
+
+    server, members = _voters(3)
+    threads, out = _vote_all(members, 1)
+    for t in threads:
+        t.join(10)
+    assert out == {0: "commit", 1: "commit", 2: "commit"}
+    server.set(failed_key(0), failure_record("replace", 2, 1, 1, "test"))  # rank 2 dies after voting for 1
+    threads, out = _vote_all(members[:2], 1)  # a late reader of step 1 (the decision is kept)
+    for t in threads:
+        t.join(10)
+    assert out == {0: "commit", 1: "commit"}
+    threads, out = _vote_all(members[:2], 2)  # step 2: rank 2 is dead and never votes
+    for t in threads:
+        t.join(10)
+    assert out == {0: "abort", 1: "abort"}
