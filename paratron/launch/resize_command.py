@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from paratron.elastic.relayout import RelayoutRefused, check_request, write_request
+from paratron.elastic.relayout import RelayoutRefused, check_request, layout_name, write_request
 from paratron.launch.runlock import LOCK_NAME, live_holder
 from paratron.rules import load_config
 
@@ -59,6 +59,6 @@ def run(args) -> int:
               f"{Path(args.run_dir) / LOCK_NAME}); a request is taken only by a running job")
         return 2
     path = write_request(Path(args.run_dir), layout, args.pipeline)
-    print(f"paratron resize: requested parallel.pipeline={cfg.parallel.pipeline} pipeline_layout={layout}; the "
+    print(f"paratron resize: requested parallel.pipeline={cfg.parallel.pipeline} {layout_name(cfg, layout)}; the "
           f"job takes {path} at its next step boundary")
     return 0
