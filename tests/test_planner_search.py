@@ -17,6 +17,7 @@ from paratron.planner.estimate import (Problem, finish, fixed_seconds, memory_pe
                                        stage_works)
 from paratron.planner.hardware import Cluster, device
 from paratron.planner.pipeline import ScheduleCache, makespan
+from paratron.planner.compute import STAGE_WORK_FREE
 from paratron.planner.search import distinct, plan, rank_key
 from paratron.planner.shape import Shape
 
@@ -101,3 +102,30 @@ def test_pruned_search_returns_the_exhaustive_top_k(monkeypatch, gpu, world, gbs
     assert result.simulated < len(distinct(result.all_layouts)) / 4  # the bound did prune
     if gpu != "cpu":
         assert len({(e.layout.schedule, e.layout.vpp) for e in want if e.layout.pp > 1}) >= 3
+
+
+class _NoSchedule:
+    """A layout whose fields in :data:`paratron.planner.compute.STAGE_WORK_FREE` raise when read."""
+
+    def __init__(self, lay):
+        self._lay = lay
+
+    def __getattr__(self, name):
+        if name in STAGE_WORK_FREE:
+            raise AssertionError(f"stage_works read layout.{name}")
+        return getattr(self._lay, name)
+
+
+@pytest.mark.parametrize("model", [
+    dict(num_layers=4, hidden_size=64, num_attention_heads=8, num_query_groups=2, seq_length=64, vocab_size=1024,
+         num_experts=4, moe_top_k=2, ffn_hidden_size=128, moe_layer_freq=2),
+    dict(num_layers=8, hidden_size=1024, num_attention_heads=16, seq_length=2048, vocab_size=51200),
+])
+def test_stage_works_read_no_zero_and_no_schedule(model):
+    """The search costs stage seconds once per layout less ZeRO and schedule: they must not read them."""
+    cfg = Config(model=ModelConfig(**model))
+    shape, cluster = Shape.of(cfg.model, cfg.model.seq_length), Cluster(2, 8, device("a100", memory_gb=80))
+    layouts = layouts_mod.enumerate_layouts(cfg, 16, 32, cfg.model.seq_length, "bf16")[0]
+    assert {lay.zero for lay in layouts} >= {0, 3} and len({lay.schedule for lay in layouts}) >= 3
+    for lay in layouts[::53]:
+        assert stage_works(shape, _NoSchedule(lay), cluster) == stage_works(shape, lay, cluster)

@@ -166,20 +166,30 @@ def head_work(shape: Shape, lay: Layout, b: int, cluster: Cluster) -> Work:
     return Work(g.F + ce + norm + ops + fwd_c, g.B + ce + 2 * norm + ops + bwd_c, g.W)
 
 
+STAGE_WORK_FREE = {"zero": 0, "schedule": "1f1b"}
+"""Layout fields :func:`stage_works` never reads (ZeRO's traffic and the schedule's order are costed
+elsewhere), with a value to set them to: the search costs the layouts differing only in them once
+(``tests/test_planner_search.py`` checks that reading them would raise)."""
+
+
 def stage_works(shape: Shape, lay: Layout, cluster: Cluster, fused: bool = True) -> list[Work]:
     """Seconds per microbatch of each virtual stage, in model order (even layer split)."""
     stages = lay.pp * lay.vpp
     per = shape.L // stages
     cache: dict[bool, Work] = {}
+    bodies: dict[tuple[bool, ...], Work] = {}  # stages with the same layer kinds sum the same seconds
+    stream = stream_work(shape, lay, lay.mbs, cluster)
     works = []
     for st in range(stages):
-        w = ZERO
-        for layer in range(st * per, (st + 1) * per):
-            moe = shape.is_moe(layer)
-            if moe not in cache:
-                cache[moe] = layer_work(shape, lay, lay.mbs, layer, cluster, fused)
-            w = w + cache[moe]
-        w = w + stream_work(shape, lay, lay.mbs, cluster)
+        kinds = tuple(shape.is_moe(layer) for layer in range(st * per, (st + 1) * per))
+        if kinds not in bodies:
+            w = ZERO
+            for moe in kinds:
+                if moe not in cache:
+                    cache[moe] = layer_work(shape, lay, lay.mbs, st * per + kinds.index(moe), cluster, fused)
+                w = w + cache[moe]
+            bodies[kinds] = w + stream
+        w = bodies[kinds]
         if st == 0:
             w = w + embedding_work(shape, lay, lay.mbs, cluster)
         if st == stages - 1:

@@ -26,6 +26,7 @@ from paratron.progress import progress_bar
 from paratron.rules import VALIDATORS, check_schedule
 
 from .layout import Layout, apply
+from .verdicts import VerdictMemo, fields_written
 
 RECOMPUTE = ("none", "selective", "full")
 CONTEXT_ALGORITHMS = ("ring", "all2all")
@@ -62,15 +63,19 @@ def _cheap_schedule_rule(cfg: Config, world: int) -> None:
     check_schedule(cfg, world, build=False)
 
 
+def _rules(skip: tuple[str, ...] = ()) -> list[tuple[int, object]]:
+    """(index in :data:`VALIDATORS`, rule as enumeration runs it) but those named in ``skip``."""
+    return [(i, _cheap_schedule_rule if rule.__name__ in DEFERRED_RULES else rule)
+            for i, rule in enumerate(VALIDATORS) if rule.__name__ not in skip]
+
+
 def accepted(cfg: Config, world: int, skip: tuple[str, ...] = ()) -> tuple[int, str] | None:
     """None when the validator's rules (the deferred one by its fast part) accept ``cfg`` on
     ``world`` ranks, else (how many rules it passed first, the rule broken); the rules named in
     ``skip`` are known to pass (:data:`LAYOUT_FREE_RULES`)."""
-    for i, rule in enumerate(VALIDATORS):
-        if rule.__name__ in skip:
-            continue
+    for i, rule in _rules(skip):
         try:
-            (_cheap_schedule_rule if rule.__name__ in DEFERRED_RULES else rule)(cfg, world)
+            rule(cfg, world)
         except ConfigError as e:
             return i, str(e)
     return None
@@ -90,22 +95,35 @@ def _passed_once(base: Config, world: int) -> tuple[str, ...]:
 
 
 def enumerate_layouts(base: Config, world: int, global_batch_size: int, seq_length: int, precision: str,
-                      quiet: bool = True) -> tuple[list[Layout], dict[str, tuple[int, int]]]:
+                      quiet: bool = True, remember: bool = True) -> tuple[list[Layout], dict[str, tuple[int, int]]]:
     """(accepted layouts, {rule's first 160 characters: (rules passed before it, candidates refused)}).
 
     ``base`` supplies the model and everything the planner does not choose. Choices are made level
     by level (axis sizes; chunks and schedule; the rest); a level's candidate is first tried with
     the simplest remaining choices, and dropped with all of them when the rule it breaks names
     none of the remaining fields (every rule message names its fields), which keeps the search
-    fast on thousands of ranks without a rule of the planner's own. Unless ``quiet``, a progress
-    bar counts the axis sizes tried.
+    fast on thousands of ranks without a rule of the planner's own. Each rule's verdict is
+    remembered by the layout fields it read (:class:`.verdicts.VerdictMemo`; ``remember=False``
+    runs every rule on every candidate: the same result, ~10 times slower at 1,536 ranks), and a
+    candidate checked at an upper level is not checked again. Unless ``quiet``, a progress bar
+    counts the axis sizes tried.
     """
     scratch = copy.deepcopy(base)
     layouts, refused = [], {}
     skip = _passed_once(base, world)
+    memo = VerdictMemo(scratch, fields_written(scratch, lambda c: apply(
+        c, Layout(1, 1, 1, world, 1, 1, 0, "1f1b", 1, "none", False), global_batch_size, seq_length,
+        precision)), _rules(skip)) if remember else None
+    seen: dict[Layout, tuple[int, str] | None] = {}  # the upper levels' candidates, met again below
 
     def check(lay: Layout, later: tuple[str, ...]) -> bool:
-        why = accepted(apply(scratch, lay, global_batch_size, seq_length, precision), world, skip)
+        if lay in seen:
+            why = seen[lay]
+        else:
+            apply(scratch, lay, global_batch_size, seq_length, precision)
+            why = memo.refusal(world) if memo else accepted(scratch, world, skip)
+        if later:
+            seen[lay] = why
         if why is None:
             return True
         if not later or not any(f in why[1] for f in later):

@@ -12,13 +12,14 @@ microbatches) is known before its simulation, so layouts that do not fit are not
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from paratron.config import Config
 from paratron.rules import validate
 from paratron.progress import progress_bar
 
-from .compute import stage_works
+from .compute import STAGE_WORK_FREE, stage_works
 from .estimate import Estimate, Problem, estimate, fixed_seconds, lower_bound, memory_per_rank
 from .layout import Layout, to_config
 from .layouts import enumerate_layouts
@@ -85,12 +86,16 @@ def _candidates(prob: Problem, costed: list[Layout],
     """((step-time bound, layout, stage works, fixed seconds) of the layouts whose memory floor fits,
     best bound first; (memory floor, layout) of all)."""
     cands, floors = [], []
+    works_of: dict[Layout, list] = {}  # by the layout less the fields stage seconds never read
     with progress_bar(len(costed), "plan: bound", quiet=quiet, unit="layout") as bar:
         for lay in costed:
             floor = memory_per_rank(prob, lay, [ONE_ALIVE] * lay.pp)[0].total
             floors.append((floor, lay))
             if floor <= prob.cluster.hw.memory_bytes:
-                works = stage_works(prob.shape, lay, prob.cluster, prob.fused_attention)
+                key = dataclasses.replace(lay, **STAGE_WORK_FREE)
+                if key not in works_of:
+                    works_of[key] = stage_works(prob.shape, lay, prob.cluster, prob.fused_attention)
+                works = works_of[key]
                 fixed = fixed_seconds(prob, lay, works)
                 cands.append((lower_bound(prob, lay, works, fixed), lay, works, fixed))
             bar.update()

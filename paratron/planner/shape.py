@@ -58,7 +58,8 @@ class Shape:
                    low_rank=m.low_rank, low_rank_tp=m.low_rank_tp, low_rank_recompute=m.low_rank_recompute)
 
     def is_moe(self, layer: int) -> bool:
-        return spec.moe_at(layer, self.experts, self.moe_freq, self.first_dense)
+        # a dense model answers first: the planner asks this of every layer of ~1e6 layouts
+        return self.experts > 0 and spec.moe_at(layer, self.experts, self.moe_freq, self.first_dense)
 
     def has_dense_mlp(self) -> bool:
         """Whether some layer runs the dense MLP: every layer of a dense model; in an MoE model,
