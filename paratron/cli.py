@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from paratron import markup
@@ -64,7 +65,13 @@ def main(argv: list[str] | None = None) -> int:
         args = module.parse(cmd_parser, argv[1:])
     else:
         args = cmd_parser.parse_args(argv[1:])
-    return int(module.run(args) or 0)
+    try:
+        return int(module.run(args) or 0)
+    except BrokenPipeError:
+        # the reader went away (``paratron simulate | head``): stop quietly, the Unix way, and
+        # point stdout at /dev/null so that the interpreter's last flush cannot raise again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, what a shell reports for a command a pipe ended
 
 
 if __name__ == "__main__":

@@ -3,6 +3,9 @@ naming it (exit code 2), not a traceback."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 
@@ -14,3 +17,12 @@ def test_unwritable_output_is_an_error_not_a_traceback(argv, tmp_path, capsys):
     target = tmp_path / "missing-dir" / ("out.png" if argv[0] == "simulate" else "out.json")
     assert main([*argv, "--output", str(target)]) == 2
     assert str(target) in capsys.readouterr().err
+
+
+def test_a_closed_pipe_ends_the_command_quietly():
+    """``paratron simulate | head -1`` printed a BrokenPipeError traceback once head had gone."""
+    proc = subprocess.Popen([sys.executable, "-m", "paratron", "simulate", "--schedule", "zbv", "--pipeline", "4",
+                             "--microbatches", "8"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # the reader leaves before the first line is written
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141 and "Traceback" not in err, err

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from paratron import cli
 from paratron.checkpoint.items import model_items
 from paratron.checkpoint.manager import full_params
 from paratron.elastic.relayout import RelayoutRefused, check_request, take_request_file, write_request
@@ -157,6 +158,19 @@ def test_a_refused_default_split_names_the_split_it_means():
                        r"model.num_layers=4 is not divisible"):
         check_request(_cfg("parallel.pipeline=3"), None)
     check_request(_cfg(), None)  # [2, 2] fits
+
+
+@pytest.mark.parametrize("degree", [0, -2])
+def test_a_pipeline_degree_below_one_is_refused_in_one_line(degree, tmp_path, capsys):
+    """``paratron resize --pipeline 0`` ended in a ZeroDivisionError traceback (the even split's
+    modulo), and a callback's ``request_relayout(pipeline=0)`` takes the same check."""
+    cfg = _cfg()
+    cfg.parallel.pipeline = degree
+    with pytest.raises(RelayoutRefused, match=rf"parallel.pipeline={degree} and parallel.virtual_pipeline=1 must be >= 1"):
+        check_request(cfg, None)
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["resize", str(tmp_path), "--pipeline", str(degree)])
+    assert exit_.value.code == 2 and "--pipeline: " in capsys.readouterr().err
 
 
 def test_request_file_is_taken_once_by_rank_0(tmp_path):

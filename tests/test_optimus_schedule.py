@@ -190,3 +190,11 @@ def test_simulate_refuses_encoder_costs_without_a_placement(capsys, flags):
     add_arguments(parser)
     assert run(parser.parse_args(["--pipeline", "2", *flags])) == 2
     assert f"{flags[0]} costs a multimodal encoder and needs --encoder-placement" in capsys.readouterr().err
+
+
+def test_simulate_refuses_encoder_parts_on_stage0(capsys):
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--pipeline", "4", "--encoder-placement", "stage0", "--encoder-parts", "3"])
+    assert run(args) == 2
+    assert "--encoder-parts splits each microbatch's encoder work" in capsys.readouterr().err

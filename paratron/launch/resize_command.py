@@ -19,12 +19,23 @@ from paratron.launch.runlock import LOCK_NAME, live_holder
 from paratron.rules import load_config
 
 
+def _degree(text: str) -> int:
+    """``--pipeline``'s value: a whole number of stages, at least one."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1 (pipeline stages)")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_dir", metavar="RUN_DIR", help="the run directory of the running job")
     parser.add_argument("--layout", default=None,
                         help="transformer layers per pipeline stage, comma separated (e.g. 1,3); with "
                              "--pipeline, default: the even split")
-    parser.add_argument("--pipeline", type=int, default=None,
+    parser.add_argument("--pipeline", type=_degree, default=None,
                         help="the new pipeline degree (DP x TP fixed: a grow needs free spares, "
                              "train.elastic_spares; a shrink lets the last stages leave)")
 

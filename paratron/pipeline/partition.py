@@ -16,9 +16,11 @@ def stage_sizes(num_layers: int, p: int, v: int = 1, layout: list[int] | None = 
     """Transformer layers per virtual stage (``p * v`` of them), in model order.
 
     Raises:
-        ValueError: a layout of the wrong length, with negative entries or not summing to
-            ``num_layers``; or no layout and ``num_layers`` not divisible by ``p * v``.
+        ValueError: ``p`` or ``v`` below 1; a layout of the wrong length, with negative entries or
+            not summing to ``num_layers``; or no layout and ``num_layers`` not divisible by ``p * v``.
     """
+    if p < 1 or v < 1:
+        raise ValueError(f"parallel.pipeline={p} and parallel.virtual_pipeline={v} must be >= 1")
     stages = p * v
     if layout is not None:
         layout = [int(x) for x in layout]

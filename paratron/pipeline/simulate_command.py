@@ -89,6 +89,9 @@ def _checked_costs(args: argparse.Namespace, p: int) -> tuple[float, ...] | None
     if encoder_flags and not args.encoder_placement:
         raise ValueError(f"--{encoder_flags[0].replace('_', '-')} costs a multimodal encoder and needs "
                          "--encoder-placement stage0|optimus")
+    if args.encoder_parts is not None and args.encoder_placement != "optimus":
+        raise ValueError("--encoder-parts splits each microbatch's encoder work over the ranks' bubbles, "
+                         "which only --encoder-placement optimus does")
     if args.link_latency is None:
         return None
     rule = f"--link-latency={args.link_latency!r} must give p-1={p - 1} comma-separated finite values >= 0"
