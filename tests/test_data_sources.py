@@ -106,17 +106,19 @@ def test_train_refuses_a_vocab_smaller_than_the_tokenizer_before_launch(tmp_path
     assert code == 2 and "model.vocab_size=1000 is smaller than the tokenizer's vocabulary (50257 ids" in err, err
 
 
-def test_a_too_small_vocab_is_refused_before_the_corpus_is_tokenised(tmp_path, monkeypatch, capsys):
-    """The check waited for the whole corpus to be tokenised (minutes on a real one) before it
-    said the model's vocabulary cannot hold the tokenizer's ids."""
+@pytest.mark.parametrize("tokenizer", [[], ["--set", "data.tokenizer_type=ByteLevelBPE",
+                                            "--set", "data.tokenizer_vocab_size=2048"]])
+def test_a_too_small_vocab_is_refused_before_the_corpus_is_tokenised(tokenizer, tmp_path, monkeypatch, capsys):
+    """The check waited for the whole corpus to be tokenised (minutes on a real one), and for a
+    BPE to be trained on it, before it said the model's vocabulary cannot hold the ids."""
     _no_launch(monkeypatch)
     prefix = tmp_path / "cache" / "notes"
     code = cli.main(["train", "--run-dir", str(tmp_path / "run"), "--nproc-per-node", "2",
                      "--set", f"data.corpus={FIELD_NOTES}", "--set", f"data.data_path={prefix}",
-                     "--set", "model.vocab_size=1000"])
+                     "--set", "model.vocab_size=1000", *tokenizer])
     err = capsys.readouterr().err
     assert code == 2 and "model.vocab_size=1000 is smaller than the tokenizer's vocabulary" in err, err
-    assert "tokenising" not in err and not Path(f"{prefix}.bin").exists()
+    assert "tokenising" not in err and not (tmp_path / "cache").exists()
 
 
 @pytest.mark.parametrize("line,message", [

@@ -102,6 +102,9 @@ def prepare_data(cfg: Config, progress: bool = True):
         ConfigError: bad input (``FILE:LINE: reason``), a tokenizer mismatch (both named), a missing
             file, a malformed or truncated dataset (the file named).
     """
+    if cfg.data.tokenizer_type == "ByteLevelBPE" and not cfg.data.tokenizer_model:
+        # a BPE trained here asks for data.tokenizer_vocab_size ids: refuse before training it
+        check_vocab_fits(cfg, cfg.data.tokenizer_vocab_size, "data.tokenizer_vocab_size")
     try:
         vocab_fits = lambda tok: check_vocab_fits(cfg, tok.vocab_size)  # noqa: E731
         if record_based(cfg):  # records are tokenised on demand: check them and the tokenizer
@@ -236,9 +239,10 @@ def check_checkpoint_load(cfg: Config, vocab_size: int | None = None) -> None:
         raise ConfigError(f"checkpoint.load={c.load}: {e}") from None
 
 
-def check_vocab_fits(cfg: Config, tokenizer_vocab: int | None) -> None:
+def check_vocab_fits(cfg: Config, tokenizer_vocab: int | None, source: str | None = None) -> None:
     """Refuse a set ``model.vocab_size`` below the tokenizer's vocabulary: ids at or past it
-    would index past the embedding table on every rank (padding only ever adds rows).
+    would index past the embedding table on every rank (padding only ever adds rows). ``source``
+    names where the size comes from when it is not the tokenizer itself (a BPE not trained yet).
 
     Raises:
         ConfigError: naming ``model.vocab_size``, the tokenizer and both sizes.
@@ -246,7 +250,7 @@ def check_vocab_fits(cfg: Config, tokenizer_vocab: int | None) -> None:
     m = cfg.model.vocab_size
     if m is None or tokenizer_vocab is None or m >= tokenizer_vocab:
         return
-    name = cfg.data.tokenizer_model or cfg.data.tokenizer_type
+    name = source or cfg.data.tokenizer_model or cfg.data.tokenizer_type
     raise ConfigError(f"model.vocab_size={m} is smaller than the tokenizer's vocabulary ({tokenizer_vocab} ids, "
                       f"{name}): it must be at least that (leave it unset to take the tokenizer's)")
 
