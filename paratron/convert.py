@@ -68,10 +68,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _stage(bar, name: str, done: bool = True) -> None:
-    """Count the previous stage ``done`` on the bar and name the next one."""
-    bar.set_description_str(f"convert: {name}", refresh=not done)
+    """Count the previous stage ``done`` on the bar and name the next one. Drawn at once: tqdm's
+    ``update`` draws only after ``mininterval``, so a stage quicker than that went unseen."""
+    bar.set_description_str(f"convert: {name}", refresh=False)
     if done:
         bar.update()
+    bar.refresh()
 
 
 def _gb(tensors) -> str:

@@ -27,6 +27,7 @@ import torch
 
 from paratron.checkpoint.items import model_items
 from paratron.elastic.replace import GENERATION_ENV, REPLACES_ENV
+from paratron.launch import elastic
 from paratron.local_ranks import run_ranks
 from paratron.rules import load_config
 from paratron.training.callbacks import Callback
@@ -247,3 +248,40 @@ def test_the_commit_vote_is_all_or_nothing():
     for t in threads:
         t.join(10)
     assert out == {0: "abort", 1: "abort"}
+
+
+def _fake_ranks(body: str) -> list[str]:
+    """Rank processes that run ``body`` instead of training (the launcher's loop is under test)."""
+    return [sys.executable, "-c", body]
+
+
+@pytest.mark.timeout(120)
+def test_both_replicas_dying_restart_the_job_and_then_fail_instead_of_looping(tmp_path, capsys):
+    """Both DP2 ranks dead at once: the launcher used to take each for the other's pending death,
+    replace neither and loop forever (generation 1,000 and more), ignoring SIGTERM."""
+    cfg = load_config(None, ["parallel.timeout_s=60"])
+    launch = elastic.ElasticLaunch(_fake_ranks("import os, signal; os.kill(os.getpid(), signal.SIGKILL)"), 2,
+                                   tmp_path / "run", cfg)
+    assert launch.run() == 1
+    err = capsys.readouterr().err
+    assert err.count("restarting every rank from the start") == elastic.MAX_RESTARTS, err
+    assert "its replacement has not joined: no survivor is sure to hold their state" in err
+    assert f"died again after {elastic.MAX_RESTARTS} restarts" in err and launch.generation < 10
+
+
+@pytest.mark.timeout(120)
+def test_a_stop_signal_ends_the_launch_even_when_the_ranks_die_of_it(tmp_path, capsys):
+    """After a forwarded SIGTERM, ranks killed by it are not deaths to replace: the launcher
+    returns 128 + 15 once they are gone."""
+    cfg = load_config(None, ["parallel.timeout_s=60"])
+    launch = elastic.ElasticLaunch(_fake_ranks("import time; time.sleep(90)"), 2, tmp_path / "run", cfg)
+    timer = threading.Timer(3.0, os.kill, (os.getpid(), signal.SIGTERM))
+    timer.start()
+    start = time.monotonic()
+    try:
+        assert launch.run() == 128 + signal.SIGTERM
+    finally:
+        timer.cancel()
+    assert time.monotonic() - start < 60 and all(p.poll() is not None for p in launch.procs.values())
+    err = capsys.readouterr().err
+    assert "stopped by SIGTERM" in err and "replacing it" not in err, err

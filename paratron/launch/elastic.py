@@ -25,7 +25,13 @@ gets ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT`` (the store) and
   its exit code after one summary (:mod:`paratron.launch.failures`); nothing is replaced, as the
   same error would come again.
 
-Limits: one node; one death at a time (a second death during a regroup fails the job).
+* a second rank dies before the first one's replacement has joined (both DP replicas of a stage,
+  say): no survivor is sure to hold their state, so every rank restarts (from the last checkpoint
+  when there is one); after :data:`MAX_RESTARTS` restarts the job fails rather than loop.
+* once the launcher has forwarded a stop signal, no death is replaced: it waits for the ranks
+  and returns ``128 + signal`` if any of them did not exit 0.
+
+Limits: one node; one death at a time is replaced (two at once restart the job).
 """
 
 from __future__ import annotations
@@ -47,6 +53,11 @@ from paratron.launch.failures import collect, summarize
 from paratron.launch.launch import POLL_S, prepare_run_dir
 from paratron.launch.mode import LOG_DIR_ENV
 from paratron.launch.startup import LAUNCH_ENV
+
+
+MAX_RESTARTS = 3
+"""Whole-job restarts one launch makes before it fails: a death that comes back at once after
+each restart (a broken node, a start-up crash by signal) must end the job, not loop."""
 
 
 def say(line: str) -> None:
@@ -73,6 +84,8 @@ class ElasticLaunch:
         self.pending: int | None = None  # a dead rank whose replacement waits for a survivor to need it
         self.procs: dict[int, subprocess.Popen] = {}
         self.events: list[dict] = []  # one per decision (the benchmark reads them)
+        self.restarts = 0
+        self.stopping: int | None = None  # the stop signal forwarded to the ranks, once one came
 
     def spawn(self, rank: int, replaces: bool = False) -> None:
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(self.world), LOCAL_RANK=str(rank),
@@ -101,12 +114,17 @@ class ElasticLaunch:
                         say(f"rank {self.pending} died after the job's last collective: the other ranks "
                             "finished; nothing to redo")
                     return 0
+                if self.stopping is not None:  # the ranks were told to stop: deaths are not failures now
+                    if all(c is not None for c in codes.values()):
+                        return self.stopped(codes)
+                    continue
                 if self.pending is not None:
                     codes.pop(self.pending)  # the death being handled, not a second one
                     self.maybe_replace(codes)
                 dead = next((r for r, c in codes.items() if c is not None and c < 0), None)
                 if dead is not None:
-                    self.on_death(dead, -codes[dead])
+                    if self.on_death(dead, -codes[dead]):
+                        return self.give_up(dead)
                     continue
                 failed = next((r for r, c in codes.items() if c not in (None, 0)), None)
                 if failed is not None:
@@ -118,15 +136,23 @@ class ElasticLaunch:
 
     def forward(self, signum, frame) -> None:
         """SIGTERM, SIGINT or SIGHUP to the launcher: the ranks finish the step, save and exit 0."""
+        self.stopping = signum
         for p in self.procs.values():
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
 
-    def on_death(self, rank: int, signum: int) -> None:
-        """One rank died by ``signum``: replace it, or restart every rank (module docstring)."""
+    def on_death(self, rank: int, signum: int) -> bool:
+        """One rank died by ``signum``: replace it, or restart every rank (module docstring).
+        Returns True when the restarts are used up (the job must fail)."""
         mode, why = plan_for_death(self.cfg, self.world)
         if not self.replace:
             mode, why = "restart", "replacement is off for this launch"
+        if self.pending is not None:
+            mode, why = "restart", (f"rank {self.pending} died before it and its replacement has not joined: "
+                                    "no survivor is sure to hold their state")
+            self.pending = None
+        if mode == "restart" and self.restarts >= MAX_RESTARTS:
+            return True
         pid = self.procs[rank].pid
         self.store.set(failed_key(self.generation), failure_record(mode, rank, pid, self.generation + 1, why))
         self.events.append({"mode": mode, "rank": rank, "pid": pid, "detected": time.time(),
@@ -137,13 +163,15 @@ class ElasticLaunch:
             self.pending = rank
             say(f"{what}: {why}; replacing it in place (generation {self.generation}); the other ranks "
                 "keep their processes and state")
-            return
+            return False
+        self.restarts += 1
         self.end_all()
         self.extra = self.restart_from()
         source = self.extra[-1].split("=", 1)[1] if self.extra else "the start (no checkpoint saved yet)"
         say(f"{what}: {why}; restarting every rank from {source} (generation {self.generation})")
         for r in range(self.world):
             self.spawn(r)
+        return False
 
     def maybe_replace(self, codes: dict) -> None:
         """Start the pending replacement once a survivor waits to regroup (:func:`lost_key`)."""
@@ -159,6 +187,19 @@ class ElasticLaunch:
         if save and (Path(save) / "latest").exists():
             return ["--set", f"checkpoint.load={save}"]
         return []
+
+    def stopped(self, codes: dict) -> int:
+        """Every rank has ended after a forwarded stop signal: 0 if each saved and exited 0."""
+        code = 0 if all(c == 0 for c in codes.values()) else 128 + self.stopping
+        say(f"stopped by {signal.Signals(self.stopping).name}" + ("" if code == 0 else
+            f"; ranks {sorted(r for r, c in codes.items() if c != 0)} did not exit 0 (exit {code})"))
+        return code
+
+    def give_up(self, rank: int) -> int:
+        self.end_all()
+        say(f"rank {rank} died again after {self.restarts} restarts of every rank "
+            f"(the most one launch makes, MAX_RESTARTS={MAX_RESTARTS}); failing the job")
+        return 1
 
     def fail(self, rank: int, code: int) -> int:
         self.end_all()
