@@ -82,6 +82,7 @@ def test_a_slow_stage_is_relaid_out_online_and_back_once_when_it_recovers(tmp_pa
     assert len(recs) == 48
 
 
+@pytest.mark.slow  # which rank is slow is measured from step times: a loaded host can blame the other
 def test_a_rank_that_stays_slow_gets_a_checkpoint_and_exit_75(tmp_path, tiny_corpus):
     ck = tmp_path / "ck"
     over = PP2 + tiny_corpus + ["train.train_iters=30", "train.failslow_restart=true",
