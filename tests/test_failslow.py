@@ -112,7 +112,7 @@ def test_a_slowed_pipeline_stage_is_flagged_and_gets_a_layout(tmp_path, tiny_cor
     assert flags and flags[0]["rank"] == 1 and flags[0]["pp"] == 1 and flags[0]["iteration"] <= 5, flags
     proposal = next(r["failslow_layout"] for r in records if "failslow_layout" in r)
     assert proposal["current"] == [2, 2] and proposal["pipeline_layout"][1] < 2, proposal
-    assert proposal["simulated_ratio"] <= 0.85 and proposal["predicted_ratio"] < 1, proposal
+    assert proposal["simulated_ratio"] < 1 and proposal["predicted_ratio"] < 1, proposal
     assert "proposed parallel.pipeline_layout=" in out[0][1]
 
 
