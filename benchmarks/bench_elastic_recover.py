@@ -58,8 +58,8 @@ def step_lines(run_dir: Path) -> list[str]:
     for name in ("metrics.jsonl", "metrics.superseded.jsonl"):
         try:
             out += [line for line in (run_dir / name).read_text().splitlines() if '"loss"' in line]
-        except OSError:
-            pass
+        except OSError:  # the superseded file exists only after a restart
+            continue
     return out
 
 

@@ -95,7 +95,7 @@ class _Capture:
         return len(view)
 
     def flush(self) -> None:
-        pass
+        """Nothing to flush: ``torch.save`` calls it, and the pieces are already held in memory."""
 
 
 class ZipTemplates:
