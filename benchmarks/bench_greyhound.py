@@ -27,6 +27,7 @@ alternate order between repeats. Outputs go to a temporary directory.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -47,7 +48,6 @@ MODEL = ["model.num_layers=6", "model.hidden_size=128", "model.num_attention_hea
          "train.deterministic=true", "train.seed=5", "optimizer.lr=3e-3", "optimizer.lr_warmup_iters=1",
          "logging.log_interval=1", "logging.tensorboard=false", "logging.progress=false", "train.sample_tokens=0",
          "data.split=90,10,0", "train.elastic_relayout=true", "train.failslow_relayout=true",
-         "train.failslow_relayout_cost_s=1.0",
          'train.callbacks=["paratron.plugins.failslow:FailSlow", "paratron.plugins.failslow_inject:SlowRank"]']
 FIRST_SLOWED = 4  # steps 1-2 calibrate, step 3 is the first slowed one: left out as a warm-up
 SETTLE = 3  # steps after a re-layout left out (its first step builds, then the load settles)
@@ -86,9 +86,12 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--recover-at", type=int, default=20)
+    ap.add_argument("--keep", type=Path, default=None, help="write the runs here (kept) instead of a temporary dir")
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    with tempfile.TemporaryDirectory(prefix="bench_greyhound_") as tmp:
+    with (contextlib.nullcontext(str(args.keep)) if args.keep else
+          tempfile.TemporaryDirectory(prefix="bench_greyhound_")) as tmp:
+        Path(tmp).mkdir(parents=True, exist_ok=True)
         base = MODEL + _corpus(Path(tmp)) + [f"train.train_iters={args.iters}"]
         for i in range(args.repeats):
             order = ["slow", "recover"] if i % 2 == 0 else ["recover", "slow"]

@@ -272,11 +272,13 @@ class FailSlowDetector(Callback):
         self.sizes = stage_sizes(cfg.model.num_layers, ctx.pp.size, p.virtual_pipeline, p.pipeline_layout)
         self.coords: list[dict] | None = None
         self.calm = [0] * ctx.world_size  # consecutive steps below the threshold, per rank
+        self.slowdown = [1.0] * ctx.world_size  # each rank's latest ratio to its peers (update_flags)
         self.loads: deque = deque(maxlen=self.window)  # per step: [world] load (:meth:`load`)
         self.history: deque = deque(maxlen=self.window)  # per step: [world] compute per microbatch
-        # per step: (per-layer [pp], fixed [pp * v]) seconds; a longer window: they feed the simulator
+        # per step: (per-layer [pp], fixed [pp * v]) seconds, and the slowest rank's step time; a
+        # longer window: they feed the simulator and its prediction
         self.costs: deque = deque(maxlen=2 * self.window)
-        self.step_seconds: deque = deque(maxlen=self.window)  # per step: the slowest rank's step time
+        self.step_seconds: deque = deque(maxlen=2 * self.window)
         self.flagged: set[int] = set()
         self.even = cfg.train.global_batch_size // (cfg.train.micro_batch_size * ctx.dp.size)
 
@@ -360,7 +362,7 @@ class FailSlowDetector(Callback):
         if len(self.loads) < self.window:
             return []
         best = [min((x for x in col if x is not None), default=None) for col in zip(*self.loads)]
-        new = []
+        new, cleared = [], False
         for r in range(len(rows)):
             others = [best[j] for j in self.peers(r) if best[j] is not None]
             ratio = best[r] / max(statistics.median(others), 1e-12) if others and best[r] is not None else 1.0
@@ -371,12 +373,31 @@ class FailSlowDetector(Callback):
                             "compute_s": rows[r][1], "wait_s": rows[r][2], "window": self.window})
             elif self.calm[r] >= self.window and r in self.flagged:  # recovered: as many steps back
                 self.flagged.discard(r)
+                cleared = True
+            self.slowdown[r] = ratio
+        if new or cleared:
+            self.measure_afresh()
         for e in new:
             self.say(state, f"rank {e['rank']} (dp {e['dp']}, pp {e['pp']}, tp {e['tp']}, cp {e['cp']}) is "
                             f"fail-slow: {e['slowdown']:.2f}x its peers' compute for {self.window} steps "
                             f"(at iteration {e['iteration']}; compute {e['compute_s']:.4f} s, "
                             f"wait {e['wait_s']:.4f} s)")
         return new
+
+    def measure_afresh(self) -> None:
+        """A flag raised or cleared: keep only the ``window`` steps that raised or cleared it of
+        the costs and step times. The steps before were of another state (healthy, or the
+        first steps of the process, whose warm-up inflates every span); fed to the simulator,
+        they mix two speeds into one and the prediction follows neither."""
+        for d in (self.costs, self.step_seconds):
+            keep = list(d)[-self.window:]
+            d.clear()
+            d.extend(keep)
+
+    def slow_now(self, ranks) -> set[int]:
+        """Those of ``ranks`` that are flagged and over the threshold at this step (a flag stays
+        ``window`` steps after the rank's last slow one; a move decided on it then comes late)."""
+        return {r for r in ranks if r in self.flagged and self.calm[r] == 0}
 
     def say(self, state: TrainState, text: str) -> None:
         if state.ctx.rank == 0:
@@ -548,7 +569,7 @@ class FailSlow(FailSlowDetector):
         then the new one is proposed, logged with why it replaces the old, and the rent restarts.
         So the layout applied is always the one the last ``proposed`` line named."""
         layout, now_s, then_s, reason = target
-        key = (reason, tuple(sorted(self.flagged)) if reason == "slow rank" else ())
+        key = (reason,)
         old, why = self.proposal, ""
         if old is not None and old["key"] == key:
             if old["layout"] == layout:
@@ -565,7 +586,8 @@ class FailSlow(FailSlowDetector):
         record = self.proposal_record(state, layout, measured, (now_s, then_s), per_layer, fixed)
         if old is not None:
             record["replaces"] = {k: old[k] for k in ("layout", "iteration", "per_layer_s", "fixed_s")}
-            self.relayout_budget.reset()
+        if old is not None and old["key"] != key:  # another remedy: what was lost waiting for the
+            self.relayout_budget.reset()  # old one does not count (a better layout for the same does)
         metrics["failslow_layout"] = record
         self.proposal = {"key": key, "layout": list(layout), "iteration": state.iteration,
                          "per_layer_s": record["per_layer_s"], "fixed_s": record["fixed_s"]}
@@ -576,12 +598,16 @@ class FailSlow(FailSlowDetector):
 
     def maybe_relayout(self, state: TrainState, metrics: dict) -> None:
         """Rent one step of the present layout's loss; request the proposed layout when bought."""
+        if len(self.costs) < self.costs.maxlen:  # too few steps of this layout or flag state yet
+            return
         per_layer, fixed = self.measured_costs()
         measured = statistics.median(self.step_seconds)
         target = self.relayout_target(per_layer, fixed)
         if target is None or target[0] == self.sizes:  # nothing to move to: start over
             self.relayout_budget.reset()
             return
+        if target[3] == "slow rank" and not self.slow_now(self.flagged - self.laid_for):
+            return  # the flag outlives the slowdown by ``window`` steps: no rent, no move on it
         if predicted_step(measured, target[1], target[2]) > (1 - self.min_gain) * measured:
             return  # too small a gain this step (or a noisy one): no rent, but the rent paid stays
         layout, now_s, then_s, reason = self.pinned(state, metrics, target, measured, per_layer, fixed)
@@ -594,6 +620,8 @@ class FailSlow(FailSlowDetector):
         remaining = state.config.train.train_iters - state.iteration
         if not self.relayout_budget.rent(measured - predicted, cost, remaining):
             return
+        if not self.steady(layout, predicted, measured):
+            return  # bought, but the costs still drift: the rent stays paid, the move waits
         model = {"per_layer_s": per_layer, "fixed_s": fixed, "simulated_now_s": now_s, "simulated_then_s": then_s,
                  "proposed_at": self.proposal["iteration"]}
         d = relayout_decision(state.iteration, self.sizes, layout, measured, predicted, cost,
@@ -615,7 +643,14 @@ class FailSlow(FailSlowDetector):
     def maybe_restart(self, state: TrainState, metrics: dict) -> None:
         """Rent the gap to a healthy rank at the starting layout; when bought, checkpoint and
         exit with :data:`EXIT_FAILSLOW_RESTART` (every rank decides the same)."""
-        slow_stages = {self.coords[r]["pp"] for r in self.flagged}
+        if len(self.costs) < self.costs.maxlen:
+            return
+        slow = self.slow_now(self.laid_for)  # the ranks the re-layout was for, slow at this step
+        if not slow:
+            if not self.flagged & self.laid_for:  # recovered: start over
+                self.restart_budget.reset()
+            return
+        slow_stages = {self.coords[r]["pp"] for r in slow}
         per_layer, fixed = self.measured_costs()
         healthy = statistics.median([x for s, x in enumerate(per_layer) if s not in slow_stages] or [min(per_layer)])
         rank_of = {vs: s for s in range(self.pp_size) for vs in self.stages_of(s)}
@@ -629,7 +664,7 @@ class FailSlow(FailSlowDetector):
         cost, remaining = state.config.train.failslow_restart_cost_s, state.config.train.train_iters - state.iteration
         if not self.restart_budget.rent(loss, cost, remaining):
             return
-        rank = min(self.flagged)
+        rank = max(sorted(slow), key=lambda r: self.slowdown[r])  # by its own compute, not who waits
         d = restart_decision(state.iteration, rank, self.hosts[rank], measured, healthy_s, cost,
                              self.restart_budget.paid, remaining, state.config.checkpoint.save)
         metrics["failslow_decision"] = d
@@ -676,10 +711,22 @@ class FailSlow(FailSlowDetector):
 
         return balance_microbatches(t, self.even * self.dp_size, feasible)
 
-    def measured_costs(self) -> tuple[list[float], list[float]]:
+    def measured_costs(self, last: int | None = None) -> tuple[list[float], list[float]]:
         """The costs the simulator is fed: seconds per layer per microbatch of each pipeline
         stage and non-layer seconds per microbatch of each virtual stage (:meth:`stage_costs`),
-        each the median over the layout's last ``2 x window`` steps."""
-        per_layer = [statistics.median(col) for col in zip(*(c[0] for c in self.costs))]
-        fixed = [statistics.median(col) for col in zip(*(c[1] for c in self.costs))]
+        each the median over the last ``last`` steps (None: all of them, up to ``2 x window``
+        steps of the present layout and flags)."""
+        costs = list(self.costs)[-last:] if last else self.costs
+        per_layer = [statistics.median(col) for col in zip(*(c[0] for c in costs))]
+        fixed = [statistics.median(col) for col in zip(*(c[1] for c in costs))]
         return per_layer, fixed
+
+    def steady(self, layout: list[int], predicted: float, measured: float) -> bool:
+        """Whether the last ``window`` steps alone predict ``layout``'s step within ``min_gain / 2``
+        of the ``measured`` step of the ``predicted`` one the whole window gives (seconds).
+        While the speeds drift (a slowdown that grows, the warm-up of the first steps), the older
+        half of the window is of another state than the steps to come; a move then waits."""
+        per_layer, fixed = self.measured_costs(self.window)
+        recent = predicted_step(statistics.median(list(self.step_seconds)[-self.window:]),
+                                self.simulate(self.sizes, per_layer, fixed), self.simulate(layout, per_layer, fixed))
+        return abs(recent - predicted) <= self.min_gain / 2 * measured
