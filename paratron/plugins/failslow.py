@@ -598,14 +598,14 @@ class FailSlow(FailSlowDetector):
 
     def maybe_relayout(self, state: TrainState, metrics: dict) -> None:
         """Rent one step of the present layout's loss; request the proposed layout when bought."""
-        if len(self.costs) < self.costs.maxlen:  # too few steps of this layout or flag state yet
-            return
         per_layer, fixed = self.measured_costs()
         measured = statistics.median(self.step_seconds)
         target = self.relayout_target(per_layer, fixed)
         if target is None or target[0] == self.sizes:  # nothing to move to: start over
             self.relayout_budget.reset()
             return
+        if target[3] == "slow rank" and len(self.costs) < self.costs.maxlen:
+            return  # a move away needs a full window of the slowdown (the return, the measured cost)
         if target[3] == "slow rank" and not self.slow_now(self.flagged - self.laid_for):
             return  # the flag outlives the slowdown by ``window`` steps: no rent, no move on it
         if predicted_step(measured, target[1], target[2]) > (1 - self.min_gain) * measured:
@@ -620,7 +620,7 @@ class FailSlow(FailSlowDetector):
         remaining = state.config.train.train_iters - state.iteration
         if not self.relayout_budget.rent(measured - predicted, cost, remaining):
             return
-        if not self.steady(layout, predicted, measured):
+        if reason == "slow rank" and not self.steady(layout, predicted, measured):
             return  # bought, but the costs still drift: the rent stays paid, the move waits
         model = {"per_layer_s": per_layer, "fixed_s": fixed, "simulated_now_s": now_s, "simulated_then_s": then_s,
                  "proposed_at": self.proposal["iteration"]}
