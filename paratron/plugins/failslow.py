@@ -33,7 +33,8 @@ proposes a ``parallel.pipeline_layout`` that moves layers off the slow stage, ch
 pipeline simulator (:func:`~paratron.plugins.failslow_layout.propose_layout`) from the measured
 costs: seconds per layer per microbatch of each stage and the non-layer seconds (embedding, head,
 loss) of each virtual stage, medians of the median spans over the layout's last ``2 x window``
-steps. The predicted step is the measured one minus the simulated saving (what the simulator
+steps; a flag raised or cleared keeps only the ``window`` steps that did it (the steps before
+are of another state: healthy, or the process's warm-up). The predicted step is the measured one minus the simulated saving (what the simulator
 does not model, the optimizer, the data, the p2p latency, stays). Without
 ``train.failslow_relayout`` the proposal is logged to be set at the next restart.
 
@@ -45,8 +46,12 @@ flagged (the ranks the layers moved for, not whatever flag the host's load raise
 target predicted to save at least ``min_gain`` of the step is proposed: a ``proposed`` line
 and a ``failslow_layout`` record. The budget rents for that proposal; a later, different best
 layout replaces it only when it beats it by ``repropose_gain`` of the step, with a new line and
-record saying what it replaces and why, and the rent starts over, so the layout applied is always
-the one the last ``proposed`` line named. A ski-rental budget
+record saying what it replaces and why (the rent paid stays: it was lost at the present layout;
+it starts over only for a remedy of another reason), so the layout applied is always the one
+the last ``proposed`` line named. A move away needs a full ``2 x window`` of steps since the
+flag, the flagged rank over the threshold at this step (the flag outlives a slowdown by
+``window`` steps), and the last ``window`` steps alone predicting the same step within
+``min_gain / 2`` (:meth:`FailSlow.steady`). A ski-rental budget
 (:class:`~paratron.plugins.failslow_escalate.SkiRental`) adds up the seconds lost per step;
 once they reach the cost of a re-layout (``train.failslow_relayout_cost_s`` before one was
 measured, then the measured one) and the gain over the remaining steps exceeds it, the plugin
@@ -62,7 +67,8 @@ the measured step against the prediction and the measured cost.
 ``checkpoint.save``). After a level-3 re-layout, while the slow rank stays flagged, each step
 rents the gap between the measured step and the simulator's step for a healthy rank at the
 starting layout; when the budget reaches ``train.failslow_restart_cost_s`` (and the gap over
-the remaining steps exceeds it), rank 0 writes ``RUN_DIR/restart_request.json`` (slow rank,
+the remaining steps exceeds it), rank 0 writes ``RUN_DIR/restart_request.json`` (slow rank: of the ranks the re-layout was
+for and slow at this step, the one whose own per-layer compute is the most over its peers',
 host, checkpoint directory, prediction) and the job saves and exits with
 :data:`~paratron.plugins.failslow_escalate.EXIT_FAILSLOW_RESTART`; ``paratron train
 --auto-restart N`` restarts it (:mod:`paratron.launch.auto_restart`).
