@@ -649,8 +649,6 @@ class FailSlow(FailSlowDetector):
     def maybe_restart(self, state: TrainState, metrics: dict) -> None:
         """Rent the gap to a healthy rank at the starting layout; when bought, checkpoint and
         exit with :data:`EXIT_FAILSLOW_RESTART` (every rank decides the same)."""
-        if len(self.costs) < self.costs.maxlen:
-            return
         slow = self.slow_now(self.laid_for)  # the ranks the re-layout was for, slow at this step
         if not slow:
             if not self.flagged & self.laid_for:  # recovered: start over
