@@ -21,8 +21,8 @@ from torch import nn
 
 from paratron.config import ConfigError, ModelConfig, model_shape
 from paratron.pipeline import partition
-from paratron.layers import (ParallelLMHead, VocabParallelEmbedding, vocab_parallel_cross_entropy,
-                             vocab_parallel_logits)
+from paratron.layers import ParallelLMHead, VocabParallelEmbedding, vocab_parallel_logits
+from paratron.layers.cross_entropy import fused_linear_cross_entropy
 from paratron.layers.init import normal_
 from paratron.parallel.context import ParallelContext
 from paratron.parallel.grads import attach_weight_grad_store
@@ -259,14 +259,16 @@ class GPTChunk(nn.Module):
         return offload.boundary(out)
 
     def _head(self, h: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
-        """Logits (or per-token losses against ``labels``) of the normed hidden ``h``."""
+        """Logits (or per-token losses against ``labels``) of the normed hidden ``h``. The losses
+        come from the output GEMM and the loss fused (:func:`fused_linear_cross_entropy`): no
+        logits tensor, no pass over ``[s, b, V/tp]`` in the backward."""
+        if labels is not None:
+            return fused_linear_cross_entropy(h, self.output_weight(), labels.t().contiguous(), self.ctx,
+                                              self.cfg.vocab_size, sequence_parallel=self.sequence_parallel,
+                                              owner=self.output_layer)
         if self.output_layer is not None:
-            logits = self.output_layer(h)
-        else:
-            logits = vocab_parallel_logits(h, self.output_weight(), self.ctx, self.sequence_parallel)
-        if labels is None:
-            return logits
-        return vocab_parallel_cross_entropy(logits, labels.t().contiguous(), self.ctx, self.cfg.vocab_size)
+            return self.output_layer(h)
+        return vocab_parallel_logits(h, self.output_weight(), self.ctx, self.sequence_parallel)
 
 
 def model_order(stage_layers: StageLayers, num_layers: int) -> list[tuple[int, int]]:
