@@ -20,7 +20,10 @@ from paratron.local_ranks import run_ranks
 
 from helpers import assert_parity, train_for_parity
 
-TOL = 1e-5
+# fp32 rounding, amplified by 3 Adam steps where a grad nearly cancels: the one-process output
+# layer's loss statistics come from one softmax kernel, a TP rank's from split sums and an
+# all-reduce (seen up to 1.3e-5 on single elements on another CPU); a real fault is ~1e-2.
+TOL = 3e-5
 LLAMA = dict(normalization="rmsnorm", position_embedding_type="rope", activation="swiglu", add_bias_linear=False)
 
 

@@ -30,9 +30,9 @@ Recomputation in Large Transformer Models", section 4: the tensors each op saves
 
 Section 4.2 of Korthikanti et al. multiplies one microbatch's activations by the microbatches in
 flight; here that count comes from the schedule's action lists for the chosen schedule, per rank
-(:func:`paratron.planner.pipeline.flight_states`). The output layer keeps its fp32 logits
-``4 T V / tp`` (the vocab-parallel cross-entropy's softmax), and its loss needs one more such
-buffer transiently.
+(:func:`paratron.planner.pipeline.flight_states`). The output layer and its loss are one
+fused step that keeps the logits' gradient ``T V / tp`` in the activation dtype (its fp32 logits
+buffer, ``4 T V / tp``, is a transient of the forward below fp32).
 
 Under zero-bubble schedules (Qi et al. 2023, section 2) a microbatch's ``B`` frees those tensors
 but leaves each linear's weight-grad closure holding its input and output grad until the ``W``
@@ -199,12 +199,15 @@ def low_rank_activation_bytes(shape: Shape, lay: Layout, b: int, a: int) -> floa
 
 
 def head_bytes(shape: Shape, lay: Layout, b: int, a: int) -> tuple[float, float]:
-    """(held, transient) bytes of the final norm and output layer for one microbatch; the loss's
-    backward adds the logits' gradient to the saved softmax (two fp32 logits-sized buffers)."""
+    """(held, transient) bytes of the final norm and the fused output layer + loss for one
+    microbatch (``layers/cross_entropy.py``'s ``fused_linear_cross_entropy``): it keeps its
+    gathered input ``T h a`` and the logits' gradient ``T V_pad a / tp`` in the activation dtype;
+    the forward's fp32 logits buffer ``4 T V_pad / tp`` is that gradient itself in fp32 and a
+    transient beside it otherwise."""
     T = b * shape.s // lay.cp
-    logits = 4.0 * T * shape.padded_vocab(lay.tp) / lay.tp
+    vocab = T * shape.padded_vocab(lay.tp) / lay.tp
     hs = shape.h / lay.tp if lay.sp else shape.h
-    return T * (hs * norm_saved_bytes(shape) + shape.h * a) + logits, 2 * logits
+    return T * (hs * norm_saved_bytes(shape) + shape.h * a) + vocab * a, (0.0 if a >= 4 else 4.0 * vocab)
 
 
 def deferred_weight_grad_bytes(shape: Shape, lay: Layout, b: int, a: int) -> float:
