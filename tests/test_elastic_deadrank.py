@@ -257,12 +257,38 @@ def _fake_ranks(body: str) -> list[str]:
     return [sys.executable, "-c", body]
 
 
+_READY = ("import os, signal, sys, time; from torch.distributed import TCPStore; "
+          "from paratron.elastic.replace import ready_key; "
+          "TCPStore('127.0.0.1', int(os.environ['MASTER_PORT']), is_master=False).set(ready_key(os.getpid()), '1'); ")
+"""A fake rank's first statement: it says it has built its trainer, as a real rank does."""
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_dying_during_start_up_restarts_every_rank(tmp_path, capsys):
+    """Rank 1 killed before it built its trainer while rank 0 waits (in the first rendezvous, in
+    a real job): the launcher used to wait for a survivor to ask for the replacement, and hung
+    until the rendezvous timed out. Now it restarts every rank, and the second generation ends."""
+    cfg = load_config(None, ["parallel.timeout_s=60"])
+    body = ("import os, signal, sys, time\n"
+            "if os.environ['PARATRON_GENERATION'] != '0': sys.exit(0)\n"
+            "if os.environ['RANK'] == '1': os.kill(os.getpid(), signal.SIGKILL)\n"
+            + _READY.replace("; ", "\n") + "\ntime.sleep(90)\n")
+    launch = elastic.ElasticLaunch(_fake_ranks(body), 2, tmp_path / "run", cfg)
+    start = time.monotonic()
+    assert launch.run() == 0
+    assert time.monotonic() - start < 60
+    err = capsys.readouterr().err
+    assert "the job was still starting up" in err, err
+    assert "restarting every rank from the start (no checkpoint saved yet) (generation 1)" in err, err
+    assert "replacing it in place" not in err, err
+
+
 @pytest.mark.timeout(120)
 def test_both_replicas_dying_restart_the_job_and_then_fail_instead_of_looping(tmp_path, capsys):
     """Both DP2 ranks dead at once: the launcher used to take each for the other's pending death,
     replace neither and loop forever (generation 1,000 and more), ignoring SIGTERM."""
     cfg = load_config(None, ["parallel.timeout_s=60"])
-    launch = elastic.ElasticLaunch(_fake_ranks("import os, signal; os.kill(os.getpid(), signal.SIGKILL)"), 2,
+    launch = elastic.ElasticLaunch(_fake_ranks(_READY + "os.kill(os.getpid(), signal.SIGKILL)"), 2,
                                    tmp_path / "run", cfg)
     assert launch.run() == 1
     err = capsys.readouterr().err

@@ -78,6 +78,14 @@ def lost_key(generation: int, rank: int) -> str:
     return f"{KEYS}lost/{int(generation)}/{int(rank)}"
 
 
+def ready_key(pid: int) -> str:
+    """Set by a rank process once its trainer is built (or, for a replacement, once it holds the
+    dead rank's state): from then on a death of a peer ends one of its steps, so it waits to
+    regroup. A death before every process of the job has set it ends no step (the others may be
+    blocked in the first rendezvous), so the launcher restarts every rank instead."""
+    return f"{KEYS}ready/{int(pid)}"
+
+
 def failure_record(mode: str, dead: int, pid: int, generation: int, reason: str) -> bytes:
     """What the launcher writes under :func:`failed_key`: ``mode`` "replace" or "restart", the dead
     rank and its pid, the next ``generation``, the ``reason`` of the decision, and ``detected``
@@ -134,6 +142,10 @@ class Membership:
                 return
             raise RankLost(f"step {iteration} not applied: a rank of generation {self.generation} died before "
                            "the commit point")
+
+    def mark_ready(self) -> None:
+        """This process holds its trainer's whole state (:func:`ready_key`)."""
+        self.store.set(ready_key(os.getpid()), "1")
 
     def failure(self, wait_s: float) -> dict | None:
         """The failure record of this generation, waiting up to ``wait_s`` for the launcher to

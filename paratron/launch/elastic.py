@@ -25,6 +25,8 @@ gets ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT`` (the store) and
   its exit code after one summary (:mod:`paratron.launch.failures`); nothing is replaced, as the
   same error would come again.
 
+* a rank dies during start-up, before every rank has built its trainer (the others may wait in
+  the first rendezvous, at no step a replacement could join): every rank restarts;
 * a second rank dies before the first one's replacement has joined (both DP replicas of a stage,
   say): no survivor is sure to hold their state, so every rank restarts (from the last checkpoint
   when there is one); after :data:`MAX_RESTARTS` restarts the job fails rather than loop.
@@ -48,7 +50,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from paratron.elastic.replace import (ELASTIC_ENV, GENERATION_ENV, REPLACES_ENV, failed_key, failure_record,
-                                      lost_key, plan_for_death)
+                                      lost_key, plan_for_death, ready_key)
 from paratron.launch.failures import collect, summarize
 from paratron.launch.launch import POLL_S, prepare_run_dir
 from paratron.launch.mode import LOG_DIR_ENV
@@ -147,6 +149,9 @@ class ElasticLaunch:
         mode, why = plan_for_death(self.cfg, self.world)
         if not self.replace:
             mode, why = "restart", "replacement is off for this launch"
+        if mode == "replace" and not self.all_ready():
+            mode, why = "restart", ("the job was still starting up (not every rank had built its trainer): "
+                                    "no survivor is at a step that could take a replacement in")
         if self.pending is not None:
             mode, why = "restart", (f"rank {self.pending} died before it and its replacement has not joined: "
                                     "no survivor is sure to hold their state")
@@ -172,6 +177,11 @@ class ElasticLaunch:
         for r in range(self.world):
             self.spawn(r)
         return False
+
+    def all_ready(self) -> bool:
+        """Every process of the current generation, the dead one included, has built its trainer
+        (:func:`~paratron.elastic.replace.ready_key`)."""
+        return self.store.check([ready_key(p.pid) for p in self.procs.values()])
 
     def maybe_replace(self, codes: dict) -> None:
         """Start the pending replacement once a survivor waits to regroup (:func:`lost_key`)."""

@@ -45,6 +45,7 @@ def replace_rank(trainer: Trainer) -> int:
     """A replacement process: take over the dead rank's state from its DP replica, then train
     on from the survivors' step (:func:`paratron.elastic.replace.take_over`)."""
     moved = take_over(trainer)
+    trainer.membership.mark_ready()
     trainer.writer.start(trainer.state.iteration)  # rank 0: lines after the step go to the superseded file
     trainer.clock.reported = True  # the job's start-up record was written before this process joined
     log(trainer.ctx, f"rank {trainer.ctx.rank} replaced: {moved:,} elements of params and optimizer state "
@@ -74,6 +75,8 @@ def run_training(cfg: Config, run_dir: str | None = None) -> int:
                      "--nproc-per-node N): a dead rank ends this job")
         if membership is not None and membership.replaces:
             return replace_rank(trainer)
+        if membership is not None:
+            membership.mark_ready()
         return trainer.train()
     except NonFiniteStop as exc:
         if ctx is not None:
