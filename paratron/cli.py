@@ -1,4 +1,4 @@
-"""The ``paratron`` command: ``train | preprocess | generate | convert | simulate | info | plan | config``.
+"""The ``paratron`` command and its subcommands (:data:`COMMANDS`).
 
 Each subcommand lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``;
 this file only maps names to modules and imports the chosen one, so that ``paratron --help``
@@ -16,11 +16,11 @@ from paratron import markup
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("paratron.launch.command", "train a model (under torchrun, or --nproc-per-node N)"),
-    "info": ("paratron.launch.info", "show the process groups of a layout (under torchrun too)"),
     "preprocess": ("paratron.data.preprocess", "tokenize a JSONL/text corpus into .bin/.idx files"),
     "generate": ("paratron.training.generate", "sample text from a checkpoint"),
     "convert": ("paratron.convert", "convert checkpoints to and from Hugging Face"),
     "simulate": ("paratron.pipeline.simulate_command", "simulate and draw a pipeline schedule"),
+    "info": ("paratron.launch.info", "show the process groups of a layout (under torchrun too)"),
     "plan": ("paratron.dryrun.plan_command", "rank parallel layouts with a cost model; write the best as a config"),
     "config": ("paratron.rules.command", "list every config key, or show a config as resolved"),
     "resize": ("paratron.launch.resize_command", "change a running job's pipeline layout at its next step"),
@@ -41,7 +41,7 @@ class HelpFormatter(argparse.HelpFormatter):
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="paratron", description=__doc__.splitlines()[0],
+    parser = argparse.ArgumentParser(prog="paratron", description=f"The paratron command: {' | '.join(COMMANDS)}.",
                                      formatter_class=HelpFormatter)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (_, help_) in COMMANDS.items():

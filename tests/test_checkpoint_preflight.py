@@ -100,6 +100,14 @@ def test_a_missing_manifest_is_refused_naming_it(saved, ck, tmp_path, capsys, la
     assert f"{ck / 'step_4'} has no paratron.json" in err and f"checkpoints in {ck}: step_2 " in err
 
 
+def test_a_missing_metadata_file_is_refused_before_launch(saved, ck, tmp_path, capsys, launches):
+    """A checkpoint without DCP's ``.metadata`` used to pass the check before launch and fail on
+    every rank (exit 1); it is refused first (exit 2), naming the file."""
+    (ck / "step_4" / ".metadata").unlink()
+    err = _resume(saved, tmp_path, capsys, launches)
+    assert f"{ck / 'step_4'} has no .metadata" in err and f"checkpoints in {ck}: step_2 " in err
+
+
 @pytest.mark.parametrize("damage", ["flipped byte", "cut short"])
 def test_a_corrupt_manifest_is_refused_naming_it(saved, ck, tmp_path, capsys, launches, damage):
     manifest = ck / "step_4" / "paratron.json"
@@ -216,3 +224,17 @@ def test_a_failed_save_is_named_as_the_save_of_its_iteration(tmp_path, asynchron
     first = summarize(collect(tmp_path / "logs", {}, {}), tmp_path / "logs")[0]
     assert first.startswith("rank 0 failed first while saving the checkpoint of iteration 4: "), first
     assert "no space left on device" in first and "step 5" not in first
+
+
+def test_a_corrupt_payload_alone_is_one_line_not_a_traceback(saved, ck, tmp_path, capsys):
+    """A single process (no ``--nproc-per-node``) resuming from a checkpoint whose payload is
+    damaged used to end in a full traceback; it now prints one line naming the error, exit 1.
+    (The damage is found as the bytes are read, after launch: a launched job sums it up the same way.)"""
+    payload = max((ck / "step_4").glob("*.distcp"), key=lambda p: p.stat().st_size)
+    _flip(payload)
+    root, args = saved
+    code = cli.main(["train", "--run-dir", str(tmp_path / "run"), "--train-iters", "6", *args,
+                     "--set", f"checkpoint.load={ck}", "--set", f"checkpoint.save={tmp_path / 'out'}"])
+    err = capsys.readouterr().err
+    assert code == 1, err
+    assert "paratron train: error: CheckpointError: " in err and "Traceback" not in err, err

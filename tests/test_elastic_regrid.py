@@ -255,6 +255,7 @@ def test_resize_command_asks_for_a_new_pipeline_degree(tmp_path, capsys):
     assert main(["resize", str(tmp_path), "--pipeline", "4"]) == 2  # no job holds the run directory
     assert "no job is running" in capsys.readouterr().out and not (tmp_path / "relayout_request.json").exists()
     with RunLock(tmp_path):
-        assert main(["resize", str(tmp_path), "--pipeline", "4"]) == 0
+        assert main(["resize", str(tmp_path), "--pipeline", "4", "--wait", "0"]) == 0
     assert "parallel.pipeline=4 pipeline_layout=None" in capsys.readouterr().out
-    assert take_request_file(tmp_path, 0) == {"layout": None, "pipeline": 4}
+    taken = take_request_file(tmp_path, 0)
+    assert taken.pop("id") and taken == {"layout": None, "pipeline": 4}

@@ -6,6 +6,8 @@ going on unchanged."""
 from __future__ import annotations
 
 import json
+import threading
+import time
 import os
 from pathlib import Path
 
@@ -15,7 +17,8 @@ import torch
 from paratron import cli
 from paratron.checkpoint.items import model_items
 from paratron.checkpoint.manager import full_params
-from paratron.elastic.relayout import RelayoutRefused, check_request, take_request_file, write_request
+from paratron.elastic.relayout import (RelayoutRefused, check_request, read_answer, take_request_file, write_answer,
+                                      write_request)
 from paratron.local_ranks import run_ranks
 from paratron.rules import load_config
 from paratron.training.callbacks import Callback
@@ -51,7 +54,7 @@ class Probe(Callback):
         if state.iteration == self.plan.get("refuse_at"):
             state.request_relayout([1, 2])  # sums to 3, not model.num_layers=4
         if state.iteration == self.plan.get("file_at") and state.ctx.rank == 0:
-            write_request(state.run_dir, self.plan["layout"])
+            write_request(state.run_dir, self.plan["layout"], id="probe")
 
     def on_train_end(self, state):
         with full_params(state.optimizer):  # ZeRO-3: the params are gathered for the block
@@ -118,6 +121,8 @@ def _check_moved(tmp_path, base, even, world):
         assert layouts == {0: [2, 2], 1: [2, 2], 2: [2, 2], 3: [1, 3], 4: [1, 3], 5: [1, 3]}, layouts
         assert all(s["ck_files"] == [] for s in seen), seen  # the re-layout wrote nothing there
     assert not (tmp_path / "moved" / "relayout_request.json").exists()  # taken once
+    answer = read_answer(tmp_path / "moved", "probe")  # what paratron resize waits for
+    assert answer["outcome"] == "applied" and "pipeline_layout=[1, 3] from iteration 3" in answer["message"], answer
     assert (ck / "latest").read_text().strip() == "step_6"  # the final save, at the new layout
 
 
@@ -197,8 +202,38 @@ def test_resize_command_checks_then_drops_the_request(tmp_path, capsys):
     assert main(["resize", str(tmp_path), "--layout", "1,3"]) == 2  # no job holds the run directory
     assert "no job is running" in capsys.readouterr().out and not (tmp_path / "relayout_request.json").exists()
     with RunLock(tmp_path):
-        assert main(["resize", str(tmp_path), "--layout", "1,3"]) == 0
-    assert take_request_file(tmp_path, 0) == {"layout": [1, 3], "pipeline": None}
+        assert main(["resize", str(tmp_path), "--layout", "1,3", "--wait", "0"]) == 0
+    taken = take_request_file(tmp_path, 0)
+    assert taken.pop("id") and taken == {"layout": [1, 3], "pipeline": None}
+
+
+@pytest.mark.parametrize("outcome, code", [("applied", 0), ("refused", 1), (None, 3)])
+def test_resize_waits_for_the_jobs_answer(tmp_path, capsys, outcome, code):
+    """``paratron resize`` used to exit 0 once the request was dropped, even when the job then
+    refused it (a grow with no free spare): it now waits for rank 0's answer to its request's
+    id and exits 0 (applied), 1 (refused) or 3 (no answer in ``--wait`` seconds)."""
+    from paratron.cli import main
+    from paratron.config import to_toml
+    from paratron.launch.runlock import RunLock
+
+    (tmp_path / "config.toml").write_text(to_toml(_cfg("train.elastic_relayout=true")), encoding="utf-8")
+
+    def job():  # rank 0 of a job: take the request at a step boundary, answer it
+        for _ in range(100):
+            req = take_request_file(tmp_path, 0)
+            if req is not None:
+                write_answer(tmp_path, {"id": "another"}, "applied", "an older request's answer")
+                time.sleep(0.3)
+                return write_answer(tmp_path, req, outcome, "no free spare") if outcome else None
+            time.sleep(0.05)
+
+    answering = threading.Thread(target=job)
+    with RunLock(tmp_path):
+        answering.start()
+        assert main(["resize", str(tmp_path), "--layout", "1,3", "--wait", "2"]) == code
+    answering.join()
+    out = capsys.readouterr().out
+    assert (f"{outcome} by the job: no free spare" if outcome else "no answer from the job within 2 s") in out, out
 
 
 def test_a_new_job_removes_a_request_left_for_an_ended_one(tmp_path, capsys):

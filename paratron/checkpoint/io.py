@@ -230,7 +230,8 @@ def read_manifest(directory: str | os.PathLike) -> dict:
 
     Raises:
         CheckpointError: the directory missing, a pickle file inside, no manifest (not written by
-            paratron, or a save that never finished), a corrupt manifest, another format or version.
+            paratron, or a save that never finished), a corrupt manifest, another format or version,
+            or no ``.metadata`` where the manifest names one.
     """
     directory = Path(directory)
     if not directory.is_dir():
@@ -249,6 +250,9 @@ def read_manifest(directory: str | os.PathLike) -> dict:
                               f"reads version {VERSION}")
     if not isinstance(manifest.get("config"), dict) or not isinstance(manifest["config"].get("model"), dict):
         raise CheckpointError(f"{directory / MANIFEST}: holds no model config")
+    if manifest.get("metadata_sha256") and not (directory / METADATA_FILE).is_file():
+        raise CheckpointError(f"{directory} has no {METADATA_FILE} (the tensor index its {MANIFEST} names): "
+                              "the checkpoint is incomplete")
     return manifest
 
 

@@ -45,6 +45,11 @@ REQUEST_FILE = "relayout_request.json"
 running job reads (and removes) it at the next step boundary."""
 
 
+ANSWER_FILE = "relayout_answer.json"
+"""Rank 0's answer to a request of ``paratron resize`` (``{"id", "outcome", "message"}``,
+``outcome`` "applied" or "refused"), which the command waits for."""
+
+
 class RelayoutRefused(ValueError):
     """A re-layout request that cannot be met; the job continues with its current layout."""
 
@@ -71,11 +76,15 @@ def discard_request(run_dir: Path) -> bool:
     return True
 
 
-def request(layout=None, pipeline=None) -> dict:
+def request(layout=None, pipeline=None, id=None) -> dict:
     """A re-layout request: the new ``parallel.pipeline_layout`` (None: the default split) and
-    the new ``parallel.pipeline`` (None: unchanged, :mod:`paratron.elastic.regrid` otherwise)."""
-    return {"layout": None if layout is None else [int(x) for x in layout],
-            "pipeline": None if pipeline is None else int(pipeline)}
+    the new ``parallel.pipeline`` (None: unchanged, :mod:`paratron.elastic.regrid` otherwise);
+    ``id``: set by ``paratron resize``, which waits for the answer under that id."""
+    req = {"layout": None if layout is None else [int(x) for x in layout],
+           "pipeline": None if pipeline is None else int(pipeline)}
+    if id is not None:
+        req["id"] = str(id)
+    return req
 
 
 def agree_on_request(ctx, local: dict | None) -> dict | None:
@@ -92,13 +101,34 @@ def agree_on_request(ctx, local: dict | None) -> dict | None:
     return next(r for r in requests if r is not None)
 
 
-def write_request(run_dir: Path, layout: list[int] | None, pipeline: int | None = None) -> Path:
+def _write_atomic(path: Path, obj: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(obj), encoding="utf-8")
+    tmp.replace(path)  # atomic: the reader never sees half a file
+
+
+def write_request(run_dir: Path, layout: list[int] | None, pipeline: int | None = None,
+                  id: str | None = None) -> Path:
     """Drop a re-layout request for the job running in ``run_dir`` (``paratron resize``)."""
     path = Path(run_dir) / REQUEST_FILE
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(request(layout, pipeline)), encoding="utf-8")
-    tmp.replace(path)  # atomic: the job never reads half a request
+    _write_atomic(path, request(layout, pipeline, id))
     return path
+
+
+def write_answer(run_dir: Path | None, req: dict, outcome: str, message: str) -> None:
+    """Rank 0: answer a request that came with an ``id`` (:data:`ANSWER_FILE`); a callback's
+    request has none and gets no file."""
+    if run_dir is not None and req.get("id"):
+        _write_atomic(Path(run_dir) / ANSWER_FILE, {"id": req["id"], "outcome": outcome, "message": message})
+
+
+def read_answer(run_dir: Path, id: str) -> dict | None:
+    """The job's answer to the request ``id``, or None while there is none."""
+    try:
+        answer = json.loads((Path(run_dir) / ANSWER_FILE).read_text(encoding="utf-8"))
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+    return answer if answer.get("id") == id else None
 
 
 def layout_name(cfg, layout: list[int] | None) -> str:

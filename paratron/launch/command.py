@@ -19,6 +19,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from paratron.checkpoint.hf_load import apply_load_hf
+from paratron.checkpoint.items import CheckpointError
+from paratron.data.chat import ChatFormatError
+from paratron.data.corpus import BadInputError
+from paratron.data.provenance import TokenizerMismatchError
 from paratron.config import ConfigError, Config, megatron_overrides
 from paratron.config.validators import config_warnings
 from paratron.rules import build_config, validate
@@ -237,6 +241,11 @@ def run_locks(run_dir: Path, cfg: Config, take: bool):
             lk.release()
 
 
+INPUT_ERRORS = (CheckpointError, ConfigError, BadInputError, ChatFormatError, TokenizerMismatchError)
+"""What bad input (a checkpoint, the config, the data) raises during a run: a single process
+reports it in one line."""
+
+
 def default_run_dir(config_path: str | None) -> str:
     """``runs/<config file stem>`` (``runs/default`` for configs/default.toml), else ``runs/latest``."""
     return f"runs/{Path(config_path).stem}" if config_path else "runs/latest"
@@ -253,7 +262,15 @@ def run(args: argparse.Namespace) -> int:
             return 2
         take = not me.under_launcher and me.rank == 0
         with rank_session(), run_locks(run_dir, cfg, take) as refused:
-            return 2 if refused else run_training(cfg, run_dir=str(run_dir))
+            if refused:
+                return 2
+            if me.mode is not Mode.ALONE:  # a rank: its traceback goes to its log, the launcher sums up
+                return run_training(cfg, run_dir=str(run_dir))
+            try:
+                return run_training(cfg, run_dir=str(run_dir))
+            except INPUT_ERRORS as e:  # alone: the one line a launcher would print, not a traceback
+                print(f"paratron train: error: {type(e).__name__}: {e}", file=sys.stderr)
+                return 1
 
     def prepare(cfg: Config, a: argparse.Namespace) -> None:
         prepare_training(cfg, a.run_dir or default_run_dir(a.config), launching=not started().torchrun)

@@ -4,7 +4,11 @@ pipeline degree (:mod:`paratron.elastic.regrid`) at its next step boundary, in m
 
 The request is checked against the run's ``config.toml`` first (the same rule the job applies),
 then dropped as ``RUN_DIR/relayout_request.json``; the job's rank 0 takes it, every rank agrees,
-and the job logs the re-layout (or its refusal) on the console. A run directory no live job
+and the job logs the re-layout (or its refusal) on the console and answers in
+``RUN_DIR/relayout_answer.json``. The command waits for that answer (``--wait`` seconds) and
+exits 0 when the change was applied, 1 when the job refused it (a grow with no free spare, say),
+3 when no answer came in time (the request stays queued), 2 for a request refused before it was
+sent. A run directory no live job
 holds (its ``.paratron.lock``, :mod:`paratron.launch.runlock`) is refused, so a request never
 waits for the next job there; a new job also removes one left behind.
 """
@@ -12,9 +16,11 @@ waits for the next job there; a new job also removes one left behind.
 from __future__ import annotations
 
 import argparse
+import time
+import uuid
 from pathlib import Path
 
-from paratron.elastic.relayout import RelayoutRefused, check_request, layout_name, write_request
+from paratron.elastic.relayout import RelayoutRefused, check_request, layout_name, read_answer, write_request
 from paratron.launch.runlock import LOCK_NAME, live_holder
 from paratron.rules import load_config
 
@@ -38,6 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pipeline", type=_degree, default=None,
                         help="the new pipeline degree (DP x TP fixed: a grow needs free spares, "
                              "train.elastic_spares; a shrink lets the last stages leave)")
+    parser.add_argument("--wait", type=float, default=600.0, metavar="S",
+                        help="seconds to wait for the job's answer (0: send the request and return)")
 
 
 def run(args) -> int:
@@ -69,7 +77,27 @@ def run(args) -> int:
         print(f"paratron resize: no job is running in {args.run_dir} (nothing holds its lock, "
               f"{Path(args.run_dir) / LOCK_NAME}); a request is taken only by a running job")
         return 2
-    path = write_request(Path(args.run_dir), layout, args.pipeline)
+    request_id = uuid.uuid4().hex
+    path = write_request(Path(args.run_dir), layout, args.pipeline, request_id)
     print(f"paratron resize: requested parallel.pipeline={cfg.parallel.pipeline} {layout_name(cfg, layout)}; the "
-          f"job takes {path} at its next step boundary")
-    return 0
+          f"job takes {path} at its next step boundary", flush=True)
+    return _await_answer(Path(args.run_dir), request_id, args.wait)
+
+
+def _await_answer(run_dir: Path, request_id: str, wait_s: float) -> int:
+    """0 applied, 1 refused by the job (or the job ended first), 3 no answer within ``wait_s``."""
+    if wait_s <= 0:
+        return 0
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        answer = read_answer(run_dir, request_id)
+        if answer is not None:
+            print(f"paratron resize: {answer['outcome']} by the job: {answer['message']}")
+            return 0 if answer["outcome"] == "applied" else 1
+        if live_holder(run_dir) is None:
+            print(f"paratron resize: the job in {run_dir} ended before it answered the request")
+            return 1
+        time.sleep(0.2)
+    print(f"paratron resize: no answer from the job within {wait_s:g} s; the request stays queued for its "
+          "next step boundary")
+    return 3

@@ -32,7 +32,7 @@ from paratron.training.regrid_step import change_pipeline
 from paratron.elastic.replace import commit_point
 from paratron.training.replace_step import recover
 from paratron.elastic.relayout import (RelayoutRefused, agree_on_request, check_request, move_state,
-                                       state_items, take_request_file)
+                                       state_items, take_request_file, write_answer)
 from paratron.parallel.collcheck import agree_to_stop
 from paratron.pipeline.delay import measured_microbatch_time
 from paratron.training.callbacks import CallbackList, TrainState, load_callback
@@ -297,13 +297,19 @@ class Trainer:
         p, layout = self.cfg.parallel, req["layout"]
         try:
             if req["pipeline"] not in (None, p.pipeline):  # the grid changes (paratron.elastic.regrid)
-                return change_pipeline(self, req["pipeline"], layout)
-            check_request(self.cfg, layout)
+                change_pipeline(self, req["pipeline"], layout)
+            else:
+                check_request(self.cfg, layout)
+                self.relayout_to(layout)
         except RelayoutRefused as e:
-            log(self.ctx, f"warning: {e}; the run continues with parallel.pipeline={p.pipeline}, "
-                          f"pipeline_layout={p.pipeline_layout}")
+            message = f"{e}; the run continues with parallel.pipeline={p.pipeline}, pipeline_layout={p.pipeline_layout}"
+            log(self.ctx, f"warning: {message}")
+            if self.ctx.rank == 0:
+                write_answer(self.run_dir, req, "refused", message)
             return
-        self.relayout_to(layout)
+        if self.ctx.rank == 0:  # a leaver is never rank 0 (the last stages leave)
+            write_answer(self.run_dir, req, "applied", f"parallel.pipeline={p.pipeline}, pipeline_layout="
+                                                       f"{p.pipeline_layout} from iteration {self.state.iteration}")
 
     def relayout_to(self, layout: list[int]) -> None:
         """Rebuild this rank's chunks, DDP, optimizer and LR schedule for ``layout`` and move the
