@@ -21,6 +21,9 @@ step), the slower rank's time per step:
   no ZeRO, the floor the ZeRO step is measured against;
 * ``paratron``: ``DistributedDataParallel(zero=stage)`` (stage 3: each block a unit, the
   embeddings and final norm a unit spanning the forward; prefetch on);
+* ``paratron_keep`` (stage 3, when asked for): the same with ``zero3_reshard_after_forward=False``:
+  each unit gathered once a step and kept over the microbatches (the params are sharded between
+  steps; within one, as ZeRO-2's memory);
 * ``fsdp2``: ``fully_shard`` on each block and the root (stage 3: ``reshard_after_forward=True``,
   stage 2: ``False``);
 * ``deepspeed``: ``deepspeed.initialize`` at the stage.
@@ -151,6 +154,11 @@ def _variants(args, kw, cfg, ctx, stage: int) -> dict:
     model = TinyGPT(**kw)
     ddp = DistributedDataParallel([model], ctx, bucket_size_mb=40.0 if fair else args.bucket_mb, zero=stage)
     runs["paratron"] = ("paratron", model, build_optimizer([model], ctx, cfg, ddp))
+    if "paratron_keep" in args.variants and stage == 3:  # params gathered once a step, kept over the microbatches
+        keep = TinyGPT(**kw)
+        kept = DistributedDataParallel([keep], ctx, bucket_size_mb=40.0 if fair else args.bucket_mb, zero=3,
+                                       zero3_reshard_after_forward=False)
+        runs["paratron_keep"] = ("paratron", keep, build_optimizer([keep], ctx, cfg, kept))
     runs["fsdp2"] = ("fsdp", *_fsdp(kw, cfg, stage == 3, fair=fair))
     if "deepspeed" in args.variants:
         runs["deepspeed"] = ("deepspeed", deepspeed_engine(args, kw, cfg, stage=stage, fair=fair), None)
@@ -206,7 +214,7 @@ def _rank(args):
 
 
 SIZES = {"small": {"hidden": 128}, "large": {"hidden": 512}}
-VARIANTS = ("single", "paratron", "fsdp2", "deepspeed")
+VARIANTS = ("single", "paratron", "paratron_keep", "fsdp2", "deepspeed")
 
 
 def main():
@@ -221,7 +229,8 @@ def main():
     before = load()
     out = run_ranks(_rank, 2, args, timeout=3600)[0]
     times = out["times"]
-    summary = summarize(times, base="paratron", pairs=[("paratron", "single")] if "single" in times else [])
+    pairs = [(p, "single") for p in ("paratron", "paratron_keep") if p in times and "single" in times]
+    summary = summarize(times, base="paratron", pairs=pairs)
     mem = out["memory"]
     result = {
         "config": vars(args), "params": out["params"], "load_before": before, "load_after": load(),
