@@ -313,3 +313,22 @@ def test_a_stop_signal_ends_the_launch_even_when_the_ranks_die_of_it(tmp_path, c
     assert time.monotonic() - start < 60 and all(p.poll() is not None for p in launch.procs.values())
     err = capsys.readouterr().err
     assert "stopped by SIGTERM" in err and "replacing it" not in err, err
+
+
+def test_a_peer_dying_in_the_end_of_run_sample_does_not_fail_a_finished_job():
+    """A rank killed after the last step and save, while the ranks drew the end-of-run text
+    sample, made the survivor's barrier raise, and the finished job exit 1. Under an elastic
+    launch the survivor now warns and ends with 0 (the launcher then finishes the job); without
+    one the error still propagates."""
+    from types import SimpleNamespace
+
+    from paratron.training.trainer import Trainer
+
+    def broken():
+        raise RuntimeError("Connection closed by peer")
+
+    me = SimpleNamespace(ctx=SimpleNamespace(rank=1), end_of_run_outputs=broken, membership=object())
+    Trainer.report(me)  # no error
+    me.membership = None
+    with pytest.raises(RuntimeError, match="closed by peer"):
+        Trainer.report(me)

@@ -259,3 +259,29 @@ def test_resize_command_asks_for_a_new_pipeline_degree(tmp_path, capsys):
     assert "parallel.pipeline=4 pipeline_layout=None" in capsys.readouterr().out
     taken = take_request_file(tmp_path, 0)
     assert taken.pop("id") and taken == {"layout": None, "pipeline": 4}
+
+
+def test_a_spare_standing_by_leaves_with_exit_0_on_a_stop_signal():
+    """A spare standing by (no state, no process group) died of the SIGTERM the launcher sends
+    every rank on a stop, and torchrun reported the stopped job as failed; it now leaves with
+    exit 0, and a spare called in keeps the handlers it had."""
+    import os
+    import signal
+    import threading
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from paratron.launch.grow import stand_by
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30), wait_for_workers=False)
+    session = SimpleNamespace(store=store, slot=0)
+    before = signal.getsignal(signal.SIGTERM)
+    timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM))
+    timer.start()
+    with pytest.raises(SystemExit) as ended:
+        stand_by(session, None, None)
+    timer.join()
+    assert ended.value.code == 0
+    assert signal.getsignal(signal.SIGTERM) is before

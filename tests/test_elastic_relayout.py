@@ -203,6 +203,11 @@ def test_resize_command_checks_then_drops_the_request(tmp_path, capsys):
     assert "no job is running" in capsys.readouterr().out and not (tmp_path / "relayout_request.json").exists()
     with RunLock(tmp_path):
         assert main(["resize", str(tmp_path), "--layout", "1,3", "--wait", "0"]) == 0
+        capsys.readouterr()
+        # A second request while the first waits used to replace it: its sender then waited for
+        # an answer that never came, and reported it "still queued".
+        assert main(["resize", str(tmp_path), "--layout", "3,1", "--wait", "0"]) == 2
+        assert "another re-layout request is waiting" in capsys.readouterr().out
     taken = take_request_file(tmp_path, 0)
     assert taken.pop("id") and taken == {"layout": [1, 3], "pipeline": None}
 

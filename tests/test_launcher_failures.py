@@ -270,6 +270,15 @@ def test_watchdog_reasons_and_dump(tmp_path):
     assert wd.check(now) is None
     wd._signalled_at = now - TERM_GRACE_S - 1  # ... and it is still blocked: end the rank
     assert wd.check(now) == "signal"
+    # With 4 s steps a stage may wait in a receive for most of one: the grace is two steps (a
+    # fixed 5 s ended such ranks unsaved on the stop they were about to honour) ...
+    wd.longest_step_s = 4.0
+    assert wd.term_grace_s() == 8.0 and wd.check(now) is None
+    wd._signalled_at = e.start = now - 9
+    assert wd.check(now) == "signal"
+    wd.longest_step_s = 100.0  # ... and never longer than the hang timeout
+    assert wd.term_grace_s() == 30
+    wd.longest_step_s = 0.0
     wd._signalled_at = None
     e.start = now - 31
     assert wd.check(now) == "hang"

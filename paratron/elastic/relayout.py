@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import torch
@@ -109,9 +110,22 @@ def _write_atomic(path: Path, obj: dict) -> None:
 
 def write_request(run_dir: Path, layout: list[int] | None, pipeline: int | None = None,
                   id: str | None = None) -> Path:
-    """Drop a re-layout request for the job running in ``run_dir`` (``paratron resize``)."""
+    """Drop a re-layout request for the job running in ``run_dir`` (``paratron resize``).
+
+    Raises:
+        RelayoutRefused: a request is already waiting there (it is never overwritten: its
+            sender waits for the answer to it).
+    """
     path = Path(run_dir) / REQUEST_FILE
-    _write_atomic(path, request(layout, pipeline, id))
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(request(layout, pipeline, id)), encoding="utf-8")
+    try:
+        os.link(tmp, path)  # atomic, and never over another request (os.replace would be)
+    except FileExistsError:
+        raise RelayoutRefused(f"another re-layout request is waiting for the job's next step boundary "
+                              f"({path}); wait for its answer, then ask again") from None
+    finally:
+        tmp.unlink()
     return path
 
 

@@ -11,6 +11,8 @@ next step.
 
 from __future__ import annotations
 
+import signal
+
 from paratron.checkpoint import rng
 from paratron.elastic.regrid import ElasticSession, UnionGroup, mover, remake_world, wait_for_call
 from paratron.elastic.relayout import move_state, state_items
@@ -19,8 +21,18 @@ from paratron.training.trainer import Trainer
 
 
 def stand_by(session: ElasticSession, run_dir, clock, builtin_callbacks=None) -> int:
-    """A spare: wait to be called in, then :func:`join`; 0 when the job ended without it."""
-    call = wait_for_call(session)
+    """A spare: wait to be called in, then :func:`join`; 0 when the job ended without it, or
+    when a stop (SIGTERM/SIGINT, which the launcher sends every rank) came while it stood by: it
+    holds no state to save, and dying of the signal would read as the job's failure."""
+    def leave(signum, frame):
+        raise SystemExit(0)
+
+    previous = {sig: signal.signal(sig, leave) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        call = wait_for_call(session)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return 0 if call is None else join(session, call, run_dir, clock, builtin_callbacks)
 
 

@@ -36,6 +36,17 @@ def _degree(text: str) -> int:
     return value
 
 
+def _seconds(text: str) -> float:
+    """``--wait``'s value: seconds, at least 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value:g} must be >= 0 (seconds; 0: do not wait)")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_dir", metavar="RUN_DIR", help="the run directory of the running job")
     parser.add_argument("--layout", default=None,
@@ -44,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pipeline", type=_degree, default=None,
                         help="the new pipeline degree (DP x TP fixed: a grow needs free spares, "
                              "train.elastic_spares; a shrink lets the last stages leave)")
-    parser.add_argument("--wait", type=float, default=600.0, metavar="S",
+    parser.add_argument("--wait", type=_seconds, default=600.0, metavar="S",
                         help="seconds to wait for the job's answer (0: send the request and return)")
 
 
@@ -78,7 +89,11 @@ def run(args) -> int:
               f"{Path(args.run_dir) / LOCK_NAME}); a request is taken only by a running job")
         return 2
     request_id = uuid.uuid4().hex
-    path = write_request(Path(args.run_dir), layout, args.pipeline, request_id)
+    try:
+        path = write_request(Path(args.run_dir), layout, args.pipeline, request_id)
+    except RelayoutRefused as e:
+        print(f"paratron resize: {e}")
+        return 2
     print(f"paratron resize: requested parallel.pipeline={cfg.parallel.pipeline} {layout_name(cfg, layout)}; the "
           f"job takes {path} at its next step boundary", flush=True)
     return _await_answer(Path(args.run_dir), request_id, args.wait)

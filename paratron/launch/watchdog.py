@@ -20,8 +20,11 @@ list) when ``parallel.hang_timeout_s > 0`` and the world has more than one rank.
 * keeps a rank killable while its main thread is blocked inside a collective: Python runs signal
   handlers only between bytecodes, so a rank stuck in C++ would never see its SIGTERM. The
   watchdog registers a wakeup fd (``signal.set_wakeup_fd``) and learns of SIGTERM/SIGINT even
-  then. After one, an op pending for more than :data:`TERM_GRACE_S` ends the rank (exit 143);
-  a second signal ends it at once. A rank that is not blocked stops after its step as before.
+  then. After one, an op pending for longer than the grace (:meth:`HangWatchdog.term_grace_s`:
+  :data:`TERM_GRACE_S`, or twice the longest step so far when that is longer, at most the hang
+  timeout) ends the rank (exit 143); a second signal ends it at once. A rank that is not blocked
+  stops after its step as before: with long steps a pipeline stage waits in a receive for most of
+  one, and a fixed few seconds would end it, unsaved, on the stop request it was about to honour.
 
 Why not torch's own NCCL watchdog and Flight Recorder: they exist for NCCL only; paratron runs
 on gloo too, and its ledger already sees every op.
@@ -78,6 +81,8 @@ class HangWatchdog(Callback):
         self._signals = 0
         self._signalled_at: float | None = None
         self._started = 0.0
+        self._step_started: float | None = None
+        self.longest_step_s = 0.0
         self.fired: str | None = None
 
     # ---- callback hooks (training thread) --------------------------------------------------
@@ -96,9 +101,16 @@ class HangWatchdog(Callback):
 
     def on_step_start(self, state) -> None:
         self.recorder.step = state.iteration + 1
+        self._step_started = time.time()
 
     def on_step_end(self, state, metrics, timings) -> None:
         self.recorder.close_all()  # the step waited for every op it issued
+        if self._step_started is not None:
+            self.longest_step_s = max(self.longest_step_s, time.time() - self._step_started)
+
+    def term_grace_s(self) -> float:
+        """Seconds an op may stay pending after a SIGTERM/SIGINT before the rank is ended."""
+        return min(self.timeout_s, max(TERM_GRACE_S, 2.0 * self.longest_step_s))
 
     def on_train_end(self, state) -> None:
         self.stop()
@@ -165,7 +177,7 @@ class HangWatchdog(Callback):
         if oldest is not None and now - oldest > self.timeout_s:
             return "hang"
         if self._signalled_at is not None and oldest is not None and \
-                now - max(oldest, self._signalled_at) > TERM_GRACE_S:
+                now - max(oldest, self._signalled_at) > self.term_grace_s():
             return "signal"
         trigger = self.dir / "trigger"
         try:

@@ -420,6 +420,19 @@ class Trainer:
                 log(self.ctx, f"final validation loss {val:.4f} vs unigram entropy {entropy:.4f} "
                               f"nats/token: {verdict}")
             log(self.ctx, f"metrics: {self.run_dir / METRICS} | plot: {self.run_dir / 'loss.png'}")
+        try:
+            self.end_of_run_outputs()
+        except Exception as exc:  # noqa: BLE001 - only where a peer may die (replace_dead_ranks)
+            if self.membership is None:
+                raise
+            # The training and its last checkpoint are done: a peer that dies now ends nothing
+            # the launcher could redo (it finishes the job with the survivors' exit 0).
+            log(self.ctx, f"warning: the end-of-run sample/export did not finish (a rank ended during it: "
+                          f"{type(exc).__name__}); the training and its last checkpoint are complete")
+
+    def end_of_run_outputs(self) -> None:
+        """The text sample and the Hugging Face export of the last checkpoint, where configured
+        (collective)."""
         prompt = self.cfg.train.sample_prompt or self.data.default_prompt
         if prompt and self.cfg.train.sample_tokens > 0 and self.cfg.checkpoint.save and not self.stopping:
             print_sample(self.cfg, self.ctx, prompt)
