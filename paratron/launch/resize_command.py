@@ -25,26 +25,21 @@ from paratron.launch.runlock import LOCK_NAME, live_holder
 from paratron.rules import load_config
 
 
-def _degree(text: str) -> int:
-    """``--pipeline``'s value: a whole number of stages, at least one."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be >= 1 (pipeline stages)")
-    return value
+def _at_least(kind: type, minimum: float, unit: str):
+    """An argparse type: a ``kind`` (int or float) of at least ``minimum``, named by ``unit``."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value:g} must be >= {minimum:g} ({unit})")
+        return value
+    return parse
 
 
-def _seconds(text: str) -> float:
-    """``--wait``'s value: seconds, at least 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value:g} must be >= 0 (seconds; 0: do not wait)")
-    return value
+_degree = _at_least(int, 1, "pipeline stages")
+_seconds = _at_least(float, 0, "seconds; 0: do not wait")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
