@@ -285,3 +285,20 @@ def test_a_spare_standing_by_leaves_with_exit_0_on_a_stop_signal():
     timer.join()
     assert ended.value.code == 0
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+@pytest.mark.parametrize("overrides, world, says", [
+    (["train.elastic_spares=2"], 4, "train.elastic_spares=2 needs train.elastic_relayout=true"),
+    (["train.elastic_spares=-1"], 4, "train.elastic_spares=-1 must be >= 0"),
+    (["train.elastic_spares=3", "train.elastic_relayout=true", "parallel.pipeline=2"], 4,
+     "(world size 1: the launch's 4 ranks less train.elastic_spares=3)"),
+])
+def test_spare_rules_name_the_rule_that_is_broken(overrides, world, says):
+    """One message had said "must be >= 0, and needs train.elastic_relayout=true" for either
+    fault, and a layout error at the training world did not say that the spares were taken off."""
+    from paratron.config import ConfigError
+    from paratron.rules import build_config, validate
+
+    with pytest.raises(ConfigError) as e:
+        validate(build_config(None, overrides), world)
+    assert says in str(e.value), str(e.value)

@@ -46,18 +46,26 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     Raises:
         ConfigError: the first rule broken, naming field, value and rule.
     """
-    world_size = _training_world(cfg, world_size)
+    training = _training_world(cfg, world_size)
     for rule in VALIDATORS:
-        rule(cfg, world_size)
+        try:
+            rule(cfg, training)
+        except ConfigError as e:
+            if training == world_size or f"world size {training}" not in str(e):
+                raise
+            raise ConfigError(f"{e} (world size {training}: the launch's {world_size} ranks less "
+                              f"train.elastic_spares={cfg.train.elastic_spares})") from None
     return cfg
 
 
 def _training_world(cfg: Config, world_size: int | None) -> int | None:
     """The ranks that train at the start: the launch's less the elastic spares."""
     t = cfg.train
-    if t.elastic_spares < 0 or (t.elastic_spares and not t.elastic_relayout):
-        raise ConfigError(f"train.elastic_spares={t.elastic_spares} must be >= 0, and needs "
-                          "train.elastic_relayout=true (the spares join at a re-layout)")
+    if t.elastic_spares < 0:
+        raise ConfigError(f"train.elastic_spares={t.elastic_spares} must be >= 0")
+    if t.elastic_spares and not t.elastic_relayout:
+        raise ConfigError(f"train.elastic_spares={t.elastic_spares} needs train.elastic_relayout=true "
+                          "(the spares join at a re-layout)")
     if world_size is None or not t.elastic_spares:
         return world_size
     if t.elastic_spares >= world_size:
