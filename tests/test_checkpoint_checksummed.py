@@ -217,3 +217,45 @@ def test_a_nan_on_another_rank_is_refused_on_every_rank_and_nothing_is_committed
         assert error is not None and "refusing to save step 2: model/w2 holds an inf or NaN on rank 1" in error, error
         assert names == ["latest", "step_1"], names
         assert latest == "step_1"
+
+
+def _save_failing_on_rank_1(root: str, phase: str):
+    """Step 1 saved; step 2 with rank 1 failing in ``phase`` ("plan" or "write"): this rank's
+    error (or None), what the root holds, and ``latest``."""
+    from paratron.checkpoint.checksummed import ChecksummingWriter
+    from paratron.checkpoint.dcp_planners import ChunkSavePlanner
+
+    ctx = ParallelContext.build()
+    m = _sharded(ctx.rank, ctx.world_size, seed=3)
+    cfg = Config()
+    cfg.checkpoint.save = root
+    mgr = CheckpointManager(cfg.checkpoint, ctx, cfg)
+    mgr.save(1, [m], None, None, {})
+    mgr.wait()
+    if ctx.rank == 1:
+        def fail(*args, **kwargs):
+            raise OSError(f"injected {phase} failure")
+        if phase == "plan":
+            ChunkSavePlanner.create_local_plan = fail
+        else:
+            ChecksummingWriter.write_data = fail
+    try:
+        mgr.save(2, [m], None, None, {})
+        error = None
+    except CheckpointError as e:
+        error = str(e)
+    mgr.wait()
+    ctx.world.barrier()
+    return error, sorted(p.name for p in Path(root).iterdir()), (Path(root) / "latest").read_text().strip()
+
+
+@pytest.mark.parametrize("phase", ["plan", "write"])
+def test_a_rank_failing_to_plan_or_write_fails_the_save_on_every_rank(tmp_path, phase):
+    """The save's collective rounds (``dcp_save.collective_save``: one all-gather of the plans,
+    the results gathered, one broadcast of the outcome): a failure on rank 1 in either round
+    reaches every rank as the same error naming rank 1, nothing hangs, and nothing is committed."""
+    out = run_ranks(_save_failing_on_rank_1, 2, str(tmp_path / "ck"), phase, timeout=240)
+    for error, names, latest in out:
+        assert error is not None and f"on rank 1: OSError: injected {phase} failure" in error, error
+        assert names == ["latest", "step_1"], names
+        assert latest == "step_1"

@@ -128,3 +128,23 @@ def test_loss_scaler_counters_survive_a_checkpoint(tmp_path):
     chunks, fresh = build()
     CheckpointManager(CheckpointConfig(load=str(tmp_path)), ctx, cfg).load(chunks, fresh, None)
     assert (fresh.scaler.scale, fresh.scaler.growth_tracker, fresh.scaler.hysteresis_tracker) == (512.0, 7, 1)
+
+
+def test_a_replaced_rank_0_writes_the_step_record_its_predecessor_missed(tmp_path):
+    """Rank 0 killed after a step's commit point but before its metrics line: the survivors went
+    on from that step, and ``metrics.jsonl`` had no record of it (seen as a missing iteration 2).
+    The replacement writes the survivors' record of the step, once, and never over one there."""
+    from paratron.training.metrics import METRICS, MetricsWriter, read_metrics
+
+    w = MetricsWriter(tmp_path, True, False)
+    w.start(0)
+    w.write({"iteration": 1, "loss": 6.2})
+    w.close()
+    w = MetricsWriter(tmp_path, True, False)  # the replacement, at iteration 2
+    w.start(2)
+    assert w.write_if_missing({"iteration": 2, "loss": 6.1})
+    assert not w.write_if_missing({"iteration": 2, "loss": 6.1})
+    assert not w.write_if_missing({"iteration": 1, "loss": 9.9})
+    w.close()
+    assert [(r["iteration"], r["loss"]) for r in read_metrics(tmp_path / METRICS)] == [(1, 6.2), (2, 6.1)]
+    assert not MetricsWriter(tmp_path, False, False).write_if_missing({"iteration": 3, "loss": 6.0})

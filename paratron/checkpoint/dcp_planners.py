@@ -53,9 +53,10 @@ class ChunkSavePlanner(SavePlanner):
 
     With ``space_root``, each rank's local plan carries the free bytes under it, and the
     coordinator refuses the save (on every rank, before anything is written) when any rank has
-    less than the whole checkpoint's tensors take (each key's full tensor once); the plans it
-    sends back carry that size (:attr:`needed`), for full-disk messages. This rides on DCP's own
-    planning round trip: no collective of ours.
+    less than the whole checkpoint's tensors take (each key's full tensor once); the final plans
+    carry that size (:attr:`needed`), for full-disk messages. This rides on the save's planning
+    round (``dcp_save.py``: every rank computes the global plan from all the local plans, so every
+    rank refuses alike): no collective of its own.
 
     Attributes:
         needed: after planning, the bytes of the checkpoint's tensors (None without ``space_root``).

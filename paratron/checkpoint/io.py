@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -33,6 +34,7 @@ from paratron.config import from_dict, to_toml
 
 from . import integrity, storage
 from .checksummed import ChecksummingWriter
+from .dcp_save import collective_save
 from .items import MODEL_PREFIX, CheckpointError, StateItems, full_items, model_items
 from .legacy import adapt_items, fuse_full
 from .dcp_planners import ChunkLoadPlanner, ChunkSavePlanner
@@ -125,8 +127,10 @@ def write_items(directory: str | os.PathLike, items: StateItems, *, process_grou
         # DCP warns that it assumes a single process when asked for no_dist; that is the intent.
         warnings.simplefilter("ignore", UserWarning)
         try:
-            dcp.save({}, storage_writer=writer, planner=planner, process_group=process_group,
-                     no_dist=single_process)
+            if single_process:
+                dcp.save({}, storage_writer=writer, planner=planner, no_dist=True)
+            else:  # DCP's protocol in fewer collective rounds (dcp_save.py)
+                collective_save(planner, writer, process_group or dist.group.WORLD)
         except CheckpointException as e:
             raise _unwrap(e, f"{directory}: saving failed", (where, planner.needed)) from None
         except OSError as e:  # a single-process save raises the OS error itself

@@ -47,6 +47,9 @@ def replace_rank(trainer: Trainer) -> int:
     moved = take_over(trainer)
     trainer.membership.mark_ready()
     trainer.writer.start(trainer.state.iteration)  # rank 0: lines after the step go to the superseded file
+    last = trainer.handed_step_record
+    if last is not None and last.get("iteration") == trainer.state.iteration:
+        trainer.writer.write_if_missing(last)  # a rank 0 dead after the step's commit point, before its line
     trainer.clock.reported = True  # the job's start-up record was written before this process joined
     log(trainer.ctx, f"rank {trainer.ctx.rank} replaced: {moved:,} elements of params and optimizer state "
                      f"received, going on from iteration {trainer.state.iteration}")

@@ -173,6 +173,16 @@ class MetricsWriter:
         os.replace(tmp, path)
         return len(lines) - cut
 
+    def write_if_missing(self, record: dict) -> bool:
+        """Write the step ``record`` unless ``metrics.jsonl`` holds one of its iteration (a
+        replaced rank 0 writes the record its dead predecessor may have missed: it died after the
+        step's commit point, before its line). True when written (on rank 0)."""
+        if not self.enabled or any(r.get("iteration") == record.get("iteration") and "loss" in r
+                                   for r in read_metrics(self.run_dir / METRICS)):
+            return False
+        self.write(record)
+        return True
+
     def write(self, record: dict) -> None:
         if not self.enabled:
             return

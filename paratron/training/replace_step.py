@@ -31,8 +31,9 @@ error for its own (the launcher sees a death within a poll, 0.1 s; the margin is
 
 def _handover(trainer) -> dict:
     """What a survivor hands to the replacement (and checks against the other survivors)."""
+    last_step = next((r for r in reversed(trainer.state.metrics) if "loss" in r), None)
     return {**carried(trainer), "streams": rng.capture(trainer.chunks), "coords": trainer.ctx.grid.coords(trainer.ctx.rank),
-            "boundary_pending": trainer.boundary_pending}
+            "boundary_pending": trainer.boundary_pending, "last_step": last_step}
 
 
 def _same_place(a: dict, b: dict) -> bool:
@@ -90,6 +91,7 @@ def take_over(trainer) -> int:
     trainer.state.dp_microbatches = src["dp_microbatches"]
     trainer.boundary_pending = pending_boundary(got)
     trainer.adopt(src["scalar"], src["scheduler"], src["streams"])
+    trainer.handed_step_record = src["last_step"]  # rank 0's line of that step may be missing
     return moved
 
 

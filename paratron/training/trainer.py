@@ -128,6 +128,7 @@ class Trainer:
         self.elastic = None  # the ElasticSession of an elastic run (paratron.elastic.regrid)
         self.left = False  # this rank left the job at a pipeline shrink
         self.membership = None  # the elastic launch's Membership (train.replace_dead_ranks)
+        self.handed_step_record = None  # a replacement: the survivors' record of the last step
         self.boundary_pending = False  # a step is done and its step boundary not yet (a death may split them)
         self.recovered = None  # the failure record of a rank replaced since the last completed step
 
