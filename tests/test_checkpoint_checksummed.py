@@ -185,9 +185,13 @@ def test_a_load_reads_payload_bytes_straight_into_the_tensors(tmp_path, monkeypa
     assert sorted(where) == ["meta"] * 3, where
 
 
-def _save_with_a_nan_on_rank_1(root: str):
-    """Save step 1, then step 2 with a NaN in rank 1's block of ``w2``; the second save's error
-    on this rank (or None), what the root holds, and ``latest``."""
+def _second_save_spoiled_on_rank_1(root: str, how: str):
+    """Save step 1, then step 2 with rank 1 spoiled by ``how``: "nan" (a NaN in its block of
+    ``w2``), "plan" or "write" (an OSError in that phase); the second save's error on this rank
+    (or None), what the root holds, and ``latest``."""
+    from paratron.checkpoint.checksummed import ChecksummingWriter
+    from paratron.checkpoint.dcp_planners import ChunkSavePlanner
+
     ctx = ParallelContext.build()
     m = _sharded(ctx.rank, ctx.world_size, seed=3)
     cfg = Config()
@@ -196,8 +200,15 @@ def _save_with_a_nan_on_rank_1(root: str):
     mgr.save(1, [m], None, None, {})
     mgr.wait()
     if ctx.rank == 1:
-        with torch.no_grad():
-            m.w2[5, 7] = float("nan")
+        def fail(*args, **kwargs):
+            raise OSError(f"injected {how} failure")
+        if how == "nan":
+            with torch.no_grad():
+                m.w2[5, 7] = float("nan")
+        elif how == "plan":
+            ChunkSavePlanner.create_local_plan = fail
+        else:
+            ChecksummingWriter.write_data = fail
     try:
         mgr.save(2, [m], None, None, {})
         error = None
@@ -212,41 +223,11 @@ def test_a_nan_on_another_rank_is_refused_on_every_rank_and_nothing_is_committed
     """The inf/NaN scan runs while the payloads are fsynced and travels with DCP's write results:
     a NaN on rank 1 fails the save on both ranks with the same message naming rank 1 and the
     tensor, and leaves neither a step_2 nor a temporary directory; ``latest`` stays on step 1."""
-    out = run_ranks(_save_with_a_nan_on_rank_1, 2, str(tmp_path / "ck"), timeout=240)
+    out = run_ranks(_second_save_spoiled_on_rank_1, 2, str(tmp_path / "ck"), "nan", timeout=240)
     for error, names, latest in out:
         assert error is not None and "refusing to save step 2: model/w2 holds an inf or NaN on rank 1" in error, error
         assert names == ["latest", "step_1"], names
         assert latest == "step_1"
-
-
-def _save_failing_on_rank_1(root: str, phase: str):
-    """Step 1 saved; step 2 with rank 1 failing in ``phase`` ("plan" or "write"): this rank's
-    error (or None), what the root holds, and ``latest``."""
-    from paratron.checkpoint.checksummed import ChecksummingWriter
-    from paratron.checkpoint.dcp_planners import ChunkSavePlanner
-
-    ctx = ParallelContext.build()
-    m = _sharded(ctx.rank, ctx.world_size, seed=3)
-    cfg = Config()
-    cfg.checkpoint.save = root
-    mgr = CheckpointManager(cfg.checkpoint, ctx, cfg)
-    mgr.save(1, [m], None, None, {})
-    mgr.wait()
-    if ctx.rank == 1:
-        def fail(*args, **kwargs):
-            raise OSError(f"injected {phase} failure")
-        if phase == "plan":
-            ChunkSavePlanner.create_local_plan = fail
-        else:
-            ChecksummingWriter.write_data = fail
-    try:
-        mgr.save(2, [m], None, None, {})
-        error = None
-    except CheckpointError as e:
-        error = str(e)
-    mgr.wait()
-    ctx.world.barrier()
-    return error, sorted(p.name for p in Path(root).iterdir()), (Path(root) / "latest").read_text().strip()
 
 
 @pytest.mark.parametrize("phase", ["plan", "write"])
@@ -254,7 +235,7 @@ def test_a_rank_failing_to_plan_or_write_fails_the_save_on_every_rank(tmp_path, 
     """The save's collective rounds (``dcp_save.collective_save``: one all-gather of the plans,
     the results gathered, one broadcast of the outcome): a failure on rank 1 in either round
     reaches every rank as the same error naming rank 1, nothing hangs, and nothing is committed."""
-    out = run_ranks(_save_failing_on_rank_1, 2, str(tmp_path / "ck"), phase, timeout=240)
+    out = run_ranks(_second_save_spoiled_on_rank_1, 2, str(tmp_path / "ck"), phase, timeout=240)
     for error, names, latest in out:
         assert error is not None and f"on rank 1: OSError: injected {phase} failure" in error, error
         assert names == ["latest", "step_1"], names
