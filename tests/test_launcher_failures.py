@@ -279,6 +279,13 @@ def test_watchdog_reasons_and_dump(tmp_path):
     wd.longest_step_s = 100.0  # ... and never longer than the hang timeout
     assert wd.term_grace_s() == 30
     wd.longest_step_s = 0.0
+    state = _State(tmp_path)
+    for took in (50.0, 3.0):  # the first step (warm-up, compile) is not counted
+        wd.on_step_start(state)
+        wd._step_started -= took
+        wd.on_step_end(state, {}, {})
+    assert 3.0 <= wd.longest_step_s < 4.0, wd.longest_step_s
+    wd.longest_step_s = 0.0
     wd._signalled_at = None
     e.start = now - 31
     assert wd.check(now) == "hang"

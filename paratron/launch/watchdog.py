@@ -21,8 +21,8 @@ list) when ``parallel.hang_timeout_s > 0`` and the world has more than one rank.
   handlers only between bytecodes, so a rank stuck in C++ would never see its SIGTERM. The
   watchdog registers a wakeup fd (``signal.set_wakeup_fd``) and learns of SIGTERM/SIGINT even
   then. After one, an op pending for longer than the grace (:meth:`HangWatchdog.term_grace_s`:
-  :data:`TERM_GRACE_S`, or twice the longest step so far when that is longer, at most the hang
-  timeout) ends the rank (exit 143); a second signal ends it at once. A rank that is not blocked
+  :data:`TERM_GRACE_S`, or twice the longest step so far, the first one aside, when that is
+  longer; at most the hang timeout) ends the rank (exit 143); a second signal ends it at once. A rank that is not blocked
   stops after its step as before: with long steps a pipeline stage waits in a receive for most of
   one, and a fixed few seconds would end it, unsaved, on the stop request it was about to honour.
 
@@ -82,6 +82,7 @@ class HangWatchdog(Callback):
         self._signalled_at: float | None = None
         self._started = 0.0
         self._step_started: float | None = None
+        self._steps_timed = 0
         self.longest_step_s = 0.0
         self.fired: str | None = None
 
@@ -105,8 +106,9 @@ class HangWatchdog(Callback):
 
     def on_step_end(self, state, metrics, timings) -> None:
         self.recorder.close_all()  # the step waited for every op it issued
-        if self._step_started is not None:
+        if self._step_started is not None and self._steps_timed:  # the first step (warm-up, compile) aside
             self.longest_step_s = max(self.longest_step_s, time.time() - self._step_started)
+        self._steps_timed += 1
 
     def term_grace_s(self) -> float:
         """Seconds an op may stay pending after a SIGTERM/SIGINT before the rank is ended."""
