@@ -332,3 +332,22 @@ def test_a_peer_dying_in_the_end_of_run_sample_does_not_fail_a_finished_job():
     me.membership = None
     with pytest.raises(RuntimeError, match="closed by peer"):
         Trainer.report(me)
+
+
+@pytest.mark.timeout(120)
+def test_a_death_after_the_training_ended_is_not_replaced(tmp_path, capsys):
+    """Rank 1 killed after the ranks' training loops ended (in the end-of-run sample, say): the
+    launcher used to announce a replacement that never came; now it says the training had ended
+    and lets the other ranks finish (exit 0), starting no new process."""
+    cfg = load_config(None, ["parallel.timeout_s=60"])
+    body = (_READY.replace("; ", "\n") +
+            "\nfrom paratron.elastic.replace import TRAINED_KEY\n"
+            "TCPStore('127.0.0.1', int(os.environ['MASTER_PORT']), is_master=False).set(TRAINED_KEY, '1')\n"
+            "if os.environ['RANK'] == '1': os.kill(os.getpid(), signal.SIGKILL)\n"
+            "time.sleep(2)\n")
+    launch = elastic.ElasticLaunch(_fake_ranks(body), 2, tmp_path / "run", cfg)
+    assert launch.run() == 0
+    err = capsys.readouterr().err
+    assert "died by SIGKILL after the training had ended" in err and "not replaced" in err, err
+    assert "replacing it in place" not in err and "restarting" not in err, err
+    assert launch.generation == 0, launch.generation

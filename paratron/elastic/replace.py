@@ -86,6 +86,11 @@ def ready_key(pid: int) -> str:
     return f"{KEYS}ready/{int(pid)}"
 
 
+TRAINED_KEY = f"{KEYS}trained"
+"""Set by a rank whose training loop has ended (its last step, and save, done): a death from then
+on ends no step, so nothing is replaced or restarted; the other ranks finish the job."""
+
+
 def failure_record(mode: str, dead: int, pid: int, generation: int, reason: str) -> bytes:
     """What the launcher writes under :func:`failed_key`: ``mode`` "replace" or "restart", the dead
     rank and its pid, the next ``generation``, the ``reason`` of the decision, and ``detected``
@@ -146,6 +151,10 @@ class Membership:
     def mark_ready(self) -> None:
         """This process holds its trainer's whole state (:func:`ready_key`)."""
         self.store.set(ready_key(os.getpid()), "1")
+
+    def mark_trained(self) -> None:
+        """This rank's training loop has ended (:data:`TRAINED_KEY`)."""
+        self.store.set(TRAINED_KEY, "1")
 
     def failure(self, wait_s: float) -> dict | None:
         """The failure record of this generation, waiting up to ``wait_s`` for the launcher to

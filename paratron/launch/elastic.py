@@ -27,6 +27,8 @@ gets ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT`` (the store) and
 
 * a rank dies during start-up, before every rank has built its trainer (the others may wait in
   the first rendezvous, at no step a replacement could join): every rank restarts;
+* a rank dies after the training has ended (a rank set ``TRAINED_KEY``: its last step and save
+  are done): nothing is replaced or restarted, the others finish the job;
 * a second rank dies before the first one's replacement has joined (both DP replicas of a stage,
   say): no survivor is sure to hold their state, so every rank restarts (from the last checkpoint
   when there is one); after :data:`MAX_RESTARTS` restarts the job fails rather than loop.
@@ -49,8 +51,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from paratron.elastic.replace import (ELASTIC_ENV, GENERATION_ENV, REPLACES_ENV, failed_key, failure_record,
-                                      lost_key, plan_for_death, ready_key)
+from paratron.elastic.replace import (ELASTIC_ENV, GENERATION_ENV, REPLACES_ENV, TRAINED_KEY, failed_key,
+                                      failure_record, lost_key, plan_for_death, ready_key)
 from paratron.launch.failures import collect, summarize
 from paratron.launch.launch import POLL_S, prepare_run_dir
 from paratron.launch.mode import LOG_DIR_ENV
@@ -112,7 +114,7 @@ class ElasticLaunch:
                 time.sleep(POLL_S)
                 codes = {r: p.poll() for r, p in self.procs.items()}
                 if all(c == 0 for r, c in codes.items() if r != self.pending):
-                    if self.pending is not None:
+                    if self.pending is not None and not self.store.check([TRAINED_KEY]):
                         say(f"rank {self.pending} died after the job's last collective: the other ranks "
                             "finished; nothing to redo")
                     return 0
@@ -146,6 +148,12 @@ class ElasticLaunch:
     def on_death(self, rank: int, signum: int) -> bool:
         """One rank died by ``signum``: replace it, or restart every rank (module docstring).
         Returns True when the restarts are used up (the job must fail)."""
+        what = f"rank {rank} (pid {self.procs[rank].pid}) died by {signal.Signals(signum).name}"
+        if self.store.check([TRAINED_KEY]):  # no step left to redo: the others finish the job
+            say(f"{what} after the training had ended (the last step and save done): not replaced; the other "
+                "ranks finish the job")
+            self.pending = rank
+            return False
         mode, why = plan_for_death(self.cfg, self.world)
         if not self.replace:
             mode, why = "restart", "replacement is off for this launch"
@@ -163,7 +171,6 @@ class ElasticLaunch:
         self.events.append({"mode": mode, "rank": rank, "pid": pid, "detected": time.time(),
                             "generation": self.generation + 1})
         self.generation += 1
-        what = f"rank {rank} (pid {pid}) died by {signal.Signals(signum).name}"
         if mode == "replace":
             self.pending = rank
             say(f"{what}: {why}; replacing it in place (generation {self.generation}); the other ranks "

@@ -161,6 +161,8 @@ class Trainer:
                     log(self.ctx, f"stop requested: saved and exiting at iteration {self.state.iteration}")
                 if self.ckpt is not None:
                     self.ckpt.wait()
+                if self.membership is not None:  # a death from now on ends no step (elastic launch)
+                    self.membership.mark_trained()
                 self.callbacks.on_train_end(self.state)
             except BaseException as exc:
                 self.on_exception(exc)
