@@ -151,6 +151,7 @@ def check_replaced(tmp_path, tiny_corpus, extra: list[str], world: int) -> None:
         assert torch.equal(got[k], reference[k]), f"final param {k} differs from the uninterrupted run"
     rec = [m for m in metrics(run_dir) if m.get("record") == "rank_replaced"]
     assert len(rec) == 1 and rec[0]["dead_rank"] == kill["rank"], rec
+    assert rec[0]["regroup_s"] is not None and rec[0]["regroup_s"] >= 0, rec  # was null when rank 0 died
     kill_to_step = rec[0]["step_done_at"] - float((run_dir / "kill_time").read_text())
     print(f"kill to next completed step: {kill_to_step:.2f} s (detected to step {rec[0]['detect_to_step_s']:.2f} s)")
     assert kill_to_step > 0

@@ -9,6 +9,7 @@ the step; the last checkpoint is left as it was.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -44,7 +45,9 @@ def builtin_callbacks(cfg: Config, ctx, state) -> list:
 def replace_rank(trainer: Trainer) -> int:
     """A replacement process: take over the dead rank's state from its DP replica, then train
     on from the survivors' step (:func:`paratron.elastic.replace.take_over`)."""
+    t0 = time.perf_counter()
     moved = take_over(trainer)
+    trainer.recovered["rejoin_s"] = time.perf_counter() - t0  # a replaced rank 0's record: its side of the regroup
     trainer.membership.mark_ready()
     trainer.writer.start(trainer.state.iteration)  # rank 0: lines after the step go to the superseded file
     last = trainer.handed_step_record
