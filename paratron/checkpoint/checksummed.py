@@ -55,25 +55,36 @@ PAYLOAD_SUFFIX = ".distcp"
 FILES_PER_RANK = 2  # payload files each rank writes at once, on a thread each (the best raw write's shape)
 
 
-class _Syncing:
-    """A written payload's fsync, running on a thread of its own (the call releases the GIL, so
-    the checksums and the inf/NaN scan run meanwhile); :meth:`join` waits for it and closes the
-    file."""
+class _Writing:
+    """A payload written and then fsynced on a thread of its own (both calls release the GIL, so
+    the checksums and the inf/NaN scan of a written file run while the files are synced, and each
+    file's fsync starts as soon as its own write ends). :meth:`written` waits for the write,
+    :meth:`join` for the fsync, and closes the file; each re-raises the thread's error."""
 
     def __init__(self, payload: PayloadFile) -> None:
-        self._payload, self._error = payload, None
-        self._thread = threading.Thread(target=self._run, name="paratron-checkpoint-fsync", daemon=True)
+        self.payload, self._error = payload, None
+        self._written = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="paratron-checkpoint-write", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         try:
-            os.fsync(self._payload.fd)
-        except BaseException as e:  # noqa: BLE001 - re-raised by join(), on the writing thread
+            self.payload.flush()
+            self._written.set()
+            os.fsync(self.payload.fd)
+        except BaseException as e:  # noqa: BLE001 - re-raised on the saving thread
             self._error = e
+        finally:
+            self._written.set()
+
+    def written(self) -> None:
+        self._written.wait()
+        if self._error is not None:
+            raise self._error
 
     def join(self) -> None:
         self._thread.join()
-        self._payload.close()
+        self.payload.close()
         if self._error is not None:
             raise self._error
 
@@ -151,27 +162,23 @@ class ChecksummingWriter(FileSystemWriter):
                 name = f"{plan.storage_data.prefix}{i}{PAYLOAD_SUFFIX}"
                 payloads.append(PayloadFile(Path(self.path) / name, name, self._templates))
                 results += payloads[-1].add(bucket, planner)
-            if len(payloads) == 1:
-                payloads[0].flush()
-            else:
-                with ThreadPoolExecutor(len(payloads)) as pool:
-                    list(pool.map(PayloadFile.flush, payloads))
         except BaseException:
             for p in payloads:
                 p.close()
             raise
-        syncing = [_Syncing(p) for p in payloads]
+        writing = [_Writing(p) for p in payloads]
         bad = []
-        try:  # while the payloads' fsyncs run
-            for p in payloads:
-                crc, found = p.scan(integrity.BLOCK, check_finite=self._step is not None)
-                self.sums[p.name] = crc.entry()
+        try:  # each file scanned once written, while the files are written and synced
+            for w in writing:
+                w.written()
+                crc, found = w.payload.scan(integrity.BLOCK, check_finite=self._step is not None)
+                self.sums[w.payload.name] = crc.entry()
                 bad += [found] if found is not None else []
         finally:
             errors = []
-            for s in syncing:
+            for w in writing:
                 try:
-                    s.join()
+                    w.join()
                 except BaseException as e:  # noqa: BLE001 - the first is re-raised below
                     errors.append(e)
             if errors:
