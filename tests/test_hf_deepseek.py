@@ -124,7 +124,6 @@ def test_unsupported_named():
 def _train_converted(path, pp: int, ep: int) -> list[tuple[float, float]]:
     """A converted MoE DeepSeek-V3 model with one MTP module added (drawn fresh, layout-free),
     2 AdamW steps on a fixed batch: (LM loss, MTP loss) per step."""
-    from paratron.checkpoint.manager import copy_params_into_main
     from paratron.config import Config
     from paratron.rules import validate
     from paratron.checkpoint.items import iter_params
