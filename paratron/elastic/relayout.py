@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from paratron.checkpoint import rng
+from paratron.checkpoint.io import write_json_atomic
 from paratron.checkpoint.items import MODEL_PREFIX, chunks_from_param, iter_params, merge, model_items, optimizer_items
 from paratron.parallel.params import meta_of
 from paratron.pipeline.partition import stage_layers, stage_sizes
@@ -102,12 +103,6 @@ def agree_on_request(ctx, local: dict | None) -> dict | None:
     return next(r for r in requests if r is not None)
 
 
-def _write_atomic(path: Path, obj: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(obj), encoding="utf-8")
-    tmp.replace(path)  # atomic: the reader never sees half a file
-
-
 def write_request(run_dir: Path, layout: list[int] | None, pipeline: int | None = None,
                   id: str | None = None) -> Path:
     """Drop a re-layout request for the job running in ``run_dir`` (``paratron resize``).
@@ -133,7 +128,7 @@ def write_answer(run_dir: Path | None, req: dict, outcome: str, message: str) ->
     """Rank 0: answer a request that came with an ``id`` (:data:`ANSWER_FILE`); a callback's
     request has none and gets no file."""
     if run_dir is not None and req.get("id"):
-        _write_atomic(Path(run_dir) / ANSWER_FILE, {"id": req["id"], "outcome": outcome, "message": message})
+        write_json_atomic(Path(run_dir) / ANSWER_FILE, {"id": req["id"], "outcome": outcome, "message": message})
 
 
 def read_answer(run_dir: Path, id: str) -> dict | None:

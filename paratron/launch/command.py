@@ -264,12 +264,12 @@ def run(args: argparse.Namespace) -> int:
         with rank_session(), run_locks(run_dir, cfg, take) as refused:
             if refused:
                 return 2
-            if me.mode is not Mode.ALONE:  # a rank: its traceback goes to its log, the launcher sums up
-                return run_training(cfg, run_dir=str(run_dir))
             try:
                 return run_training(cfg, run_dir=str(run_dir))
-            except INPUT_ERRORS as e:  # alone: the one line a launcher would print, not a traceback
-                print(f"paratron train: error: {type(e).__name__}: {e}", file=sys.stderr)
+            except INPUT_ERRORS as e:
+                if me.mode is not Mode.ALONE:  # a rank: its traceback goes to its log, the launcher sums up
+                    raise
+                print(f"paratron train: error: {type(e).__name__}: {e}", file=sys.stderr)  # alone: one line
                 return 1
 
     def prepare(cfg: Config, a: argparse.Namespace) -> None:
