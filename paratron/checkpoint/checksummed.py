@@ -151,9 +151,10 @@ class ChecksummingWriter(FileSystemWriter):
     def write_data(self, plan, planner):
         """Write this rank's payload files ``<prefix><i>.distcp`` (DCP's names, its split of the
         items by size: :data:`FILES_PER_RANK` at most) as
-        :class:`~paratron.checkpoint.payload.PayloadFile` describes, on one thread each; then,
-        while their fsyncs run, their block CRCs from the written buffers and the inf/NaN scan of
-        the written tensors (one pass)."""
+        :class:`~paratron.checkpoint.payload.PayloadFile` describes, each written and then
+        fsynced on a thread of its own (:class:`_Writing`); each file, once written, gets its
+        block CRCs from the written buffers and the inf/NaN scan of its tensors (one pass) while
+        the writes and fsyncs go on."""
         self._planner = planner
         buckets = _split_by_size_and_type(max(1, min(FILES_PER_RANK, len(plan.items))), plan.items)
         payloads, results = [], []
