@@ -52,6 +52,19 @@ def test_rotation_keeps_last_k_and_latest_is_newest(tmp_path):
     assert all(torch.all(v == 5.0) for v in t.values())
 
 
+def test_pruning_leaves_a_later_save_of_this_job_being_written(tmp_path):
+    """Rank 0 prunes in the background after a commit, while the other ranks may already write
+    the next save's tmp dir: that one stays; this job's older tmp dirs and other jobs' go."""
+    cfg, mgr = _saver(tmp_path)
+    root = tmp_path / "ck"
+    pid0, other = os.getpid(), os.getpid() + 1
+    for name in (f"tmp.step_3.{pid0}", f"tmp.step_1.{pid0}", f"tmp.step_9.{other}", "tmp.step_x"):
+        (root / name).mkdir(parents=True)
+    mgr.save(2, _model(cfg), None, None, {"iteration": 2})
+    mgr.wait()
+    assert sorted(os.listdir(root)) == ["latest", "step_2", f"tmp.step_3.{pid0}"]
+
+
 def test_resaving_a_step_replaces_it(tmp_path):
     cfg, mgr = _saver(tmp_path)
     chunks = _model(cfg)

@@ -12,7 +12,7 @@ in memory, never a second read of the file, and the writer hands the manifest en
 (:attr:`sums`).
 
 Load, the usual case (:class:`StreamedFile`): each saved chunk's data is read straight into the
-tensor being loaded; every block the rank needs is read once, ``integrity.SCAN`` bytes at a time
+tensor being loaded; every block the rank needs is read once, ``integrity.READ_SCAN`` bytes at a time
 with ``preadv`` scattering them into their destinations, each piece checksummed just after it is
 read, while in the CPU's cache, and the block's CRC compared with its save-time one (by the
 manifest's algorithm), on reader threads. Where the wanted part of a chunk is not contiguous
@@ -528,7 +528,7 @@ class StreamedFile:
         for k in blocks:
             lo, hi = k * self.block, min((k + 1) * self.block, self.size)
             crc, at = 0, lo
-            for segment in _segments(self._pieces(lo, hi, starts), integrity.SCAN):
+            for segment in _segments(self._pieces(lo, hi, starts), integrity.READ_SCAN):
                 _preadv_all(self.fd, segment, at, lambda end: self._fail(
                     f"ended at byte {end:,} while reading (read by rank {self.rank}); the file is truncated"))
                 for p in segment:  # checksummed just after it is read, while in the CPU's cache
