@@ -212,17 +212,17 @@ def _rank_ledger(zero):
     with ctx.ledger.recording():
         _step(chunks, ctx, opt, step=1)
         padded = sum(b.numel for buf in ddp.buffers for b in buf.buckets) * 4
-        kept = 0  # the unit whose backward runs first stays gathered from its forward on
+        kept = 0  # the units whose backward runs first and second stay gathered from their forward on
         if ddp.param_shards is not None:
             kept = sum(ddp.buffers[i].buckets[k].numel * 4 for units in ddp.param_shards.chunk_units
-                       for u in units if u.backward_first for i, k in u.buckets)
+                       for u in units if u.keep_after_forward for i, k in u.buckets)
         return ctx.ledger.summary(), ctx.dp_cp.size, padded, kept
 
 
 def test_ledger_zero2_and_zero3_against_ddp():
     """One microbatch per step at DP=2: ZeRO-2 moves what DDP's all-reduce moves (reduce-scatter
-    in backward, all-gather after the update) and ZeRO-3 1.5x less the unit kept gathered from
-    its forward to its backward (all-gather in forward, again in backward for every other unit,
+    in backward, all-gather after the update) and ZeRO-3 1.5x less the two units kept gathered from
+    their forward to their backward (all-gather in forward, again in backward for every other unit,
     reduce-scatter): ratio 1.00 against those counts of each run's own padded buckets, and
     against DDP's measured bytes to the padding (< 1e-3)."""
     runs = {z: run_ranks(_rank_ledger, 2, z, timeout=240)[0] for z in (0, 2, 3)}

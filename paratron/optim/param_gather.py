@@ -21,9 +21,11 @@ Hooks on each unit:
 * forward post-hook: hook the unit's output, whose grad arrives just before the unit's backward,
   to free the later units (their backward is complete), gather the unit again and prefetch the
   previous one, so at most two units are gathered at any time; free the unit when
-  ``reshard_after_forward``, except the unit whose backward runs first (the head, or the
-  spanning unit): its backward follows at once, so it stays gathered (as FSDP leaves its root
-  unsharded) unless another forward of the chunk starts first. With ``reshard_after_forward``
+  ``reshard_after_forward``, except the two units whose backward runs first (the head, or the
+  spanning unit, and the last layer): their backward follows at once, so they stay gathered (as
+  FSDP leaves its root unsharded and torchtitan its last block) unless another forward of the
+  chunk starts first. At most two units are still gathered at once in a GPT chunk: the last layer
+  and the head, while the head runs forward and backward. With ``reshard_after_forward``
   false, gathered units stay until :meth:`ParamShards.release_all` at the end of the step's
   backward: one all-gather per unit and step, kept across the microbatches of a pipeline
   schedule.
@@ -69,7 +71,8 @@ class Unit:
     chunk: int = 0
     pos: int = 0
     backward_next: "Unit | None" = None
-    backward_first: bool = False  # its backward runs first in the chunk: kept after forward
+    keep_after_forward: bool = False  # one of the chunk's first two backwards: kept after forward
+    end_order: int = 0  # where its forward ends among the chunk's units (its backward starts in reverse)
     kept: bool = False            # held since its forward, waiting for its backward
 
 
@@ -248,7 +251,7 @@ class ParamShards:
             u.chunk, u.pos = c, pos
             j = by_end.index(u)
             u.backward_next = by_end[j - 1] if j > 0 else None
-            u.backward_first = j == len(by_end) - 1
+            u.keep_after_forward, u.end_order = j >= len(by_end) - 2, j
             u.buckets = sorted({where[id(p)] for p in u.params})
             u.start.register_forward_pre_hook(self._pre_forward_hook(u))
             u.end.register_forward_hook(self._post_forward_hook(u))
@@ -414,7 +417,7 @@ class ParamShards:
                 for y in _grad_tensors(out):
                     y.register_hook(first)
             if self.reshard and not _in_backward():
-                if u.backward_first and torch.is_grad_enabled():
+                if u.keep_after_forward and torch.is_grad_enabled():
                     u.kept = True  # its backward comes next: gathering it again would be waste
                 else:
                     self.release(u)
@@ -431,10 +434,12 @@ class ParamShards:
     def _pre_backward(self, u: Unit) -> None:
         u.kept = False
         if self.reshard:
-            # The grad of u's output is complete, so the backward of every later unit of the
-            # chunk is done: free them before gathering u-1 (their input hooks run after this).
+            # The grad of u's output is complete, so the backward of every unit whose forward
+            # ran wholly after u's is done: free them before gathering the next (their input
+            # hooks run after this). A unit spanning u (started before, ended after) is not.
             for later in self.chunk_units[u.chunk][u.pos + 1:]:
-                self.release(later)
+                if later.end_order > u.end_order:
+                    self.release(later)
         self.hold(u)
         if self.prefetch and u.backward_next is not None:
             for i, k in u.backward_next.buckets:
