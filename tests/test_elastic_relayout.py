@@ -196,6 +196,8 @@ def test_resize_command_checks_then_drops_the_request(tmp_path, capsys):
     (tmp_path / "config.toml").write_text(to_toml(_cfg("train.elastic_relayout=true")), encoding="utf-8")
     assert main(["resize", str(tmp_path), "--layout", "1,2"]) == 2
     assert "sum to model.num_layers=4" in capsys.readouterr().out
+    assert main(["resize", str(tmp_path), "--layout", "-1,5"]) == 2  # the rule, not argparse's "expected one argument"
+    assert "must be non-negative" in capsys.readouterr().out
     assert main(["resize", str(tmp_path), "--layout", "1,3", "--pipeline", "4"]) == 2
     assert "needs parallel.pipeline*virtual_pipeline = 4" in capsys.readouterr().out
     assert not (tmp_path / "relayout_request.json").exists()

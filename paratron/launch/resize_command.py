@@ -54,6 +54,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds to wait for the job's answer (0: send the request and return)")
 
 
+def parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """The command line, with ``--layout -1,5`` read as ``--layout=-1,5``: argparse takes a value
+    that starts with ``-`` and is not one number for an option ("expected one argument"), where
+    the layout rule's own message names what is wrong."""
+    joined, i = [], 0
+    while i < len(argv):
+        if argv[i] == "--layout" and i + 1 < len(argv) and argv[i + 1][:1] == "-" and argv[i + 1][1:2].isdigit():
+            joined.append(f"--layout={argv[i + 1]}")
+            i += 2
+        else:
+            joined.append(argv[i])
+            i += 1
+    return parser.parse_args(joined)
+
+
 def run(args) -> int:
     config = Path(args.run_dir) / "config.toml"
     if not config.is_file():
