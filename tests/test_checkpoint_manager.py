@@ -54,15 +54,17 @@ def test_rotation_keeps_last_k_and_latest_is_newest(tmp_path):
 
 def test_pruning_leaves_a_later_save_of_this_job_being_written(tmp_path):
     """Rank 0 prunes in the background after a commit, while the other ranks may already write
-    the next save's tmp dir: that one stays; this job's older tmp dirs and other jobs' go."""
+    the next save's tmp dir: that one stays; a dead writer's leftovers go."""
     cfg, mgr = _saver(tmp_path)
     root = tmp_path / "ck"
-    pid0, other = os.getpid(), os.getpid() + 1
-    for name in (f"tmp.step_3.{pid0}", f"tmp.step_1.{pid0}", f"tmp.step_9.{other}", "tmp.step_x"):
-        (root / name).mkdir(parents=True)
+    dead = mp.get_context("fork").Process(target=os._exit, args=(0,))
+    dead.start()
+    dead.join()
+    (root / f"tmp.step_3.{os.getpid()}").mkdir(parents=True)  # made after the manager's start-up sweep
+    (root / f"tmp.step_9.{dead.pid}").mkdir()
     mgr.save(2, _model(cfg), None, None, {"iteration": 2})
     mgr.wait()
-    assert sorted(os.listdir(root)) == ["latest", "step_2", f"tmp.step_3.{pid0}"]
+    assert sorted(os.listdir(root)) == ["latest", "step_2", f"tmp.step_3.{os.getpid()}"]
 
 
 def test_resaving_a_step_replaces_it(tmp_path):

@@ -29,7 +29,6 @@ restores the scalars, and the RNG per rank (see :mod:`paratron.checkpoint.rng`).
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import time
 from contextlib import nullcontext
@@ -52,10 +51,6 @@ from .items import (MODEL_PREFIX, CheckpointError, PeerCheckpointError, StateIte
 from .payload import ZipTemplates
 from .plainjson import decode, encode
 from .safety import check_same_base
-
-# A save being written: ``tmp.step_<step>.<pid of rank 0>``, renamed to ``step_<step>`` at its commit.
-TMP_DIR = re.compile(r"^tmp\.step_(\d+)\.(\d+)$")
-
 
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
@@ -312,13 +307,9 @@ class CheckpointManager:
             for _, p in steps[:-k]:
                 if p != keep:
                     shutil.rmtree(p, ignore_errors=True)
-        done = int(STEP_DIR.match(keep.name).group(1))
-        for p in root.glob("tmp.step_*"):
-            m = TMP_DIR.match(p.name)
-            # This job's later saves may already be writing (the other ranks leave the commit's
-            # collective before this runs): only this job's older tmp dirs and other jobs' are stale.
-            if m is None or int(m.group(1)) <= done or int(m.group(2)) != self._pid0:
-                shutil.rmtree(p, ignore_errors=True)
+        # Only leftovers of dead writers: this job's next save may already be writing its tmp
+        # dir (the other ranks leave the commit's collective before this runs).
+        storage.remove_stale_temporaries(root)
 
     # ---- load ------------------------------------------------------------------------------
     def load(self, chunks, optimizer, scheduler) -> dict | None:
