@@ -78,6 +78,32 @@ def test_each_rank_reads_about_its_share_once(tmp_path):
         assert share <= read <= 1.15 * share + 64 * 1024, (r, read, share)
 
 
+def test_block_reader_reads_in_pieces_and_catches_a_flipped_byte(tmp_path, monkeypatch):
+    """The reader of resharded loads (DCP's ``torch.load`` through verified ranges) reads and
+    checksums each block ``READ_SCAN`` bytes at a time: blocks of several pieces, the last one
+    short, read back bitwise at any offset; a flipped byte inside a later piece is refused."""
+    from paratron.checkpoint.checksummed import BlockReader
+
+    monkeypatch.setattr(integrity, "BLOCK", 4096)
+    monkeypatch.setattr(integrity, "READ_SCAN", 1000)  # 4 pieces a block, the last 96 bytes
+    save_model_full(tmp_path / "ck", Config(), {"a": torch.randn(3000, generator=torch.Generator().manual_seed(1))})
+    manifest = json.loads((tmp_path / "ck" / MANIFEST).read_text())
+    algorithm = integrity.manifest_algorithm(manifest, tmp_path / "ck" / MANIFEST)
+    payload = max((tmp_path / "ck").glob("*.distcp"), key=lambda p: p.stat().st_size)
+    data, entry = payload.read_bytes(), manifest[integrity.CHECKSUMS][payload.name]
+    reader = BlockReader(payload, entry, 0, algorithm)
+    for start, n in ((0, len(data)), (4090, 5000), (4096, 4096), (7000, 50)):
+        out = bytearray(n)
+        reader.read_into(start, memoryview(out))
+        assert bytes(out) == data[start:start + n], (start, n)
+    reader.close()
+    payload.write_bytes(data[:6200] + bytes([data[6200] ^ 1]) + data[6201:])  # block 1, its third piece
+    reader = BlockReader(payload, entry, 0, algorithm)
+    with pytest.raises(CheckpointError, match=r"checksum mismatch in bytes 4,096-8,192 \(read by rank 0\)"):
+        reader.read_into(4096, memoryview(bytearray(4096)))
+    reader.close()
+
+
 def test_block_checksums_written_equal_the_files_and_catch_a_flipped_byte(tmp_path, monkeypatch):
     """With small blocks (many per saved chunk, chunks not aligned to them), the checksums the
     writer computed while writing equal those of the files read back; a load is bitwise; one

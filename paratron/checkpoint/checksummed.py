@@ -255,9 +255,7 @@ class BlockReader:
             lo, hi = k * self.block, min((k + 1) * self.block, self.size)
             stop = min(end, hi)
             if pos == lo and stop == hi and k not in self._cache:  # a whole block: straight into out
-                dest = out[pos - start:hi - start]
-                self._read(dest, lo)
-                self._check(k, dest)
+                self._read_verified(k, out[pos - start:hi - start])
             else:
                 out[pos - start:stop - start] = self._cached(k)[pos - lo:stop - lo]
             pos = stop
@@ -269,26 +267,23 @@ class BlockReader:
         if view is None:
             lo = k * self.block
             view = memoryview(bytearray(min(self.block, self.size - lo)))
-            self._read(view, lo)
-            self._check(k, view)
+            self._read_verified(k, view)
             if len(self._cache) >= 3:
                 self._cache.pop(next(iter(self._cache)))  # the least recently used
         self._cache[k] = view  # (re)inserted last: most recently used
         return view
 
-    def _read(self, dest: memoryview, at: int) -> None:
-        got = 0
-        while got < len(dest):
-            n = os.preadv(self._fd, [dest[got:]], at + got)
-            if n == 0:
-                self._fail(f"ended at byte {at + got:,} while reading (read by rank {self.rank}); the file is "
-                           "truncated")
-            got += n
-
-    def _check(self, k: int, data) -> None:
-        if k >= len(self.crcs) or self.algorithm.extend(0, data) != self.crcs[k]:
-            lo = k * self.block
-            self._fail(f"checksum mismatch in bytes {lo:,}-{lo + len(data):,} (read by rank {self.rank}); the file "
+    def _read_verified(self, k: int, dest: memoryview) -> None:
+        """Read block ``k`` into ``dest`` (its length), ``integrity.READ_SCAN`` bytes at a time,
+        each piece checksummed just after it is read, while in the CPU's cache."""
+        lo, crc = k * self.block, 0
+        for a in range(0, len(dest), integrity.READ_SCAN):
+            piece = dest[a:a + integrity.READ_SCAN]
+            _preadv_all(self._fd, [piece], lo + a, lambda end: self._fail(
+                f"ended at byte {end:,} while reading (read by rank {self.rank}); the file is truncated"))
+            crc = self.algorithm.extend(crc, piece)
+        if k >= len(self.crcs) or crc != self.crcs[k]:
+            self._fail(f"checksum mismatch in bytes {lo:,}-{lo + len(dest):,} (read by rank {self.rank}); the file "
                        "is corrupt")
 
     def _fail(self, what: str) -> None:
