@@ -289,7 +289,15 @@ def test_both_replicas_dying_restart_the_job_and_then_fail_instead_of_looping(tm
     """Both DP2 ranks dead at once: the launcher used to take each for the other's pending death,
     replace neither and loop forever (generation 1,000 and more), ignoring SIGTERM."""
     cfg = load_config(None, ["parallel.timeout_s=60"])
-    launch = elastic.ElasticLaunch(_fake_ranks(_READY + "os.kill(os.getpid(), signal.SIGKILL)"), 2,
+    # Each dies only once both have said they are ready, so the launcher always sees two ranks
+    # of a started job die (under load one could otherwise die before the other had started).
+    both_ready = ("import os, signal, time; from torch.distributed import TCPStore\n"
+                  "s = TCPStore('127.0.0.1', int(os.environ['MASTER_PORT']), is_master=False)\n"
+                  "key = 'both_ready_' + os.environ['PARATRON_GENERATION']\n"
+                  "s.add(key, 1)\n"
+                  "while s.add(key, 0) < 2:\n    time.sleep(0.01)\n"
+                  "os.kill(os.getpid(), signal.SIGKILL)\n")
+    launch = elastic.ElasticLaunch(_fake_ranks(_READY.replace("; ", "\n") + "\n" + both_ready), 2,
                                    tmp_path / "run", cfg)
     assert launch.run() == 1
     err = capsys.readouterr().err

@@ -11,6 +11,13 @@ communication with compute records both (:mod:`paratron.parallel.intervals`).
 Groups of size 1 short-circuit: their collectives return the input without calling
 ``torch.distributed``, so model code written for N ranks runs unchanged on one process.
 
+On the CPU (gloo) the all-gathers and SUM reduce-scatters run as one ``all_to_all_single`` each
+(plus, for the reduce-scatter, a local sum of the ``size`` received slices): gloo's own
+reduce-scatter took 2-7x and its all-gather up to 2x the time of the exchange of the same bytes
+(``benchmarks/README.md``, "ZeRO-3 ... gloo's collectives"), and every DP/ZeRO, TP/SP and CP
+collective here is one of these. Other devices (NCCL, the fake backend of ``paratron dryrun`` on
+``meta``) get the native collectives. The ledger and the flight recorder see the logical op.
+
 Devices: a group's collectives take tensors on the group's ``device`` (the context's device:
 ``cuda:N`` under NCCL) and raise ``ValueError`` otherwise, on every group size, so a CPU run
 catches a tensor that NCCL would reject. Control traffic that belongs on the host (the stop
@@ -96,6 +103,52 @@ def _same_device(actual: torch.device, expected: torch.device) -> bool:
 
 
 HOST = torch.device("cpu")
+
+
+def _exchanged(device: torch.device) -> bool:
+    """Whether all-gathers and SUM reduce-scatters on ``device`` run as all-to-alls (gloo: see the
+    module docstring)."""
+    return device.type == "cpu"
+
+
+def _gather_by_exchange(out: torch.Tensor, t: torch.Tensor, size: int, pg, async_op: bool):
+    """All-gather flat ``t`` into ``out`` as one all-to-all: every peer is sent the same ``t``."""
+    return dist.all_to_all_single(out.view(-1), t.reshape(-1).repeat(size), group=pg, async_op=async_op)
+
+
+class _SummedOnWait:
+    """Work handle of a reduce-scatter run as an all-to-all: :meth:`wait` waits for the exchange,
+    then sums the ``n`` received slices (``[n, out.numel()]``, in group-rank order) into ``out``."""
+
+    def __init__(self, work, recv: torch.Tensor, out: torch.Tensor, n: int) -> None:
+        self._work, self._recv, self._out, self._n = work, recv, out, n
+
+    def wait(self, timeout=None) -> bool:
+        if self._recv is not None:
+            if self._work is not None:
+                self._work.wait()
+            torch.sum(self._recv.view(self._n, -1), 0, out=self._out.view(-1))
+            self._work = self._recv = None
+        return True
+
+    def is_completed(self) -> bool:
+        return self._work is None or self._work.is_completed()
+
+    def get_future(self):
+        if self._work is None:
+            raise RuntimeError("the exchange has completed")
+        return self._work.get_future()
+
+
+def _scatter_by_exchange(out: torch.Tensor, t: torch.Tensor, size: int, pg, async_op: bool):
+    """Reduce-scatter (SUM) flat ``t`` into ``out`` as one all-to-all and a local sum."""
+    recv = torch.empty(t.numel(), dtype=t.dtype, device=t.device)
+    work = dist.all_to_all_single(recv, t.reshape(-1), group=pg, async_op=async_op)
+    handle = _SummedOnWait(work, recv, out, size)
+    if not async_op:
+        handle.wait()
+        return None
+    return handle
 
 
 class GroupNotCreated(RuntimeError):
@@ -199,7 +252,10 @@ class Group:
         moved = t.movedim(dim, 0).contiguous() if dim else t.contiguous()
         out = torch.empty((self.size * moved.shape[0],) + tuple(moved.shape[1:]), dtype=t.dtype, device=t.device)
         e = self._begin("all_gather", t)
-        self._end(e, dist.all_gather_single(out, moved, group=pg))
+        if _exchanged(t.device):
+            self._end(e, _gather_by_exchange(out, moved, self.size, pg, False))
+        else:
+            self._end(e, dist.all_gather_single(out, moved, group=pg))
         return out.movedim(0, dim).contiguous() if dim else out
 
     def all_gather_into(self, out: torch.Tensor, t: torch.Tensor, async_op: bool = False):
@@ -212,6 +268,8 @@ class Group:
         pg = self._handle("all_gather")
         self.ledger.record("all_gather", self.name, _nbytes(t))
         e = self._begin("all_gather", t)
+        if _exchanged(t.device):
+            return self._end(e, _gather_by_exchange(out, t, self.size, pg, async_op))
         return self._end(e, dist.all_gather_single(out, t, group=pg, async_op=async_op))
 
     def reduce_scatter(self, t: torch.Tensor, dim: int = 0) -> torch.Tensor:
@@ -224,7 +282,10 @@ class Group:
         moved = t.movedim(dim, 0).contiguous() if dim else t.contiguous()
         out = torch.empty((moved.shape[0] // self.size,) + tuple(moved.shape[1:]), dtype=t.dtype, device=t.device)
         e = self._begin("reduce_scatter", t, dist.ReduceOp.SUM)
-        self._end(e, dist.reduce_scatter_single(out, moved, group=pg))
+        if _exchanged(t.device):
+            self._end(e, _scatter_by_exchange(out, moved, self.size, pg, False))
+        else:
+            self._end(e, dist.reduce_scatter_single(out, moved, group=pg))
         return out.movedim(0, dim).contiguous() if dim else out
 
     def reduce_scatter_into(self, out: torch.Tensor, t: torch.Tensor, op=dist.ReduceOp.SUM,
@@ -238,6 +299,8 @@ class Group:
         pg = self._handle("reduce_scatter")
         self.ledger.record("reduce_scatter", self.name, _nbytes(t))
         e = self._begin("reduce_scatter", t, op)
+        if _exchanged(t.device) and op == dist.ReduceOp.SUM:
+            return self._end(e, _scatter_by_exchange(out, t, self.size, pg, async_op))
         return self._end(e, dist.reduce_scatter_single(out, t, op=op, group=pg, async_op=async_op))
 
     def all_to_all(self, out: torch.Tensor, t: torch.Tensor, out_splits: list[int] | None = None,
