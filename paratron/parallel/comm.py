@@ -14,9 +14,10 @@ Groups of size 1 short-circuit: their collectives return the input without calli
 On the CPU (gloo) the all-gathers and SUM reduce-scatters run as one ``all_to_all_single`` each
 (plus, for the reduce-scatter, a local sum of the ``size`` received slices): gloo's own
 reduce-scatter took 2-7x and its all-gather up to 2x the time of the exchange of the same bytes
-(``benchmarks/README.md``, "ZeRO-3 ... gloo's collectives"), and every DP/ZeRO, TP/SP and CP
-collective here is one of these. Other devices (NCCL, the fake backend of ``paratron dryrun`` on
-``meta``) get the native collectives. The ledger and the flight recorder see the logical op.
+(``benchmarks/README.md``, the ZeRO-3 section's "gloo's collectives as all-to-alls"), and ZeRO
+and sequence parallelism issue them per bucket and per layer. Other devices (NCCL, the fake
+backend of ``paratron dryrun`` on ``meta``) get the native collectives. The ledger and the
+flight recorder see the logical op.
 
 Devices: a group's collectives take tensors on the group's ``device`` (the context's device:
 ``cuda:N`` under NCCL) and raise ``ValueError`` otherwise, on every group size, so a CPU run
