@@ -65,3 +65,57 @@ def test_fused_matches_fp64_and_unfused(vocab, eps, tied):
         assert err <= 5e-6, f"unfused {name}: rel err {err:.2e} against fp64"
     assert torch.equal(got[0][0], torch.zeros(3)), "ignored rows must have zero loss"
     assert torch.count_nonzero(got[2][vocab:]) == 0, "padded weight rows must get exactly zero grad"
+
+
+def _tp_rank(vocab, sp, tied):
+    """At TP=2 (SP on or off): fused and unfused losses and grads of this rank, and the fp64 truth
+    from the full weight and hidden states (all-gathered) for this rank's part."""
+    import torch.distributed as dist
+
+    ctx = ParallelContext.build(tp=2)
+    r = ctx.tp.rank
+    head = ParallelLMHead(vocab, 16, ctx, logical_name="o", seed=1, make_vocab_size_divisible_by=128)
+    g = torch.Generator().manual_seed(3)
+    full_x = torch.randn(6, 3, 16, generator=g) * 3
+    labels = torch.randint(0, vocab, (6, 3), generator=g)
+    labels[0] = -100
+    labels[2, 1] = vocab - 1
+    up = torch.randn(6, 3, generator=g)
+    x_local = full_x[r * 3:(r + 1) * 3] if sp else full_x
+    shards = [torch.empty_like(head.weight) for _ in range(2)]
+    dist.all_gather(shards, head.weight.detach())
+    owner = None if tied else head
+    out = {}
+    for mode in ("fused", "unfused"):
+        head.weight.grad = None
+        head.weight.meta.main_grad = None if tied else torch.zeros_like(head.weight)
+        x = x_local.clone().requires_grad_(True)
+        if mode == "fused":
+            loss = fused_linear_cross_entropy(x, head.weight, labels, ctx, vocab, sequence_parallel=sp, owner=owner)
+        else:
+            logits = vocab_parallel_logits(x, head.weight, ctx, sequence_parallel=sp, owner=owner)
+            loss = vocab_parallel_cross_entropy(logits, labels, ctx, vocab)
+        (loss * up).sum().backward()
+        wgrad = head.weight.grad if tied else head.weight.meta.main_grad
+        out[mode] = (loss.detach(), x.grad, wgrad.clone())
+    xd, wd = full_x.double().requires_grad_(True), torch.cat(shards).double().requires_grad_(True)
+    ref = F.cross_entropy((xd @ wd.t())[..., :vocab].reshape(-1, vocab), labels.reshape(-1),
+                          reduction="none").view(labels.shape)
+    (ref * up.double()).sum().backward()
+    rows = head.weight.shape[0]
+    out["fp64"] = (ref.detach(), xd.grad[r * 3:(r + 1) * 3] if sp else xd.grad, wd.grad[r * rows:(r + 1) * rows])
+    return out
+
+
+@pytest.mark.parametrize("sp,tied", [(False, False), (True, False), (True, True)])
+def test_fused_matches_unfused_and_fp64_at_tp2(sp, tied):
+    """TP=2: the fused path's vocab-parallel statistics are the unfused path's operations, so the
+    losses agree bitwise; grads within fp32 rounding of each other and of fp64 (2e-6 relative)."""
+    from paratron.local_ranks import run_ranks
+
+    for rank, out in enumerate(run_ranks(_tp_rank, 2, 250, sp, tied, timeout=120)):
+        assert torch.equal(out["fused"][0], out["unfused"][0]), f"rank {rank}: losses differ"
+        for name, err in _rel_errs(out["fused"], out["fp64"]).items():
+            assert err <= 2e-6, f"rank {rank} fused {name}: rel err {err:.2e} against fp64"
+        for name, err in _rel_errs(out["unfused"], out["fp64"]).items():
+            assert err <= 5e-6, f"rank {rank} unfused {name}: rel err {err:.2e} against fp64"
