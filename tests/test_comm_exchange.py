@@ -1,6 +1,7 @@
 """On the CPU, ``Group``'s all-gathers and SUM reduce-scatters run as all-to-alls
 (:mod:`paratron.parallel.comm`): their results must equal gloo's native collectives, sync and
-async, flat and along a dim, and the ledger must still see the logical op."""
+async, flat and along a dim, with the output inside the input, on the edge ranks (which keep
+their own slice) and the middle ones of 4, and the ledger must still see the logical op."""
 
 import torch
 import torch.distributed as dist
@@ -32,6 +33,9 @@ def _compare(_):
     h.wait()
     h.wait()  # a second wait sums nothing again
     out["rs_async"], out["rs_async_ref"] = got_async, ref
+    inplace = t.clone()  # the output is this rank's slice of the input itself
+    g.reduce_scatter_into(inplace[r * 1000:(r + 1) * 1000], inplace)
+    out["rs_inplace"], out["rs_inplace_ref"] = inplace[r * 1000:(r + 1) * 1000], ref
     x = _data(r, 3 * 5 * 4).view(3, 5, 4)
     ag_ref = [torch.empty_like(x) for _ in range(n)]
     dist.all_gather(ag_ref, x)
@@ -56,7 +60,7 @@ def _compare(_):
 def _check(world: int) -> None:
     for rank, out in enumerate(run_ranks(_compare, world, None, timeout=120)):
         exact = world == 2  # a + b == b + a; four addends may be summed in another order
-        for name in ("rs", "rs_async", "rs_dim1"):
+        for name in ("rs", "rs_async", "rs_inplace", "rs_dim1"):
             if exact:
                 assert torch.equal(out[name], out[name + "_ref"]), (rank, name)
             else:

@@ -119,17 +119,21 @@ def _gather_by_exchange(out: torch.Tensor, t: torch.Tensor, size: int, pg, async
 
 class _SummedOnWait:
     """Work handle of a reduce-scatter run as an all-to-all: :meth:`wait` waits for the exchange,
-    then sums the ``n`` received slices (``[n, out.numel()]``, in group-rank order) into ``out``."""
+    then sums the received slices (``[k, out.numel()]``, in group-rank order) into ``out``, and
+    adds ``own`` (this rank's slice of the input, which was not sent to itself) when given."""
 
-    def __init__(self, work, recv: torch.Tensor, out: torch.Tensor, n: int) -> None:
-        self._work, self._recv, self._out, self._n = work, recv, out, n
+    def __init__(self, work, recv: torch.Tensor, out: torch.Tensor, k: int, own: torch.Tensor | None) -> None:
+        self._work, self._recv, self._out, self._k, self._own = work, recv, out, k, own
 
     def wait(self, timeout=None) -> bool:
         if self._recv is not None:
             if self._work is not None:
                 self._work.wait()
-            torch.sum(self._recv.view(self._n, -1), 0, out=self._out.view(-1))
-            self._work = self._recv = None
+            out = self._out.view(-1)
+            torch.sum(self._recv.view(self._k, -1), 0, out=out)
+            if self._own is not None:
+                out.add_(self._own)
+            self._work = self._recv = self._own = None
         return True
 
     def is_completed(self) -> bool:
@@ -141,11 +145,28 @@ class _SummedOnWait:
         return self._work.get_future()
 
 
-def _scatter_by_exchange(out: torch.Tensor, t: torch.Tensor, size: int, pg, async_op: bool):
-    """Reduce-scatter (SUM) flat ``t`` into ``out`` as one all-to-all and a local sum."""
-    recv = torch.empty(t.numel(), dtype=t.dtype, device=t.device)
-    work = dist.all_to_all_single(recv, t.reshape(-1), group=pg, async_op=async_op)
-    handle = _SummedOnWait(work, recv, out, size)
+def _scatter_by_exchange(out: torch.Tensor, t: torch.Tensor, size: int, rank: int, pg, async_op: bool):
+    """Reduce-scatter (SUM) flat ``t`` into ``out`` as one all-to-all and a local sum.
+
+    The first and the last rank of the group (both ranks of a pair) send the other ranks' slices,
+    which lie side by side, and keep their own instead of sending it to themselves: the receive
+    buffer is ``size - 1`` slices, not ``size``. Other ranks, and an ``out`` that shares storage
+    with ``t``, exchange every slice."""
+    flat = t.reshape(-1)
+    shard = flat.numel() // size
+    aliased = out.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+    edge = rank in (0, size - 1) and not aliased
+    if edge:
+        own = flat[rank * shard:(rank + 1) * shard]
+        send = flat[shard:] if rank == 0 else flat[:-shard]
+        splits = [0 if j == rank else shard for j in range(size)]
+        recv = torch.empty(send.numel(), dtype=t.dtype, device=t.device)
+        work = dist.all_to_all_single(recv, send, splits, splits, group=pg, async_op=async_op)
+        handle = _SummedOnWait(work, recv, out, size - 1, own)
+    else:
+        recv = torch.empty(flat.numel(), dtype=t.dtype, device=t.device)
+        work = dist.all_to_all_single(recv, flat, group=pg, async_op=async_op)
+        handle = _SummedOnWait(work, recv, out, size, None)
     if not async_op:
         handle.wait()
         return None
@@ -284,7 +305,7 @@ class Group:
         out = torch.empty((moved.shape[0] // self.size,) + tuple(moved.shape[1:]), dtype=t.dtype, device=t.device)
         e = self._begin("reduce_scatter", t, dist.ReduceOp.SUM)
         if _exchanged(t.device):
-            self._end(e, _scatter_by_exchange(out, moved, self.size, pg, False))
+            self._end(e, _scatter_by_exchange(out, moved, self.size, self.rank, pg, False))
         else:
             self._end(e, dist.reduce_scatter_single(out, moved, group=pg))
         return out.movedim(0, dim).contiguous() if dim else out
@@ -301,7 +322,7 @@ class Group:
         self.ledger.record("reduce_scatter", self.name, _nbytes(t))
         e = self._begin("reduce_scatter", t, op)
         if _exchanged(t.device) and op == dist.ReduceOp.SUM:
-            return self._end(e, _scatter_by_exchange(out, t, self.size, pg, async_op))
+            return self._end(e, _scatter_by_exchange(out, t, self.size, self.rank, pg, async_op))
         return self._end(e, dist.reduce_scatter_single(out, t, op=op, group=pg, async_op=async_op))
 
     def all_to_all(self, out: torch.Tensor, t: torch.Tensor, out_splits: list[int] | None = None,
