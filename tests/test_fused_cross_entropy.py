@@ -10,10 +10,12 @@ the two paths' losses agree bitwise and both match the fp64 truth of the gathere
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from paratron.layers import ParallelLMHead, vocab_parallel_cross_entropy, vocab_parallel_logits
 from paratron.layers.cross_entropy import fused_linear_cross_entropy
+from paratron.local_ranks import run_ranks
 from paratron.parallel.context import ParallelContext
 
 CASES = [(v, eps, tied) for v in (250, 256) for eps in (0.0, 0.1) for tied in (False, True)]
@@ -79,8 +81,6 @@ def test_fused_matches_fp64_and_unfused(vocab, eps, tied):
 def _tp_rank(vocab, sp, tied):
     """At TP=2 (SP on or off): fused and unfused losses and grads of this rank, and the fp64 truth
     from the full weight and hidden states (all-gathered) for this rank's part."""
-    import torch.distributed as dist
-
     ctx = ParallelContext.build(tp=2)
     r = ctx.tp.rank
     head = _head(vocab, ctx)
@@ -115,8 +115,6 @@ def _tp_rank(vocab, sp, tied):
 def test_fused_matches_unfused_and_fp64_at_tp2(sp, tied):
     """TP=2: the fused path's vocab-parallel statistics are the unfused path's operations, so the
     losses agree bitwise; grads within fp32 rounding of each other and of fp64 (2e-6 relative)."""
-    from paratron.local_ranks import run_ranks
-
     for rank, out in enumerate(run_ranks(_tp_rank, 2, 250, sp, tied, timeout=120)):
         assert torch.equal(out["fused"][0], out["unfused"][0]), f"rank {rank}: losses differ"
         for name, err in _rel_errs(out["fused"], out["fp64"]).items():

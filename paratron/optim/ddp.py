@@ -188,12 +188,6 @@ class DistributedDataParallel:
         for p in reversed(params):
             kinds.setdefault((p.dtype, p.meta.is_expert), []).append(p)
         units = reducer.bucket_units(self.chunks, params)
-        if units:  # ZeRO-3: a unit's params side by side, so it is as few buckets as its size needs
-            for ps in kinds.values():
-                first: dict[int, int] = {}
-                for j, p in enumerate(ps):
-                    first.setdefault(units.get(id(p), 0), j)
-                ps.sort(key=lambda p: first[units.get(id(p), 0)])
         return [GradBuffer.build(ps, [_needs_model_parallel_reduction(p) for p in ps],
                                  group=self.ctx.expert_dp if is_expert else self.ctx.dp_cp,
                                  is_expert=is_expert, grad_dtype=self.grad_dtype,

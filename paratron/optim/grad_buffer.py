@@ -10,7 +10,8 @@ Layout (the same on every rank of the buffer's DP group, which is what lets a re
 each rank the same slice of every bucket):
 
 * params go in the order given (DDP passes reverse registration order, roughly the order in
-  which backward produces grads), each param whole inside one bucket;
+  which backward produces grads; ZeRO-3 groups it by unit, below), each param whole inside one
+  bucket;
 * a bucket closes once it holds ``bucket_numel`` elements; its end is padded to a multiple of
   the DP size, so ZeRO-1 can split it into equal shards (Rajbhandari et al. 2020, section 5.1:
   each DP rank owns 1/N_d of the optimizer state; here 1/N_d of every bucket). A shard boundary
@@ -19,8 +20,8 @@ each rank the same slice of every bucket):
   sequence-parallel norms) go last, in buckets of their own, which are reduced only after that
   all-reduce (see :mod:`paratron.optim.finalize`);
 * ZeRO-3 passes a unit id per param (the module whose forward gathers it, see
-  :mod:`paratron.optim.param_gather`): a bucket never spans two units, so a unit is gathered as
-  whole buckets.
+  :mod:`paratron.optim.param_gather`): a unit's params are laid out side by side and a bucket
+  never spans two units, so a unit is gathered as whole buckets, as few as its size needs.
 
 With ZeRO-2/3 the buffer holds no full-size ``grad_data`` (``allocate_grads=False``): the grads
 of a bucket live in a transient staging tensor (:mod:`paratron.optim.zero`).
@@ -138,7 +139,8 @@ class GradBuffer:
             group: DP group; every bucket is padded to a multiple of ``group.size``.
             bucket_numel: elements per bucket (a bucket closes at or past this size); <= 0 puts
                 every non-deferred param into one bucket.
-            units: one id per param (ZeRO-3): a bucket also closes where the id changes.
+            units: one id per param (ZeRO-3): a unit's params are placed together and a bucket
+                also closes where the id changes.
             allocate_grads: allocate ``grad_data`` and attach ``main_grad`` views (DDP, ZeRO-1).
 
         Raises:
@@ -154,7 +156,12 @@ class GradBuffer:
         pad = max(group.size, 1)
         limit = bucket_numel if bucket_numel > 0 else float("inf")
         units = list(units) if units is not None else [0] * len(params)
-        order = ([j for j, d in enumerate(deferred) if not d] + [j for j, d in enumerate(deferred) if d])
+        # Non-deferred params first, then deferred ones; within each, a unit's params side by
+        # side (in the order its first param came), so a unit is as few buckets as its size needs.
+        first: dict[int, int] = {}
+        for j, u in enumerate(units):
+            first.setdefault(u, j)
+        order = sorted(range(len(params)), key=lambda j: (bool(deferred[j]), first[units[j]]))
         ordered = [params[j] for j in order]
         flags = [deferred[j] for j in order]
         unit_of = [units[j] for j in order]

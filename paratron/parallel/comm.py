@@ -12,7 +12,7 @@ Groups of size 1 short-circuit: their collectives return the input without calli
 ``torch.distributed``, so model code written for N ranks runs unchanged on one process.
 
 On the CPU (gloo) the all-gathers and SUM reduce-scatters run as one ``all_to_all_single`` each
-(plus, for the reduce-scatter, a local sum of the ``size`` received slices): gloo's own
+(plus, for the reduce-scatter, a local sum of the received slices): gloo's own
 reduce-scatter took 2-7x and its all-gather up to 2x the time of the exchange of the same bytes
 (``benchmarks/README.md``, the ZeRO-3 section's "gloo's collectives as all-to-alls"), and ZeRO
 and sequence parallelism issue them per bucket and per layer. Other devices (NCCL, the fake
