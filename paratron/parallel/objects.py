@@ -3,15 +3,16 @@
 ``dist.all_gather_object`` and ``dist.gather_object`` first all-gather every rank's pickled size,
 then all-gather (or gather) the pickles padded to the largest. On gloo, 4 ranks sharing 2 cores,
 one all-gather of a few bytes took ~3.7 ms, against ~0.5 ms for an all-reduce of one integer and
-~0.3-1 ms for a gather or a broadcast of a few kB; so an object all-gather took 7.6-8.0 ms and an
-object gather 4.1-5.1 ms, and a checkpoint save runs one of each (benchmarks/README.md,
-checkpoints). Here the sizes are one MAX all-reduce (every rank pads to the largest), and the
-bytes one gather to the destination (for the all-gather then one broadcast of all of them from
-there): 1.4-1.7 ms and 1.0-1.2 ms at the same load.
+~0.3-1 ms for a gather or a broadcast of a few kB; a checkpoint save runs one object all-gather
+and one object gather. Here the sizes are one MAX all-reduce (every rank pads to the largest),
+and the bytes one gather to the destination (for the all-gather then one broadcast of all of them
+from there). ``benchmarks/bench_objects.py`` (4 ranks, the slowest rank's time, paired): the
+all-gather 0.33-0.39x and the gather 0.39-0.42x torch's time (benchmarks/README.md).
 
-A gather and a broadcast send each byte twice, where the all-gather's ring sends it once per hop;
-for the small control objects these carry (plans, outcomes, write results) the latency of a
-round, not the bytes, is the cost.
+That is three rounds where torch takes two, but none of them is gloo's all-gather: for the small
+control objects these carry (plans, outcomes, write results) each round's latency, not the
+bytes, is the cost. The root receives and sends every rank's padded bytes (ranks x the largest
+pickle), which is what an all-gather delivers to every rank anyway.
 
 Each rank's buffer is its pickle's length (8 bytes, little-endian), the pickle, then zeros up to
 the largest rank's. The tensors are CPU ``uint8``: the process group needs a CPU backend (gloo).
