@@ -58,6 +58,14 @@ def test_finetune_without_a_checkpoint_warns():
     assert config_warnings(cfg_with("checkpoint.finetune=true", "checkpoint.load=ckpt")) == []
 
 
+def test_sequence_parallel_without_tensor_parallelism_warns():
+    from paratron.config.validators import config_warnings
+
+    (line,) = config_warnings(cfg_with("parallel.sequence_parallel=true"))
+    assert "parallel.sequence_parallel=true with parallel.tensor=1" in line
+    assert config_warnings(cfg_with("parallel.sequence_parallel=true", "parallel.tensor=2")) == []
+
+
 def test_warmup_longer_than_the_run_warns_once(capsys, monkeypatch):
     from paratron.config.validators import config_warnings
     from paratron.launch.command import print_config_warnings

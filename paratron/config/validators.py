@@ -246,4 +246,8 @@ def config_warnings(cfg: Config) -> list[str]:
     if c.finetune and not c.load and not c.load_hf:
         out.append("checkpoint.finetune=true without checkpoint.load: there are no weights to fine-tune "
                    "from, so the run starts from random weights")
+    p = cfg.parallel
+    if p.sequence_parallel and p.tensor == 1:  # Megatron-LM turns it off here; it changes nothing
+        out.append("parallel.sequence_parallel=true with parallel.tensor=1: there is no TP group to split the "
+                   "sequence over, so it has no effect (it splits activations over the tensor-parallel ranks)")
     return out
