@@ -36,10 +36,9 @@ def _packed(obj, pg) -> torch.Tensor:
     raw = pickle.dumps(obj)
     longest = torch.tensor([len(raw)], dtype=torch.int64)
     dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=pg)
+    body = bytearray(len(raw).to_bytes(_LENGTH, "little") + raw)
     frame = torch.zeros(_LENGTH + int(longest), dtype=torch.uint8)
-    frame[:_LENGTH] = torch.frombuffer(bytearray(len(raw).to_bytes(_LENGTH, "little")), dtype=torch.uint8)
-    if raw:
-        frame[_LENGTH:_LENGTH + len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    frame[:len(body)] = torch.frombuffer(body, dtype=torch.uint8)
     return frame
 
 
@@ -51,7 +50,13 @@ def _unpacked(frame: torch.Tensor):
 
 def gather_objects(obj, pg, group_dst: int = 0) -> list | None:
     """Every rank's ``obj`` on the group's rank ``group_dst``, in group-rank order (None on the
-    others). Call on every rank of ``pg``, as ``dist.gather_object``."""
+    others). Call on every rank of ``pg``, as ``dist.gather_object``.
+
+    Raises:
+        pickle.PicklingError, TypeError: ``obj`` cannot be pickled (raised before any collective
+            only on that rank: the others then wait in the size all-reduce, as with torch's).
+        RuntimeError: the backend's own errors (a rank gone, a timeout).
+    """
     size, me = dist.get_world_size(pg), dist.get_rank(pg)
     frame = _packed(obj, pg)
     frames = [torch.empty_like(frame) for _ in range(size)] if me == group_dst else None
@@ -61,7 +66,11 @@ def gather_objects(obj, pg, group_dst: int = 0) -> list | None:
 
 def all_gather_objects(obj, pg) -> list:
     """Every rank's ``obj`` on every rank, in group-rank order. Call on every rank of ``pg``,
-    as ``dist.all_gather_object``."""
+    as ``dist.all_gather_object``.
+
+    Raises:
+        As :func:`gather_objects`.
+    """
     size, me = dist.get_world_size(pg), dist.get_rank(pg)
     frame = _packed(obj, pg)
     every = torch.empty(size * frame.numel(), dtype=torch.uint8)
