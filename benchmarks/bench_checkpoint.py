@@ -38,7 +38,7 @@ the page cache on both sides. Each repeat runs the save and both raw writes, the
 the raw read, the checkpoint side first in even repeats and last in odd ones; per repeat the
 slowest rank's seconds. GB/s = state bytes / median seconds; ratios: raw / checkpoint seconds of
 the same repeat, as median [min-max] over the repeats. Also printed: the load average before and
-after, and zlib's CRC-32 (older checkpoints) and CRC-32C (new ones) speeds over the state bytes
+after, and the speeds of zlib's CRC-32 and CRC-32C (older checkpoints) and XXH3-64 (new ones) over the state bytes
 in memory (the checksums' cost).
 """
 
@@ -260,15 +260,18 @@ def stall(workdir: Path, mb: float, repeats: int) -> dict:
 
 
 def crc_speed(mb: float) -> dict[str, float]:
-    """Seconds for zlib's CRC-32 (older checkpoints) and google-crc32c's CRC-32C (new ones) over
-    the state bytes in memory (called here directly, so as not to depend on either checkout)."""
+    """Seconds for the checksums over the state bytes in memory: zlib's CRC-32 and google-crc32c's
+    CRC-32C (older checkpoints) and xxhash's XXH3-64 (new ones), called here directly, so as not
+    to depend on either checkout."""
     import zlib
 
     import google_crc32c
+    import xxhash
 
     m = state_module(mb, 1, 0)
     out = {}
-    for name, fn in (("zlib CRC-32", zlib.crc32), ("CRC-32C", lambda b: google_crc32c.extend(0, b))):
+    for name, fn in (("zlib CRC-32", zlib.crc32), ("CRC-32C", lambda b: google_crc32c.extend(0, b)),
+                     ("XXH3-64", xxhash.xxh3_64_intdigest)):
         t0 = time.perf_counter()
         for p in m.parameters():
             fn(p.detach().numpy())  # an ndarray: google_crc32c refuses memoryviews, takes this without a copy

@@ -10,6 +10,7 @@ from pathlib import Path
 import google_crc32c
 import pytest
 import torch
+import xxhash
 
 from paratron.checkpoint import integrity
 from paratron.checkpoint.finite import all_finite
@@ -114,12 +115,15 @@ def test_block_checksums_written_equal_the_files_and_catch_a_flipped_byte(tmp_pa
                "c": torch.arange(5000, dtype=torch.int64)}
     save_model_full(tmp_path / "ck", Config(), tensors)
     manifest = json.loads((tmp_path / "ck" / MANIFEST).read_text())
-    assert manifest[integrity.ALGORITHM_FIELD] == "crc32c"
+    assert manifest[integrity.ALGORITHM_FIELD] == "xxh3_64"
     sums = manifest[integrity.CHECKSUMS]
     payloads = sorted((tmp_path / "ck").glob("*.distcp"))
     for payload in payloads:
-        assert sums[payload.name] == integrity.file_checksum(payload)
-        assert sums[payload.name][0] == f"{google_crc32c.value(payload.read_bytes()):08x}"
+        assert sums[payload.name] == integrity.file_checksum(payload, block=4096)
+        data = payload.read_bytes()  # the blocks' XXH3-64 by the library itself, and their hash list
+        blocks = [xxhash.xxh3_64_intdigest(data[i:i + 4096]) for i in range(0, len(data), 4096)]
+        assert sums[payload.name][3] == "".join(f"{v:016x}" for v in blocks)
+        assert sums[payload.name][0] == xxhash.xxh3_64_hexdigest(b"".join(v.to_bytes(8, "little") for v in blocks))
     assert sum(len(integrity.entry_blocks(sums[p.name])[1]) for p in payloads) > 10
     storage = read_metadata_safely(tmp_path / "ck" / METADATA_FILE).storage_data
     assert sorted(i.fqn for i in storage) == [f"model/{k}" for k in sorted(tensors)]  # sums not stored
@@ -136,32 +140,39 @@ def test_block_checksums_written_equal_the_files_and_catch_a_flipped_byte(tmp_pa
     _, back = load_model_full(tmp_path / "ck")
 
 
-def _as_zlib_manifest(directory: Path, blocks: bool) -> None:
-    """Rewrite a checkpoint's manifest as paratron wrote it before CRC-32C: no ``checksum``
-    field, zlib CRC-32 entries, with block checksums (``blocks``) or only ``[crc32, size]``."""
+def _as_crc_manifest(directory: Path, blocks: bool, algorithm: str = "crc32") -> None:
+    """Rewrite a checkpoint's manifest as older paratron wrote it: CRC-32C entries (before
+    XXH3-64), or before that no ``checksum`` field and zlib CRC-32 entries, with block checksums
+    (``blocks``) or only ``[crc, size]``."""
     man = json.loads((directory / MANIFEST).read_text())
-    del man[integrity.ALGORITHM_FIELD]
-    sums = integrity.checksum_files(directory, man[integrity.CHECKSUMS], integrity.LEGACY)
+    if algorithm == "crc32":
+        del man[integrity.ALGORITHM_FIELD]
+    else:
+        man[integrity.ALGORITHM_FIELD] = algorithm
+    sums = integrity.checksum_files(directory, man[integrity.CHECKSUMS], integrity.ALGORITHMS[algorithm])
     man[integrity.CHECKSUMS] = sums if blocks else {k: v[:2] for k, v in sums.items()}
     (directory / MANIFEST).write_bytes(integrity.seal_manifest(man))
 
 
-@pytest.mark.parametrize("blocks", [True, False], ids=["block-crc32", "whole-file-crc32"])
-def test_a_checkpoint_with_zlib_crc32_manifest_still_loads_and_is_verified(tmp_path, monkeypatch, blocks):
-    """Both older manifest formats (zlib CRC-32, with and without block checksums; the latter
-    verified whole before it is read) still load, and a flipped byte is still refused."""
+@pytest.mark.parametrize("algorithm, blocks", [("crc32", True), ("crc32", False), ("crc32c", True), ("crc32c", False)],
+                         ids=["block-crc32", "whole-file-crc32", "block-crc32c", "whole-file-crc32c"])
+def test_a_checkpoint_with_an_older_crc_manifest_still_loads_and_is_verified(tmp_path, monkeypatch, algorithm, blocks):
+    """The older manifest formats (zlib CRC-32 without a ``checksum`` field, then CRC-32C; each
+    with and without block checksums, the latter verified whole before it is read) still load,
+    and a flipped byte is still refused."""
     monkeypatch.setattr(integrity, "BLOCK", 4096)
     tensors = {"a": torch.randn(300, 5, generator=torch.Generator().manual_seed(1))}
     save_model_full(tmp_path / "ck", Config(), tensors)
-    _as_zlib_manifest(tmp_path / "ck", blocks)
+    _as_crc_manifest(tmp_path / "ck", blocks, algorithm)
     (payload,) = (tmp_path / "ck").glob("*.distcp")
     data = payload.read_bytes()
+    reference = {"crc32": zlib.crc32, "crc32c": google_crc32c.value}[algorithm]
     assert json.loads((tmp_path / "ck" / MANIFEST).read_text())[integrity.CHECKSUMS][payload.name][0] == \
-        f"{zlib.crc32(data):08x}"
+        f"{reference(data):08x}"
     _, back = load_model_full(tmp_path / "ck")
     assert torch.equal(back["a"], tensors["a"])
     payload.write_bytes(data[:-7] + bytes([data[-7] ^ 1]) + data[-6:])
-    message = r"checksum mismatch in bytes [\d,]+-[\d,]+" if blocks else "checksum mismatch: crc32 "
+    message = r"checksum mismatch in bytes [\d,]+-[\d,]+" if blocks else f"checksum mismatch: {algorithm} "
     with pytest.raises(CheckpointError, match=rf"{payload.name}: {message}"):
         load_model_full(tmp_path / "ck")
 

@@ -221,5 +221,35 @@ def test_blockwise_crc_equals_the_crc_of_the_whole_file(tmp_path, monkeypatch, n
         for at in range(0, n, 377):
             stream.update(memoryview(bytearray(data[at:at + 377])))  # writable buffers, as torch hands them
         assert stream.entry() == integrity.file_checksum(tmp_path / "f", algorithm=algorithm)
-    assert (integrity.crc32_combine(reference(b"abc"), reference(b"defg"), 4, algorithm.polynomial)
-            == reference(b"abcdefg"))
+    polynomial = {"crc32": integrity.CRC32_POLYNOMIAL, "crc32c": integrity.CRC32C_POLYNOMIAL}[name]
+    assert integrity.crc32_combine(reference(b"abc"), reference(b"defg"), 4, polynomial) == reference(b"abcdefg")
+
+
+def test_xxh3_entries_hold_the_blocks_values_and_their_hash_list(tmp_path, monkeypatch):
+    """XXH3-64 (new saves): each block's value is the library's XXH3-64 of those bytes, the file's
+    the XXH3-64 of the blocks' values in order; files read by threads and a stream fed in odd
+    pieces give the same entry, and a whole-file check recomputes it at the entry's block size."""
+    import xxhash
+
+    from paratron.checkpoint import integrity
+
+    algorithm = integrity.ALGORITHMS["xxh3_64"]
+    assert integrity.CURRENT is algorithm
+    g = torch.Generator().manual_seed(4)
+    for n in (0, 1, 999, 1000, 1001, 12_345):
+        data = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g).numpy().tobytes()
+        (tmp_path / "f").write_bytes(data)
+        values = [xxhash.xxh3_64_intdigest(data[i:i + 1000]) for i in range(0, n, 1000)]
+        whole = xxhash.xxh3_64_hexdigest(b"".join(v.to_bytes(8, "little") for v in values))
+        want = [whole, n, 1000, "".join(f"{v:016x}" for v in values)]
+        assert integrity.file_checksum(tmp_path / "f", threads=3, algorithm=algorithm, block=1000) == want
+        stream = integrity.BlockCrc(1000, algorithm)
+        for at in range(0, n, 377):
+            stream.update(memoryview(bytearray(data[at:at + 377])))
+        assert stream.entry() == want
+        assert integrity.entry_blocks(want, algorithm) == (1000, values)
+        integrity.verify_files(tmp_path, {"f": want}, ["f"], 0, algorithm)  # BLOCK differs: the entry's is used
+        if n:
+            (tmp_path / "f").write_bytes(data[:-1] + bytes([data[-1] ^ 4]))
+            with pytest.raises(CheckpointError, match=r"f: checksum mismatch: xxh3_64 "):
+                integrity.verify_files(tmp_path, {"f": want}, ["f"], 0, algorithm)

@@ -231,7 +231,7 @@ class BlockReader:
         integrity.check_size(path, int(entry[1]), rank)
         self.algorithm = algorithm
         self.path, self.size, self.rank = path, int(entry[1]), rank
-        self.block, self.crcs = integrity.entry_blocks(entry)
+        self.block, self.crcs = integrity.entry_blocks(entry, algorithm)
         self.failure: CheckpointError | None = None
         self._fd = os.open(path, os.O_RDONLY)
         self._cache: dict[int, memoryview] = {}  # verified blocks read for partial ranges, by last use
@@ -276,13 +276,13 @@ class BlockReader:
     def _read_verified(self, k: int, dest: memoryview) -> None:
         """Read block ``k`` into ``dest`` (its length), ``integrity.READ_SCAN`` bytes at a time,
         each piece checksummed just after it is read, while in the CPU's cache."""
-        lo, crc = k * self.block, 0
+        lo, crc = k * self.block, self.algorithm.start()
         for a in range(0, len(dest), integrity.READ_SCAN):
             piece = dest[a:a + integrity.READ_SCAN]
             _preadv_all(self._fd, [piece], lo + a, lambda end: self._fail(
                 f"ended at byte {end:,} while reading (read by rank {self.rank}); the file is truncated"))
             crc = self.algorithm.extend(crc, piece)
-        if k >= len(self.crcs) or crc != self.crcs[k]:
+        if k >= len(self.crcs) or self.algorithm.value(crc) != self.crcs[k]:
             self._fail(f"checksum mismatch in bytes {lo:,}-{lo + len(dest):,} (read by rank {self.rank}); the file "
                        "is corrupt")
 
@@ -472,7 +472,7 @@ class StreamedFile:
     def __init__(self, path: Path, entry: list, rank: int, algorithm: integrity.Algorithm) -> None:
         integrity.check_size(path, int(entry[1]), rank)
         self.path, self.size, self.rank, self.algorithm = path, int(entry[1]), rank, algorithm
-        self.block, self.crcs = integrity.entry_blocks(entry)
+        self.block, self.crcs = integrity.entry_blocks(entry, algorithm)
         self.fd = os.open(path, os.O_RDONLY)
         self._targets: list[tuple[int, memoryview]] = []  # (file offset, destination bytes), sorted
         self._reads: list[tuple] = []  # (DCP read item, its destination tensor), to commit
@@ -522,14 +522,14 @@ class StreamedFile:
         starts = [o for o, _ in self._targets]
         for k in blocks:
             lo, hi = k * self.block, min((k + 1) * self.block, self.size)
-            crc, at = 0, lo
+            crc, at = self.algorithm.start(), lo
             for segment in _segments(self._pieces(lo, hi, starts), integrity.READ_SCAN):
                 _preadv_all(self.fd, segment, at, lambda end: self._fail(
                     f"ended at byte {end:,} while reading (read by rank {self.rank}); the file is truncated"))
                 for p in segment:  # checksummed just after it is read, while in the CPU's cache
                     crc = self.algorithm.extend(crc, p)
                     at += len(p)
-            if k >= len(self.crcs) or crc != self.crcs[k]:
+            if k >= len(self.crcs) or self.algorithm.value(crc) != self.crcs[k]:
                 self._fail(f"checksum mismatch in bytes {lo:,}-{hi:,} (read by rank {self.rank}); the file "
                            "is corrupt")
 
@@ -564,7 +564,8 @@ class StreamedFile:
 
 def read_streamed(files: list[StreamedFile], threads: int, per_task: int = 4) -> None:
     """Read every planned block of ``files`` on ``threads`` threads (``preadv`` releases the GIL,
-    so one thread's reads overlap another's checksums; google-crc32c itself holds it).
+    and so does xxhash's XXH3-64; google-crc32c, for older checkpoints, holds it, so there one
+    thread's reads overlap another's checksums).
 
     Raises:
         CheckpointError: the first failure, in file and block order.

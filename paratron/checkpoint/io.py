@@ -6,7 +6,7 @@ directory written by :func:`save_model_full`)::
     .metadata            DCP metadata (pickled by torch; read only through safety.read_metadata_safely)
     __<rank>_<i>.distcp  tensor payloads, up to 2 files per writing rank (read with weights_only=True)
     paratron.json        manifest: format, version, config, step, what is inside, .metadata's sha256,
-                         the checksum algorithm (CRC-32C), the CRC and size of every other file,
+                         the checksum algorithm (XXH3-64), the checksum and size of every other file,
                          and its own CRC-32 (see integrity)
     config.toml          the config again, for people
     rank_<r>.json        per-rank state (RNG, layout coordinates), CheckpointManager only
@@ -34,6 +34,7 @@ from paratron.config import from_dict, to_toml
 
 from . import integrity, storage
 from .checksummed import ChecksummingWriter
+from .dcp_load import local_load
 from .dcp_save import collective_save
 from .items import MODEL_PREFIX, CheckpointError, StateItems, full_items, model_items
 from .legacy import adapt_items, fuse_full
@@ -174,15 +175,16 @@ def read_items(directory: str | os.PathLike, items: StateItems, manifest: dict |
         manifest = verify_directory(directory)
     md = read_metadata_safely(directory / METADATA_FILE)  # read once: for the keys, and by DCP
     items = adapt_items(items, set(tensor_entries(md)))
-    reader = SafeFileSystemReader(str(directory), checksums=manifest.get(integrity.CHECKSUMS),
-                                  rank=integrity.reading_rank(),
+    reader_rank = integrity.reading_rank()
+    reader = SafeFileSystemReader(str(directory), checksums=manifest.get(integrity.CHECKSUMS), rank=reader_rank,
                                   algorithm=integrity.manifest_algorithm(manifest, directory / MANIFEST), metadata=md)
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            dcp.load({}, storage_reader=reader, planner=ChunkLoadPlanner(items), no_dist=True)
-    except CheckpointException as e:
-        raise _unwrap(e, f"{directory}: reading the tensors failed") from None
+        local_load(reader, ChunkLoadPlanner(items))
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 - named with the rank, as dcp.load's wrapped failures are
+        raise CheckpointError(f"{directory}: reading the tensors failed on rank {reader_rank}: "
+                              f"{type(e).__name__}: {e}") from None
 
 
 def saved_tensors(directory: str | os.PathLike, *, verified: bool = False) -> dict[str, TensorStorageMetadata]:
