@@ -15,6 +15,13 @@
    (each layer ``torch.compile``-d), measured in turn with ``pairing.time_paired``; the ratios
    in wall time and in this thread's CPU time (``time.thread_time``).
 
+   The same loop also times, alone and at the model's shapes, the step's non-GEMM work that no
+   fusion removes: the attention cores (``attention_core``, torch's CPU flash kernel, forward and
+   backward, per layer and microbatch), the loss's softmax pass over the ``[tokens, V]`` logits
+   buffer and the fused AdamW update. ``ceiling = GEMMs / (GEMMs + those three)`` is the largest
+   GEMM share any fusion of the rest could reach on this CPU; ``remainder`` is what a step spends
+   beyond all four (norms, RoPE, SwiGLU, residuals, embedding, autograd, Python).
+
     .venv/bin/python benchmarks/bench_train.py [--part all|overhead|gemm] [--iters 12] [--rounds 5]
 """
 
@@ -40,6 +47,8 @@ sys.path.insert(0, str(ROOT))
 from pairing import MIN_TIMED_STEPS, load, paired_ratio, summarize, time_paired  # noqa: E402
 from paratron.rules import load_config  # noqa: E402
 from paratron.config.model_shape import ffn_size, head_dim, query_groups  # noqa: E402
+from paratron.layers.cross_entropy import _local_softmax_stats_  # noqa: E402
+from paratron.models.attention import attention_core  # noqa: E402
 from paratron.parallel.context import ParallelContext  # noqa: E402
 from paratron.training.builders import build_model_and_optimizer  # noqa: E402
 from paratron.training.trainer import train_batch  # noqa: E402
@@ -92,6 +101,31 @@ def run_gemms(cfg, ops) -> None:
             torch.mm(a, b, out=o)
 
 
+def floor_parts(cfg) -> dict:
+    """The step's non-GEMM work that stays whatever else is fused (see the module docstring),
+    each a callable doing one step's worth on operands drawn once."""
+    m, t = cfg.model, cfg.train
+    mbs = t.global_batch_size // t.micro_batch_size
+    s, b, d, n, g = m.seq_length, t.micro_batch_size, head_dim(m), m.num_attention_heads, query_groups(m)
+    q, k, v = (torch.randn(s, b, heads, d, requires_grad=True) for heads in (n, g, g))
+    grad_out = torch.randn(s, b, n * d)
+    logits, labels = torch.randn(b * s, m.vocab_size), torch.randint(0, m.vocab_size, (b * s,))
+    params = [torch.randn(o, i) for i, o in linear_shapes(cfg)] + [torch.randn(m.vocab_size, m.hidden_size)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    adamw = torch.optim.AdamW(params, lr=1e-4, fused=True)
+
+    def attention():
+        for _ in range(mbs * m.num_layers):
+            attention_core(q, k, v).backward(grad_out)
+
+    def loss():  # in place on one buffer, as the fused loss does (softmax of a softmax: same work)
+        for _ in range(mbs):
+            _local_softmax_stats_(logits, labels, -100, 0.0)
+
+    return {"attention": attention, "loss": loss, "optimizer": adamw.step}
+
+
 def gemm_share(steps: int) -> dict:
     """paratron's layout (1) step, eager and compiled, in turn; the GEMMs alone between them."""
 
@@ -103,7 +137,8 @@ def gemm_share(steps: int) -> dict:
         chunks, ddp, opt, sched = build_model_and_optimizer(cfg, ctx)
         mbs = _batches(cfg)
         steps_by_name[name] = lambda c=cfg, x=ctx, ch=chunks, d=ddp, o=opt, s=sched, b=mbs: train_batch(c, x, ch, d, o, s, b)
-    names, warmup, ops = ["gemm", "eager", "compiled"], 3, gemm_operands(cfg)
+    floor = floor_parts(cfg)
+    names, warmup, ops = ["gemm", "eager", "compiled", *floor], 3, gemm_operands(cfg)
     cpu = {n: [] for n in names}  # this thread's CPU seconds of each timed call
     # Of that CPU time, the kernel's (system) part and the page faults behind most of it: a
     # fresh large tensor is mapped from the OS and its pages are faulted in (and zeroed) on
@@ -115,6 +150,8 @@ def gemm_share(steps: int) -> dict:
         r0, c0 = resource.getrusage(resource.RUSAGE_THREAD), time.thread_time()
         if name == "gemm":
             run_gemms(cfg, ops)
+        elif name in floor:
+            floor[name]()
         else:
             steps_by_name[name]()
         if step >= warmup:
@@ -134,7 +171,20 @@ def gemm_share(steps: int) -> dict:
     out["page_faults_median"] = {n: statistics.median(v) for n, v in faults.items()}
     out["cpu_gemm_share_eager"] = paired_ratio(cpu["gemm"], cpu["eager"])
     out["cpu_gemm_share_compiled"] = paired_ratio(cpu["gemm"], cpu["compiled"])
+    out.update(ceiling(cpu, list(floor)))
     out["gemm_flops_per_step"] = 6 * sum(k * n for k, n in linear_shapes(cfg)) * cfg.train.global_batch_size * cfg.model.seq_length
+    return out
+
+
+def ceiling(cpu: dict[str, list[float]], floor: list[str]) -> dict:
+    """Per timed step (CPU time): the GEMM share's ceiling ``gemm / (gemm + floor parts)`` and
+    each step's remainder beyond them, as paired medians."""
+    n = len(cpu["gemm"])
+    fixed = [cpu["gemm"][i] + sum(cpu[f][i] for f in floor) for i in range(n)]
+    out = {"cpu_ceiling_share": paired_ratio(cpu["gemm"], fixed)}
+    for step in ("eager", "compiled"):
+        rest = [cpu[step][i] - fixed[i] for i in range(n)]
+        out[f"cpu_remainder_ms_{step}"] = round(statistics.median(rest) * 1e3, 2)
     return out
 
 

@@ -201,7 +201,8 @@ def test_compile_per_layer_traces_and_keeps_parity(monkeypatch):
     AOTAutograd (backend ``aot_eager``: the same graphs, no C++ code generation) give the eager
     losses and grad norms (1e-5)."""
     real = torch.nn.Module.compile
-    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **k: real(self, backend="aot_eager", **k))
+    monkeypatch.setattr(torch.nn.Module, "compile",  # aot_eager takes no inductor options
+                        lambda self, **k: real(self, backend="aot_eager", **{n: v for n, v in k.items() if n != "options"}))
     torch._dynamo.reset()
     _check_compiled_parity()
 
@@ -211,3 +212,12 @@ def test_compile_per_layer_inductor_keeps_parity():
     """The same with the default inductor backend (~3 min on a loaded 2-core CPU: slow)."""
     torch._dynamo.reset()
     _check_compiled_parity()
+
+
+def test_inductor_options_use_the_cpp_wrapper_on_cpu_only():
+    """``model.compile`` on the CPU runs the layers through inductor's C++ wrapper; other devices
+    keep torch's defaults."""
+    from paratron.models.gpt import inductor_options
+
+    assert inductor_options(torch.device("cpu")) == {"cpp_wrapper": True}
+    assert inductor_options("cuda") is None

@@ -48,6 +48,17 @@ StageLayers = dict[tuple[int, int], tuple[int, int]]
 """(pp_rank, chunk) -> (first global layer, layer count)."""
 
 
+def inductor_options(device: torch.device) -> dict | None:
+    """Inductor options for ``model.compile`` on ``device`` (None: torch's defaults).
+
+    On the CPU the compiled layers run with inductor's C++ wrapper (``cpp_wrapper``): the
+    default wrapper is Python that allocates each buffer and calls each kernel one at a time,
+    about 1 ms a layer per forward and backward at the main job's shapes, which the C++ one
+    removes (docs/ARCHITECTURE.md, "The layout-(1) step's non-GEMM work"). On GPUs the
+    defaults stay, as they were tested there."""
+    return {"cpp_wrapper": True} if torch.device(device).type == "cpu" else None
+
+
 class GPTChunk(nn.Module):
     """One pipeline model chunk of a GPT-2/Llama-style transformer.
 
@@ -109,8 +120,9 @@ class GPTChunk(nn.Module):
         if cfg.compile:
             # Per layer (as torchtitan does): layers share one compiled code object, and the
             # embedding, loss and pipeline plumbing around them stay eager.
+            options = inductor_options(ctx.device)
             for layer in self.layers.values():
-                layer.compile()
+                layer.compile(options=options)
         self.final_norm = None
         self.output_layer = None
         if post_process:
