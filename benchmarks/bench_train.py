@@ -15,14 +15,18 @@
    (each layer ``torch.compile``-d), measured in turn with ``pairing.time_paired``; the ratios
    in wall time and in this thread's CPU time (``time.thread_time``).
 
-   The same loop also times, alone and at the model's shapes, the step's non-GEMM work that no
-   fusion removes: the attention cores (``attention_core``, torch's CPU flash kernel, forward and
-   backward, per layer and microbatch), the loss's softmax pass over the ``[tokens, V]`` logits
-   buffer and the fused AdamW update. ``ceiling = GEMMs / (GEMMs + those three)`` is the largest
-   GEMM share any fusion of the rest could reach on this CPU; ``remainder`` is what a step spends
-   beyond all four (norms, RoPE, SwiGLU, residuals, embedding, autograd, Python).
+   The same loop also times, alone and at the model's shapes, the non-GEMM work that the step
+   keeps however the rest is fused: the attention cores (``attention_core``, torch's CPU flash
+   kernel, forward and backward, per layer and microbatch), the loss's softmax pass over the
+   ``[tokens, V]`` logits buffer and the fused AdamW update. ``ceiling = GEMMs / (GEMMs + those
+   three)`` is the largest GEMM share reachable while those three cost what they do;
+   ``remainder`` is what a step spends beyond all four (norms, RoPE, SwiGLU, residuals,
+   embedding, autograd, Python), CPU time, paired medians.
 
-    .venv/bin/python benchmarks/bench_train.py [--part all|overhead|gemm] [--iters 12] [--rounds 5]
+4. ``--part wrapper``: the compiled step with inductor's Python wrapper against the C++ wrapper
+   ``model.compile`` uses on the CPU (two models in one process, paired, ``--gemm-steps`` steps).
+
+    .venv/bin/python benchmarks/bench_train.py [--part all|overhead|gemm|wrapper] [--iters 12] [--rounds 5]
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ from paratron.rules import load_config  # noqa: E402
 from paratron.config.model_shape import ffn_size, head_dim, query_groups  # noqa: E402
 from paratron.layers.cross_entropy import _local_softmax_stats_  # noqa: E402
 from paratron.models.attention import attention_core  # noqa: E402
+from paratron.models.gpt import inductor_options  # noqa: E402
 from paratron.parallel.context import ParallelContext  # noqa: E402
 from paratron.training.builders import build_model_and_optimizer  # noqa: E402
 from paratron.training.trainer import train_batch  # noqa: E402
@@ -176,6 +181,35 @@ def gemm_share(steps: int) -> dict:
     return out
 
 
+def wrapper_pair(steps: int) -> dict:
+    """The compiled layout-(1) step with inductor's Python wrapper (torch's default) against the
+    C++ wrapper that ``model.compile`` uses on the CPU: two copies of the model in one process,
+    each layer compiled with one setting, timed in turn (CPU time, paired)."""
+    cfg = load_config(ROOT / "configs/default.toml", LAYOUT_1)
+    variants = {}
+    for name, options in (("python_wrapper", None), ("cpp_wrapper", inductor_options(torch.device("cpu")))):
+        ctx = ParallelContext.single()
+        torch.manual_seed(0)
+        chunks, ddp, opt, sched = build_model_and_optimizer(cfg, ctx)
+        for layer in (l for c in chunks for l in c.layers.values()):
+            layer.compile(options=options)
+        mbs = _batches(cfg)
+        variants[name] = lambda x=ctx, ch=chunks, d=ddp, o=opt, s=sched, b=mbs: train_batch(cfg, x, ch, d, o, s, b)
+    cpu = {n: [] for n in variants}
+
+    def run(name, step):
+        c0 = time.thread_time()
+        variants[name]()
+        if step >= 3:
+            cpu[name].append(time.thread_time() - c0)
+
+    times = time_paired(list(variants), steps, run, sync=lambda: None, reduce=lambda t: t)
+    out = summarize(times, base="python_wrapper")
+    out["cpu_median_ms"] = {n: round(statistics.median(v) * 1e3, 2) for n, v in cpu.items()}
+    out["cpu_paired_cpp_vs_python"] = paired_ratio(cpu["cpp_wrapper"], cpu["python_wrapper"])
+    return out
+
+
 def ceiling(cpu: dict[str, list[float]], floor: list[str]) -> dict:
     """Per timed step (CPU time): the GEMM share's ceiling ``gemm / (gemm + floor parts)`` and
     each step's remainder beyond them, as paired medians."""
@@ -245,13 +279,18 @@ def step_overhead(rounds: int, steps: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--part", choices=("all", "overhead", "gemm"), default="all")
+    ap.add_argument("--part", choices=("all", "overhead", "gemm", "wrapper"), default="all")
     ap.add_argument("--iters", type=int, default=12)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--gemm-steps", type=int, default=MIN_TIMED_STEPS)
     args = ap.parse_args()
     torch.set_num_threads(1)
+    if args.part == "wrapper":
+        before = load()
+        pair = wrapper_pair(args.gemm_steps)
+        print(json.dumps({"load_before": before, "load_after": load(), **pair}, indent=1), flush=True)
+        return
     if args.part in ("all", "gemm"):
         before = load()
         share = gemm_share(args.gemm_steps)

@@ -108,6 +108,52 @@ def test_sdpa_is_causal_without_mask_matches_masked_softmax(device, monkeypatch)
     torch.testing.assert_close(out, _masked_attention(q, k, v), rtol=1e-5, atol=1e-5)
 
 
+def _sdpa_reference(q, k, v):
+    out = F.scaled_dot_product_attention(*(t.permute(1, 2, 0, 3) for t in (q, k, v)), is_causal=True,
+                                         enable_gqa=k.shape[2] != q.shape[2])
+    return out.permute(2, 0, 1, 3).reshape(q.shape[0], q.shape[1], -1)
+
+
+@pytest.mark.parametrize("s, n_q, n_kv, d, d_v", [
+    (16, 4, 2, 8, 8),      # one block
+    (128, 8, 4, 32, 32),   # the main job's shapes: 4 blocks of 32
+    (37, 6, 2, 8, 12),     # a short last block; d_v != d (MLA)
+    (300, 2, 1, 16, 16),   # blocks of 37, the last of 4 rows
+])
+def test_blocked_causal_attention_matches_sdpa(s, n_q, n_kv, d, d_v):
+    """The composite form ``model.compile`` takes on the CPU against SDPA's causal kernel, output
+    and the three input grads, in fp64 (1e-12)."""
+    from paratron.models.attention import blocked_causal_attention
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(s, 2, n_q, d, generator=g, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(s, 2, n_kv, d, generator=g, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(s, 2, n_kv, d_v, generator=g, dtype=torch.float64, requires_grad=True)
+    out, ref = blocked_causal_attention(q, k, v), _sdpa_reference(q, k, v)
+    grad = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(ref, (q, k, v), grad)):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_attention_core_takes_the_blocked_form_only_while_compiling(monkeypatch):
+    """Eagerly (and with dropout, or past ``COMPOSITE_MAX_SEQ``) SDPA runs; while compiling on
+    the CPU the blocked form does."""
+    from paratron.models import attention
+
+    taken = []
+    monkeypatch.setattr(attention, "blocked_causal_attention", lambda q, k, v: taken.append(q.shape[0]) or q)
+    q = torch.randn(16, 1, 2, 8)
+    attention.attention_core(q, q, q, 0.0)
+    assert taken == []
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    attention.attention_core(q, q, q, 0.0)
+    long = torch.randn(attention.COMPOSITE_MAX_SEQ + 1, 1, 2, 8)
+    attention.attention_core(long, long, long, 0.0)
+    attention.attention_core(q, q, q, 0.1)
+    assert taken == [16]
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_flash_kernel_takes_paratron_attention():

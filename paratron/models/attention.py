@@ -37,6 +37,52 @@ from .recompute import checkpointed
 from .rope import apply_rope
 
 
+# Under ``model.compile`` on the CPU, sequences up to this long take the blocked composite form
+# (:func:`blocked_causal_attention`); beyond it, its saved probabilities (~s^2/2 per head) grow
+# past what its speed is worth and torch's flash kernel stays.
+COMPOSITE_MAX_SEQ = 512
+
+
+def blocked_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal scaled dot-product attention as batched GEMMs and a masked softmax, in query blocks.
+
+    The ``s`` queries are taken in blocks of ``max(32, s // 8)`` rows (at most 8 blocks); a block
+    whose last query is at position ``e - 1`` multiplies against keys ``[0, e)`` only, so the
+    tiles above the diagonal are skipped, as FlashAttention skips masked tiles (Dao et al. 2022,
+    section 3.1), but each block keeps its whole rows and a plain softmax instead of an online
+    one. Autograd derives the backward, which keeps each block's probabilities.
+
+    Under ``model.compile`` on the CPU :func:`attention_core` takes this form for ``s <=``
+    :data:`COMPOSITE_MAX_SEQ`: inductor fuses the scale, mask and softmax around the GEMMs, and
+    the forward and backward take 0.6-0.85x the time of torch's CPU flash kernel at ``s`` 128 to
+    1024 (``benchmarks/bench_attention.py``), at the cost of saving ~``s^2 / 2`` probabilities
+    per head and sample where flash saves its output and log-sum-exp.
+
+    Args:
+        q: ``[s, b, n_q, d]``; k, v: ``[s, b, n_kv, d]`` and ``[s, b, n_kv, d_v]``, ``n_q`` a
+            multiple of ``n_kv`` (query head ``j * n_q / n_kv + i`` uses key/value head ``j``).
+    Returns:
+        ``[s, b, n_q * d_v]``; the softmax in fp32 for 16-bit inputs (as the flash kernels).
+    """
+    s, b, n_q, d = q.shape
+    n_kv, d_v = k.shape[2], v.shape[-1]
+    r, block = n_q // n_kv, max(32, s // 8)
+    softmax_dtype = torch.promote_types(q.dtype, torch.float32)
+    qh = q.permute(1, 2, 0, 3).reshape(b, n_kv, r, s, d) * d ** -0.5
+    kh, vh = k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)  # [b, n_kv, s, d]
+    outs = []
+    for start in range(0, s, block):
+        end = min(start + block, s)
+        rows = end - start
+        scores = torch.matmul(qh[:, :, :, start:end].reshape(b, n_kv, r * rows, d), kh[:, :, :end].transpose(-1, -2))
+        future = torch.arange(end, device=q.device) > torch.arange(start, end, device=q.device).unsqueeze(1)
+        probs = scores.view(b, n_kv, r, rows, end).masked_fill(future, float("-inf")).softmax(-1, dtype=softmax_dtype)
+        out = torch.matmul(probs.to(v.dtype).view(b, n_kv, r * rows, end), vh[:, :, :end])
+        outs.append(out.view(b, n_kv, r, rows, d_v))
+    out = torch.cat(outs, dim=3).view(b, n_q, s, d_v)
+    return out.permute(2, 0, 1, 3).reshape(s, b, n_q * d_v)
+
+
 def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
                    rng_tracker=None) -> torch.Tensor:
     """Causal scaled dot-product attention through ``F.scaled_dot_product_attention``.
@@ -51,6 +97,9 @@ def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p:
     Returns:
         ``[s, b, n_q * d_v]``.
 
+    Under ``model.compile`` on the CPU, without dropout and for ``s <=``
+    :data:`COMPOSITE_MAX_SEQ`, the same attention in :func:`blocked_causal_attention`'s form.
+
     Softmax precision: for bf16/fp16 inputs every SDPA backend computes the softmax in fp32: the
     flash kernels (GPU, and the CPU one) accumulate in fp32, and the math fallback (taken with
     dropout on CPU) upcasts to fp32 unless ``torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp``
@@ -58,6 +107,9 @@ def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p:
     """
     s, b, n_q = q.shape[:3]
     n_kv = k.shape[2]
+    if (dropout_p == 0.0 and s <= COMPOSITE_MAX_SEQ and q.device.type == "cpu"
+            and torch.compiler.is_compiling()):
+        return blocked_causal_attention(q, k, v)
     # SDPA wants [b, heads, s, d].
     q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
     if q.device.type == "meta" and dropout_p == 0.0 and v.shape[-1] == q.shape[-1]:
