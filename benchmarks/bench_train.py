@@ -16,8 +16,9 @@
    in wall time and in this thread's CPU time (``time.thread_time``).
 
    The same loop also times, alone and at the model's shapes, the non-GEMM work that the step
-   keeps however the rest is fused: the attention cores (``attention_core``, torch's CPU flash
-   kernel, forward and backward, per layer and microbatch), the loss's softmax pass over the
+   keeps however the rest is fused: the attention cores (``attention_core`` forward and backward,
+   per layer and microbatch: torch's CPU flash kernel eagerly, the blocked composite form
+   compiled, as each step runs them), the loss's softmax pass over the
    ``[tokens, V]`` logits buffer and the fused AdamW update. ``ceiling = GEMMs / (GEMMs + those
    three)`` is the largest GEMM share reachable while those three cost what they do;
    ``remainder`` is what a step spends beyond all four (norms, RoPE, SwiGLU, residuals,
@@ -120,15 +121,19 @@ def floor_parts(cfg) -> dict:
         p.grad = torch.randn_like(p)
     adamw = torch.optim.AdamW(params, lr=1e-4, fused=True)
 
-    def attention():
+    # What each step runs: SDPA eagerly; under model.compile (CPU) the blocked composite form.
+    compiled_core = torch.compile(attention_core, options=inductor_options(torch.device("cpu")))
+
+    def attention(core=attention_core):
         for _ in range(mbs * m.num_layers):
-            attention_core(q, k, v).backward(grad_out)
+            core(q, k, v).backward(grad_out)
 
     def loss():  # in place on one buffer, as the fused loss does (softmax of a softmax: same work)
         for _ in range(mbs):
             _local_softmax_stats_(logits, labels, -100, 0.0)
 
-    return {"attention": attention, "loss": loss, "optimizer": adamw.step}
+    return {"attention": attention, "attention_compiled": lambda: attention(compiled_core), "loss": loss,
+            "optimizer": adamw.step}
 
 
 def gemm_share(steps: int) -> dict:
@@ -176,7 +181,7 @@ def gemm_share(steps: int) -> dict:
     out["page_faults_median"] = {n: statistics.median(v) for n, v in faults.items()}
     out["cpu_gemm_share_eager"] = paired_ratio(cpu["gemm"], cpu["eager"])
     out["cpu_gemm_share_compiled"] = paired_ratio(cpu["gemm"], cpu["compiled"])
-    out.update(ceiling(cpu, list(floor)))
+    out.update(ceiling(cpu))
     out["gemm_flops_per_step"] = 6 * sum(k * n for k, n in linear_shapes(cfg)) * cfg.train.global_batch_size * cfg.model.seq_length
     return out
 
@@ -210,14 +215,15 @@ def wrapper_pair(steps: int) -> dict:
     return out
 
 
-def ceiling(cpu: dict[str, list[float]], floor: list[str]) -> dict:
-    """Per timed step (CPU time): the GEMM share's ceiling ``gemm / (gemm + floor parts)`` and
-    each step's remainder beyond them, as paired medians."""
-    n = len(cpu["gemm"])
-    fixed = [cpu["gemm"][i] + sum(cpu[f][i] for f in floor) for i in range(n)]
-    out = {"cpu_ceiling_share": paired_ratio(cpu["gemm"], fixed)}
-    for step in ("eager", "compiled"):
-        rest = [cpu[step][i] - fixed[i] for i in range(n)]
+def ceiling(cpu: dict[str, list[float]]) -> dict:
+    """Per timed step (CPU time), for the eager and the compiled step: the GEMM share's ceiling
+    ``gemm / (gemm + attention + loss + optimizer)``, with the attention that step runs, and the
+    step's remainder beyond those four, as paired medians."""
+    out = {}
+    for step, attention in (("eager", "attention"), ("compiled", "attention_compiled")):
+        fixed = [sum(parts) for parts in zip(cpu["gemm"], cpu[attention], cpu["loss"], cpu["optimizer"])]
+        out[f"cpu_ceiling_share_{step}"] = paired_ratio(cpu["gemm"], fixed)
+        rest = [total - f for total, f in zip(cpu[step], fixed)]
         out[f"cpu_remainder_ms_{step}"] = round(statistics.median(rest) * 1e3, 2)
     return out
 
