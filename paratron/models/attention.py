@@ -54,7 +54,7 @@ def blocked_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) 
 
     Under ``model.compile`` on the CPU :func:`attention_core` takes this form for ``s <=``
     :data:`COMPOSITE_MAX_SEQ`: inductor fuses the scale, mask and softmax around the GEMMs, and
-    the forward and backward take 0.6-0.85x the time of torch's CPU flash kernel at ``s`` 128 to
+    the forward and backward take 0.59-0.83x the time of torch's CPU flash kernel at ``s`` 128 to
     1024 (``benchmarks/bench_attention.py``), at the cost of saving ~``s^2 / 2`` probabilities
     per head and sample where flash saves its output and log-sum-exp.
 
