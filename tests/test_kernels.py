@@ -267,3 +267,32 @@ def test_inductor_options_use_the_cpp_wrapper_on_cpu_only():
 
     assert inductor_options(torch.device("cpu")) == {"cpp_wrapper": True}
     assert inductor_options("cuda") is None
+
+
+@pytest.mark.parametrize("zero", [0, 3])
+def test_embedding_grad_under_ddp_adds_looked_up_rows_into_the_main_grad(zero, monkeypatch):
+    """Under DDP the word embedding's lookup grad is sparse (its rows only) and DDP adds those
+    rows into the main grad, repeated ids summed, over two microbatches; the result equals the
+    dense grad. Without DDP the lookup's grad is a dense ``.grad``."""
+    from paratron.layers import VocabParallelEmbedding
+
+    ctx = ParallelContext.single()
+    sparse_flags = []
+    real = F.embedding
+    monkeypatch.setattr(F, "embedding", lambda *a, **k: sparse_flags.append(k.get("sparse")) or real(*a, **k))
+    plain = VocabParallelEmbedding(50, 8, ctx, logical_name="embedding.word", seed=0)
+    plain(torch.tensor([[1, 2]])).sum().backward()
+    assert sparse_flags == [False] and not plain.weight.grad.is_sparse
+    emb = VocabParallelEmbedding(50, 8, ctx, logical_name="embedding.word", seed=0)
+    ddp = DistributedDataParallel([emb], ctx, zero=zero)
+    ddp.zero_grad_buffer()
+    g = torch.Generator().manual_seed(0)
+    want = torch.zeros(emb.padded_vocab_size, 8)  # ZeRO-3 leaves the param itself empty between uses
+    for ids in (torch.tensor([[1, 3, 3, 7], [7, 0, 3, 1]]), torch.tensor([[49, 3, 0, 0], [2, 2, 2, 5]])):
+        grad_out = torch.randn(4, 2, 8, generator=g)  # [s, b, h]
+        emb(ids).backward(grad_out)
+        want.index_add_(0, ids.t().reshape(-1), grad_out.reshape(-1, 8))
+    assert sparse_flags[1:] == [True, True] and emb.weight.grad is None
+    ddp.finish_grad_sync()
+    got = emb.weight.meta.main_grad if zero == 0 else ddp.shard_grads[0][0]
+    torch.testing.assert_close(got.reshape(-1)[:want.numel()].view_as(want), want, rtol=0, atol=1e-6)

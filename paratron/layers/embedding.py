@@ -110,11 +110,16 @@ class VocabParallelEmbedding(nn.Module):
             raise ValueError(f"{self.logical_name}: token ids must lie in [0, model.vocab_size="
                              f"{self.vocab_size}), got range [{int(ids.min())}, {int(ids.max())}]")
         ids = ids.t()  # [s, b]: the model's activation layout
+        # Under DDP the lookup's grad is sparse (the looked-up rows only): DDP adds those rows into
+        # the main grad, where a dense grad would zero-fill and add the whole [V_pad/tp, h] table
+        # every microbatch. Without DDP the grad stays a dense .grad, as plain PyTorch expects, and
+        # so it does on the dry run's meta device, which has no sparse kernels.
+        sparse = self.weight.meta.grad_ready_hook is not None and self.weight.device.type != "meta"
         if self.group.size == 1:
-            return nn.functional.embedding(ids, self.weight)
+            return nn.functional.embedding(ids, self.weight, sparse=sparse)
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
-        emb = nn.functional.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        emb = nn.functional.embedding(local_ids, self.weight, sparse=sparse).masked_fill(outside.unsqueeze(-1), 0.0)
         if self.sequence_parallel:
             return reduce_scatter_to_sequence_parallel_region(emb, self.group)
         return reduce_from_tp_region(emb, self.group)

@@ -7,7 +7,8 @@ then listens for grads:
 * linear weights report through :func:`paratron.parallel.grads.accumulate_grad`, which adds into
   ``param.meta.main_grad`` and calls ``param.meta.grad_ready_hook``;
 * every other param gets an autograd ``.grad``; a post-accumulate hook moves it into
-  ``main_grad`` and reports it the same way.
+  ``main_grad`` and reports it the same way (the word embedding's is sparse, its looked-up rows
+  only, added row by row).
 
 **When a bucket may be reduced: the schedule says so.** With gradient accumulation a param
 receives grads in every microbatch; its bucket may only be reduced after the last one. DDP never
@@ -263,7 +264,11 @@ class DistributedDataParallel:
             return
         meta = p.meta
         main = meta.main_grad if meta.main_grad is not None else meta.acquire_main_grad(p)
-        main.add_(p.grad.view_as(main))
+        grad = p.grad
+        if grad.is_sparse:  # an embedding lookup's rows (VocabParallelEmbedding under DDP)
+            main.view(p.shape).index_add_(0, grad._indices()[0], grad._values().to(main.dtype))
+        else:
+            main.add_(grad.view_as(main))
         p.grad = None
         meta.grad_ready_hook(p)
 
