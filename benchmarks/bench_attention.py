@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT))
 from pairing import MIN_TIMED_STEPS, load, paired_ratio, time_paired  # noqa: E402
 from paratron.models.attention import blocked_causal_attention  # noqa: E402
 from paratron.models.gpt import inductor_options  # noqa: E402
+from paratron.parallel.context import ParallelContext  # noqa: E402
 
 # (s, b, query heads, KV groups, head dim)
 SHAPES = [(128, 4, 8, 4, 32), (256, 2, 8, 4, 64), (512, 1, 8, 4, 64), (1024, 1, 16, 4, 128)]
@@ -62,7 +63,7 @@ def one_shape(shape, steps: int) -> dict:
     gen = torch.Generator().manual_seed(0)
     inputs = [torch.randn(s, b, heads, d, generator=gen, requires_grad=True) for heads in (n, g, g)]
     grad = torch.randn(s, b, n * d, generator=gen)
-    options = inductor_options(torch.device("cpu"))
+    options = inductor_options(ParallelContext.single())
     fns = {"flash": torch.compile(flash, options=options),
            "blocked": torch.compile(blocked_causal_attention, options=options)}
     cpu = {name: [] for name in fns}

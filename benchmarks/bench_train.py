@@ -122,7 +122,7 @@ def floor_parts(cfg) -> dict:
     adamw = torch.optim.AdamW(params, lr=1e-4, fused=True)
 
     # What each step runs: SDPA eagerly; under model.compile (CPU) the blocked composite form.
-    compiled_core = torch.compile(attention_core, options=inductor_options(torch.device("cpu")))
+    compiled_core = torch.compile(attention_core, options=inductor_options(ParallelContext.single()))
 
     def attention(core=attention_core):
         for _ in range(mbs * m.num_layers):
@@ -192,7 +192,7 @@ def wrapper_pair(steps: int) -> dict:
     each layer compiled with one setting, timed in turn (CPU time, paired)."""
     cfg = load_config(ROOT / "configs/default.toml", LAYOUT_1)
     variants = {}
-    for name, options in (("python_wrapper", None), ("cpp_wrapper", inductor_options(torch.device("cpu")))):
+    for name, options in (("python_wrapper", None), ("cpp_wrapper", inductor_options(ParallelContext.single()))):
         ctx = ParallelContext.single()
         torch.manual_seed(0)
         chunks, ddp, opt, sched = build_model_and_optimizer(cfg, ctx)

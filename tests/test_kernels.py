@@ -137,8 +137,8 @@ def test_blocked_causal_attention_matches_sdpa(s, n_q, n_kv, d, d_v):
 
 
 def test_attention_core_takes_the_blocked_form_only_while_compiling(monkeypatch):
-    """Eagerly (and with dropout, or past ``COMPOSITE_MAX_SEQ``) SDPA runs; while compiling on
-    the CPU the blocked form does."""
+    """Eagerly (and with dropout, past ``COMPOSITE_MAX_SEQ`` or without grad) SDPA runs; while
+    compiling a training step on the CPU the blocked form does."""
     from paratron.models import attention
 
     taken = []
@@ -151,6 +151,9 @@ def test_attention_core_takes_the_blocked_form_only_while_compiling(monkeypatch)
     long = torch.randn(attention.COMPOSITE_MAX_SEQ + 1, 1, 2, 8)
     attention.attention_core(long, long, long, 0.0)
     attention.attention_core(q, q, q, 0.1)
+    assert taken == [16]
+    with torch.no_grad():  # generation: lengths change every token
+        attention.attention_core(q, q, q, 0.0)
     assert taken == [16]
 
 
@@ -209,7 +212,7 @@ def test_mfu_peak_table_and_override(monkeypatch):
     assert peak == 5e14 and src == "train.peak_flops_per_device"
 
 
-def _train_layers(compile: bool, steps: int = 2):
+def _train_layers(compile: bool, steps: int = 2, tp: int = 1):
     from paratron.rules import load_config
     from paratron.training.builders import build_model_and_optimizer
     from paratron.training.step import run_global_batch
@@ -219,8 +222,9 @@ def _train_layers(compile: bool, steps: int = 2):
         "model.num_layers=2", "model.hidden_size=32", "model.num_attention_heads=4",
         "model.num_query_groups=2", "model.ffn_hidden_size=64", "model.seq_length=16",
         "model.vocab_size=96", "train.micro_batch_size=2", "train.global_batch_size=4",
-        "model.hidden_dropout=0.0", "model.attention_dropout=0.0", f"model.compile={str(compile).lower()}"])
-    ctx = ParallelContext.single()
+        "model.hidden_dropout=0.0", "model.attention_dropout=0.0", f"model.compile={str(compile).lower()}",
+        f"parallel.tensor={tp}", f"parallel.sequence_parallel={str(tp > 1).lower()}"])
+    ctx = ParallelContext.single() if tp == 1 else ParallelContext.build(tp=tp)
     chunks, ddp, opt, _ = build_model_and_optimizer(cfg, ctx)
     g = torch.Generator().manual_seed(0)
     mbs = [{"tokens": torch.randint(0, 96, (2, 16), generator=g),
@@ -260,13 +264,35 @@ def test_compile_per_layer_inductor_keeps_parity():
     _check_compiled_parity()
 
 
-def test_inductor_options_use_the_cpp_wrapper_on_cpu_only():
-    """``model.compile`` on the CPU runs the layers through inductor's C++ wrapper; other devices
-    keep torch's defaults."""
+def _losses_at_tp2(compile: bool):
+    torch._dynamo.reset()
+    return [(loss, norm) for loss, norm in _train_layers(compile, tp=2)[0]]
+
+
+@pytest.mark.slow
+def test_compile_inductor_at_tp2_with_sp_keeps_parity():
+    """Two ranks, TP=2 with sequence parallelism (gloo all-to-alls traced into the layers):
+    inductor compiles them (with its Python wrapper; its C++ one cannot call those collectives)
+    and the losses and grad norms match the eager run's (1e-5). ~2 min: slow."""
+    from paratron.local_ranks import run_ranks
+
+    eager = run_ranks(_losses_at_tp2, 2, False, timeout=300)[0]
+    compiled = run_ranks(_losses_at_tp2, 2, True, timeout=900)[0]
+    for (la, na), (lb, nb) in zip(eager, compiled):
+        assert abs(la - lb) < 1e-5 and abs(na - nb) < 1e-5, (eager, compiled)
+
+
+def test_inductor_options_use_the_cpp_wrapper_in_one_cpu_process_only():
+    """``model.compile`` in a one-process CPU run uses inductor's C++ wrapper; with more ranks
+    (collectives traced into the layers, which that wrapper cannot call) and on other devices,
+    torch's defaults."""
+    from types import SimpleNamespace
+
     from paratron.models.gpt import inductor_options
 
-    assert inductor_options(torch.device("cpu")) == {"cpp_wrapper": True}
-    assert inductor_options("cuda") is None
+    assert inductor_options(ParallelContext.single()) == {"cpp_wrapper": True}
+    assert inductor_options(SimpleNamespace(device=torch.device("cpu"), world_size=2)) is None
+    assert inductor_options(SimpleNamespace(device=torch.device("cuda", 0), world_size=1)) is None
 
 
 @pytest.mark.parametrize("zero", [0, 3])

@@ -97,8 +97,9 @@ def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p:
     Returns:
         ``[s, b, n_q * d_v]``.
 
-    Under ``model.compile`` on the CPU, without dropout and for ``s <=``
-    :data:`COMPOSITE_MAX_SEQ`, the same attention in :func:`blocked_causal_attention`'s form.
+    Under ``model.compile`` on the CPU, with grad mode on (training), without dropout and for
+    ``s <=`` :data:`COMPOSITE_MAX_SEQ`, the same attention in :func:`blocked_causal_attention`'s
+    form.
 
     Softmax precision: for bf16/fp16 inputs every SDPA backend computes the softmax in fp32: the
     flash kernels (GPU, and the CPU one) accumulate in fp32, and the math fallback (taken with
@@ -107,7 +108,9 @@ def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p:
     """
     s, b, n_q = q.shape[:3]
     n_kv = k.shape[2]
-    if (dropout_p == 0.0 and s <= COMPOSITE_MAX_SEQ and q.device.type == "cpu"
+    # Training only: generation grows the sequence a token at a time, where SDPA's graph, traced
+    # with a dynamic length, serves every length and the blocked form's loop would recompile.
+    if (dropout_p == 0.0 and s <= COMPOSITE_MAX_SEQ and q.device.type == "cpu" and torch.is_grad_enabled()
             and torch.compiler.is_compiling()):
         return blocked_causal_attention(q, k, v)
     # SDPA wants [b, heads, s, d].

@@ -48,15 +48,17 @@ StageLayers = dict[tuple[int, int], tuple[int, int]]
 """(pp_rank, chunk) -> (first global layer, layer count)."""
 
 
-def inductor_options(device: torch.device) -> dict | None:
-    """Inductor options for ``model.compile`` on ``device`` (None: torch's defaults).
+def inductor_options(ctx: ParallelContext) -> dict | None:
+    """Inductor options for ``model.compile`` (None: torch's defaults).
 
-    On the CPU the compiled layers run with inductor's C++ wrapper (``cpp_wrapper``): the
-    default wrapper is Python that allocates each buffer and calls each kernel one at a time,
-    about 1 ms a layer per forward and backward at the main job's shapes, which the C++ one
-    removes (docs/ARCHITECTURE.md, "The layout-(1) step's non-GEMM work"). On GPUs the
-    defaults stay, as they were tested there."""
-    return {"cpp_wrapper": True} if torch.device(device).type == "cpu" else None
+    A one-process CPU run compiles the layers with inductor's C++ wrapper (``cpp_wrapper``): the
+    default wrapper is Python that allocates each buffer and calls each kernel one at a time
+    (about 1 % of the main job's layout-(1) step; docs/ARCHITECTURE.md, "The layout-(1) step's
+    non-GEMM work"). With more ranks the defaults stay: dynamo traces collectives into the layers
+    (the gloo all-to-alls of sequence parallelism, all2all context parallelism, the MoE
+    dispatcher), and torch 2.13's C++ wrapper cannot call ``_c10d_functional::all_to_all_single``
+    (its group argument is typed ``Any``). On GPUs the defaults stay, as they were tested there."""
+    return {"cpp_wrapper": True} if ctx.device.type == "cpu" and ctx.world_size == 1 else None
 
 
 class GPTChunk(nn.Module):
@@ -120,7 +122,7 @@ class GPTChunk(nn.Module):
         if cfg.compile:
             # Per layer (as torchtitan does): layers share one compiled code object, and the
             # embedding, loss and pipeline plumbing around them stay eager.
-            options = inductor_options(ctx.device)
+            options = inductor_options(ctx)
             for layer in self.layers.values():
                 layer.compile(options=options)
         self.final_norm = None
