@@ -58,8 +58,9 @@ class ModelConfig:
     recompute: Literal["none", "full", "selective"] = "none"
     """Activation recompute (Korthikanti et al. 2022): whole layer, or the attention core only."""
     compile: bool = False
-    """``torch.compile`` each transformer layer (opt-in; the first steps pay for compilation); on
-    the CPU with inductor's C++ wrapper, which needs a C++ compiler as inductor's CPU kernels do."""
+    """``torch.compile`` each transformer layer (opt-in; the first steps pay for compilation); in a
+    one-process CPU run with inductor's C++ wrapper, which needs a C++ compiler as inductor's CPU
+    kernels do."""
     activation_offload: list[str] = field(default_factory=list)
     """Submodules of every transformer layer whose saved activations go to host memory after the
     layer's forward and come back (one layer ahead) for its backward: any of ``input_norm``,
