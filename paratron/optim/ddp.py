@@ -266,10 +266,12 @@ class DistributedDataParallel:
         main = meta.main_grad if meta.main_grad is not None else meta.acquire_main_grad(p)
         grad = p.grad
         if grad.is_sparse:  # an embedding lookup's rows (VocabParallelEmbedding under DDP)
-            # Coalesced first: each row is added once, so the sum does not depend on the order
-            # of atomic adds on a GPU (index_add_ with repeated indices).
-            grad = grad.coalesce()
-            main.view(p.shape).index_add_(0, grad.indices()[0], grad.values().to(main.dtype))
+            # On a GPU coalesced first: each row is added once, so the sum does not depend on the
+            # order of atomic adds. On the CPU index_add_ adds in token order, as the dense
+            # backward did (coalescing would reorder repeated ids and change the last bits).
+            if grad.device.type != "cpu":
+                grad = grad.coalesce()
+            main.view(p.shape).index_add_(0, grad._indices()[0], grad._values().to(main.dtype))
         else:
             main.add_(grad.view_as(main))
         p.grad = None
