@@ -25,7 +25,8 @@
    embedding, autograd, Python), CPU time, paired medians.
 
 4. ``--part wrapper``: the compiled step with inductor's Python wrapper against the C++ wrapper
-   ``model.compile`` uses on the CPU (two models in one process, paired, ``--gemm-steps`` steps).
+   ``model.compile`` uses in a one-process CPU run (two models in one process, paired,
+   ``--gemm-steps`` steps).
 
     .venv/bin/python benchmarks/bench_train.py [--part all|overhead|gemm|wrapper] [--iters 12] [--rounds 5]
 """
@@ -188,7 +189,7 @@ def gemm_share(steps: int) -> dict:
 
 def wrapper_pair(steps: int) -> dict:
     """The compiled layout-(1) step with inductor's Python wrapper (torch's default) against the
-    C++ wrapper that ``model.compile`` uses on the CPU: two copies of the model in one process,
+    C++ wrapper that ``model.compile`` uses in a one-process CPU run: two copies of the model in one process,
     each layer compiled with one setting, timed in turn (CPU time, paired)."""
     cfg = load_config(ROOT / "configs/default.toml", LAYOUT_1)
     variants = {}

@@ -30,7 +30,7 @@ def _main_grad(param: torch.Tensor, meta) -> torch.Tensor | None:
     return main
 
 
-def _addmm_into_cpu(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+def _addmm_into_impl(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     out.addmm_(a, b)
 
 
@@ -43,11 +43,11 @@ def _addmm_into_fake(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> Non
 # out-of-place ``addmm`` and a copy back (one more ``[out, in]`` write and read per linear per
 # microbatch); an op that declares its mutation is kept in place by the compiler. Defined with
 # the low-level ``torch.library.Library`` rather than ``torch.library.custom_op``: the latter adds
-# Python kernels for the autograd and in-place-view keys, ~15 us a call against ~3 for this one, where it runs with
-# grad mode off (64 calls a step at the main job's layout (1)).
+# Python kernels for the autograd and in-place-view keys, ~15 us a call against ~3 for this one,
+# which runs with grad mode off (64 calls a step at the main job's layout (1)).
 _LIB = torch.library.Library("paratron", "DEF")
 _LIB.define("addmm_into(Tensor(a!) out, Tensor a, Tensor b) -> ()")
-_LIB.impl("addmm_into", _addmm_into_cpu, "CompositeExplicitAutograd")
+_LIB.impl("addmm_into", _addmm_into_impl, "CompositeExplicitAutograd")
 torch.library.register_fake("paratron::addmm_into", _addmm_into_fake, lib=_LIB)
 _addmm_into = torch.ops.paratron.addmm_into.default
 
