@@ -200,14 +200,16 @@ def given_keys(data: dict[str, Any], overrides: list[str]) -> set[str]:
 
 
 def to_toml(cfg: Config) -> str:
-    """Render a config as TOML (None values are omitted)."""
+    """Render a config as TOML. TOML has no null: a None value is omitted where it is the field's
+    default, else written as ``""`` (which loads as None), so it reads back as None."""
+    defaults = Config().to_dict()
     lines = []
     for section, values in cfg.to_dict().items():
         lines.append(f"[{section}]")
         for k, v in values.items():
-            if v is None:
+            if v is None and defaults[section][k] is None:
                 continue
-            lines.append(f"{k} = {_toml_value(v)}")
+            lines.append(f"{k} = {_toml_value('' if v is None else v)}")
         lines.append("")
     return "\n".join(lines)
 

@@ -288,8 +288,10 @@ class TrainConfig:
     """Import paths ``module:Class`` of training-loop callbacks (plugins)."""
     peak_flops_per_device: Optional[float] = None
     """Peak FLOP/s of one device for MFU; None looks it up (GPU) or measures it (CPU)."""
-    sample_prompt: Optional[str] = None
-    """When set, rank 0 prints a text sample from the final checkpoint, continuing this prompt."""
+    sample_prompt: Optional[str] = "auto"
+    """The prompt rank 0 continues in the text sample printed after training (from the checkpoint
+    saved at the last step; where none was saved, from the in-memory model of a one-process run):
+    "auto" takes the start of a validation document; none (or an empty string) prints no sample."""
     sample_tokens: int = 64
     """Tokens of the text sample printed after training (``sample_prompt``)."""
     export_hf_at_end: bool = False

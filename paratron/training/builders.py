@@ -24,7 +24,7 @@ from paratron.models.gpt import build_model_chunks
 from paratron.models.lora import adapter_names
 from paratron.optim import DistributedDataParallel, build_lr_scheduler, build_optimizer, precision_dtype
 from paratron.pipeline.partition import stage_layers
-from paratron.training.generate import generate_text, hf_export_check
+from paratron.training.generate import continue_text, generate_text, hf_export_check
 from paratron.training.step_log import log
 
 
@@ -36,16 +36,44 @@ def seed_everything(seed: int, ctx) -> None:
         torch.cuda.manual_seed(seed + 100 * ctx.pp.rank)
 
 
-def print_sample(cfg: Config, ctx, prompt: str) -> None:
-    """Rank 0 reloads the checkpoint just saved on one process and continues ``prompt``
-    (``train.sample_prompt``, else the start of a validation document)."""
+def sample_prompt(setting: str | None, default: str | None) -> str | None:
+    """The prompt of the end-of-run text sample: ``train.sample_prompt``, where "auto" means
+    ``default`` (the start of a validation document); None: no sample."""
+    return default if setting == "auto" else setting
+
+
+def print_sample(cfg: Config, ctx, prompt: str, saved: str | None, chunks, tokenizer) -> None:
+    """Rank 0 continues ``prompt`` with the model as trained, and says where it took it from:
+    the checkpoint this run saved last (``saved``, reloaded on one process), else the in-memory
+    model where one process holds all of it (``chunks``, encoded by ``tokenizer``). A run over
+    several processes that saved no checkpoint prints no sample: its model is split over them."""
     ctx.world.barrier()  # every rank's shards are on disk
     if ctx.rank != 0:
         return
+    if saved is None and (ctx.world_size > 1 or len(chunks) > 1):
+        log(ctx, f"no text sample: this run saved no checkpoint, and its model is split over "
+                 f"{ctx.world_size} processes")
+        return
 
-    text = generate_text(cfg.checkpoint.save, prompt, cfg.train.sample_tokens,
-                         temperature=0.8, top_k=40, seed=cfg.train.seed)
-    log(ctx, "sample from the saved checkpoint (temperature 0.8, top-k 40):\n" + text)
+    if saved is not None:
+        source = f"the saved checkpoint {saved}"
+        text = generate_text(saved, prompt, cfg.train.sample_tokens, temperature=0.8, top_k=40, seed=cfg.train.seed)
+    else:
+        source = "the in-memory model (this run saved no checkpoint)"
+        text = sample_in_memory(cfg, chunks[0], tokenizer, prompt)
+    log(ctx, f"sample from {source} (temperature 0.8, top-k 40):\n" + text)
+
+
+def sample_in_memory(cfg: Config, chunk, tokenizer, prompt: str) -> str:
+    """``prompt`` continued by the training run's own one-process ``chunk`` (in eval mode for the
+    sample: no dropout), as :func:`generate_text` continues it from a checkpoint."""
+    was_training = chunk.training
+    chunk.eval()
+    try:
+        return continue_text(chunk, cfg.model, tokenizer, prompt, cfg.train.sample_tokens, temperature=0.8,
+                             top_k=40, seed=cfg.train.seed)
+    finally:
+        chunk.train(was_training)
 
 
 def export_hf_at_end(cfg: Config, ctx, run_dir: Path, prompt: str | None) -> None:

@@ -45,7 +45,7 @@ class TrainingData:
     prepare: Callable[[dict], dict] = field(default=lambda mb: mb)
     """Per microbatch: packed-document fields, then this CP rank's chunks (:func:`microbatch_preparer`)."""
     default_prompt: str | None = None
-    """The start of a validation document: the sample prompt when train.sample_prompt is unset."""
+    """The start of a validation document: the sample prompt when train.sample_prompt is "auto"."""
 
     @property
     def num_microbatches(self) -> int:

@@ -46,9 +46,10 @@ def sample(chunk, ids: list[int], *, max_new_tokens: int, temperature: float, to
     if temperature < 0 or top_k < 0:
         raise ValueError(f"--temperature={temperature} and --top-k={top_k} must be >= 0")
     out = list(ids)
+    device = next(chunk.parameters()).device  # a training run's own model may live on a GPU
     for _ in range(max_new_tokens):
-        context = torch.tensor([out[-seq_length:]], dtype=torch.long)
-        logits = chunk(context)[-1, 0, :].float()  # [V_pad] at the last position
+        context = torch.tensor([out[-seq_length:]], dtype=torch.long, device=device)
+        logits = chunk(context)[-1, 0, :].float().cpu()  # [V_pad] at the last position (a CPU generator draws)
         logits[vocab_size:] = float("-inf")
         if temperature == 0:
             nxt = int(torch.argmax(logits))
@@ -101,10 +102,17 @@ def generate_text(checkpoint_dir: str, prompt: str, max_new_tokens: int = 64, te
                   top_k: int = 40, seed: int = 0) -> str:
     """Load a checkpoint and continue ``prompt``; returns prompt + continuation as text."""
     cfg, chunk = load_single_process_model(checkpoint_dir)
-    tok = build_tokenizer(cfg.data)
+    return continue_text(chunk, cfg.model, build_tokenizer(cfg.data), prompt, max_new_tokens, temperature,
+                         top_k, seed)
+
+
+def continue_text(chunk, model_cfg, tok, prompt: str, max_new_tokens: int, temperature: float, top_k: int,
+                  seed: int) -> str:
+    """``prompt`` and its continuation by ``chunk`` (a whole model on one process, in eval mode),
+    encoded and decoded by the tokenizer ``tok``."""
     g = torch.Generator().manual_seed(seed)
     ids = sample(chunk, tok.encode(prompt), max_new_tokens=max_new_tokens, temperature=temperature,
-                 top_k=top_k, vocab_size=cfg.model.vocab_size, seq_length=cfg.model.seq_length, generator=g)
+                 top_k=top_k, vocab_size=model_cfg.vocab_size, seq_length=model_cfg.seq_length, generator=g)
     return tok.decode(ids)
 
 

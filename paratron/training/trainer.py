@@ -42,7 +42,7 @@ from paratron.training.metrics import (METRICS, SUPERSEDED, MetricsWriter, peak_
 from paratron.training.nonfinite import NonFiniteGuard, NonFiniteStop
 from paratron.training.profiling import StepObserver
 from paratron.training.builders import (build_checkpoint_manager, build_model_and_optimizer,
-                                     count_params, export_hf_at_end, load_hf_start, print_sample,
+                                     count_params, export_hf_at_end, load_hf_start, print_sample, sample_prompt,
                                      seed_everything, warn_if_saving_over)
 from paratron.training.data_iter import TrainingData
 from paratron.training.step import needs_microbatch_time, rank_actions, run_global_batch
@@ -125,6 +125,7 @@ class Trainer:
         self.step_log = StepLog(cfg, ctx, *peak_flops_per_device(cfg.train.peak_flops_per_device,
                                                                  ctx.device), timer=self.timer)
         self.stopping = False
+        self.saved = None  # the directory of the last checkpoint this run saved (the end-of-run sample's)
         self.elastic = None  # the ElasticSession of an elastic run (paratron.elastic.regrid)
         self.left = False  # this rank left the job at a pipeline shrink
         self.membership = None  # the elastic launch's Membership (train.replace_dead_ranks)
@@ -280,6 +281,7 @@ class Trainer:
         path = str(self.ckpt.directory_for(s.iteration))
         self.callbacks.on_save_start(s, path)
         self.ckpt.save(s.iteration, self.chunks, self.optimizer, self.scheduler, self.progress())
+        self.saved = path
         self.callbacks.on_save_end(s, path)
 
     def maybe_relayout(self) -> None:
@@ -436,11 +438,11 @@ class Trainer:
     def end_of_run_outputs(self) -> None:
         """The text sample and the Hugging Face export of the last checkpoint, where configured
         (collective)."""
-        prompt = self.cfg.train.sample_prompt or self.data.default_prompt
-        if prompt and self.cfg.train.sample_tokens > 0 and self.cfg.checkpoint.save and not self.stopping:
-            print_sample(self.cfg, self.ctx, prompt)
+        prompt = sample_prompt(self.cfg.train.sample_prompt, self.data.default_prompt)
+        if prompt and self.cfg.train.sample_tokens > 0 and not self.stopping:
+            print_sample(self.cfg, self.ctx, prompt, self.saved, self.chunks, self.data.tokenizer)
         if self.cfg.train.export_hf_at_end and self.cfg.checkpoint.save and not self.stopping:
-            export_hf_at_end(self.cfg, self.ctx, self.run_dir, prompt)
+            export_hf_at_end(self.cfg, self.ctx, self.run_dir, prompt or self.data.default_prompt)
 
 
 def data_position_unit(cfg: Config) -> str:
