@@ -244,6 +244,43 @@ def test_flight_recorder_sees_p2p_and_collectives():
     assert res[1] == ([True], [("recv", "pp", 1, True), ("all_reduce", "world", 2, True)])
 
 
+def _compiled_all_reduces(calls: int, record: bool):
+    """``calls`` all-reduces of a ``torch.compile``d function over TP=2 (dynamo traces the
+    collective, as ``model.compile`` traces the layers'): with ``record``, under the flight
+    recorder, each call after the second under ``error_on_recompile``. Returns the graph breaks
+    and the recorded ``(seq, closed)`` entries."""
+    from torch._dynamo.utils import counters
+
+    from paratron.parallel.context import ParallelContext
+
+    ctx = ParallelContext.build(tp=2)
+    fr = ctx.ledger.flight = FlightRecorder() if record else None
+
+    def step(x):
+        y = x * 2
+        ctx.tp.all_reduce(y)
+        return y + 1
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(step, backend="eager")
+    for i in range(calls):  # the first two settle the groups' own guards (ledger.used)
+        with torch._dynamo.config.patch(error_on_recompile=i >= 2):
+            assert compiled(torch.ones(3)).tolist() == [5.0] * 3
+    entries = [(e.seq, e.end is not None) for e in fr.entries()] if record else []
+    return sum(counters["graph_break"].values()), entries
+
+
+def test_flight_recorder_under_torch_compile_records_every_op_without_recompiles():
+    """The recording runs eagerly at a graph break: traced, dynamo guarded on its counters and
+    recompiled each op until its limit. With no recorder the compiled graph has no break."""
+    from paratron.local_ranks import run_ranks
+
+    for breaks, entries in run_ranks(_compiled_all_reduces, 2, 6, True, timeout=300):
+        assert breaks > 0 and entries == [(i, True) for i in range(1, 7)]
+    assert run_ranks(_compiled_all_reduces, 2, 3, False, timeout=300) == [(0, [])] * 2
+
+
 class _Ctx:
     def __init__(self):
         from paratron.parallel.comm import CommLedger

@@ -28,7 +28,6 @@ the process group's CPU backend (gloo; see docs/ARCHITECTURE.md, "Devices and ba
 
 from __future__ import annotations
 
-import time
 from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -37,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from .collcheck import exchange
+from .flight import FlightRecorder
 from .objects import all_gather_objects
 
 
@@ -237,21 +237,31 @@ class Group:
         return self.rank >= 0
 
     # ---- flight recorder hook (one attribute check when off) ---------------------------------
+    # Under torch.compile (model.compile traces the layers' collectives) only the attribute check
+    # is traced: with no recorder the compiled graph stays whole. The recording itself runs
+    # eagerly (torch.compiler.disable, a graph break around each recorded op), because traced it
+    # would guard on the recorder's counters (a recompile per op until dynamo's limit) and could
+    # not read the clock; skipping it while compiling instead would leave the compiled ops out of
+    # the per-group numbers and fingerprints that ranks compare to find a hang or a mismatch.
     def _begin(self, op: str, t: torch.Tensor | None, reduce=None):
+        """The flight entry of ``op`` on this group, opened now; None when no recorder runs."""
         fr = self.ledger.flight
         if fr is None:
             return None
+        return self._record_begin(fr, op, t, reduce)
+
+    @torch.compiler.disable
+    def _record_begin(self, fr, op: str, t: torch.Tensor | None, reduce):
         entry = fr.begin(op, self.name, tuple(self.ranks), t, reduce)
         if fr.exhaustive and entry.cseq is not None:  # parallel.check_collectives
             exchange(self.pg, self.size, entry)
         return entry
 
-    def _end(self, entry, work=None):
+    @staticmethod
+    def _end(entry, work=None):
+        """Close ``entry`` (if recording) now, or when ``work`` is seen completed; returns ``work``."""
         if entry is not None:
-            if work is None:
-                entry.end = time.time()
-            else:
-                entry.work = work  # closed when seen completed (FlightRecorder.poll / close_all)
+            FlightRecorder.finish(entry, work)
         return work
 
     # ---- collectives (in place where torch is) -------------------------------------------

@@ -181,6 +181,11 @@ class FlightRecorder:
         self.slots: dict[tuple[int, ...], int] | None = None  # the stop agreement's, on first use
         self.step = 0
 
+    # Never traced by torch.compile (its callers sit inside compiled layers; why eager and not
+    # skipped: paratron.parallel.comm, the flight recorder hook): dynamo would guard on the
+    # counters, which change with every op (a recompile each time), and cannot call the clock or
+    # the CRC.
+    @torch.compiler.disable
     def begin(self, op: str, group: str, ranks: tuple[int, ...], t: torch.Tensor | None,
               reduce: Any = None) -> FlightEntry:
         """Open an entry for ``op`` on the group with global ``ranks`` (payload ``t``, reduce op
@@ -208,6 +213,7 @@ class FlightRecorder:
         self.counts, self.ccounts, self._crc, self.slots = {}, {}, {}, None
 
     @staticmethod
+    @torch.compiler.disable  # as begin: the end time is the clock's when the op has run
     def finish(entry: FlightEntry, work: Any = None) -> None:
         """Close a synchronous op now, or attach the work handle of an asynchronous one."""
         if work is None:
