@@ -216,3 +216,37 @@ def test_bad_configs_named(field, value, world, message):
         cfg.parallel.pipeline = 2
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("+", r"\+")):
         validate(cfg, world)
+
+
+def _train_in_rank(argv):
+    from paratron.cli import main
+
+    return main(argv)
+
+
+def test_the_tiny_deepseek_v3_run_config_validates_and_trains(tiny_corpus, tmp_path):
+    """``configs/deepseek-v3-tiny.toml`` as shipped (MLA, MTP, a dense first layer, then
+    sigmoid-routed MoE layers with groups, a shared expert and the expert bias, at EP=2) passes
+    the config rules, and ``paratron train`` runs 2 steps of it on 2 ranks (the tiny corpus in
+    place of its Shakespeare one), logging the MTP loss beside the LM loss."""
+    import json
+    from pathlib import Path
+
+    from paratron.config.model_shape import is_moe_layer
+    from paratron.rules import load_config
+
+    config = Path(__file__).resolve().parents[1] / "configs" / "deepseek-v3-tiny.toml"
+    cfg = load_config(config)
+    cfg.model.vocab_size = 2048
+    validate(cfg, 2)
+    m = cfg.model
+    assert m.multi_latent_attention and m.q_lora_rank and m.mtp_num_layers == 1 and m.moe_router_score == "sigmoid"
+    assert [is_moe_layer(m, i) for i in range(m.num_layers)] == [False, True, True]
+    argv = ["train", "--config", str(config), "--run-dir", str(tmp_path / "run")]
+    for o in tiny_corpus + ["data.split=90,10,0", "train.train_iters=2", "train.eval_iters=1",
+                            "train.sample_tokens=0", "logging.tensorboard=false"]:
+        argv += ["--set", o]
+    assert run_ranks(_train_in_rank, 2, argv, timeout=300) == [0, 0]
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "loss" in r]
+    assert [r["iteration"] for r in steps] == [1, 2] and all(r["mtp_loss"] > 0 for r in steps)
