@@ -28,7 +28,11 @@
    ``model.compile`` uses in a one-process CPU run (two models in one process, paired,
    ``--gemm-steps`` steps).
 
+   Every part runs with ``train.keep_host_memory``'s setting (glibc keeps freed heap memory for
+   reuse), as ``paratron train`` does; ``--glibc-defaults`` leaves malloc's defaults.
+
     .venv/bin/python benchmarks/bench_train.py [--part all|overhead|gemm|wrapper] [--iters 12] [--rounds 5]
+        [--glibc-defaults]
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ from paratron.models.attention import attention_core  # noqa: E402
 from paratron.models.gpt import inductor_options  # noqa: E402
 from paratron.parallel.context import ParallelContext  # noqa: E402
 from paratron.training.builders import build_model_and_optimizer  # noqa: E402
+from paratron.training.host_memory import keep_host_memory_if_cpu  # noqa: E402
 from paratron.training.trainer import train_batch  # noqa: E402
 
 
@@ -291,8 +296,14 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--gemm-steps", type=int, default=MIN_TIMED_STEPS)
+    ap.add_argument("--glibc-defaults", action="store_true",
+                    help="leave glibc's malloc defaults (paratron train with train.keep_host_memory=false)")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    # As `paratron train` does before building the model (train.keep_host_memory, on by default);
+    # every timed loop of this process, plain PyTorch's included, runs under the same setting.
+    kept = keep_host_memory_if_cpu(not args.glibc_defaults)
+    print(json.dumps({"keep_host_memory": kept}), flush=True)
     if args.part == "wrapper":
         before = load()
         pair = wrapper_pair(args.gemm_steps)

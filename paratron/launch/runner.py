@@ -25,6 +25,7 @@ from paratron.launch.startup import StartupClock
 from paratron.launch.watchdog import HangWatchdog
 from paratron.parallel.context import init_distributed
 from paratron.training.groups import context_for
+from paratron.training.host_memory import keep_host_memory_if_cpu
 from paratron.training.step_log import log
 from paratron.training.trainer import NonFiniteStop, Trainer
 
@@ -65,6 +66,7 @@ def run_training(cfg: Config, run_dir: str | None = None) -> int:
     run_dir = Path(run_dir or os.environ.get("PARATRON_RUN_DIR") or "runs/latest")
     if cfg.train.deterministic:
         torch.use_deterministic_algorithms(True)
+    keep_host_memory_if_cpu(cfg.train.keep_host_memory)
     clock = StartupClock()
     with clock.part("rendezvous"):
         membership = join_world(cfg)  # under the elastic launcher (train.replace_dead_ranks)
