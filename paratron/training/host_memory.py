@@ -25,11 +25,11 @@ import sys
 
 from paratron.parallel.context import default_device
 
+# mallopt's parameter numbers, from glibc's malloc.h.
 M_TRIM_THRESHOLD = -1
-"""``mallopt`` parameter numbers from glibc's ``malloc.h``."""
 M_MMAP_THRESHOLD = -3
 LARGEST_MMAP_THRESHOLD = 32 << 20
-"""glibc's ``HEAP_MAX_SIZE / 2`` on 64-bit builds, bytes: a larger value is refused."""
+"""glibc's ``DEFAULT_MMAP_THRESHOLD_MAX`` on 64-bit builds, bytes: mallopt refuses more."""
 
 
 def keep_freed_host_memory() -> bool:
