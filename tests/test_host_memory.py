@@ -8,6 +8,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 import paratron.launch.runner as runner
 from paratron.config import Config
@@ -48,17 +49,20 @@ def test_kept_memory_faults_no_pages_in_after_warmup():
     assert max(kept["faults"][3:]) < 256, kept
 
 
-def test_paratron_train_applies_it_on_a_cpu_rank(monkeypatch):
+def test_the_key_applies_it_on_cpu_ranks_only(monkeypatch):
     calls = []
     monkeypatch.setattr(host_memory, "keep_freed_host_memory", lambda: calls.append(1) or True)
+    monkeypatch.setattr(host_memory, "default_device", lambda: torch.device("cpu"))
     assert host_memory.keep_host_memory_if_cpu(True) is True
     assert host_memory.keep_host_memory_if_cpu(False) is False
+    monkeypatch.setattr(host_memory, "default_device", lambda: torch.device("cuda", 0))
+    assert host_memory.keep_host_memory_if_cpu(True) is False  # CUDA has its own caching allocator
     assert calls == [1]
     assert Config().train.keep_host_memory is True
 
 
 class _Rendezvous(Exception):
-    pass
+    """Stops run_training where the process group would be created."""
 
 
 @pytest.mark.parametrize("enabled", [True, False])

@@ -257,9 +257,10 @@ class TrainConfig:
     """Bitwise-repeatable CPU fp32 runs."""
     keep_host_memory: bool = True
     """On a CPU device, let glibc keep freed heap memory mapped for reuse (mmap threshold 32 MiB,
-    no trimming), so each step reuses the last step's pages instead of faulting fresh ones in:
-    2-9 thousand page faults and up to 15 ms of system time per step on the main job's layout-(1)
-    step (docs/ARCHITECTURE.md). The process keeps its peak heap. False keeps glibc's defaults."""
+    no trimming), so each step reuses the last step's pages instead of faulting fresh ones in
+    (on the main job's layout-(1) step, with another process sharing the cores: 2-9 thousand page
+    faults and up to 15 ms of system time a step; docs/ARCHITECTURE.md). The process keeps its
+    peak heap. False keeps glibc's defaults."""
     elastic_relayout: bool = False
     """Take re-layout requests (``paratron resize``, a callback's ``state.request_relayout``) at
     each step boundary: one host all-reduce per step more (docs/elastic.md). Off, none is taken."""

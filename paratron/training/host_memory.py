@@ -5,8 +5,9 @@ logits and their grad, activations saved for backward, grad buckets). Under glib
 each of them goes back to the kernel when freed: blocks above the mmap threshold are
 ``munmap``-ed, and a free that leaves more than the trim threshold at the top of the heap shrinks
 it. The next step then touches fresh pages, and every 4 KiB page is one minor fault with the
-kernel zeroing it: on the main job's layout-(1) step that was 2-9 thousand faults and up to 15 ms
-of system time per step (``benchmarks/README.md``, "A fourth host").
+kernel zeroing it: on the main job's layout-(1) step, with another process sharing the cores,
+that was 2-9 thousand faults and up to 15 ms of system time per step (``benchmarks/README.md``,
+"A fourth host"; alone on an idle host, fewer).
 
 :func:`keep_freed_host_memory` raises the mmap threshold to glibc's largest (32 MiB on a 64-bit
 build; setting it also turns off the dynamic threshold) and turns trimming off, so freed blocks
@@ -36,7 +37,8 @@ def keep_freed_host_memory() -> bool:
     """Make glibc keep freed heap memory mapped for reuse (see the module docstring).
 
     Returns True when both settings were applied; False where the C library is not glibc (or
-    not Linux), where nothing is changed. Applies to allocations made after the call.
+    not Linux), where nothing is changed. Applies to allocations made after the call. Raises
+    nothing.
     """
     if not sys.platform.startswith("linux"):
         return False
